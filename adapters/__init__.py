@@ -1,0 +1,36 @@
+"""Framework adapters. `select_adapter` picks one from the model and optimizer objects."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .base import Adapter, GradTaps, MonitoredParam
+
+#: Tried in order; the first whose `detect` accepts the objects wins. Plain PyTorch/DDP is last, as the
+#: fallback. Framework adapters are imported only when tried, and each imports its framework lazily.
+ADAPTERS = ("trainermon.adapters.torch_ddp:TorchAdapter",)
+
+
+def _load(spec: str) -> type[Adapter]:
+    module, cls = spec.split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def select_adapter(
+    chunks: Sequence[torch.nn.Module], optimizer: Any, dp_group: Any = None, tp_group: Any = None
+) -> Adapter:
+    for spec in ADAPTERS:
+        cls = _load(spec)
+        if cls.detect(chunks, optimizer):
+            return cls(chunks, optimizer, dp_group, tp_group)
+    raise TypeError(
+        f"trainermon: no adapter handles model {[type(c).__name__ for c in chunks]} with optimizer "
+        f"{type(optimizer).__name__}"
+    )
+
+
+__all__ = ["Adapter", "GradTaps", "MonitoredParam", "select_adapter"]

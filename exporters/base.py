@@ -1,0 +1,39 @@
+"""The exporter interface: a minimal sink that the background worker feeds."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from trainermon.config import MonitorConfig
+from trainermon.records import StatBatch
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """Where and for whom an exporter writes."""
+
+    run_dir: str  # this rank's output directory, {MONITOR_OUTPUT_DIR}/{time}-rank{R}-{id}
+    output_root: str  # MONITOR_OUTPUT_DIR
+    rank: int
+    world_size: int
+    run_id: str
+    config: MonitorConfig
+
+
+class Exporter(ABC):
+    """Called only from the background worker thread. A raised exception disables the exporter (the
+    worker logs it once and counts it); other exporters and training continue."""
+
+    def open(self, run: RunInfo) -> None:  # noqa: B027 - optional hook
+        """Prepare output (create directories, open files, start servers)."""
+
+    @abstractmethod
+    def write(self, batch: StatBatch) -> None:
+        """Write one step's statistics."""
+
+    def flush(self) -> None:  # noqa: B027 - optional hook
+        """Make everything written so far durable for readers (e.g. complete files)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Flush and release resources. Called once."""

@@ -1,0 +1,316 @@
+"""The monitor's configuration: msprobe's keys with msprobe's meaning, validated in one place.
+
+`parse_config` is the only function that turns user input into a `MonitorConfig`; every check lives
+here, and every error names the key, the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("trainermon")
+
+#: Statistics a user may ask for, in the order msprobe documents them plus trainermon's additions.
+SUPPORTED_OPS = ("norm", "min", "max", "mean", "zeros", "nans", "infs", "numel", "shape", "dtype")
+#: msprobe ops that trainermon accepts but does not compute (warned and dropped).
+IGNORED_MSPROBE_OPS = ("id",)
+SUPPORTED_FORMATS = ("csv",)
+#: Formats that exist in msprobe or in trainermon's plan but are not available in this build.
+UNAVAILABLE_FORMATS = {
+    "parquet": "the Parquet exporter is not implemented yet",
+    "prometheus": "the Prometheus exporter is not implemented yet",
+    "tensorboard": "trainermon does not write TensorBoard event files; use csv",
+    "api": "msprobe's in-memory 'api' format is not supported; use csv",
+}
+#: msprobe keys for features trainermon does not have. Accepted when falsy, refused when switched on.
+UNSUPPORTED_WHEN_ON = {
+    "ur_distribution": "update/ratio heatmaps are not supported yet",
+    "mg_direction": "momentum/gradient direction tracking is not supported yet",
+    "l2_targets": "msprobe's L2 feature hooks are not supported",
+    "recording_l2_features": "msprobe's L2 feature hooks are not supported",
+    "append_output": "appending to an earlier msprobe output directory is not supported",
+}
+#: Keys that are accepted and ignored with no effect on trainermon (kept for drop-in compatibility).
+INERT_KEYS = ("sa_order", "heatmap_visualizer")
+MAX_NDIGITS = 17
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. The message names the key, the value and what is allowed."""
+
+
+@dataclass(frozen=True)
+class AlertConfig:
+    rules: tuple[dict, ...] = ()
+    dump: bool = False
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """Validated monitor configuration. Field names are msprobe's config keys."""
+
+    targets: dict[str, dict] = field(default_factory=dict)
+    module_ranks: tuple[int, ...] = ()
+    start_step: int = 0
+    step_interval: int = 1
+    collect_times: int = 100_000_000
+    print_struct: bool = False
+    xy_distribution: bool = False
+    all_xy: bool = False
+    forward_only: bool = False
+    backward_only: bool = False
+    wg_distribution: bool = False
+    monitor_mbs_grad: bool = False
+    mv_distribution: bool = False
+    param_distribution: bool = False
+    cc_distribution: dict = field(default_factory=dict)
+    alert: AlertConfig = field(default_factory=AlertConfig)
+    ops: tuple[str, ...] = ("norm", "shape", "dtype")
+    eps: float = 1e-8
+    ndigits: int = 6
+    format: tuple[str, ...] = ("csv",)
+    step_count_per_record: int = 1
+    dynamic_on: bool = False
+    stack_info: bool = False
+    squash_name: bool = False
+    # trainermon's own keys
+    queue_size: int = 64
+    csv: dict = field(default_factory=dict)
+    parquet: dict = field(default_factory=dict)
+    prometheus: dict = field(default_factory=dict)
+
+    # ---- derived views -------------------------------------------------------------------------
+    @property
+    def stat_ops(self) -> tuple[str, ...]:
+        """Ops in output-column order (shape and dtype last, as msprobe writes them)."""
+        return self.ops
+
+    @property
+    def wants_nonfinite(self) -> bool:
+        """NaN/Inf counting is on: min/max/norm/mean are then computed over finite values only."""
+        return "nans" in self.ops or "infs" in self.ops
+
+    @property
+    def wants_zeros(self) -> bool:
+        return "zeros" in self.ops
+
+    @property
+    def collects_actv(self) -> bool:
+        return (self.xy_distribution or self.all_xy or self.print_struct) and not self.backward_only
+
+    @property
+    def collects_actv_grad(self) -> bool:
+        return (self.xy_distribution or self.all_xy) and not self.forward_only and not self.print_struct
+
+
+def _type_name(value: Any) -> str:
+    return type(value).__name__
+
+
+def _fail(key: str, value: Any, allowed: str) -> ConfigError:
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return ConfigError(f"config key '{key}': got {shown} ({_type_name(value)}); allowed: {allowed}")
+
+
+def _bool(raw: dict, key: str, default: bool) -> bool:
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise _fail(key, value, "true or false")
+    return value
+
+
+def _int(raw: dict, key: str, default: int, lo: int, hi: int) -> int:
+    value = raw.get(key, default)
+    # msprobe configs sometimes carry 1e8 as a float literal; accept integral floats.
+    if isinstance(value, float) and value.is_integer() and lo <= value <= hi:
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(key, value, f"an integer in [{lo}, {hi}]")
+    if not lo <= value <= hi:
+        raise _fail(key, value, f"an integer in [{lo}, {hi}]")
+    return value
+
+
+def _dict(raw: dict, key: str) -> dict:
+    value = raw.get(key, {})
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _fail(key, value, "a JSON object")
+    return value
+
+
+def _ops(raw: dict) -> tuple[str, ...]:
+    value = raw.get("ops", [])
+    if not isinstance(value, list) or not all(isinstance(op, str) for op in value):
+        raise _fail("ops", value, f"a list of strings from {list(SUPPORTED_OPS)}")
+    ops: list[str] = []
+    for op in value:
+        if op in IGNORED_MSPROBE_OPS:
+            logger.warning("trainermon: op '%s' (msprobe call id) is not computed and is ignored", op)
+            continue
+        if op not in SUPPORTED_OPS:
+            raise _fail("ops", op, f"each op one of {list(SUPPORTED_OPS)}")
+        if op not in ops:
+            ops.append(op)
+    if not [op for op in ops if op not in ("shape", "dtype")]:
+        ops.insert(0, "norm")  # msprobe's default when no statistic is given
+    for tail in ("shape", "dtype"):  # msprobe always appends these two columns
+        if tail in ops:
+            ops.remove(tail)
+        ops.append(tail)
+    return tuple(ops)
+
+
+def _formats(raw: dict) -> tuple[str, ...]:
+    value = raw.get("format", "csv")
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not items or not all(isinstance(f, str) for f in items):
+        raise _fail(
+            "format", value, f"a string or a non-empty list of strings from {list(SUPPORTED_FORMATS)}"
+        )
+    out: list[str] = []
+    for fmt in items:
+        if fmt in UNAVAILABLE_FORMATS:
+            raise _fail("format", fmt, f"{list(SUPPORTED_FORMATS)} ({UNAVAILABLE_FORMATS[fmt]})")
+        if fmt not in SUPPORTED_FORMATS:
+            raise _fail("format", fmt, f"one of {list(SUPPORTED_FORMATS)}")
+        if fmt not in out:
+            out.append(fmt)
+    return tuple(out)
+
+
+def _targets(raw: dict) -> dict[str, dict]:
+    value = raw.get("targets", {})
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _fail(
+            "targets", value, 'an object mapping module or parameter names to objects, e.g. {"layers.0": {}}'
+        )
+    for name, spec in value.items():
+        if not isinstance(spec, dict):
+            raise _fail(f"targets.{name}", spec, "an object (msprobe uses {} or {'input': 'tensor'})")
+    return dict(value)
+
+
+def _module_ranks(raw: dict) -> tuple[int, ...]:
+    value = raw.get("module_ranks", [])
+    if not isinstance(value, list):
+        raise _fail("module_ranks", value, "a list of non-negative integer ranks")
+    for rank in value:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise _fail("module_ranks", rank, "each rank a non-negative integer")
+    return tuple(value)
+
+
+def _alert(raw: dict) -> AlertConfig:
+    value = _dict(raw, "alert")
+    rules = value.get("rules", [])
+    if not isinstance(rules, list) or not all(isinstance(r, dict) for r in rules):
+        raise _fail(
+            "alert.rules", rules, 'a list of objects like {"rule_name": "AnomalyTurbulence", "args": {}}'
+        )
+    dump = value.get("dump", False)
+    if not isinstance(dump, bool):
+        raise _fail("alert.dump", dump, "true or false")
+    if rules:
+        logger.warning(
+            "trainermon: 'alert.rules' are accepted but anomaly detection is not implemented in this "
+            "version; no anomaly will be reported"
+        )
+    return AlertConfig(rules=tuple(rules), dump=dump)
+
+
+def _cc(raw: dict) -> dict:
+    value = _dict(raw, "cc_distribution")
+    if value.get("enable", False):
+        raise _fail(
+            "cc_distribution.enable", True, "false (collective-communication monitoring is not supported yet)"
+        )
+    return value
+
+
+def parse_config(raw: Any, source: str = "<dict>") -> MonitorConfig:
+    """Validate a config mapping (as loaded from JSON) and return a `MonitorConfig`.
+
+    Raises `ConfigError` naming the key, the bad value and what is allowed. Unknown keys are warned
+    about, not refused, so that configs written for newer versions still load.
+    """
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config {source}: the top level must be a JSON object, got {_type_name(raw)}")
+    known = {f.name for f in fields(MonitorConfig)} | set(UNSUPPORTED_WHEN_ON) | set(INERT_KEYS)
+    for key in raw:
+        if not isinstance(key, str) or key not in known:
+            logger.warning("trainermon: unknown config key %r in %s is ignored", key, source)
+    for key, why in UNSUPPORTED_WHEN_ON.items():
+        if raw.get(key):
+            raise _fail(key, raw[key], f"false or absent ({why})")
+
+    forward_only = _bool(raw, "forward_only", False)
+    backward_only = _bool(raw, "backward_only", False)
+    if forward_only and backward_only:
+        raise ConfigError(
+            "config keys 'forward_only' and 'backward_only' are both true; allowed: at most one"
+        )
+    eps = raw.get("eps", 1e-8)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 < eps < 1):
+        raise _fail("eps", eps, "a number in (0, 1)")
+    ndigits = raw.get("ndigits", 6)
+    if ndigits is None:
+        ndigits = 6
+    ndigits = _int({"ndigits": ndigits}, "ndigits", 6, 1, MAX_NDIGITS)
+
+    return MonitorConfig(
+        targets=_targets(raw),
+        module_ranks=_module_ranks(raw),
+        start_step=_int(raw, "start_step", 0, 0, 2**62),
+        step_interval=_int(raw, "step_interval", 1, 1, 2**62),
+        collect_times=_int(raw, "collect_times", 100_000_000, 0, 2**62),
+        print_struct=_bool(raw, "print_struct", False),
+        xy_distribution=_bool(raw, "xy_distribution", False),
+        all_xy=_bool(raw, "all_xy", False),
+        forward_only=forward_only,
+        backward_only=backward_only,
+        wg_distribution=_bool(raw, "wg_distribution", False),
+        monitor_mbs_grad=_bool(raw, "monitor_mbs_grad", False),
+        mv_distribution=_bool(raw, "mv_distribution", False),
+        param_distribution=_bool(raw, "param_distribution", False),
+        cc_distribution=_cc(raw),
+        alert=_alert(raw),
+        ops=_ops(raw),
+        eps=float(eps),
+        ndigits=ndigits,
+        format=_formats(raw),
+        step_count_per_record=_int(raw, "step_count_per_record", 1, 1, 1_000_000),
+        dynamic_on=_bool(raw, "dynamic_on", False),
+        stack_info=_bool(raw, "stack_info", False),
+        squash_name=_bool(raw, "squash_name", False),
+        queue_size=_int(raw, "queue_size", 64, 1, 100_000),
+        csv=_dict(raw, "csv"),
+        parquet=_dict(raw, "parquet"),
+        prometheus=_dict(raw, "prometheus"),
+    )
+
+
+def load_config(path: str | os.PathLike) -> MonitorConfig:
+    """Read and validate a JSON config file. Raises `ConfigError` (also for unreadable or invalid JSON)."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"config file {str(p)!r} cannot be read: {exc.strerror or exc}") from exc
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"config file {str(p)!r} is not valid JSON: {exc.msg} at line {exc.lineno}"
+        ) from exc
+    return parse_config(raw, source=str(p))
