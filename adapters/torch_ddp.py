@@ -92,7 +92,9 @@ class TorchAdapter(Adapter):
         group = ddp.process_group
         adapter = self
 
-        def allreduce_with_tap(_state: Any, bucket: Any) -> torch.futures.Future:
+        # No annotations: DDP validates hook annotations against the real classes, and this module's
+        # postponed (string) annotations would fail that check.
+        def allreduce_with_tap(state, bucket):  # noqa: ANN001, ANN202
             if taps.active:
                 adapter._report_bucket(bucket, taps, index_of)
             tensor = bucket.buffer()

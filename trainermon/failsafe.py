@@ -20,14 +20,15 @@ class FaultLog:
         self.counts: Counter[str] = Counter()
         self._lock = threading.Lock()
 
-    def record(self, where: str, exc: BaseException) -> None:
+    def record(self, where: str, exc: BaseException, consequence: str = "training is not affected") -> None:
         with self._lock:
             self.counts[where] += 1
             first = self.counts[where] == 1
         if first:
             logger.error(
-                "trainermon: error in %s (logged once; counted; training is not affected)",
+                "trainermon: error in %s (logged once, counted; %s)",
                 where,
+                consequence,
                 exc_info=(type(exc), exc, exc.__traceback__),
             )
 

@@ -125,7 +125,7 @@ class TrainerMon:
         stamp = datetime.now().strftime("%b%d_%H-%M-%S")
         self.run_dir = os.path.join(self.output_root, f"{stamp}-rank{self.rank}-{self.run_id}")
 
-        self.step = 0
+        self.current_step = 0
         self.collecting = False
         self.monitor_time_s = 0.0  # time spent in the monitor on the training thread, last collected step
         self.last_batch: StatBatch | None = None
@@ -142,7 +142,8 @@ class TrainerMon:
         self._module_calls: dict[int, int] = {}
         self._mbs_calls: dict[int, int] = {}
         self._struct: dict[str, dict] = {}
-        self._stacks: dict[str, str] = {}
+        self._stacks: dict[str, str] = {}  # module name -> call stack, recorded once, written at step end
+        self._stacks_written: set[str] = set()
         self._optimizer_hooked = False
         self._step_started_at = 0.0
         self._grad_taps = None
@@ -182,7 +183,7 @@ class TrainerMon:
 
         self.adapter = select_adapter(chunks, optimizer, dp_group, tp_group)
         self.grad_acc_steps = self.adapter.grad_acc_steps(grad_acc_steps)
-        self.step = start_iteration
+        self.current_step = start_iteration
         self._select_params()
         self._select_modules()
 
@@ -300,7 +301,7 @@ class TrainerMon:
 
     def _begin_step(self) -> None:
         self._step_started_at = time.perf_counter()
-        self.collecting = self._wants_step(self.step)
+        self.collecting = self._wants_step(self.current_step)
         self._module_calls.clear()
         self._mbs_calls.clear()
         if self.adapter is not None and hasattr(self.adapter, "new_step"):
@@ -370,7 +371,7 @@ class TrainerMon:
             self.collector.reset()
         if self.collecting:
             self.monitor_time_s += time.perf_counter() - t0
-        self.step += 1
+        self.current_step += 1
         try:
             self._begin_step()
         except Exception as exc:  # noqa: BLE001
@@ -411,7 +412,7 @@ class TrainerMon:
     def _end_collected_step(self) -> None:
         self.schedule.mark_collected()
         self.collector.extras["monitor_time_ms"] = self.monitor_time_s * 1e3
-        payload = self.collector.finish(self.step)
+        payload = self.collector.finish(self.current_step)
         if payload is not None and self.worker is not None:
             self.worker.submit(payload)
         if self._stacks and self.config.stack_info:
@@ -506,7 +507,7 @@ class TrainerMon:
                             "output": _struct_of(outputs),
                         }
                     return
-                if cfg.stack_info and name not in self._stacks:
+                if cfg.stack_info and name not in self._stacks and name not in self._stacks_written:
                     self._stacks[name] = "".join(traceback.format_stack(limit=32)[:-2])
                 if cfg.collects_actv:
                     entries = [
@@ -555,6 +556,7 @@ class TrainerMon:
                     writer.writerow(["name", "stack"])
                 for name, stack in self._stacks.items():
                     writer.writerow([name, stack])
+            self._stacks_written.update(self._stacks)
             self._stacks = {}
         except Exception as exc:  # noqa: BLE001
             self.faults.record("stack_info", exc)

@@ -128,8 +128,11 @@ class BackgroundWorker:
             except Exception as exc:  # noqa: BLE001
                 # A failing sink (disk full, permission denied) is switched off; the others go on.
                 self._disabled.add(i)
-                self.faults.record(f"exporter {type(exporter).__name__}", exc)
-                logger.error("trainermon: exporter %s disabled after an error", type(exporter).__name__)
+                self.faults.record(
+                    f"exporter {type(exporter).__name__}",
+                    exc,
+                    "this exporter is disabled, the others continue",
+                )
 
     def _flush_exporters(self) -> None:
         for i, exporter in enumerate(self.exporters):

@@ -1,0 +1,40 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   create .venv with the pinned stack, then train a small model with monitoring on
+#   make test   create .venv with the pinned stack, then run the whole test suite
+# torch is pinned in every install command (an unpinned torch pulls gigabytes of CUDA packages).
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+TORCH  := torch==2.13.0
+# Machines of this project keep a local CPU wheel of torch here; elsewhere PyPI's is used.
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+EXTRAS := test,parquet,prometheus,dynamic
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+
+.PHONY: venv demo test lint bench clean
+
+$(STAMP):
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip uv
+	$(BIN)/uv pip install -q --python $(BIN)/python $(FIND_LINKS) "$(TORCH)" -e ".[$(EXTRAS)]" \
+	  || $(BIN)/python -m pip install -q $(FIND_LINKS) "$(TORCH)" -e ".[$(EXTRAS)]"
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: venv
+	$(BIN)/trainermon demo
+
+test: venv
+	$(BIN)/python -m pytest -q
+
+lint: venv
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+bench: venv
+	$(BIN)/python benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) monitor_output

@@ -1,0 +1,105 @@
+"""Run a function on N gloo ranks (CPU, 127.0.0.1) and return each rank's result to the test process.
+
+    results = run_ranks(fn, world_size=2, out_dir=str(tmp_path))   # [rank 0's return value, rank 1's]
+
+`fn(rank, world_size, **kwargs)` must be a module-level function (it is pickled into spawned processes)
+and return something picklable. The process group is initialised before `fn` runs and destroyed after.
+A rank that raises makes `run_ranks` raise in the test process with that rank's traceback; a rank that
+dies without a word (a crash, a hang past `timeout`) is reported with its exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+class RankFailed(RuntimeError):
+    """A child rank raised, crashed or timed out."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(
+    rank: int, world_size: int, port: int, fn: Callable[..., Any], kwargs: dict, results: Any
+) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        try:
+            value = fn(rank, world_size, **kwargs)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        results.put((rank, True, value))
+    except BaseException:  # noqa: BLE001 - every failure goes back to the parent with its traceback
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int = 2, timeout: float = 600.0, **kwargs: Any) -> list[Any]:
+    """Run `fn(rank, world_size, **kwargs)` on `world_size` spawned gloo ranks; return results by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_child, args=(r, world_size, port, fn, kwargs, results), daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(got) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+                got[rank] = (ok, value)
+                if not ok:
+                    break  # the other ranks may be blocked in a collective: stop them below
+                continue
+            except queue.Empty:
+                pass
+            dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode is not None]
+            if dead:
+                # Give a rank that just put its result a moment to arrive before calling it dead.
+                try:
+                    rank, ok, value = results.get(timeout=2.0)
+                    got[rank] = (ok, value)
+                    continue
+                except queue.Empty:
+                    raise RankFailed(
+                        f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} without a result"
+                    ) from None
+            if time.monotonic() > deadline:
+                raise RankFailed(f"ranks {sorted(set(range(world_size)) - set(got))} timed out after {timeout}s")
+    finally:
+        for p in procs:
+            p.join(timeout=5.0 if len(got) == world_size and all(ok for ok, _ in got.values()) else 0.5)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5.0)
+        results.close()
+    for rank in sorted(got):
+        ok, value = got[rank]
+        if not ok:
+            raise RankFailed(f"rank {rank} failed:\n{value}")
+    return [got[r][1] for r in range(world_size)]

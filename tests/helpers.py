@@ -1,0 +1,68 @@
+"""Shared test helpers: config files, reading the CSV output back, reference statistics."""
+
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def write_config(path: Path, **keys: Any) -> str:
+    path.write_text(json.dumps(keys))
+    return str(path)
+
+
+def read_family(run_dir: str, family: str) -> list[dict[str, str]]:
+    """All rows of one family from a run directory, in file order."""
+    rows: list[dict[str, str]] = []
+    for f in sorted(glob.glob(os.path.join(run_dir, f"{family}_[0-9]*-[0-9]*.csv"))):
+        with open(f, newline="") as fh:
+            rows.extend(csv.DictReader(fh))
+    return rows
+
+
+def keyed(rows: list[dict[str, str]]) -> dict[tuple, dict[str, str]]:
+    """Index rows by (name, step, micro_step or None)."""
+    out = {}
+    for r in rows:
+        key = (r["name"], int(r["step"]), int(r["micro_step"]) if "micro_step" in r else None)
+        assert key not in out, f"duplicate row {key}"
+        out[key] = r
+    return out
+
+
+def ref_stats(t: torch.Tensor) -> dict[str, float]:
+    """Independent reference: plain float64 torch on a clone, NaN/Inf excluded as the monitor documents."""
+    x = t.detach().to(torch.float64).flatten()
+    finite = x[torch.isfinite(x)]
+    return {
+        "norm": float(finite.norm()) if finite.numel() else 0.0,
+        "mean": float(finite.mean()) if finite.numel() else float("nan"),
+        "min": float(finite.min()) if finite.numel() else float("nan"),
+        "max": float(finite.max()) if finite.numel() else float("nan"),
+        "nans": float(torch.isnan(x).sum()),
+        "infs": float(torch.isinf(x).sum()),
+    }
+
+
+def assert_row_matches(
+    row: dict[str, str], ref: dict[str, float], ops: tuple[str, ...], rtol: float = 1e-5
+) -> None:
+    numel = 1
+    for d in json.loads(row["shape"]):
+        numel *= d
+    rms = ref["norm"] / max(numel, 1) ** 0.5
+    for op in ops:
+        got = float(row[op])
+        want = ref[op]
+        tol = rtol * abs(want) + 1e-9
+        if op == "mean":
+            # A mean near zero is a difference of large sums: float32 accumulation bounds its error
+            # relative to the tensor's scale (rms), not to the tiny result.
+            tol += 1e-6 * rms
+        assert abs(got - want) <= tol, f"{row['name']} step {row['step']} {op}: got {got}, want {want}"

@@ -1,0 +1,112 @@
+"""Config validation: bad values are refused, naming the key, the value and what is allowed."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from trainermon import ConfigError, TrainerMon, load_config, parse_config
+
+BAD = [
+    ("targets", ["layers.0"], "targets"),
+    ("targets", {"layers.0": "input"}, "targets.layers.0"),
+    ("module_ranks", [0, "1"], "module_ranks"),
+    ("module_ranks", 3, "module_ranks"),
+    ("start_step", -1, "start_step"),
+    ("start_step", "5", "start_step"),
+    ("step_interval", 0, "step_interval"),
+    ("collect_times", 1.5, "collect_times"),
+    ("collect_times", True, "collect_times"),
+    ("print_struct", "yes", "print_struct"),
+    ("xy_distribution", 1, "xy_distribution"),
+    ("wg_distribution", None, "wg_distribution"),
+    ("ops", "norm", "ops"),
+    ("ops", ["norm", "median"], "ops"),
+    ("eps", 0, "eps"),
+    ("eps", "1e-8", "eps"),
+    ("ndigits", 0, "ndigits"),
+    ("ndigits", 99, "ndigits"),
+    ("format", "xlsx", "format"),
+    ("format", [], "format"),
+    ("format", "tensorboard", "format"),
+    ("step_count_per_record", 0, "step_count_per_record"),
+    ("dynamic_on", "true", "dynamic_on"),
+    ("cc_distribution", {"enable": True}, "cc_distribution.enable"),
+    ("alert", {"rules": "AnomalyTurbulence"}, "alert.rules"),
+    ("ur_distribution", True, "ur_distribution"),
+    ("queue_size", 0, "queue_size"),
+]
+
+
+@pytest.mark.parametrize("key,value,named", BAD, ids=[f"{k}={v!r}" for k, v, _ in BAD])
+def test_bad_value_names_key_and_value(key, value, named):
+    with pytest.raises(ConfigError) as err:
+        parse_config({key: value})
+    message = str(err.value)
+    assert f"'{named}'" in message
+    assert "allowed" in message
+    shown = value if isinstance(value, str) else repr(value)
+    if not isinstance(value, (list, dict)):
+        assert str(shown) in message or repr(value) in message
+
+
+def test_forward_only_and_backward_only_conflict():
+    with pytest.raises(ConfigError, match="forward_only.*backward_only"):
+        parse_config({"forward_only": True, "backward_only": True})
+
+
+def test_defaults_are_msprobes():
+    cfg = parse_config({})
+    assert cfg.ops == ("norm", "shape", "dtype")
+    assert cfg.format == ("csv",) and cfg.start_step == 0 and cfg.step_interval == 1
+    assert cfg.collect_times == 100_000_000 and cfg.eps == 1e-8 and cfg.step_count_per_record == 1
+
+
+def test_ops_order_kept_and_shape_dtype_last():
+    assert parse_config({"ops": ["dtype", "max", "norm", "max"]}).ops == ("max", "norm", "shape", "dtype")
+    assert parse_config({"ops": ["id", "min"]}).ops == ("min", "shape", "dtype")  # msprobe's 'id' ignored
+
+
+def test_format_string_or_list():
+    assert parse_config({"format": "csv"}).format == ("csv",)
+    assert parse_config({"format": ["csv"]}).format == ("csv",)
+
+
+def test_integral_float_accepted_for_msprobe_configs():
+    assert parse_config({"collect_times": 1e8}).collect_times == 100_000_000
+
+
+def test_unknown_key_warns_not_fails(caplog):
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        parse_config({"colect_times": 3})
+    assert "colect_times" in caplog.text
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_config(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"wg_distribution": tru')
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config(bad)
+    top = tmp_path / "list.json"
+    top.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="top level"):
+        load_config(top)
+
+
+def test_constructor_raises_config_error(tmp_path):
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps({"step_interval": -3}))
+    with pytest.raises(ConfigError, match="step_interval"):
+        TrainerMon(str(path))
+
+
+def test_example_config_at_repo_root_is_valid():
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    cfg = load_config(root / "monitor_config.json")
+    assert cfg.wg_distribution

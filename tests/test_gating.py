@@ -1,0 +1,180 @@
+"""Which steps are collected, and proof that the others compute nothing."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers import read_family, write_config
+from trainermon import TrainerMon
+
+
+def _train(tmp_path, monkeypatch, steps: int, grad_acc: int = 1, start_iteration: int = 0, **cfg):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    cfg.setdefault("wg_distribution", True)
+    path = write_config(tmp_path / "cfg.json", **cfg)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(path)
+    monitor.set_monitor(model, grad_acc_steps=grad_acc, optimizer=opt, start_iteration=start_iteration)
+    calls_per_step = []
+    for _ in range(steps):
+        before = monitor.engine.calls
+        for _ in range(grad_acc):
+            model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        calls_per_step.append(monitor.engine.calls - before)
+    monitor.close()
+    return monitor, calls_per_step
+
+
+def _steps(rows) -> list[int]:
+    return sorted({int(r["step"]) for r in rows})
+
+
+def test_start_step_interval_collect_times(tmp_path, monkeypatch):
+    monitor, calls = _train(tmp_path, monkeypatch, 12, start_step=2, step_interval=3, collect_times=3)
+    assert _steps(read_family(monitor.run_dir, "grad_reduced")) == [2, 5, 8]
+    # Engine calls happen on collected steps only; every other step computes nothing at all.
+    assert [i for i, c in enumerate(calls) if c] == [2, 5, 8]
+    assert monitor.transfers.count == 3
+
+
+def test_start_iteration_offsets_the_step_counter(tmp_path, monkeypatch):
+    monitor, _ = _train(tmp_path, monkeypatch, 3, start_iteration=100, start_step=101)
+    assert _steps(read_family(monitor.run_dir, "grad_reduced")) == [101, 102]
+
+
+def test_collect_times_zero_collects_nothing(tmp_path, monkeypatch):
+    monitor, calls = _train(tmp_path, monkeypatch, 4, collect_times=0, xy_distribution=True)
+    assert sum(calls) == 0 and monitor.transfers.count == 0
+    assert (
+        not [f for f in os.listdir(monitor.run_dir) if f.endswith(".csv")]
+        if os.path.isdir(monitor.run_dir)
+        else True
+    )
+
+
+def test_step_count_per_record_buckets_files(tmp_path, monkeypatch):
+    monitor, _ = _train(tmp_path, monkeypatch, 7, step_count_per_record=3)
+    files = sorted(f for f in os.listdir(monitor.run_dir) if f.startswith("grad_reduced"))
+    assert files == ["grad_reduced_0-2.csv", "grad_reduced_3-5.csv", "grad_reduced_6-8.csv"]
+    with open(os.path.join(monitor.run_dir, "grad_reduced_3-5.csv")) as fh:
+        lines = fh.read().splitlines()
+    assert lines[0].startswith("vpp_stage,name,step")  # one header per file
+    assert {line.split(",")[2] for line in lines[1:]} == {"3", "4", "5"}
+
+
+def test_micro_step_numbering(tmp_path, monkeypatch):
+    monitor, _ = _train(tmp_path, monkeypatch, 2, grad_acc=3, xy_distribution=True, forward_only=True)
+    rows = [r for r in read_family(monitor.run_dir, "actv") if r["name"] == "0.output"]
+    assert [(int(r["step"]), int(r["micro_step"])) for r in rows] == [
+        (s, m) for s in (0, 1) for m in (0, 1, 2)
+    ]
+    assert read_family(monitor.run_dir, "actv_grad") == []  # forward_only
+
+
+def test_backward_only_and_targets(tmp_path, monkeypatch):
+    monitor, _ = _train(
+        tmp_path,
+        monkeypatch,
+        1,
+        xy_distribution=True,
+        backward_only=True,
+        targets={"2": {}},
+        wg_distribution=True,
+    )
+    assert read_family(monitor.run_dir, "actv") == []
+    assert {r["name"] for r in read_family(monitor.run_dir, "actv_grad")} == {"2.input_grad", "2.output_grad"}
+    # targets are parameter-name prefixes for the weight families
+    assert {r["name"] for r in read_family(monitor.run_dir, "grad_reduced")} == {"2.weight", "2.bias"}
+
+
+@pytest.mark.parametrize("ranks,hooked", [([1, 2], False), ([0], True)])
+def test_module_ranks(tmp_path, monkeypatch, ranks, hooked):
+    monitor, _ = _train(tmp_path, monkeypatch, 1, xy_distribution=True, module_ranks=ranks)
+    assert bool(read_family(monitor.run_dir, "actv")) is hooked
+    assert read_family(monitor.run_dir, "grad_reduced")  # module_ranks limits module hooks only
+
+
+def test_hooks_are_removed_on_steps_not_collected(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    path = write_config(tmp_path / "cfg.json", xy_distribution=True, start_step=1, collect_times=1)
+    model = nn.Sequential(nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(path)
+    monitor.set_monitor(model, optimizer=opt)
+    inner = model[0]
+    counts = []
+    for _ in range(3):
+        counts.append(len(inner._forward_hooks) + len(inner._forward_pre_hooks))
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    monitor.close()
+    assert counts == [0, 2, 0]  # installed for the collected step only
+
+
+def test_second_optimizer_does_not_advance_the_step(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    path = write_config(tmp_path / "cfg.json", wg_distribution=True)
+    model, other = nn.Linear(2, 2), nn.Linear(2, 2)
+    opt, other_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(other.parameters(), lr=0.1)
+    monitor = TrainerMon(path)
+    monitor.set_monitor(model, optimizer=opt)
+    for _ in range(2):
+        (model(torch.ones(1, 2)).sum() + other(torch.ones(1, 2)).sum()).backward()
+        other_opt.step()
+        other_opt.step()
+        opt.step()
+    monitor.close()
+    assert monitor.current_step == 2
+    assert _steps(read_family(monitor.run_dir, "grad_reduced")) == [0, 1]
+
+
+def test_manual_step_without_optimizer(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    path = write_config(tmp_path / "cfg.json", wg_distribution=True, param_distribution=True)
+    model = nn.Linear(3, 1)
+    monitor = TrainerMon(path)
+    monitor.set_monitor(model)
+    for _ in range(2):
+        model(torch.ones(1, 3)).sum().backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+        monitor.step()
+        model.zero_grad()
+    monitor.close()
+    assert _steps(read_family(monitor.run_dir, "grad_reduced")) == [0, 1]
+    norms = {r["name"]: float(r["norm"]) for r in read_family(monitor.run_dir, "grad_reduced")}
+    assert norms == pytest.approx({"weight": 3**0.5, "bias": 1.0})  # input ones(3): dW = ones(1, 3), db = 1
+
+
+def test_vpp_chunks_get_their_stage(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    path = write_config(tmp_path / "cfg.json", wg_distribution=True, xy_distribution=True, forward_only=True)
+    chunks = [nn.Sequential(nn.Linear(2, 2)), nn.Sequential(nn.Linear(2, 2))]
+    opt = torch.optim.SGD([p for c in chunks for p in c.parameters()], lr=0.1)
+    monitor = TrainerMon(path)
+    monitor.set_monitor(chunks, optimizer=opt)
+    chunks[1](chunks[0](torch.ones(1, 2))).sum().backward()
+    opt.step()
+    monitor.close()
+    grads = read_family(monitor.run_dir, "grad_reduced")
+    assert sorted((r["vpp_stage"], r["name"]) for r in grads) == [
+        ("0", "0.bias"),
+        ("0", "0.weight"),
+        ("1", "0.bias"),
+        ("1", "0.weight"),
+    ]
+    assert {(r["vpp_stage"], r["name"]) for r in read_family(monitor.run_dir, "actv")} == {
+        ("0", "0.input"),
+        ("0", "0.output"),
+        ("1", "0.input"),
+        ("1", "0.output"),
+    }

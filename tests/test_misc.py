@@ -1,0 +1,139 @@
+"""print_struct, stack_info, names, the optional torch_npu import, activation checkpointing."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from tests.helpers import read_family, write_config
+from trainermon import PrintStructDone, TrainerMon
+from trainermon import _device as device_mod
+from trainermon.names import clean_name, squash_name, unique_names
+
+
+def test_print_struct_writes_structure_then_stops(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    cfg = write_config(tmp_path / "cfg.json", print_struct=True)
+    model = nn.Sequential(nn.Linear(3, 5), nn.ReLU())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(model, optimizer=opt)
+    model(torch.ones(2, 3)).sum().backward()
+    with pytest.raises(PrintStructDone, match="module_struct.json"):
+        opt.step()
+    path = tmp_path / "out" / "module_struct" / "rank0" / "module_struct.json"
+    struct = json.loads(path.read_text())
+    assert struct["0"] == {
+        "class": "Linear",
+        "input": [{"shape": [2, 3], "dtype": "torch.float32"}],
+        "output": [{"shape": [2, 5], "dtype": "torch.float32"}],
+    }
+    assert set(struct) == {"0", "1"}
+
+
+def test_stack_info_written_once_per_module(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    cfg = write_config(tmp_path / "cfg.json", xy_distribution=True, stack_info=True)
+    model = nn.Sequential(nn.Linear(3, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(model, optimizer=opt)
+    for _ in range(3):
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+    monitor.close()
+    import csv
+
+    with open(os.path.join(monitor.run_dir, "stack_info.csv"), newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["name"] for r in rows] == ["0"]
+    assert "test_stack_info_written_once_per_module" in rows[0]["stack"]
+
+
+def test_names():
+    assert (
+        clean_name("layers.0._fsdp_wrapped_module._checkpoint_wrapped_module.fc.weight")
+        == "layers.0.fc.weight"
+    )
+    assert clean_name("_orig_mod.encoder.weight") == "encoder.weight"
+    assert squash_name("language_model.encoder.layers.3.mlp.weight") == "layers.3.mlp.weight"
+    assert unique_names(["a", "a", "b"], ["x.a", "y.a", "b"]) == ["x.a", "y.a", "b"]
+    assert unique_names(["a", "a"], ["a", "a"]) == ["a", "a#1"]
+
+
+def test_wrapper_prefixes_removed_for_compiled_models(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    cfg = write_config(tmp_path / "cfg.json", wg_distribution=True)
+    inner = nn.Sequential(nn.Linear(2, 2))
+    wrapped = torch.compile(inner, backend="eager")
+    opt = torch.optim.SGD(inner.parameters(), lr=0.1)
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(wrapped, optimizer=opt)
+    wrapped(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    monitor.close()
+    assert {r["name"] for r in read_family(monitor.run_dir, "grad_reduced")} == {"0.weight", "0.bias"}
+
+
+def test_torch_npu_guarded_import(monkeypatch):
+    """No Ascend device here: a fake torch_npu module stands in for the real one (and a broken one)."""
+    fake = types.ModuleType("torch_npu")
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    device_mod._reset_for_tests()
+    assert device_mod.torch_npu() is fake
+
+    class Broken(types.ModuleType):
+        def __getattr__(self, name):
+            raise AttributeError(name)
+
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # import raises ImportError
+    device_mod._reset_for_tests()
+    assert device_mod.torch_npu() is None
+
+    def failing_import(name, *args, **kwargs):
+        if name == "torch_npu":
+            raise RuntimeError("libascend.so: cannot open shared object file")
+        return original_import(name, *args, **kwargs)
+
+    import builtins
+
+    original_import = builtins.__import__
+    monkeypatch.delitem(sys.modules, "torch_npu")
+    monkeypatch.setattr(builtins, "__import__", failing_import)
+    device_mod._reset_for_tests()
+    assert device_mod.torch_npu() is None  # a RuntimeError is caught too, not only ImportError
+    device_mod._reset_for_tests()
+
+
+class Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(checkpoint(self.inner, x, use_reentrant=False))
+
+
+def test_recomputed_forward_is_not_counted_twice(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    cfg = write_config(tmp_path / "cfg.json", xy_distribution=True, ops=["norm"])
+    torch.manual_seed(0)
+    model = Checkpointed()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(model, grad_acc_steps=1, optimizer=opt)
+    model(torch.randn(3, 4, requires_grad=True)).sum().backward()
+    opt.step()
+    monitor.close()
+    names = [r["name"] for r in read_family(monitor.run_dir, "actv")]
+    assert names.count("inner.0.output") == 1  # the recomputation during backward is skipped
+    grads = {r["name"] for r in read_family(monitor.run_dir, "actv_grad")}
+    assert {"inner.0.output_grad", "head.output_grad", "inner.0.input_grad"} <= grads

@@ -1,0 +1,115 @@
+"""The statistics engine: exact partials, NaN/Inf handling, dtypes, shapes, and exact merging of shards."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import ref_stats
+from trainermon.stats import (
+    CHUNK,
+    MAX,
+    MIN,
+    EngineOptions,
+    StatsEngine,
+    empty_partials,
+    finalize,
+    merge,
+)
+
+
+def _final(engine: StatsEngine, tensors: list[torch.Tensor]) -> dict[str, np.ndarray]:
+    partials = engine.compute(tensors).numpy()
+    numel = np.array([t.numel() for t in tensors], dtype=np.float64)
+    return finalize(partials, numel)
+
+
+def _check(values: dict[str, np.ndarray], i: int, ref: dict[str, float], rtol: float = 1e-5) -> None:
+    for op in ("norm", "mean", "min", "max", "nans", "infs"):
+        got, want = float(values[op][i]), ref[op]
+        if math.isnan(want):
+            assert math.isnan(got), op
+        else:
+            assert got == pytest.approx(want, rel=rtol, abs=1e-6 * max(ref["norm"], 1e-30)), op
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["cpu-path", "accelerator-path"])
+def test_plain_values(masked):
+    torch.manual_seed(0)
+    tensors = [torch.randn(7, 5), torch.randn(100) * 3 + 1, torch.tensor([2.5]), torch.randn(3, 4, 5)]
+    values = _final(StatsEngine(EngineOptions(force_masked=masked)), tensors)
+    for i, t in enumerate(tensors):
+        _check(values, i, ref_stats(t))
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["cpu-path", "accelerator-path"])
+def test_nan_and_inf_are_counted_and_excluded(masked):
+    t = torch.tensor([1.0, float("nan"), -3.0, float("inf"), 2.0, float("-inf"), float("nan")])
+    all_bad = torch.tensor([float("nan"), float("inf")])
+    values = _final(StatsEngine(EngineOptions(force_masked=masked)), [t, all_bad])
+    assert values["nans"][0] == 2 and values["infs"][0] == 2
+    assert values["min"][0] == -3.0 and values["max"][0] == 2.0
+    assert values["mean"][0] == pytest.approx(0.0) and values["norm"][0] == pytest.approx(math.sqrt(14))
+    assert values["nans"][1] == 1 and values["infs"][1] == 1
+    assert math.isnan(values["min"][1]) and math.isnan(values["mean"][1]) and values["norm"][1] == 0
+
+
+def test_without_nan_counting_nan_propagates_visibly():
+    values = _final(StatsEngine(EngineOptions(nonfinite=False)), [torch.tensor([1.0, float("nan")])])
+    assert math.isnan(values["norm"][0]) and math.isnan(values["max"][0])
+
+
+def test_zeros_fraction():
+    t = torch.tensor([0.0, 1e-12, 1.0, -2.0, 0.0, float("nan")])
+    values = _final(StatsEngine(EngineOptions(zeros_eps=1e-8)), [t])
+    assert values["zeros"][0] == pytest.approx(3 / 6)  # 0, 1e-12, 0; the NaN is not a zero
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.bool])
+def test_dtypes(dtype):
+    torch.manual_seed(0)
+    t = (torch.randn(1000) * 4).to(dtype)
+    values = _final(StatsEngine(EngineOptions()), [t])
+    _check(values, 0, ref_stats(t), rtol=1e-5)
+
+
+def test_empty_and_non_contiguous():
+    torch.manual_seed(0)
+    base = torch.randn(64, 32)
+    tensors = [torch.empty(0), base.t(), base[:, ::3]]
+    values = _final(StatsEngine(EngineOptions()), tensors)
+    assert values["numel"][0] == 0 and values["norm"][0] == 0 and math.isnan(values["mean"][0])
+    _check(values, 1, ref_stats(base.t()))
+    _check(values, 2, ref_stats(base[:, ::3]))
+
+
+def test_large_tensor_is_chunked_and_accurate():
+    torch.manual_seed(0)
+    t = torch.randn(3 * CHUNK + 17) * 2 + 0.5
+    t[CHUNK + 5] = float("nan")
+    values = _final(StatsEngine(EngineOptions()), [t])
+    _check(values, 0, ref_stats(t), rtol=2e-6)
+
+
+def test_shards_merge_exactly():
+    """Partials of disjoint pieces merge to the statistics of the whole (the ZeRO/FSDP contract)."""
+    torch.manual_seed(0)
+    full = torch.randn(1000)
+    full[10] = float("inf")
+    pieces = [full[:300], full[300:301], full[301:]]
+    engine = StatsEngine(EngineOptions())
+    merged = empty_partials(1)
+    for piece in pieces:
+        merged = merge(merged, engine.compute([piece]))
+    whole = engine.compute([full])
+    values = finalize(merged.numpy(), np.array([1000.0]))
+    _check(values, 0, ref_stats(full))
+    assert merged[0, MIN] == whole[0, MIN] and merged[0, MAX] == whole[0, MAX]
+
+
+def test_complex_tensor_is_a_documented_skip():
+    values = _final(StatsEngine(EngineOptions()), [torch.ones(3, dtype=torch.complex64)])
+    assert math.isnan(values["norm"][0])
