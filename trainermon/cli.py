@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
@@ -26,6 +27,73 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+#: --families names -> the config switches that turn them on.
+FAMILY_SWITCHES = {
+    "actv": "xy_distribution",
+    "actv_grad": "xy_distribution",
+    "xy": "xy_distribution",
+    "grad_unreduced": "wg_distribution",
+    "grad_reduced": "wg_distribution",
+    "wg": "wg_distribution",
+    "exp_avg": "mv_distribution",
+    "exp_avg_sq": "mv_distribution",
+    "mv": "mv_distribution",
+    "param_origin": "param_distribution",
+    "param_updated": "param_distribution",
+    "param": "param_distribution",
+}
+
+
+def _cmd_on(args: argparse.Namespace) -> int:
+    from .config import ConfigError, parse_config
+    from .control import update_config_file
+
+    changes: dict = {"dynamic_on": True}
+    if args.collect_times is not None:
+        changes["collect_times"] = args.collect_times
+    if args.families:
+        wanted = [f.strip() for item in args.families for f in item.split(",") if f.strip()]
+        unknown = [f for f in wanted if f not in FAMILY_SWITCHES]
+        if unknown:
+            print(f"error: unknown families {unknown}; allowed: {sorted(FAMILY_SWITCHES)}", file=sys.stderr)
+            return 2
+        for switch in set(FAMILY_SWITCHES.values()):
+            changes[switch] = False
+        for family in wanted:
+            changes[FAMILY_SWITCHES[family]] = True
+        if "actv" in wanted and "actv_grad" not in wanted:
+            changes["forward_only"] = True
+        elif "actv_grad" in wanted and "actv" not in wanted:
+            changes["backward_only"] = True
+        elif "xy_distribution" in [FAMILY_SWITCHES[f] for f in wanted]:
+            changes["forward_only"] = changes["backward_only"] = False
+    try:
+        with open(args.config, encoding="utf-8") as fh:
+            current = json.load(fh)
+        parse_config({**current, **changes}, source=args.config)  # refuse to write an invalid config
+        update_config_file(args.config, **changes)
+    except (OSError, ValueError, ConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"{args.config}: dynamic_on=true "
+        + " ".join(f"{k}={v}" for k, v in changes.items() if k != "dynamic_on")
+    )
+    return 0
+
+
+def _cmd_off(args: argparse.Namespace) -> int:
+    from .control import update_config_file
+
+    try:
+        update_config_file(args.config, dynamic_on=False)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.config}: dynamic_on=false")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainermon", description="Low-overhead PyTorch training monitor")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -37,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a monitor config file")
     check.add_argument("config")
     check.set_defaults(func=_cmd_check_config)
+    on = sub.add_parser("on", help="switch collection on in a running job's config (DYNAMIC_MONITOR=true)")
+    on.add_argument("config")
+    on.add_argument("--collect-times", type=int, default=None, help="steps to collect before switching off")
+    on.add_argument("--families", nargs="+", help=f"families to collect, of {sorted(FAMILY_SWITCHES)}")
+    on.set_defaults(func=_cmd_on)
+    off = sub.add_parser("off", help="switch collection off in a running job's config")
+    off.add_argument("config")
+    off.set_defaults(func=_cmd_off)
     return parser
 
 

@@ -40,6 +40,10 @@ def transfer_to_host(partials: torch.Tensor, counter: TransferCounter) -> tuple[
     counter.count += 1
     if partials.device.type == "cpu":
         return partials, None
+    if partials.device.type == "npu":
+        from ._device import torch_npu
+
+        torch_npu()  # registers the NPU back-end's events and pinned memory with torch
     host = torch.empty(partials.shape, dtype=partials.dtype, pin_memory=True)
     host.copy_(partials, non_blocking=True)
     event = torch.Event(device=partials.device)

@@ -80,6 +80,7 @@ class MonitorConfig:
     squash_name: bool = False
     # trainermon's own keys
     queue_size: int = 64
+    dynamic_watch: str = "inotify"  # how the config file is watched in dynamic mode: inotify or polling
     csv: dict = field(default_factory=dict)
     parquet: dict = field(default_factory=dict)
     prometheus: dict = field(default_factory=dict)
@@ -135,6 +136,13 @@ def _int(raw: dict, key: str, default: int, lo: int, hi: int) -> int:
         raise _fail(key, value, f"an integer in [{lo}, {hi}]")
     if not lo <= value <= hi:
         raise _fail(key, value, f"an integer in [{lo}, {hi}]")
+    return value
+
+
+def _choice(raw: dict, key: str, default: str, allowed: tuple[str, ...]) -> str:
+    value = raw.get(key, default)
+    if value not in allowed:
+        raise _fail(key, value, f"one of {list(allowed)}")
     return value
 
 
@@ -294,6 +302,7 @@ def parse_config(raw: Any, source: str = "<dict>") -> MonitorConfig:
         stack_info=_bool(raw, "stack_info", False),
         squash_name=_bool(raw, "squash_name", False),
         queue_size=_int(raw, "queue_size", 64, 1, 100_000),
+        dynamic_watch=_choice(raw, "dynamic_watch", "inotify", ("inotify", "polling")),
         csv=_dict(raw, "csv"),
         parquet=_dict(raw, "parquet"),
         prometheus=_dict(raw, "prometheus"),

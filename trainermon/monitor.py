@@ -32,6 +32,7 @@ import torch
 
 from .collector import StepCollector, TransferCounter
 from .config import ConfigError, MonitorConfig, load_config
+from .control import DynamicControl
 from .failsafe import FaultLog
 from .names import clean_name, squash_name, unique_names
 from .placement import LOCAL, TensorPiece
@@ -103,11 +104,10 @@ class TrainerMon:
         if opt_ty is not None:
             logger.info("trainermon: opt_ty=%r is ignored; the optimizer is detected from the object", opt_ty)
         self.dynamic = os.environ.get("DYNAMIC_MONITOR", "false").strip().lower() == "true"
+        self.control: DynamicControl | None = None
         if self.dynamic:
-            logger.warning(
-                "trainermon: DYNAMIC_MONITOR=true: collection follows 'dynamic_on' as read at start; "
-                "live reloading of %s is not available in this version",
-                self.config_file_path,
+            self.control = DynamicControl(
+                self.config_file_path, self.config, polling=self.config.dynamic_watch == "polling"
             )
         self.rank, self.world_size = _dist_info(process_group)
         self.faults = FaultLog()
@@ -121,13 +121,12 @@ class TrainerMon:
         self.collector = StepCollector(self.engine, self.transfers)
         self.schedule = Schedule(self.config)
         self.output_root = os.path.realpath(os.environ.get("MONITOR_OUTPUT_DIR", "./monitor_output"))
-        self.run_id = uuid.uuid4().hex[:8]
-        stamp = datetime.now().strftime("%b%d_%H-%M-%S")
-        self.run_dir = os.path.join(self.output_root, f"{stamp}-rank{self.rank}-{self.run_id}")
+        self.run_dir = self._new_run_dir()
 
         self.current_step = 0
         self.collecting = False
-        self.monitor_time_s = 0.0  # time spent in the monitor on the training thread, last collected step
+        #: Seconds the monitor spent on the training thread in the current (or last) collected step.
+        self.monitor_time_s = 0.0
         self.last_batch: StatBatch | None = None
         self.adapter = None
         self.worker: BackgroundWorker | None = None
@@ -151,6 +150,10 @@ class TrainerMon:
         ref = weakref.ref(self)
         atexit.register(lambda: (m := ref()) is not None and m.close())
 
+    def _new_run_dir(self) -> str:
+        stamp = datetime.now().strftime("%b%d_%H-%M-%S")
+        return os.path.join(self.output_root, f"{stamp}-rank{self.rank}-{uuid.uuid4().hex[:8]}")
+
     # ==== public API ===========================================================================
     def set_monitor(
         self,
@@ -167,7 +170,6 @@ class TrainerMon:
         rank's output directory and starts the background worker. Raises only for invalid arguments.
         """
         from trainermon.adapters import GradTaps, select_adapter
-        from trainermon.exporters import RunInfo, build_exporters
 
         if self._attached:
             raise RuntimeError("trainermon: set_monitor() was already called on this monitor")
@@ -187,19 +189,15 @@ class TrainerMon:
         self._select_params()
         self._select_modules()
 
-        run = RunInfo(self.run_dir, self.output_root, self.rank, self.world_size, self.run_id, self.config)
-        exporters = []
-        try:
-            exporters = build_exporters(run)
-        except Exception as exc:  # noqa: BLE001 - a sink that cannot open must not stop training
-            self.faults.record("exporter open", exc)
         self.worker = BackgroundWorker(
-            exporters, self.faults, self.config.queue_size, observers=[self._observe]
+            self._open_exporters(), self.faults, self.config.queue_size, observers=[self._observe]
         )
 
         self._grad_taps = GradTaps(self._on_unreduced, self._on_microbatch)
-        if self.config.wg_distribution:
+        if self.config.wg_distribution or self.dynamic:  # dynamic: a later config may switch wg on
             self._always_handles += self.adapter.install_grad_taps(self._grad_taps)
+        if self.control is not None:
+            self.control.attach(self.process_group)  # collective across ranks
         step_optimizer = self.adapter.step_optimizer()
         if step_optimizer is not None:
             self._hook_optimizer(step_optimizer)
@@ -212,6 +210,17 @@ class TrainerMon:
             self.run_dir,
         )
         self._begin_step()
+
+    def _open_exporters(self) -> list:
+        from trainermon.exporters import RunInfo, build_exporters
+
+        run_id = os.path.basename(self.run_dir).rsplit("-", 1)[-1]
+        run = RunInfo(self.run_dir, self.output_root, self.rank, self.world_size, run_id, self.config)
+        try:
+            return build_exporters(run)
+        except Exception as exc:  # noqa: BLE001 - a sink that cannot open must not stop training
+            self.faults.record("exporter open", exc, "output is off for this run, training continues")
+            return []
 
     def step(self) -> None:
         """Mark the end of a training step by hand, for loops whose optimizer cannot be hooked.
@@ -233,6 +242,8 @@ class TrainerMon:
             return
         self._closed = True
         self._remove_step_hooks()
+        if self.control is not None:
+            self.control.close()
         for handle in self._always_handles:
             try:
                 handle.remove()
@@ -299,8 +310,40 @@ class TrainerMon:
             return False
         return self.schedule.wants(step)
 
+    def _poll_control(self) -> None:
+        """Dynamic mode: apply a new config from the watched file, on every rank at this same step."""
+        try:
+            new = self.control.poll()
+        except Exception as exc:  # noqa: BLE001
+            self.faults.record("dynamic control", exc)
+            return
+        if new is not None:
+            self._apply_config(new)
+
+    def _apply_config(self, cfg: MonitorConfig) -> None:
+        old = self.config
+        self.config = cfg
+        self.engine.options = EngineOptions(
+            nonfinite=cfg.wants_nonfinite, zeros_eps=cfg.eps if cfg.wants_zeros else None
+        )
+        self.schedule = Schedule(cfg)  # a new config restarts the collection count
+        self._select_params()
+        self._select_modules()
+        output_keys = ("ops", "format", "step_count_per_record", "ndigits", "csv", "parquet", "prometheus")
+        if self.worker is not None and any(getattr(old, k) != getattr(cfg, k) for k in output_keys):
+            self.run_dir = self._new_run_dir()  # new columns or sinks: a new output directory
+            self.worker.replace_exporters(self._open_exporters())
+        logger.info(
+            "trainermon: config reloaded at step %d: dynamic_on=%s, collect_times=%d",
+            self.current_step,
+            cfg.dynamic_on,
+            cfg.collect_times,
+        )
+
     def _begin_step(self) -> None:
         self._step_started_at = time.perf_counter()
+        if self.control is not None:
+            self._poll_control()
         self.collecting = self._wants_step(self.current_step)
         self._module_calls.clear()
         self._mbs_calls.clear()
@@ -351,15 +394,12 @@ class TrainerMon:
     def _on_pre_step(self) -> None:
         if not self.collecting:
             return
-        t0 = time.perf_counter()
         try:
             self._collect_pre_step()
         except Exception as exc:  # noqa: BLE001
             self.faults.record("optimizer pre-step", exc)
-        self.monitor_time_s += time.perf_counter() - t0
 
     def _on_post_step(self) -> None:
-        t0 = time.perf_counter()
         try:
             if self.collecting:
                 self._collect_post_step()
@@ -369,8 +409,6 @@ class TrainerMon:
         except Exception as exc:  # noqa: BLE001
             self.faults.record("optimizer post-step", exc)
             self.collector.reset()
-        if self.collecting:
-            self.monitor_time_s += time.perf_counter() - t0
         self.current_step += 1
         try:
             self._begin_step()
@@ -406,19 +444,27 @@ class TrainerMon:
             self._add("param_updated", self._entries(self.adapter.param_values(self._params)))
 
     def _add(self, family: str, entries: list) -> None:
+        t0 = time.perf_counter()
         with self._lock:
             self.collector.add(family, entries)
+        self.monitor_time_s += time.perf_counter() - t0
 
     def _end_collected_step(self) -> None:
+        t0 = time.perf_counter()
         self.schedule.mark_collected()
-        self.collector.extras["monitor_time_ms"] = self.monitor_time_s * 1e3
         payload = self.collector.finish(self.current_step)
         if payload is not None and self.worker is not None:
             self.worker.submit(payload)
+        self.monitor_time_s += time.perf_counter() - t0
+        if payload is not None:
+            # Time the monitor spent on the training thread this step (hooks, statistics, hand-off).
+            payload.extras["monitor_time_ms"] = self.monitor_time_s * 1e3
         if self._stacks and self.config.stack_info:
             self._write_stack_info()
         if self.config.print_struct:
             self._write_struct_and_stop()
+        if self.control is not None and self.config.dynamic_on and self.schedule.exhausted:
+            self.control.switch_off_in_file()  # the last collection of this switch-on is done
 
     # ==== gradient taps ========================================================================
     def _on_unreduced(self, indices: Sequence[int], grads: Sequence[torch.Tensor]) -> None:

@@ -56,6 +56,11 @@ class BackgroundWorker:
                 )
             return False
 
+    def replace_exporters(self, exporters: Sequence) -> None:
+        """Switch to new exporters after the steps already queued are written (a config change)."""
+        if not self._closed:
+            self._queue.put(("swap", list(exporters)))
+
     def flush(self, timeout: float | None = None) -> None:
         """Block until every submitted step is written and every exporter flushed."""
         if self._closed or not self._thread.is_alive():
@@ -71,6 +76,9 @@ class BackgroundWorker:
         if self._thread.is_alive():
             self._queue.put(_STOP)
             self._thread.join(timeout)
+        self._close_exporters()
+
+    def _close_exporters(self) -> None:
         for i, exporter in enumerate(self.exporters):
             if i in self._disabled:
                 continue
@@ -89,6 +97,10 @@ class BackgroundWorker:
             if isinstance(item, threading.Event):
                 self._flush_exporters()
                 item.set()
+                continue
+            if isinstance(item, tuple) and item[0] == "swap":
+                self._close_exporters()
+                self.exporters, self._disabled = item[1], set()
                 continue
             try:
                 batch = self._finalize(item)

@@ -1,0 +1,296 @@
+"""Dynamic start/stop (DYNAMIC_MONITOR=true): the user guide's scenarios, save styles, two ranks agreeing.
+
+Edits are made "before step i" (before its forward); the watcher flags them within milliseconds and the
+new config applies at the next step boundary, i.e. from step i + 1 on.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from tests.distributed import run_ranks
+from trainermon import TrainerMon
+from trainermon.cli import main as cli_main
+from trainermon.control import ConfigWatcher, DynamicControl, update_config_file
+
+BASE = {"wg_distribution": True, "ops": ["norm"], "dynamic_on": False, "collect_times": 100}
+
+
+def _collected_steps(out_root: str, family: str = "grad_reduced") -> list[int]:
+    steps: set[int] = set()
+    for path in glob.glob(os.path.join(out_root, "*", f"{family}_*.csv")):
+        with open(path, newline="") as fh:
+            steps |= {int(r["step"]) for r in csv.DictReader(fh)}
+    return sorted(steps)
+
+
+def _wait_dirty(monitor: TrainerMon, timeout: float = 5.0) -> None:
+    watcher = monitor.control.watcher
+    deadline = time.monotonic() + timeout
+    while not watcher.dirty and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert watcher.dirty, "the watcher did not see the save"
+
+
+def _train(cfg_path: str, steps: int, actions: dict[int, Callable[[TrainerMon], None]]) -> TrainerMon:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = TrainerMon(cfg_path)
+    monitor.set_monitor(model, optimizer=opt)
+    for i in range(steps):
+        if i in actions:
+            actions[i](monitor)
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    return monitor
+
+
+def _edit(path: str, **changes) -> Callable[[TrainerMon], None]:
+    def act(monitor: TrainerMon) -> None:
+        update_config_file(path, **changes)
+        _wait_dirty(monitor)
+
+    return act
+
+
+@pytest.fixture
+def dyn(tmp_path, monkeypatch):
+    monkeypatch.setenv("DYNAMIC_MONITOR", "true")
+    out = tmp_path / "out"
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(out))
+
+    def make(**keys) -> str:
+        path = tmp_path / "monitor_config.json"
+        path.write_text(json.dumps({**BASE, **keys}))
+        return str(path)
+
+    return make, str(out)
+
+
+def test_static_mode_ignores_edits(tmp_path, monkeypatch):
+    monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps({**BASE, "collect_times": 2}))
+
+    def edit(_monitor):
+        update_config_file(str(path), collect_times=100)
+        time.sleep(0.05)
+
+    monitor = _train(str(path), 5, {1: edit})
+    assert monitor.control is None
+    assert _collected_steps(str(tmp_path / "out")) == [0, 1]
+
+
+def test_dynamic_off_collects_nothing(dyn):
+    make, out = dyn
+    monitor = _train(make(dynamic_on=False), 4, {})
+    assert _collected_steps(out) == [] and monitor.engine.calls == 0
+
+
+def test_dynamic_on_from_the_start_then_switches_itself_off(dyn):
+    make, out = dyn
+    path = make(dynamic_on=True, collect_times=2, step_interval=1)
+    _train(path, 5, {})
+    assert _collected_steps(out) == [0, 1]
+    saved = json.loads(open(path).read())
+    assert saved["dynamic_on"] is False  # rewritten by the monitor ...
+    assert saved["collect_times"] == 2 and saved["ops"] == ["norm"]  # ... keeping the user's other keys
+
+
+def test_switched_on_mid_run(dyn):
+    make, out = dyn
+    path = make(dynamic_on=False)
+    _train(path, 7, {3: _edit(path, dynamic_on=True, collect_times=2)})
+    assert _collected_steps(out) == [4, 5]
+
+
+def test_edit_during_collection_applies_next_step_and_restarts_count(dyn):
+    make, out = dyn
+    path = make(dynamic_on=True, collect_times=5)
+    monitor = _train(path, 8, {2: _edit(path, collect_times=2, ops=["norm", "max"])})
+    assert _collected_steps(out) == [0, 1, 2, 3, 4]
+    # The new ops went to a new output directory from step 3 on.
+    new_dir_rows = [
+        r
+        for p in glob.glob(os.path.join(out, "*", "grad_reduced_*.csv"))
+        for r in csv.DictReader(open(p))
+        if "max" in r
+    ]
+    assert sorted({int(r["step"]) for r in new_dir_rows}) == [3, 4]
+    assert monitor.config.dynamic_on is False  # the automatic stop was applied too
+
+
+def test_switched_on_again_after_automatic_stop(dyn):
+    make, out = dyn
+    path = make(dynamic_on=True, collect_times=2)
+    _train(path, 8, {4: _edit(path, dynamic_on=True, collect_times=1)})
+    assert _collected_steps(out) == [0, 1, 5]
+
+
+def test_off_stops_at_the_next_step(dyn):
+    make, out = dyn
+    path = make(dynamic_on=True)
+    _train(path, 6, {2: _edit(path, dynamic_on=False)})
+    assert _collected_steps(out) == [0, 1, 2]
+
+
+def test_collect_times_zero(dyn):
+    make, out = dyn
+    _train(make(dynamic_on=True, collect_times=0), 3, {})
+    assert _collected_steps(out) == []
+
+
+def test_bad_json_mid_run_keeps_config_and_warns_once(dyn, caplog):
+    make, out = dyn
+    path = make(dynamic_on=True)
+
+    def half_written(monitor):
+        with open(path, "w") as fh:
+            fh.write('{"dynamic_on": tr')
+        _wait_dirty(monitor)
+
+    def wrong_type(monitor):
+        with open(path, "w") as fh:
+            json.dump({**BASE, "dynamic_on": True, "step_interval": "often"}, fh)
+        _wait_dirty(monitor)
+
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        monitor = _train(
+            path, 8, {2: half_written, 3: wrong_type, 5: _edit(path, dynamic_on=False, step_interval=1)}
+        )
+    assert _collected_steps(out) == [0, 1, 2, 3, 4, 5]
+    warnings = [r.getMessage() for r in caplog.records if "keeping the current config" in r.getMessage()]
+    assert len(warnings) == 2 and "not valid JSON" in warnings[0] and "step_interval" in warnings[1]
+    assert monitor.faults.total == 0
+
+
+# ---- save styles ---------------------------------------------------------------------------------
+def _in_place(path):
+    with open(path, "w") as fh:
+        fh.write('{"a": 1}')
+
+
+def _atomic_replace(path):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        fh.write('{"a": 2}')
+    os.replace(tmp, path)
+
+
+def _rename_and_create(path):
+    os.rename(path, path + "~")  # editors that keep a backup
+    with open(path, "w") as fh:
+        fh.write('{"a": 3}')
+
+
+def _delete_and_recreate(path):
+    os.unlink(path)
+    time.sleep(0.05)
+    with open(path, "w") as fh:
+        fh.write('{"a": 4}')
+
+
+@pytest.mark.parametrize("save", [_in_place, _atomic_replace, _rename_and_create, _delete_and_recreate])
+@pytest.mark.parametrize("backend", ["inotify", "polling", "stat"])
+def test_every_save_style_is_seen(tmp_path, monkeypatch, save, backend):
+    path = str(tmp_path / "cfg.json")
+    with open(path, "w") as fh:
+        fh.write("{}")
+    time.sleep(0.02)
+    if backend == "stat":
+        monkeypatch.setitem(sys.modules, "watchdog.observers", None)  # as if watchdog were not installed
+    watcher = ConfigWatcher(path, polling=backend == "polling", poll_interval=0.1)
+    try:
+        assert (
+            watcher.backend
+            == {"inotify": "watchdog", "polling": "watchdog-polling", "stat": "stat-polling"}[backend]
+        )
+        time.sleep(0.15)
+        watcher.dirty = False
+        time.sleep(0.01)
+        save(path)
+        deadline = time.monotonic() + 5
+        while not watcher.dirty and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert watcher.dirty
+    finally:
+        watcher.stop()
+
+
+def test_burst_of_saves_is_one_reload(tmp_path):
+    from trainermon.config import parse_config
+
+    path = str(tmp_path / "cfg.json")
+    with open(path, "w") as fh:
+        json.dump(BASE, fh)
+    control = DynamicControl(path, parse_config(BASE))
+    control.attach()
+    try:
+        for i in range(20):
+            update_config_file(path, collect_times=i + 1)
+        time.sleep(0.3)
+        new = control.poll()
+        assert new is not None and new.collect_times == 20 and control.version == 1
+        assert control.poll() is None
+    finally:
+        control.close()
+
+
+# ---- CLI -----------------------------------------------------------------------------------------
+def test_cli_on_and_off(tmp_path, capsys):
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps({**BASE, "targets": {"layers.0": {}}, "mv_distribution": True}))
+    assert cli_main(["on", str(path), "--collect-times", "7", "--families", "grad_reduced,actv"]) == 0
+    saved = json.loads(path.read_text())
+    assert saved["dynamic_on"] is True and saved["collect_times"] == 7
+    assert saved["wg_distribution"] and saved["xy_distribution"] and saved["forward_only"]
+    assert saved["mv_distribution"] is False and saved["targets"] == {"layers.0": {}}
+    assert cli_main(["off", str(path)]) == 0
+    assert json.loads(path.read_text())["dynamic_on"] is False
+    assert cli_main(["on", str(path), "--families", "gradients"]) == 2
+    assert cli_main(["on", str(path), "--collect-times", "-1"]) == 2  # refused: would be an invalid config
+    assert json.loads(path.read_text())["dynamic_on"] is False
+    assert "collect_times" in capsys.readouterr().err
+
+
+# ---- two ranks -----------------------------------------------------------------------------------
+def _two_rank_switch(rank: int, world: int, root: str) -> list[int]:
+    # Each rank reads its own copy of the config: a filesystem on which rank 1 sees edits 3 steps late.
+    os.environ["DYNAMIC_MONITOR"] = "true"
+    out = os.path.join(root, f"out{rank}")
+    os.environ["MONITOR_OUTPUT_DIR"] = out
+    path = os.path.join(root, f"cfg{rank}.json")
+    with open(path, "w") as fh:
+        json.dump(BASE, fh)
+    lag = 0 if rank == 0 else 3
+
+    def edit(**changes):
+        def act(monitor):
+            update_config_file(path, **changes)
+            if monitor.control.watcher is not None:
+                _wait_dirty(monitor)
+
+        return act
+
+    _train(path, 12, {2 + lag: edit(dynamic_on=True), 6 + lag: edit(dynamic_on=False)})
+    return _collected_steps(out)
+
+
+def test_two_ranks_switch_on_the_same_step(tmp_path):
+    steps = run_ranks(_two_rank_switch, world_size=2, root=str(tmp_path))
+    assert steps[0] == steps[1] == [3, 4, 5, 6]

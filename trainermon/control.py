@@ -1,0 +1,234 @@
+"""Dynamic start/stop: the watched config file, and the rank-consistent decision of what to apply when.
+
+- `ConfigWatcher` notices saves of the config file: watchdog's inotify observer by default (in-place
+  writes, atomic replace, rename-and-create, delete-and-recreate), watchdog's polling observer for
+  filesystems without inotify, or a small stat-polling thread when watchdog is not installed. It only
+  sets a flag; the file is read at the next step boundary, so a burst of events becomes one reload.
+- `DynamicControl` runs at every step boundary. Only the deciding rank (rank 0) looks at the file. With
+  more than one rank, rank 0 broadcasts the config version over a dedicated gloo group (one 16-byte
+  broadcast per step), and the config itself (as JSON) only when the version changed, so every rank
+  applies the same config at the same step whatever its own view of a shared filesystem.
+- `update_config_file` rewrites the file atomically (temporary file, fsync, rename), keeping the user's
+  other keys. The CLI's `on`/`off` and the automatic stop after `collect_times` use it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+from typing import Any
+
+from .config import ConfigError, MonitorConfig, parse_config
+
+logger = logging.getLogger("trainermon")
+
+
+def update_config_file(path: str, **changes: Any) -> dict:
+    """Set keys in a JSON config file atomically, keeping every other key. Returns the new mapping."""
+    with open(path, encoding="utf-8") as fh:
+        raw = json.load(fh)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path!r}: the top level must be a JSON object")
+    raw.update(changes)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".trainermon-", suffix=".json", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(raw, fh, indent=2)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            os.chmod(tmp, os.stat(path).st_mode & 0o777)
+        except OSError:
+            pass
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return raw
+
+
+class ConfigWatcher:
+    """Sets `dirty` when the file at `path` may have changed. Never reads the file itself."""
+
+    def __init__(self, path: str, polling: bool = False, poll_interval: float = 1.0) -> None:
+        self.path = os.path.abspath(path)
+        self.dirty = False
+        self.backend = "none"
+        self._observer: Any = None
+        self._poller: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._start(polling, poll_interval)
+
+    def _start(self, polling: bool, poll_interval: float) -> None:
+        try:
+            from watchdog.events import FileSystemEventHandler
+            from watchdog.observers import Observer
+            from watchdog.observers.polling import PollingObserver
+        except Exception:  # noqa: BLE001 - watchdog missing or broken: use the built-in poller
+            self._start_stat_poller(poll_interval)
+            return
+        watcher = self
+
+        class Handler(FileSystemEventHandler):
+            def on_any_event(self, event: Any) -> None:
+                # Opening or reading the file (our own reload included) is not a change.
+                if event.event_type in ("opened", "closed_no_write"):
+                    return
+                paths = {getattr(event, "src_path", ""), getattr(event, "dest_path", "")}
+                if any(p and os.path.abspath(os.fsdecode(p)) == watcher.path for p in paths):
+                    watcher.dirty = True
+
+        observer = PollingObserver(timeout=poll_interval) if polling else Observer()
+        # Watch the directory, not the file: atomic replaces and re-creations give the file a new inode.
+        observer.schedule(Handler(), os.path.dirname(self.path), recursive=False)
+        observer.daemon = True
+        observer.start()
+        self._observer = observer
+        self.backend = "watchdog-polling" if polling else "watchdog"
+
+    def _start_stat_poller(self, interval: float) -> None:
+        def signature() -> tuple | None:
+            try:
+                st = os.stat(self.path)
+                return (st.st_mtime_ns, st.st_size, st.st_ino)
+            except OSError:
+                return None
+
+        def run() -> None:
+            last = signature()
+            while not self._stop.wait(interval):
+                now = signature()
+                if now != last:
+                    last = now
+                    self.dirty = True
+
+        self._poller = threading.Thread(target=run, name="trainermon-config-poller", daemon=True)
+        self._poller.start()
+        self.backend = "stat-polling"
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._observer is not None:
+            try:
+                self._observer.stop()
+                self._observer.join(timeout=5)
+            except Exception:  # noqa: BLE001
+                pass
+        if self._poller is not None:
+            self._poller.join(timeout=5)
+
+
+class DynamicControl:
+    """Decides, identically on every rank, when a new config applies.
+
+    `poll()` is called at every step boundary by every rank. It returns a new `MonitorConfig` to apply
+    now, or None. Cost per step: a flag check on rank 0, plus (with several ranks) one broadcast of one
+    int64 over a gloo group; the config itself travels only when it changed.
+    """
+
+    def __init__(self, path: str, initial: MonitorConfig, polling: bool = False) -> None:
+        self.path = path
+        self.config = initial
+        self.version = 0
+        self._raw: dict | None = None  # the config mapping of the current version (deciding rank)
+        try:
+            with open(path, encoding="utf-8") as fh:
+                self._raw = json.load(fh)
+        except (OSError, ValueError):
+            self._raw = None
+        self._bad_warned: str | None = None
+        self._group: Any = None
+        self._distributed = False
+        self._rank = 0
+        self.watcher: ConfigWatcher | None = None
+        self._polling = polling
+
+    def attach(self, process_group: Any = None) -> None:
+        """Collective when distributed: every rank calls it once (from set_monitor)."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
+            self._distributed = True
+            self._rank = dist.get_rank(process_group)
+            ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
+            self._group = dist.new_group(ranks=ranks, backend="gloo")
+            self._src = dist.get_global_rank(self._group, 0)
+        if self._rank == 0:
+            self.watcher = ConfigWatcher(self.path, polling=self._polling)
+
+    def _read_if_changed(self) -> None:
+        """Deciding rank: reload the file if the watcher saw a change. A bad file keeps the old config."""
+        if self.watcher is None or not self.watcher.dirty:
+            return
+        self.watcher.dirty = False
+        try:
+            with open(self.path, encoding="utf-8") as fh:
+                text = fh.read()
+            raw = json.loads(text)
+            parse_config(raw, source=self.path)  # validate before publishing
+        except FileNotFoundError:
+            return  # deleted (an editor's save in progress): the re-creation will set dirty again
+        except json.JSONDecodeError as exc:
+            self._warn_bad(f"not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})")
+            return
+        except Exception as exc:  # noqa: BLE001 - whatever is in the file, the running config stays
+            self._warn_bad(str(exc))
+            return
+        self._bad_warned = None
+        if raw == self._raw:
+            return  # saved again with the same content (or a spurious event): nothing to apply
+        self._raw = raw
+        self.version += 1
+
+    def _warn_bad(self, message: str) -> None:
+        if message != self._bad_warned:  # once per distinct problem, not once per event
+            self._bad_warned = message
+            logger.warning("trainermon: %s is invalid, keeping the current config: %s", self.path, message)
+
+    def poll(self) -> MonitorConfig | None:
+        import torch
+        import torch.distributed as dist
+
+        previous = self.version
+        if self._rank == 0:
+            self._read_if_changed()
+        if self._distributed:
+            # The config travels as JSON bytes (never pickled): [version, length] first, bytes if new.
+            data = json.dumps(self._raw).encode() if self._rank == 0 and self._raw is not None else b""
+            box = torch.tensor([self.version, len(data)], dtype=torch.int64)
+            dist.broadcast(box, src=self._src, group=self._group)
+            version, length = (int(v) for v in box.tolist())
+            if version == previous:
+                return None
+            buf = (
+                torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                if data
+                else torch.empty(length, dtype=torch.uint8)
+            )
+            dist.broadcast(buf, src=self._src, group=self._group)
+            self.version = version
+            self._raw = json.loads(bytes(buf.tolist()).decode())
+        elif self.version == previous:
+            return None
+        self.config = parse_config(self._raw, source=self.path)
+        return self.config
+
+    def switch_off_in_file(self) -> None:
+        """After the last collection: set dynamic_on to false in the file (deciding rank only)."""
+        if self._rank != 0:
+            return
+        try:
+            update_config_file(self.path, dynamic_on=False)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("trainermon: could not set dynamic_on to false in %s: %s", self.path, exc)
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
+            self.watcher = None
