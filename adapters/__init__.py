@@ -12,7 +12,13 @@ from .base import Adapter, GradTaps, MonitoredParam
 
 #: Tried in order; the first whose `detect` accepts the objects wins. Plain PyTorch/DDP is last, as the
 #: fallback. Framework adapters are imported only when tried, and each imports its framework lazily.
-ADAPTERS = ("trainermon.adapters.torch_ddp:TorchAdapter",)
+ADAPTERS = (
+    "trainermon.adapters.fsdp:Fsdp2Adapter",
+    "trainermon.adapters.fsdp:Fsdp1Adapter",
+    "trainermon.adapters.megatron:MegatronAdapter",
+    "trainermon.adapters.deepspeed:DeepSpeedAdapter",
+    "trainermon.adapters.torch_ddp:TorchAdapter",
+)
 
 
 def _load(spec: str) -> type[Adapter]:

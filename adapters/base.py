@@ -75,7 +75,11 @@ class Adapter(ABC):
         """Every trainable parameter, in model order, named as the user names it."""
 
     def step_optimizer(self) -> Any:
-        """The object whose `step()` marks the end of a training step (None: the user calls step())."""
+        """The object whose `step()` marks the end of a training step (None: the user calls step()).
+
+        A torch optimizer, or any object with `register_step_pre_hook` / `register_step_post_hook` (an
+        adapter may return a small stand-in to choose where in a framework's step the hooks run), or an
+        object with a `step()` method, which is wrapped on that instance only."""
         return self.optimizer
 
     def grad_acc_steps(self, requested: int) -> int:
@@ -111,6 +115,10 @@ class Adapter(ABC):
 
     def extras(self) -> dict[str, float | torch.Tensor]:
         """Per-step scalars recorded beside grad_reduced (loss scale, clip coefficient, optimizer norm)."""
+        return {}
+
+    def post_step_extras(self) -> dict[str, float | torch.Tensor]:
+        """Per-step scalars known only after the optimizer step (skipped step, the optimizer's norm)."""
         return {}
 
     def close(self) -> None:  # noqa: B027 - optional hook

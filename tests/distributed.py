@@ -31,9 +31,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(
-    rank: int, world_size: int, port: int, fn: Callable[..., Any], kwargs: dict, results: Any
-) -> None:
+def _child(rank: int, world_size: int, port: int, fn: Callable[..., Any], kwargs: dict, results: Any) -> None:
     import torch.distributed as dist
 
     os.environ.update(
@@ -55,7 +53,9 @@ def _child(
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int = 2, timeout: float = 600.0, **kwargs: Any) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any], world_size: int = 2, timeout: float = 600.0, **kwargs: Any
+) -> list[Any]:
     """Run `fn(rank, world_size, **kwargs)` on `world_size` spawned gloo ranks; return results by rank."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -90,7 +90,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, timeout: float = 600.
                         f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} without a result"
                     ) from None
             if time.monotonic() > deadline:
-                raise RankFailed(f"ranks {sorted(set(range(world_size)) - set(got))} timed out after {timeout}s")
+                raise RankFailed(
+                    f"ranks {sorted(set(range(world_size)) - set(got))} timed out after {timeout}s"
+                )
     finally:
         for p in procs:
             p.join(timeout=5.0 if len(got) == world_size and all(ok for ok, _ in got.values()) else 0.5)

@@ -1,0 +1,455 @@
+"""DeepSpeed: the engine with ZeRO stages 0, 1, 2 and 3 (checked on deepspeed 0.19.8; shared/FRAMEWORKS.md).
+
+What is hooked
+- The step: the engine's `_take_model_step` (it runs once per real optimizer step, at the accumulation
+  boundary, also when the step is then skipped on overflow). The adapter wraps it on the engine instance
+  and hands the monitor a small `_StepBoundary` object whose `step()` runs it, so the monitor's pre-step
+  comes before DeepSpeed's gradient clipping and the post-step after the update. Whatever optimizer the
+  user passes (the engine, `engine.optimizer`, Accelerate's wrapper, the basic torch optimizer), the
+  step is the same.
+- grad_unreduced: autograd hooks on `engine.module`'s parameters, which see the local gradient before
+  DeepSpeed reduces it. Where DeepSpeed leaves `.grad` accumulating over micro-batches and reduces only at
+  the boundary (stage 0, ZeRO-1 with DeepSpeedZeroOptimizer) a post-accumulate-grad hook reads `.grad` at
+  the boundary micro-batch. Where it reduces every micro-batch and frees `.grad` (ZeRO-2, ZeRO-3,
+  BF16_Optimizer), a tensor hook sees each micro-batch's own gradient and, on collected steps only, the
+  adapter sums them in float32 until the boundary (one float32 copy per monitored parameter, only while
+  a collected step with gradient accumulation runs).
+
+Where the optimizer-side tensors live (all local reads, no communication; merged by the core's one
+packed reduction per step)
+- stage 0, fp32 (basic torch optimizer): `p.grad` (all-reduced at the boundary), `optimizer.state[p]`
+  and `p` itself, the same on every data-parallel rank (Replicated).
+- stage 0, bf16/fp16 (FP16_UnfusedOptimizer): the low-precision `p.grad`, and float32 masters in
+  `fp32_groups` whose state lives in the inner optimizer (Replicated).
+- ZeRO-1/2 (DeepSpeedZeroOptimizer) and BF16_Optimizer: `p._hp_mapping` says which slice of `p` this
+  rank's flat float32 partition holds (`lp_fragment_address`) and where in the partition
+  (`hp_fragment_address`); the partition's optimizer state is indexed the same way; the reduced
+  gradient fragment comes from the optimizer's gradient dictionary (Sharded).
+- ZeRO-3 (DeepSpeedZeroOptimizer_Stage3): `safe_get_local_grad`, `safe_get_local_fp32_param` and
+  `safe_get_local_optimizer_state` return this rank's partition of the flattened parameter, padded on the
+  last ranks; the padding is cut off here (Sharded).
+
+The `safe_get_full_*` functions all-reduce once per parameter and are never used here (tests only).
+DeepSpeed is imported only once the user has imported it.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trainermon.names import clean_name
+from trainermon.placement import Placement, Replicated, Sharded, TensorPiece
+
+from .base import Adapter, GradTaps, MonitoredParam
+
+logger = logging.getLogger("trainermon")
+
+
+# ==== finding the engine =========================================================================
+def _deepspeed_loaded() -> bool:
+    # Only a program that imported DeepSpeed can hand us its objects; everyone else never imports it.
+    return "deepspeed" in sys.modules
+
+
+def _engine_type() -> type | None:
+    try:
+        from deepspeed.runtime.engine import DeepSpeedEngine
+    except Exception:  # noqa: BLE001 - a broken DeepSpeed install must not break other adapters
+        return None
+    return DeepSpeedEngine
+
+
+def _optimizer_chain(optimizer: Any) -> list[Any]:
+    """The optimizer and what it wraps: Accelerate's DeepSpeedOptimizerWrapper -> ZeRO optimizer ->
+    basic torch optimizer (each holds the next as `.optimizer`)."""
+    chain: list[Any] = []
+    while optimizer is not None and all(optimizer is not o for o in chain) and len(chain) < 8:
+        chain.append(optimizer)
+        optimizer = getattr(optimizer, "optimizer", None)
+    return chain
+
+
+def find_engine(chunks: Sequence[Any], optimizer: Any) -> Any | None:
+    """The DeepSpeedEngine behind a model (the engine or `engine.module`) and/or an optimizer (the
+    engine, `engine.optimizer`, a wrapper of it, or the basic optimizer)."""
+    if not _deepspeed_loaded():
+        return None
+    engine_type = _engine_type()
+    if engine_type is None:
+        return None
+    for chunk in chunks:
+        if isinstance(chunk, engine_type):
+            return chunk
+    chain = _optimizer_chain(optimizer)
+    for obj in chain:
+        if isinstance(obj, engine_type):
+            return obj
+        inner = getattr(obj, "engine", None)  # Accelerate's DeepSpeedEngineWrapper
+        if isinstance(inner, engine_type):
+            return inner
+    # engine.module and engine.optimizer hold no reference back to the engine: look for it once, at
+    # set_monitor time, among live objects (a linear scan, no stack walks, not on any hot path).
+    wanted_modules = {id(c) for c in chunks}
+    wanted_opts = {id(o) for o in chain}
+    for obj in gc.get_objects():
+        # type(), not isinstance(): some lazy module proxies warn when asked for __class__.
+        if issubclass(type(obj), engine_type):
+            opts = (getattr(obj, "optimizer", None), getattr(obj, "basic_optimizer", None))
+            if id(obj.module) in wanted_modules or any(o is not None and id(o) in wanted_opts for o in opts):
+                return obj
+    return None
+
+
+# ==== the step the monitor hooks =================================================================
+class _StepBoundary:
+    """Handed to the monitor as the optimizer to hook: `step(run)` runs one real DeepSpeed step.
+
+    The monitor wraps this instance's `step`, so its pre-step runs right before `run` and its post-step
+    right after."""
+
+    def step(self, run: Callable[[], Any]) -> Any:
+        return run()
+
+
+# ==== per-kind access to the optimizer-side tensors ==============================================
+@dataclass(frozen=True)
+class _Kind:
+    name: str  # "torch", "fp16_wrapper", "zero12", "zero3"
+    grad_keeps_sum: bool  # .grad holds the sum over the step's micro-batches at the boundary
+
+
+def _classify(optimizer: Any) -> _Kind:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return _Kind("torch", True)
+    if hasattr(optimizer, "fp32_partitioned_groups_flat") and hasattr(optimizer, "grad_position"):
+        return _Kind("zero3", False)
+    if hasattr(optimizer, "bit16_groups") and hasattr(optimizer, "single_partition_of_fp32_groups"):
+        # ZeRO-1 reduces once at the boundary, from the .grad that autograd accumulated; ZeRO-2 reduces
+        # (and frees .grad) every micro-batch.
+        return _Kind("zero12", not getattr(optimizer, "partition_gradients", True))
+    if hasattr(optimizer, "bf16_groups") and hasattr(optimizer, "fp32_groups_flat_partition"):
+        return _Kind("zero12", False)  # BF16_Optimizer moves .grad into its fp32 buffer every micro-batch
+    if hasattr(optimizer, "fp16_groups") and isinstance(getattr(optimizer, "fp32_groups", None), list):
+        return _Kind("fp16_wrapper", True)
+    raise TypeError(f"trainermon: unsupported DeepSpeed optimizer {type(optimizer).__name__}")
+
+
+class DeepSpeedAdapter(Adapter):
+    name = "deepspeed"
+
+    def __init__(
+        self, chunks: Sequence[torch.nn.Module], optimizer: Any, dp_group: Any, tp_group: Any
+    ) -> None:
+        engine = find_engine(chunks, optimizer)
+        if engine is None:
+            raise TypeError("trainermon: no DeepSpeed engine found for this model and optimizer")
+        if len(chunks) != 1:
+            raise TypeError("trainermon: the DeepSpeed adapter takes one model (the engine or engine.module)")
+        self.engine = engine
+        ds_optimizer = engine.optimizer
+        super().__init__([engine.module], ds_optimizer, dp_group, tp_group)
+        self.kind = _classify(ds_optimizer)
+        self._dp_group = getattr(engine, "seq_data_parallel_group", None) or getattr(
+            engine, "data_parallel_group", None
+        )
+        if dp_group is not None and dp_group is not self._dp_group:
+            logger.info(
+                "trainermon: dp_group is ignored with DeepSpeed; the engine's data-parallel group is used"
+            )
+        self._params: list[MonitoredParam] | None = None
+        self._boundary = _StepBoundary()
+        self._original_take_step: Any = None
+        self._fp32_master: dict[int, torch.Tensor] = {}  # fp16_wrapper: id(lp param) -> fp32 master
+        self._zero12_group: dict[int, int] = {}  # zero12: id(lp param) -> param group index
+        self._index_maps()
+        self._acc: dict[int, torch.Tensor] = {}  # float32 sums of earlier micro-batches (collected steps)
+        self._skipped: torch.Tensor | None = None
+        self._grad_scale: float | None = None
+        self._hook_error_logged = False
+        self._wrap_engine_step()  # last: nothing after it can fail and leave the engine wrapped
+
+    @classmethod
+    def detect(cls, chunks: Sequence[torch.nn.Module], optimizer: Any) -> bool:
+        return find_engine(chunks, optimizer) is not None
+
+    # ---- structure -----------------------------------------------------------------------------
+    def roots(self) -> list[torch.nn.Module]:
+        return [self.engine.module]
+
+    def parameters(self) -> list[MonitoredParam]:
+        if self._params is None:
+            out: list[MonitoredParam] = []
+            for name, p in self.engine.module.named_parameters():
+                if p.requires_grad:
+                    out.append(MonitoredParam(len(out), 0, clean_name(name), p))
+            self._params = out
+        return self._params
+
+    def grad_acc_steps(self, requested: int) -> int:
+        steps = int(self.engine.gradient_accumulation_steps())
+        if requested not in (1, steps):
+            logger.warning(
+                "trainermon: grad_acc_steps=%d differs from the DeepSpeed engine's %d; using the engine's",
+                requested,
+                steps,
+            )
+        return steps
+
+    def _index_maps(self) -> None:
+        opt = self.optimizer
+        if self.kind.name == "fp16_wrapper":
+            for lp_group, hp_group in zip(opt.fp16_groups, opt.fp32_groups):
+                for lp, hp in zip(lp_group, hp_group):
+                    self._fp32_master[id(lp)] = hp
+        elif self.kind.name == "zero12":
+            groups = opt.bit16_groups if hasattr(opt, "bit16_groups") else opt.bf16_groups
+            for g, group in enumerate(groups):
+                for lp in group:
+                    self._zero12_group[id(lp)] = g
+
+    # ---- the step ------------------------------------------------------------------------------
+    def _wrap_engine_step(self) -> None:
+        engine = self.engine
+        original = engine._take_model_step  # bound method of the class
+        adapter = self
+
+        def take_model_step(*args: Any, **kwargs: Any) -> Any:
+            def run() -> Any:
+                skipped_before = engine.skipped_steps
+                out = original(*args, **kwargs)
+                if adapter._skipped is not None:
+                    # Filled in before the monitor's post-step hands the step's extras to its worker.
+                    adapter._skipped.fill_(1.0 if engine.skipped_steps > skipped_before else 0.0)
+                    adapter._skipped = None
+                return out
+
+            return adapter._boundary.step(run)
+
+        object.__setattr__(engine, "_take_model_step", take_model_step)
+        self._original_take_step = take_model_step
+
+    def step_optimizer(self) -> Any:
+        return self._boundary
+
+    def extras(self) -> dict[str, float | torch.Tensor]:
+        out: dict[str, float | torch.Tensor] = {}
+        scale = self._loss_scale()
+        if scale is not None:
+            out["loss_scale"] = scale
+        # Whether this step is skipped (overflow) is known only after it ran: a 0-d tensor, filled then.
+        self._skipped = torch.zeros(())
+        out["skipped_step"] = self._skipped
+        return out
+
+    def _loss_scale(self) -> float | None:
+        if self.kind.name == "torch":
+            return None
+        try:
+            # BF16_Optimizer never scales the loss and has no such attribute: its scale is 1.
+            return float(getattr(self.optimizer, "loss_scale", 1.0))
+        except Exception:  # noqa: BLE001 - a loss scale that cannot be read is not recorded
+            return None
+
+    def new_step(self) -> None:
+        self._acc.clear()
+
+    def close(self) -> None:
+        if self.engine.__dict__.get("_take_model_step") is self._original_take_step:
+            del self.engine.__dict__["_take_model_step"]
+        self._acc.clear()
+
+    # ---- pre-reduce gradients ------------------------------------------------------------------
+    def install_grad_taps(self, taps: GradTaps) -> list[Any]:
+        handles = []
+        accumulate = self.kind.grad_keeps_sum is False and self.engine.gradient_accumulation_steps() > 1
+        for mp in self.parameters():
+            if accumulate:
+                handles.append(mp.param.register_hook(self._summing_hook(mp.index, taps)))
+            else:
+                handles.append(
+                    mp.param.register_post_accumulate_grad_hook(self._boundary_hook(mp.index, taps))
+                )
+        return handles
+
+    def _boundary_hook(self, index: int, taps: GradTaps) -> Callable[[torch.Tensor], None]:
+        engine = self.engine
+
+        def hook(param: torch.Tensor) -> None:
+            # .grad already holds this step's local sum; DeepSpeed reduces it after this backward.
+            try:
+                if taps.active and param.grad is not None and engine.is_gradient_accumulation_boundary():
+                    taps.on_unreduced([index], [param.grad])
+            except Exception as exc:  # noqa: BLE001 - never raise into the backward pass
+                self._hook_failed(exc)
+
+        return hook
+
+    def _summing_hook(self, index: int, taps: GradTaps) -> Callable[[torch.Tensor], None]:
+        engine = self.engine
+        acc = self._acc
+
+        def hook(grad: torch.Tensor) -> None:
+            # This micro-batch's own gradient; DeepSpeed reduces and frees it before the next one.
+            if not taps.active or grad is None:
+                return
+            try:
+                earlier = acc.get(index)
+                if engine.is_gradient_accumulation_boundary():
+                    total = grad if earlier is None else earlier.add_(grad)
+                    acc.pop(index, None)
+                    taps.on_unreduced([index], [total])
+                elif earlier is None:
+                    acc[index] = grad.detach().to(torch.float32, copy=True)
+                else:
+                    earlier.add_(grad)
+            except Exception as exc:  # noqa: BLE001 - never raise into the backward pass
+                acc.pop(index, None)
+                self._hook_failed(exc)
+
+        return hook
+
+    def _hook_failed(self, exc: BaseException) -> None:
+        if not self._hook_error_logged:
+            self._hook_error_logged = True
+            logger.error(
+                "trainermon: DeepSpeed gradient tap failed (%s: %s); continuing", type(exc).__name__, exc
+            )
+
+    def unreduced_grads(self, params: Sequence[MonitoredParam]) -> list[TensorPiece | None] | None:
+        return None  # reported by the taps during backward
+
+    def install_microbatch_taps(self, params: Sequence[MonitoredParam], taps: GradTaps) -> list[Any]:
+        handles = []
+        for mp in params:
+
+            def hook(grad: torch.Tensor, index: int = mp.index) -> None:
+                taps.on_microbatch(index, grad)
+
+            handles.append(mp.param.register_hook(hook))
+        return handles
+
+    # ---- optimizer-side tensors ----------------------------------------------------------------
+    def reduced_grads(self, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
+        self._grad_scale = self._loss_scale()  # read once per step, not per parameter
+        return [self._piece(mp, "grad") for mp in params]
+
+    def optimizer_state(self, params: Sequence[MonitoredParam], key: str) -> list[TensorPiece | None]:
+        return [self._piece(mp, key) for mp in params]
+
+    def param_values(self, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
+        return [self._piece(mp, "param") for mp in params]
+
+    def _piece(self, mp: MonitoredParam, what: str) -> TensorPiece | None:
+        kind = self.kind.name
+        if kind == "zero12":
+            return self._zero12_piece(mp.param, what)
+        if kind == "zero3":
+            return self._zero3_piece(mp.param, what)
+        return self._replicated_piece(mp.param, what)
+
+    def _unscale(self, grad: torch.Tensor) -> torch.Tensor:
+        scale = self._grad_scale
+        if scale is None or scale == 1.0:
+            return grad
+        return grad.to(torch.float32) / scale  # fp16 only: the recorded gradient is the unscaled one
+
+    def _replicated_piece(self, p: torch.nn.Parameter, what: str) -> TensorPiece | None:
+        placement: Placement = Replicated(self._dp_group)
+        if what == "grad":
+            return None if p.grad is None else self._whole(self._unscale(p.grad), placement)
+        master = self._fp32_master.get(id(p), p) if self.kind.name == "fp16_wrapper" else p
+        if what == "param":
+            return self._whole(master.detach(), placement)
+        inner = self.optimizer if self.kind.name == "torch" else self.optimizer.optimizer
+        value = inner.state.get(master, {}).get(what)
+        return self._whole(value, placement) if isinstance(value, torch.Tensor) else None
+
+    @staticmethod
+    def _whole(t: torch.Tensor, placement: Placement) -> TensorPiece:
+        return TensorPiece(t, placement, tuple(t.shape), t.dtype)
+
+    # ZeRO-1/2 and BF16_Optimizer: this rank's fragment of each parameter, through `_hp_mapping`.
+    def _zero12_partition(self, group: int) -> torch.Tensor:
+        opt = self.optimizer
+        flats = getattr(opt, "single_partition_of_fp32_groups", None) or opt.fp32_groups_flat_partition
+        return flats[group]
+
+    def _zero12_piece(self, p: torch.nn.Parameter, what: str) -> TensorPiece | None:
+        opt = self.optimizer
+        group = self._zero12_group.get(id(p))
+        if group is None:
+            return None
+        placement = Sharded(opt.real_dp_process_group[group])
+        flat = self._zero12_partition(group)
+        frag = getattr(p, "_hp_mapping", None)
+        if what == "grad":
+            # The row exists on every rank when the optimizer holds reduced gradients for the group.
+            grads = _zero12_grad_dict(opt).get(group)
+            if grads is None:
+                return None
+            local = None
+            if frag is not None:
+                g = frag.get_lp_grad_fragment(p._index_in_param_group).reshape(-1)
+                lp = frag.lp_fragment_address
+                if g.numel() != lp.numel:  # BF16_Optimizer keeps the whole parameter's gradient
+                    g = g.narrow(0, lp.start, lp.numel)
+                local = self._unscale(g)
+            return TensorPiece(local, placement, tuple(p.shape), grads[0].dtype if grads else p.dtype)
+        if what == "param":
+            source = flat
+        else:
+            state = opt.optimizer.state.get(flat, {})
+            source = state.get(what)
+            if not isinstance(source, torch.Tensor) or source.shape != flat.shape:
+                return None  # decided from the partition's state, the same on every rank
+        local = None
+        if frag is not None:
+            hp = frag.hp_fragment_address
+            local = source.narrow(0, hp.start, hp.numel)
+        return TensorPiece(local, placement, tuple(p.shape), source.dtype)
+
+    # ZeRO-3: this rank's partition of the flattened parameter (local APIs, no communication).
+    def _zero3_piece(self, p: torch.nn.Parameter, what: str) -> TensorPiece | None:
+        from deepspeed.utils import (
+            safe_get_local_fp32_param,
+            safe_get_local_grad,
+            safe_get_local_optimizer_state,
+        )
+
+        group = getattr(p, "ds_process_group", None) or self.optimizer.dp_process_group
+        try:
+            if what == "grad":
+                local = safe_get_local_grad(p)
+            elif what == "param":
+                local = safe_get_local_fp32_param(p)
+            else:
+                local = safe_get_local_optimizer_state(p, what)
+        except KeyError:
+            return None  # no such state yet; every rank holds a partition, so all agree
+        if local is None:
+            return None
+        local = local.reshape(-1)
+        if what == "grad":
+            local = self._unscale(local)
+        # Partitions are equal-sized; the last ranks' tails are padding beyond the parameter's numel.
+        import torch.distributed as dist
+
+        size = local.numel()
+        valid = max(0, min(size, int(p.ds_numel) - dist.get_rank(group=group) * size))
+        dtype = local.dtype
+        piece = local.narrow(0, 0, valid) if valid > 0 else None
+        return TensorPiece(piece, Sharded(group), tuple(p.ds_shape), dtype)
+
+
+def _zero12_grad_dict(opt: Any) -> dict[int, Any]:
+    grads = getattr(opt, "averaged_gradients", None)
+    if grads is None:
+        grads = getattr(opt, "fp32_groups_gradient_dict", None)
+    return grads if isinstance(grads, dict) else {}

@@ -1,0 +1,366 @@
+"""FSDP1 and FSDP2 on 2 gloo ranks: every family against references computed in the test.
+
+The whole matrix runs in one 2-rank launch (the module-scoped fixture); each configuration trains a small
+model for a few steps beside a plain, unsharded replica trained in lockstep on the same batches:
+- grad_unreduced: the replica's local gradient on this rank's batch (in the FSDP compute dtype);
+- grad_reduced: the replica's gradients averaged over the ranks (all_reduce), the optimizer's input;
+- param_origin / exp_avg / exp_avg_sq / param_updated: the replica's Adam, fed those averaged gradients;
+- actv: the replica's module outputs;
+- the global grad norm: FSDP's own `clip_grad_norm_` total norm on the same step.
+At the end the replica's parameters are also checked against FSDP's gathered ones (summon_full_params /
+full_tensor(): test references only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.distributed import run_ranks
+from tests.helpers import assert_row_matches, keyed, read_family, ref_stats
+
+OPS = ("norm", "mean", "min", "max")
+STEPS = 3
+CASES: list[dict[str, Any]] = [
+    {"id": "fsdp1-orig-full", "fsdp": 1, "orig": True, "strategy": "FULL_SHARD", "ckpt": True},
+    {"id": "fsdp1-flat-full", "fsdp": 1, "orig": False, "strategy": "FULL_SHARD", "ckpt": False},
+    {"id": "fsdp1-orig-grad_op", "fsdp": 1, "orig": True, "strategy": "SHARD_GRAD_OP", "ckpt": False},
+    {"id": "fsdp1-flat-grad_op", "fsdp": 1, "orig": False, "strategy": "SHARD_GRAD_OP", "ckpt": True},
+    {"id": "fsdp2", "fsdp": 2, "mp": False, "ckpt": True},
+    {"id": "fsdp2-bf16", "fsdp": 2, "mp": True, "ckpt": False},
+    # Gradient accumulation over 2 micro-batches (no_sync / set_requires_gradient_sync(False)): the
+    # pre-reduce gradient is the step's sum; with monitor_mbs_grad, each micro-batch's own gradient.
+    {"id": "fsdp1-flat-acc", "fsdp": 1, "orig": False, "strategy": "FULL_SHARD", "ckpt": False, "acc": 2},
+    {
+        "id": "fsdp1-orig-mbs",
+        "fsdp": 1,
+        "orig": True,
+        "strategy": "FULL_SHARD",
+        "ckpt": False,
+        "acc": 2,
+        "mbs": True,
+    },
+    {"id": "fsdp2-bf16-acc", "fsdp": 2, "mp": True, "ckpt": False, "acc": 2},
+    {"id": "fsdp2-mbs", "fsdp": 2, "mp": False, "ckpt": False, "acc": 2, "mbs": True},
+]
+SHARDED_FAMILIES = ("grad_reduced", "param_origin", "exp_avg", "exp_avg_sq", "param_updated")
+ACTV_MODULES = ("inp", "blocks.0", "blocks.1.fc2", "head")
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.fc2 = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        # A one-element parameter: some rank holds no elements of it in every configuration.
+        self.scale = nn.Parameter(torch.full((1,), 0.9))
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList([Block(16), Block(16)])
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x) * self.scale
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def _batch(step: int, rank: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out.float() - y) ** 2).mean()
+
+
+def _wrap(case: dict[str, Any], model: Net) -> nn.Module:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    if case["fsdp"] == 1:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        wrapped = FSDP(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            sharding_strategy=getattr(ShardingStrategy, case["strategy"]),
+            use_orig_params=case["orig"],
+            device_id=torch.device("cpu"),
+        )
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        kw: dict[str, Any] = {"mesh": mesh}
+        if case["mp"]:
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, **kw)
+        wrapped = fully_shard(model, **kw)
+    if case["ckpt"]:
+        apply_activation_checkpointing(wrapped, check_fn=lambda m: isinstance(m, Block))
+    return wrapped
+
+
+def _full_params(case: dict[str, Any], model: nn.Module) -> dict[str, torch.Tensor]:
+    """The gathered parameters (a test reference; the monitor never does this)."""
+    from trainermon.names import clean_name
+
+    if case["fsdp"] == 1:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(model):
+            return {clean_name(n): p.detach().clone() for n, p in model.named_parameters()}
+    return {clean_name(n): p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+def _record(refs: dict, family: str, name: str, step: int, t: torch.Tensor, micro: int | None = None) -> None:
+    refs[(family, name, step, micro)] = ref_stats(t)
+
+
+def _replica_micro_grads(
+    replica: Net, x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype, refs: dict, step: int, micro: int
+) -> dict[str, torch.Tensor]:
+    """The replica's gradients for one micro-batch in the compute dtype; records its activations."""
+    local = copy.deepcopy(replica).to(dtype)
+    outputs: dict[str, torch.Tensor] = {}
+    hooks = [
+        local.get_submodule(n).register_forward_hook(
+            lambda _m, _i, o, n=n: outputs.__setitem__(n, o.detach().clone())
+        )
+        for n in ACTV_MODULES
+    ]
+    _loss(local(x.to(dtype)), y).backward()
+    for h in hooks:
+        h.remove()
+    for n, t in outputs.items():
+        _record(refs, "actv", f"{n}.output", step, t, micro=micro)
+    return {name: p.grad for name, p in local.named_parameters()}
+
+
+def _run_case(case: dict[str, Any], rank: int, world: int, out_dir: str) -> dict[str, Any]:
+    from trainermon import TrainerMon
+
+    torch.manual_seed(0)
+    model = Net()
+    replica = copy.deepcopy(model)
+    compute_dtype = torch.bfloat16 if case.get("mp") else torch.float32
+    acc, mbs = case.get("acc", 1), case.get("mbs", False)
+    fsdp_model = _wrap(case, model)
+    opt = torch.optim.Adam(fsdp_model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(replica.parameters(), lr=1e-2)
+
+    cfg_path = os.path.join(out_dir, "config.json")
+    if rank == 0:
+        config = {
+            "targets": {},
+            "xy_distribution": True,
+            "forward_only": True,
+            "wg_distribution": True,
+            "monitor_mbs_grad": mbs,
+            "mv_distribution": True,
+            "param_distribution": True,
+            "ops": list(OPS),
+            "ndigits": 10,
+        }
+        Path(cfg_path).write_text(json.dumps(config))
+    dist.barrier()
+    os.environ["MONITOR_OUTPUT_DIR"] = out_dir
+    monitor = TrainerMon(cfg_path)
+    monitor.set_monitor(fsdp_model, grad_acc_steps=acc, optimizer=opt)
+    # Parameters of which this rank holds no elements (the adapter's `tensor=None` path).
+    pieces = monitor.adapter.param_values(monitor.adapter.parameters())
+    empty_here = sum(1 for piece in pieces if piece is not None and piece.tensor is None)
+
+    refs: dict = {}
+    clip_norms: list[float] = []
+    for step in range(STEPS):
+        batches = [_batch(step, rank, micro) for micro in range(acc)]
+        # Reference: the replica in the compute dtype on this rank's micro-batches; the pre-reduce
+        # gradient is their sum, accumulated in float32 as FSDP does.
+        micro_grads = [
+            _replica_micro_grads(replica, x, y, compute_dtype, refs, step, micro)
+            for micro, (x, y) in enumerate(batches)
+        ]
+        for name, p in replica.named_parameters():
+            if mbs:
+                for micro, grads in enumerate(micro_grads):
+                    _record(refs, "grad_unreduced", name, step, grads[name], micro=micro)
+            local_sum = micro_grads[0][name] if acc == 1 else sum(g[name].float() for g in micro_grads)
+            if not mbs:
+                _record(refs, "grad_unreduced", name, step, local_sum)
+            reduced = local_sum.float().clone()
+            dist.all_reduce(reduced)
+            p.grad = reduced / world
+            _record(refs, "grad_reduced", name, step, p.grad)
+            _record(refs, "param_origin", name, step, p)
+        ref_opt.step()
+        for name, p in replica.named_parameters():
+            _record(refs, "exp_avg", name, step, ref_opt.state[p]["exp_avg"])
+            _record(refs, "exp_avg_sq", name, step, ref_opt.state[p]["exp_avg_sq"])
+            _record(refs, "param_updated", name, step, p)
+        ref_opt.zero_grad()
+
+        for micro, (x, y) in enumerate(batches):
+            last = micro == acc - 1
+            if case["fsdp"] == 1:
+                with contextlib.nullcontext() if last else fsdp_model.no_sync():
+                    _loss(fsdp_model(x), y).backward()
+            else:
+                fsdp_model.set_requires_gradient_sync(last)
+                _loss(fsdp_model(x), y).backward()
+        # A huge max_norm: the total norm is returned and the gradients are left as they are.
+        if case["fsdp"] == 1:
+            total = fsdp_model.clip_grad_norm_(1e9)
+        else:
+            total = torch.nn.utils.clip_grad_norm_(fsdp_model.parameters(), 1e9)
+            total = total.full_tensor() if hasattr(total, "full_tensor") else total
+        clip_norms.append(float(total))
+        opt.step()
+        opt.zero_grad()
+
+    monitor.flush()
+    extras = dict(monitor.last_batch.extras) if monitor.last_batch is not None else {}
+    adapter = monitor.adapter.name
+    faults = monitor.faults.total
+    monitor.close()
+
+    # The lockstep replica really is FSDP's model (a check on the reference itself).
+    full = _full_params(case, fsdp_model)
+    drift = {n: float((full[n].float() - p.detach()).abs().max()) for n, p in replica.named_parameters()}
+    return {
+        "run_dir": monitor.run_dir,
+        "refs": refs,
+        "clip_norms": clip_norms,
+        "extras": extras,
+        "adapter": adapter,
+        "faults": faults,
+        "drift": drift,
+        "empty_here": empty_here,
+        "names": [n for n, _ in replica.named_parameters()],
+    }
+
+
+def _matrix(rank: int, world: int, out_root: str) -> dict[str, dict[str, Any]]:
+    torch.set_num_threads(1)
+    out = {}
+    for case in CASES:
+        out_dir = os.path.join(out_root, case["id"])
+        os.makedirs(out_dir, exist_ok=True)
+        out[case["id"]] = _run_case(case, rank, world, out_dir)
+    return out
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict[str, Any]]]:
+    return run_ranks(_matrix, world_size=2, out_root=str(tmp_path_factory.mktemp("fsdp")))
+
+
+def _check(rows: dict, refs: dict, family: str, names: list[str], micros: list, rtol: float) -> None:
+    assert {name for (name, _s, _m) in rows} == set(names), f"{family}: {sorted(rows)} != {sorted(names)}"
+    assert len(rows) == STEPS * len(names) * len(micros), f"{family}: unexpected rows {sorted(rows)}"
+    for step in range(STEPS):
+        for name in names:
+            for micro in micros:
+                ref = refs[(family, name, step, micro)]
+                assert_row_matches(rows[(name, step, micro)], ref, OPS, rtol=rtol)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+def test_fsdp_families_match_references(
+    matrix: list[dict[str, dict[str, Any]]], case: dict[str, Any]
+) -> None:
+    r0, r1 = matrix[0][case["id"]], matrix[1][case["id"]]
+    names = r0["names"]
+    acc, mbs, bf16 = case.get("acc", 1), case.get("mbs", False), case.get("mp", False)
+    assert r0["adapter"] == f"fsdp{case['fsdp']}"
+    assert r0["faults"] == 0 and r1["faults"] == 0
+    assert max(r0["drift"].values()) < 1e-5, r0["drift"]
+    assert r0["empty_here"] + r1["empty_here"] > 0, "no parameter without elements on a rank: edge untested"
+    assert all("_fsdp_wrapped_module" not in n and "_checkpoint" not in n for n in names)
+
+    # Optimizer-side families: full-parameter statistics, written once by rank 0 of the shard group.
+    for family in SHARDED_FAMILIES:
+        _check(keyed(read_family(r0["run_dir"], family)), r0["refs"], family, names, [None], rtol=1e-5)
+        assert read_family(r1["run_dir"], family) == [], f"rank 1 wrote {family}"
+
+    # Pre-reduce gradients: every rank's own full-shape local gradient (the step's sum over its
+    # micro-batches, or each micro-batch's own with monitor_mbs_grad), in the dtype FSDP reduces.
+    unreduced_dtype = "torch.float32" if not bf16 or (acc > 1 and not mbs) else "torch.bfloat16"
+    for result in (r0, r1):
+        rows = keyed(read_family(result["run_dir"], "grad_unreduced"))
+        micros = list(range(acc)) if mbs else [None]
+        _check(rows, result["refs"], "grad_unreduced", names, micros, rtol=1e-2 if bf16 else 1e-5)
+        assert {r["dtype"] for r in rows.values()} == {unreduced_dtype}
+    shapes = {r["name"]: json.loads(r["shape"]) for r in read_family(r0["run_dir"], "grad_unreduced")}
+    assert shapes["scale"] == [1] and shapes["inp.weight"] == [16, 8]
+
+    # Global grad norm = sqrt(sum of grad_reduced norm^2) = FSDP's clip_grad_norm_ total norm.
+    reduced = read_family(r0["run_dir"], "grad_reduced")
+    for step in range(STEPS):
+        total = math.sqrt(sum(float(r["norm"]) ** 2 for r in reduced if int(r["step"]) == step))
+        assert total == pytest.approx(r0["clip_norms"][step], rel=1e-5)
+    assert r0["extras"]["global_grad_norm"] == pytest.approx(r0["clip_norms"][-1], rel=1e-5)
+
+    # Activations of the user's modules (wrappers are not layers), recomputation not counted twice.
+    for result in (r0, r1):
+        actv = keyed(read_family(result["run_dir"], "actv"))
+        layer_names = {n.rsplit(".", 1)[0] for (n, _s, _m) in actv}
+        assert "" not in layer_names and not any(
+            "_fsdp_wrapped" in n or "_checkpoint" in n for n in layer_names
+        )
+        assert {"inp", "blocks.0", "blocks.0.fc1", "blocks.1.fc2", "norm", "head"} <= layer_names
+        for step in range(STEPS):
+            assert {(n, s, m) for (n, s, m) in actv if s == step and n.endswith(".output")} == {
+                (f"{layer}.output", step, micro) for layer in layer_names for micro in range(acc)
+            }
+            for module in ACTV_MODULES:
+                for micro in range(acc):
+                    key = (f"{module}.output", step, micro)
+                    ref = result["refs"][("actv", key[0], step, micro)]
+                    assert_row_matches(actv[key], ref, OPS, rtol=1e-2 if bf16 else 1e-5)
+
+
+def test_example_script_runs(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(root / "examples" / "fsdp_train.py"), "--steps", "2", "--out", str(out)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for fsdp in ("fsdp1", "fsdp2"):
+        run_dirs = sorted((out / fsdp).glob("*-rank0-*"))
+        assert len(run_dirs) == 1, list((out / fsdp).iterdir())
+        rows = read_family(str(run_dirs[0]), "grad_reduced")
+        assert {int(r["step"]) for r in rows} == {0, 1}
+        assert any(r["name"] == "layers.0.attn_proj.weight" for r in rows), {r["name"] for r in rows}
+        assert all(float(r["norm"]) > 0 for r in rows)
+        assert read_family(str(sorted((out / fsdp).glob("*-rank1-*"))[0]), "grad_unreduced")
