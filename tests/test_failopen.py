@@ -57,7 +57,7 @@ def test_failing_sink_is_disabled_and_others_continue(tmp_path, monkeypatch, cap
     cfg = _config(tmp_path, monkeypatch)
     exploding = ExplodingExporter()
 
-    def build(run):
+    def build(run, faults=None):
         csv = CsvExporter()
         csv.open(run)
         return [exploding, csv]

@@ -27,6 +27,18 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from .convert import convert
+
+    try:
+        parts = convert(args.csv_dir, args.out, rows_per_part=args.rows_per_part)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {len(parts)} part files to {args.out}")
+    return 0
+
+
 #: --families names -> the config switches that turn them on.
 FAMILY_SWITCHES = {
     "actv": "xy_distribution",
@@ -113,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
     off = sub.add_parser("off", help="switch collection off in a running job's config")
     off.add_argument("config")
     off.set_defaults(func=_cmd_off)
+    conv = sub.add_parser(
+        "convert", help="convert CSV output (trainermon's or msprobe's) into the Parquet dataset layout"
+    )
+    conv.add_argument("csv_dir", help="a MONITOR_OUTPUT_DIR with rank directories, or one rank directory")
+    conv.add_argument("out", help="dataset root to write (family=.../rank=.../part-*.parquet)")
+    conv.add_argument("--rows-per-part", type=int, default=1_000_000)
+    conv.set_defaults(func=_cmd_convert)
     return parser
 
 

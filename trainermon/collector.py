@@ -16,7 +16,7 @@ import torch
 
 from .placement import Local, Replicated, Sharded, TensorPiece, writes_rows
 from .records import RowMeta, StepPayload
-from .stats import StatsEngine, empty_partials, reduce_across
+from .stats import NUM_PARTIALS, StatsEngine, empty_partials, reduce_across
 
 
 @dataclass
@@ -103,11 +103,11 @@ class StepCollector:
                 self._rows.extend(device_rows)
                 self._parts.append(self.engine.compute(device_tensors))
 
-    def finish(self, step: int) -> StepPayload | None:
+    def finish(self, step: int) -> StepPayload:
         """Merge sharded rows (collectives on their groups), then move everything to the host at once.
 
         Collective: every rank of each sharded group must call this at the same step, with the same
-        sharded rows. Returns None when this rank has nothing to write.
+        sharded rows. A rank with no rows to write gets a payload with no rows and no transfer.
         """
         rows = list(self._rows)
         parts = list(self._parts)
@@ -119,7 +119,9 @@ class StepCollector:
         extras = self.extras
         self.reset()
         if not rows:
-            return None
+            # Nothing for this rank to write (replicated rows belong to another rank): the step's
+            # scalars still go out, so that live sinks see the step advance. No transfer needed.
+            return StepPayload(step=step, rows=[], partials=torch.zeros((0, NUM_PARTIALS)), extras=extras)
         device = parts[0].device
         partials = torch.cat([p.to(device) for p in parts])
         host, ready = transfer_to_host(partials, self.transfers)

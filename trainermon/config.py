@@ -19,11 +19,9 @@ logger = logging.getLogger("trainermon")
 SUPPORTED_OPS = ("norm", "min", "max", "mean", "zeros", "nans", "infs", "numel", "shape", "dtype")
 #: msprobe ops that trainermon accepts but does not compute (warned and dropped).
 IGNORED_MSPROBE_OPS = ("id",)
-SUPPORTED_FORMATS = ("csv",)
+SUPPORTED_FORMATS = ("csv", "parquet", "prometheus")
 #: Formats that exist in msprobe or in trainermon's plan but are not available in this build.
 UNAVAILABLE_FORMATS = {
-    "parquet": "the Parquet exporter is not implemented yet",
-    "prometheus": "the Prometheus exporter is not implemented yet",
     "tensorboard": "trainermon does not write TensorBoard event files; use csv",
     "api": "msprobe's in-memory 'api' format is not supported; use csv",
 }
@@ -46,8 +44,12 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class AlertConfig:
+    """msprobe's `alert` section plus `escalate_steps`: after an anomaly outside the activations, collect
+    every module's activations for this many steps (0: off)."""
+
     rules: tuple[dict, ...] = ()
     dump: bool = False
+    escalate_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -220,21 +222,25 @@ def _module_ranks(raw: dict) -> tuple[int, ...]:
 
 
 def _alert(raw: dict) -> AlertConfig:
+    from .anomaly import parse_rules
+
     value = _dict(raw, "alert")
     rules = value.get("rules", [])
     if not isinstance(rules, list) or not all(isinstance(r, dict) for r in rules):
         raise _fail(
             "alert.rules", rules, 'a list of objects like {"rule_name": "AnomalyTurbulence", "args": {}}'
         )
+    try:
+        parse_rules(rules)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     dump = value.get("dump", False)
     if not isinstance(dump, bool):
         raise _fail("alert.dump", dump, "true or false")
-    if rules:
-        logger.warning(
-            "trainermon: 'alert.rules' are accepted but anomaly detection is not implemented in this "
-            "version; no anomaly will be reported"
-        )
-    return AlertConfig(rules=tuple(rules), dump=dump)
+    escalate = _int(
+        {"alert.escalate_steps": value.get("escalate_steps", 0)}, "alert.escalate_steps", 0, 0, 10**6
+    )
+    return AlertConfig(rules=tuple(rules), dump=dump, escalate_steps=escalate)
 
 
 def _cc(raw: dict) -> dict:
@@ -244,6 +250,95 @@ def _cc(raw: dict) -> dict:
             "cc_distribution.enable", True, "false (collective-communication monitoring is not supported yet)"
         )
     return value
+
+
+#: Statistics that the Parquet and Prometheus sinks carry as numbers (shape and dtype are metadata).
+NUMERIC_STATS = ("norm", "mean", "min", "max", "zeros", "nans", "infs")
+PARQUET_COMPRESSIONS = ("zstd", "snappy", "gzip", "lz4", "none")
+#: Defaults of the `parquet` section. A part file is completed every `steps_per_part` collected steps,
+#: or when a family buffers `rows_per_part` rows, or `seconds_per_part` after the first buffered row.
+PARQUET_DEFAULTS: dict[str, Any] = {
+    "dir": None,  # dataset root; None = {MONITOR_OUTPUT_DIR}/parquet; relative = under MONITOR_OUTPUT_DIR
+    "steps_per_part": 1000,
+    "rows_per_part": 250_000,
+    "seconds_per_part": 300.0,
+    "compression": "zstd",
+    "compression_level": None,
+}
+#: Defaults of the `prometheus` section.
+PROMETHEUS_DEFAULTS: dict[str, Any] = {
+    "host": "127.0.0.1",
+    "port": 0,  # 0: the OS picks a free port; > 0: base port, the endpoint listens on port + LOCAL_RANK
+    "advertise_host": None,  # host name written into the file_sd target; None = host (or FQDN if 0.0.0.0)
+    "sd_dir": "prometheus_sd",  # file_sd target files, relative to MONITOR_OUTPUT_DIR; null = none
+    "per_parameter": False,
+    "stats": None,  # None = the numeric ops of the config
+    "families": None,  # None = every family
+    "max_series": 10_000,
+}
+
+
+def _section(raw: dict, key: str, defaults: dict[str, Any]) -> dict[str, Any]:
+    value = _dict(raw, key)
+    for sub in value:
+        if sub not in defaults:
+            raise _fail(f"{key}.{sub}", value[sub], f"a key of the '{key}' section: {sorted(defaults)}")
+    return {**defaults, **value}
+
+
+def _opt_str(section: str, values: dict, key: str) -> None:
+    value = values[key]
+    if value is not None and (not isinstance(value, str) or not value):
+        raise _fail(f"{section}.{key}", value, "a non-empty string or null")
+
+
+def _choices(section: str, values: dict, key: str, allowed: tuple[str, ...]) -> None:
+    value = values[key]
+    if value is None:
+        return
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+        raise _fail(f"{section}.{key}", value, f"null or a non-empty list of strings from {list(allowed)}")
+    for item in value:
+        if item not in allowed:
+            raise _fail(f"{section}.{key}", item, f"each one of {list(allowed)}")
+    values[key] = list(dict.fromkeys(value))
+
+
+def _parquet(raw: dict) -> dict[str, Any]:
+    values = _section(raw, "parquet", PARQUET_DEFAULTS)
+    _opt_str("parquet", values, "dir")
+    for key in ("steps_per_part", "rows_per_part"):
+        values[key] = _int({f"parquet.{key}": values[key]}, f"parquet.{key}", 1, 1, 10**9)
+    seconds = values["seconds_per_part"]
+    if seconds is not None and (
+        isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0
+    ):
+        raise _fail("parquet.seconds_per_part", seconds, "a positive number of seconds, or null (no limit)")
+    if values["compression"] not in PARQUET_COMPRESSIONS:
+        raise _fail("parquet.compression", values["compression"], f"one of {list(PARQUET_COMPRESSIONS)}")
+    level = values["compression_level"]
+    if level is not None and (isinstance(level, bool) or not isinstance(level, int)):
+        raise _fail("parquet.compression_level", level, "null or an integer (codec-specific range)")
+    return values
+
+
+def _prometheus(raw: dict) -> dict[str, Any]:
+    from .records import FAMILIES
+
+    values = _section(raw, "prometheus", PROMETHEUS_DEFAULTS)
+    if not isinstance(values["host"], str) or not values["host"]:
+        raise _fail("prometheus.host", values["host"], "an address to bind, e.g. '127.0.0.1' or '0.0.0.0'")
+    values["port"] = _int({"prometheus.port": values["port"]}, "prometheus.port", 0, 0, 65535)
+    _opt_str("prometheus", values, "advertise_host")
+    _opt_str("prometheus", values, "sd_dir")
+    if not isinstance(values["per_parameter"], bool):
+        raise _fail("prometheus.per_parameter", values["per_parameter"], "true or false")
+    _choices("prometheus", values, "stats", NUMERIC_STATS)
+    _choices("prometheus", values, "families", FAMILIES)
+    values["max_series"] = _int(
+        {"prometheus.max_series": values["max_series"]}, "prometheus.max_series", 1, 1, 10**7
+    )
+    return values
 
 
 def parse_config(raw: Any, source: str = "<dict>") -> MonitorConfig:
@@ -304,8 +399,8 @@ def parse_config(raw: Any, source: str = "<dict>") -> MonitorConfig:
         queue_size=_int(raw, "queue_size", 64, 1, 100_000),
         dynamic_watch=_choice(raw, "dynamic_watch", "inotify", ("inotify", "polling")),
         csv=_dict(raw, "csv"),
-        parquet=_dict(raw, "parquet"),
-        prometheus=_dict(raw, "prometheus"),
+        parquet=_parquet(raw),
+        prometheus=_prometheus(raw),
     )
 
 

@@ -26,8 +26,10 @@ class FaultLog:
             first = self.counts[where] == 1
         if first:
             logger.error(
-                "trainermon: error in %s (logged once, counted; %s)",
+                "trainermon: error in %s: %s: %s (logged once, counted; %s)",
                 where,
+                type(exc).__name__,
+                exc,
                 consequence,
                 exc_info=(type(exc), exc, exc.__traceback__),
             )

@@ -124,7 +124,14 @@ class TrainerMon:
         self.run_dir = self._new_run_dir()
 
         self.current_step = 0
-        self.collecting = False
+        self.collecting = False  # anything is collected this step
+        self.scheduled = False  # the configured families are collected this step
+        self.escalating = False  # activations are collected because of a recent anomaly
+        self._actv_on = self._actv_grad_on = False
+        self._escalate_pending = 0  # set by the worker thread, applied at the next step boundary
+        self._escalate_until = -1
+        self._all_module_names: list | None = None
+        self.detector = None
         #: Seconds the monitor spent on the training thread in the current (or last) collected step.
         self.monitor_time_s = 0.0
         self.last_batch: StatBatch | None = None
@@ -189,9 +196,9 @@ class TrainerMon:
         self._select_params()
         self._select_modules()
 
-        self.worker = BackgroundWorker(
-            self._open_exporters(), self.faults, self.config.queue_size, observers=[self._observe]
-        )
+        self._make_detector()
+        observers = [self._observe] if self.detector is None else [self.detector, self._observe]
+        self.worker = BackgroundWorker(self._open_exporters(), self.faults, self.config.queue_size, observers)
 
         self._grad_taps = GradTaps(self._on_unreduced, self._on_microbatch)
         if self.config.wg_distribution or self.dynamic:  # dynamic: a later config may switch wg on
@@ -211,13 +218,33 @@ class TrainerMon:
         )
         self._begin_step()
 
+    def _make_detector(self) -> None:
+        """Anomaly rules from `alert.rules`; the detector runs on the worker before the exporters."""
+        from .anomaly import AnomalyDetector, parse_rules
+
+        rules = parse_rules(self.config.alert.rules)
+        if self.detector is not None:
+            self.detector.rules = rules  # a reloaded config: keep the history, change the rules
+            return
+        if not rules:
+            return
+        pp_stage = 0
+        if self.process_group is not None:
+            import torch.distributed as dist
+
+            pp_stage = dist.get_group_rank(self.process_group, self.rank)
+        self.detector = AnomalyDetector(rules, self.output_root, self.rank, pp_stage)
+        self.detector.on_anomaly.append(self._escalate)
+        if self.worker is not None:
+            self.worker.observers.insert(0, self.detector)
+
     def _open_exporters(self) -> list:
         from trainermon.exporters import RunInfo, build_exporters
 
         run_id = os.path.basename(self.run_dir).rsplit("-", 1)[-1]
         run = RunInfo(self.run_dir, self.output_root, self.rank, self.world_size, run_id, self.config)
         try:
-            return build_exporters(run)
+            return build_exporters(run, faults=self.faults)
         except Exception as exc:  # noqa: BLE001 - a sink that cannot open must not stop training
             self.faults.record("exporter open", exc, "output is off for this run, training continues")
             return []
@@ -257,6 +284,8 @@ class TrainerMon:
                 self.faults.record("adapter close", exc)
         if self.worker is not None:
             self.worker.close()
+        if self.detector is not None:
+            self.detector.close()
 
     def flush(self, timeout: float | None = 60.0) -> None:
         """Wait until every step handed to the worker is written by the exporters."""
@@ -288,11 +317,16 @@ class TrainerMon:
     def _select_modules(self) -> None:
         cfg = self.config
         self._module_names = []
+        self._all_module_names: list | None = None  # built on first escalation
         if not (cfg.collects_actv or cfg.collects_actv_grad):
             return
         if cfg.module_ranks and self.rank not in cfg.module_ranks:
             return
-        every = cfg.all_xy or cfg.print_struct or not cfg.targets
+        self._module_names = self._modules(every=cfg.all_xy or cfg.print_struct or not cfg.targets)
+
+    def _modules(self, every: bool) -> list[tuple[int, str, torch.nn.Module]]:
+        cfg = self.config
+        out = []
         seen: set[int] = set()
         for vpp_stage, root in enumerate(self.adapter.roots()):
             for name, module in root.named_modules():
@@ -302,7 +336,8 @@ class TrainerMon:
                 if every or name in cfg.targets or f"{vpp_stage}:{name}" in cfg.targets:
                     seen.add(id(module))
                     shown = squash_name(name) if cfg.squash_name else name
-                    self._module_names.append((vpp_stage, shown, module))
+                    out.append((vpp_stage, shown, module))
+        return out
 
     # ==== step lifecycle =======================================================================
     def _wants_step(self, step: int) -> bool:
@@ -327,6 +362,7 @@ class TrainerMon:
             nonfinite=cfg.wants_nonfinite, zeros_eps=cfg.eps if cfg.wants_zeros else None
         )
         self.schedule = Schedule(cfg)  # a new config restarts the collection count
+        self._make_detector()
         self._select_params()
         self._select_modules()
         output_keys = ("ops", "format", "step_count_per_record", "ndigits", "csv", "parquet", "prometheus")
@@ -344,21 +380,35 @@ class TrainerMon:
         self._step_started_at = time.perf_counter()
         if self.control is not None:
             self._poll_control()
-        self.collecting = self._wants_step(self.current_step)
+        # scheduled: the configured families; escalating: every module's activations after an anomaly.
+        self.scheduled = self._wants_step(self.current_step)
+        if self._escalate_pending:
+            self._escalate_until = self.current_step + self._escalate_pending - 1
+            self._escalate_pending = 0
+        self.escalating = self.current_step <= self._escalate_until
+        self.collecting = self.scheduled or self.escalating
+        cfg = self.config
+        self._actv_on = (self.scheduled and cfg.collects_actv) or self.escalating
+        self._actv_grad_on = (self.scheduled and cfg.collects_actv_grad) or self.escalating
         self._module_calls.clear()
         self._mbs_calls.clear()
         if self.adapter is not None and hasattr(self.adapter, "new_step"):
             self.adapter.new_step()
         self._remove_step_hooks()
         if self._grad_taps is not None:
-            self._grad_taps.active = self.collecting and self.config.wg_distribution
+            self._grad_taps.active = self.scheduled and cfg.wg_distribution
         if not self.collecting:
             return
         t0 = time.perf_counter()
         self._install_module_hooks()
-        if self.config.wg_distribution and self.config.monitor_mbs_grad:
+        if self.scheduled and cfg.wg_distribution and cfg.monitor_mbs_grad:
             self._step_handles += self.adapter.install_microbatch_taps(self._params, self._grad_taps)
         self.monitor_time_s = time.perf_counter() - t0
+
+    def _escalate(self, step: int, anomalies: list) -> None:
+        """Worker thread: an anomaly outside the activations asks for activations of the next steps."""
+        if self.config.alert.escalate_steps and any(a.family not in ("actv", "actv_grad") for a in anomalies):
+            self._escalate_pending = self.config.alert.escalate_steps
 
     def _remove_step_hooks(self) -> None:
         for handle in self._step_handles:
@@ -392,7 +442,7 @@ class TrainerMon:
         self._optimizer_hooked = True
 
     def _on_pre_step(self) -> None:
-        if not self.collecting:
+        if not self.scheduled:
             return
         try:
             self._collect_pre_step()
@@ -401,8 +451,9 @@ class TrainerMon:
 
     def _on_post_step(self) -> None:
         try:
-            if self.collecting:
+            if self.scheduled:
                 self._collect_post_step()
+            if self.collecting:
                 self._end_collected_step()
         except PrintStructDone:
             raise
@@ -414,7 +465,7 @@ class TrainerMon:
             self._begin_step()
         except Exception as exc:  # noqa: BLE001
             self.faults.record("begin step", exc)
-            self.collecting = False
+            self.collecting = self.scheduled = self.escalating = False
 
     def _entries(self, pieces: list[TensorPiece | None], micro_step: int | None = None):
         return [
@@ -437,6 +488,8 @@ class TrainerMon:
 
     def _collect_post_step(self) -> None:
         cfg = self.config
+        if cfg.wg_distribution:
+            self.collector.extras.update(self.adapter.post_step_extras())
         if cfg.mv_distribution:
             self._add("exp_avg", self._entries(self.adapter.optimizer_state(self._params, "exp_avg")))
             self._add("exp_avg_sq", self._entries(self.adapter.optimizer_state(self._params, "exp_avg_sq")))
@@ -451,7 +504,8 @@ class TrainerMon:
 
     def _end_collected_step(self) -> None:
         t0 = time.perf_counter()
-        self.schedule.mark_collected()
+        if self.scheduled:
+            self.schedule.mark_collected()
         payload = self.collector.finish(self.current_step)
         if payload is not None and self.worker is not None:
             self.worker.submit(payload)
@@ -496,10 +550,15 @@ class TrainerMon:
 
     # ==== activation hooks =====================================================================
     def _install_module_hooks(self) -> None:
-        cfg = self.config
-        want_grad = cfg.collects_actv_grad
-        for vpp_stage, name, module in self._module_names:
-            if want_grad:
+        modules = self._module_names
+        if self.escalating:
+            if self._all_module_names is None:
+                self._all_module_names = self._modules(every=True)
+            modules = self._all_module_names
+        if not (self._actv_on or self._actv_grad_on or self.config.print_struct):
+            return
+        for vpp_stage, name, module in modules:
+            if self._actv_grad_on:
                 self._step_handles.append(
                     module.register_forward_pre_hook(self._make_pre_hook(vpp_stage, name), with_kwargs=True)
                 )
@@ -555,7 +614,7 @@ class TrainerMon:
                     return
                 if cfg.stack_info and name not in self._stacks and name not in self._stacks_written:
                     self._stacks[name] = "".join(traceback.format_stack(limit=32)[:-2])
-                if cfg.collects_actv:
+                if self._actv_on:
                     entries = [
                         (vpp_stage, label, micro, TensorPiece.whole(t, LOCAL))
                         for label, t in zip(_io_names(f"{name}.input", len(inputs)), inputs)
@@ -565,7 +624,7 @@ class TrainerMon:
                     ]
                     if entries:
                         self._add("actv", entries)
-                if cfg.collects_actv_grad and torch.is_grad_enabled():
+                if self._actv_grad_on and torch.is_grad_enabled():
                     for label, t in zip(_io_names(f"{name}.output_grad", len(outputs)), outputs):
                         if t.requires_grad:
                             t.register_hook(self._make_grad_hook("actv_grad", vpp_stage, label, micro))

@@ -1,0 +1,349 @@
+"""Parquet exporter: one tidy, Hive-partitioned dataset for every family and every rank.
+
+Layout (the dataset root defaults to `{MONITOR_OUTPUT_DIR}/parquet`, shared by all ranks of a job):
+
+    {root}/family={family}/rank={rank}/part-{first_step:012d}-{last_step:012d}-{run_id}-{seq:05d}.parquet
+
+Every rank writes only under its own `rank=` directory, and every file name carries the rank's run id,
+so ranks of one job (and restarts of one rank) never write the same file. `family` and `rank` are
+partition columns: they live in the directory names, not in the files (the Hive convention, so that
+pyarrow, DuckDB and Spark read the root as one dataset). The step range in the file name lets a reader
+skip files without opening them (see `trainermon.load`).
+
+A part file is written whole under a hidden temporary name (`.part-....parquet.tmp`, which dataset
+readers ignore), fsynced, then renamed, so a reader (or a job killed mid-write) never sees a partial
+file. Rows are buffered and a part holds them in one large row group; parts are completed every
+`steps_per_part` collected steps, at `rows_per_part` buffered rows of a family, `seconds_per_part`
+after the first buffered row, and at every `flush()` (so a flushed step is never lost).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+import numpy as np
+
+from trainermon.records import StatBatch
+
+from .base import Exporter, RunInfo
+
+logger = logging.getLogger("trainermon")
+
+#: Bumped on any incompatible change of the file schema or the layout.
+SCHEMA_VERSION = 1
+#: Floating-point statistics (float64 in the file; the device accumulates them in float32).
+FLOAT_STATS = ("norm", "mean", "min", "max", "zeros")
+#: Count statistics (int64 in the file).
+COUNT_STATS = ("nans", "infs")
+STATS = FLOAT_STATS + COUNT_STATS
+#: Columns of the tidy table as `trainermon.load` returns it, in order.
+COLUMNS = ("run_id", "vpp_stage", "name", "step", "micro_step") + STATS + ("numel", "shape", "dtype")
+PART_PREFIX = "part-"
+DATASET_MARKER = "_trainermon_dataset.json"
+POINTER_FILE = "parquet.json"  # in each rank's run directory: where its rows went
+
+
+def _pa():
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("the parquet format needs pyarrow: pip install 'trainermon[parquet]'") from exc
+    return pa, pq
+
+
+def file_schema():
+    """Schema of the columns stored in each part file (partition columns excluded)."""
+    pa, _ = _pa()
+    fields = [
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("vpp_stage", pa.int32(), nullable=False),
+        pa.field("name", pa.string(), nullable=False),
+        pa.field("step", pa.int64(), nullable=False),
+        pa.field("micro_step", pa.int32()),  # null where the family has no micro-batches
+    ]
+    fields += [pa.field(s, pa.float64()) for s in FLOAT_STATS]  # null when not in the config's ops
+    fields += [pa.field(s, pa.int64()) for s in COUNT_STATS]
+    fields += [
+        pa.field("numel", pa.int64()),  # null only in converted CSV without numel or shape
+        pa.field("shape", pa.list_(pa.int64())),
+        pa.field("dtype", pa.string()),
+    ]
+    return pa.schema(fields)
+
+
+def partition_schema():
+    pa, _ = _pa()
+    return pa.schema([pa.field("family", pa.string()), pa.field("rank", pa.int32())])
+
+
+def part_name(first_step: int, last_step: int, run_id: str, seq: int) -> str:
+    return f"{PART_PREFIX}{first_step:012d}-{last_step:012d}-{run_id}-{seq:05d}.parquet"
+
+
+def parse_part_name(filename: str) -> tuple[int, int] | None:
+    """(first_step, last_step) from a part file name, or None for other names."""
+    if not filename.startswith(PART_PREFIX) or not filename.endswith(".parquet"):
+        return None
+    bits = filename[len(PART_PREFIX) :].split("-", 2)
+    if len(bits) < 3 or not bits[0].isdigit() or not bits[1].isdigit():
+        return None
+    return int(bits[0]), int(bits[1])
+
+
+def _trainermon_version() -> str:
+    try:
+        from trainermon import __version__
+
+        return __version__
+    except Exception:  # noqa: BLE001 - metadata only
+        return "unknown"
+
+
+def config_json(config: Any) -> str:
+    if dataclasses.is_dataclass(config):
+        return json.dumps(dataclasses.asdict(config), default=str, sort_keys=True)
+    return json.dumps(config, default=str, sort_keys=True)
+
+
+class ColumnBuffer:
+    """Rows of one partition, kept column-wise until a part file is written.
+
+    `extend` takes, per column: a list (strings, shapes), a numpy array, or for statistics either an
+    array or None (not collected: stored as null). `micro_step` is an int array where -1 means null.
+    """
+
+    def __init__(self) -> None:
+        self.chunks: dict[str, list] = {c: [] for c in COLUMNS}
+        self.sizes: list[int] = []
+        self.rows = 0
+        self.first_step: int | None = None
+        self.last_step: int | None = None
+
+    def extend(self, columns: dict[str, Any], steps: np.ndarray) -> None:
+        n = len(steps)
+        if n == 0:
+            return
+        for key in COLUMNS:
+            self.chunks[key].append(columns[key])
+        self.sizes.append(n)
+        self.rows += n
+        lo, hi = int(steps.min()), int(steps.max())
+        self.first_step = lo if self.first_step is None else min(self.first_step, lo)
+        self.last_step = hi if self.last_step is None else max(self.last_step, hi)
+
+    def _stat(self, pa, name: str, typ):
+        parts, masks = [], []
+        for chunk, n in zip(self.chunks[name], self.sizes):
+            if chunk is None:
+                parts.append(np.zeros(n, dtype=np.float64))
+                masks.append(np.ones(n, dtype=bool))
+            else:
+                parts.append(np.asarray(chunk, dtype=np.float64))
+                masks.append(np.zeros(n, dtype=bool))
+        data, mask = np.concatenate(parts), np.concatenate(masks)
+        if name in COUNT_STATS:
+            data = np.nan_to_num(data, nan=0.0).astype(np.int64)
+        return pa.array(data, type=typ, mask=mask if mask.any() else None)
+
+    def to_table(self, metadata: dict[bytes, bytes]):
+        pa, _ = _pa()
+        schema = file_schema()
+        arrays = []
+        for field in schema:
+            name = field.name
+            if name in STATS:
+                arrays.append(self._stat(pa, name, field.type))
+            elif name == "micro_step":
+                data = np.concatenate([np.asarray(c, dtype=np.int64) for c in self.chunks[name]])
+                mask = data < 0
+                arrays.append(pa.array(data, type=field.type, mask=mask if mask.any() else None))
+            elif name == "step":
+                arrays.append(pa.array(np.concatenate(self.chunks[name]), type=field.type))
+            else:
+                arrays.append(pa.array([v for part in self.chunks[name] for v in part], type=field.type))
+        return pa.Table.from_arrays(arrays, schema=schema.with_metadata(metadata))
+
+
+def write_part(
+    root: str,
+    family: str,
+    rank: int,
+    run_id: str,
+    seq: int,
+    buffer: ColumnBuffer,
+    metadata: dict[str, str],
+    compression: str = "zstd",
+    compression_level: int | None = None,
+) -> str:
+    """Write one complete part file atomically; return its final path."""
+    _, pq = _pa()
+    directory = os.path.join(root, f"family={family}", f"rank={rank}")
+    os.makedirs(directory, exist_ok=True)
+    assert buffer.first_step is not None and buffer.last_step is not None
+    name = part_name(buffer.first_step, buffer.last_step, run_id, seq)
+    final = os.path.join(directory, name)
+    tmp = os.path.join(directory, f".{name}.tmp")  # hidden: dataset readers skip dot files
+    meta = {
+        "trainermon.schema_version": str(SCHEMA_VERSION),
+        "trainermon.version": _trainermon_version(),
+        "trainermon.family": family,
+        "trainermon.rank": str(rank),
+        "trainermon.run_id": run_id,
+        "trainermon.first_step": str(buffer.first_step),
+        "trainermon.last_step": str(buffer.last_step),
+        "trainermon.stat_precision": "statistics accumulated in float32 on the device, stored as float64",
+        **metadata,
+    }
+    table = buffer.to_table({k.encode(): v.encode() for k, v in meta.items()})
+    with open(tmp, "wb") as fh:
+        pq.write_table(
+            table,
+            fh,
+            compression=None if compression == "none" else compression,
+            compression_level=compression_level,
+            row_group_size=max(len(table), 1),  # one large row group per part
+        )
+        fh.flush()
+        os.fsync(fh.fileno())  # the rename must not expose a file whose bytes are not yet on disk
+    os.replace(tmp, final)
+    return final
+
+
+def write_dataset_marker(root: str) -> None:
+    """A small description at the dataset root (underscore prefix: dataset readers skip it)."""
+    path = os.path.join(root, DATASET_MARKER)
+    if os.path.exists(path):
+        return
+    body = {
+        "format": "trainermon parquet dataset",
+        "schema_version": SCHEMA_VERSION,
+        "partitioning": "hive: family=<family>/rank=<rank>",
+        "columns": list(COLUMNS),
+    }
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(body, fh, indent=2)
+    os.replace(tmp, path)
+
+
+def default_root(output_root: str, configured: str | None) -> str:
+    if configured is None:
+        return os.path.join(output_root, "parquet")
+    return os.path.join(output_root, configured)  # an absolute `configured` wins in os.path.join
+
+
+class ParquetExporter(Exporter):
+    def open(self, run: RunInfo) -> None:
+        _pa()  # fail at open (one clear error) when pyarrow is missing
+        section = run.config.parquet
+        self.run = run
+        self.root = os.path.realpath(default_root(run.output_root, section.get("dir")))
+        self.steps_per_part = int(section.get("steps_per_part", 1000))
+        self.rows_per_part = int(section.get("rows_per_part", 250_000))
+        self.seconds_per_part = section.get("seconds_per_part", 300.0)
+        self.compression = section.get("compression", "zstd")
+        self.compression_level = section.get("compression_level")
+        self.ops = set(run.config.ops)
+        self.buffers: dict[str, ColumnBuffer] = {}
+        self.seq: dict[str, int] = {}
+        self.steps_buffered = 0
+        self.buffer_started: float | None = None
+        self.parts_written: list[str] = []
+        os.makedirs(self.root, exist_ok=True)
+        write_dataset_marker(self.root)
+        self.metadata = {
+            "trainermon.config": config_json(run.config),
+            "trainermon.run": json.dumps(
+                {
+                    "run_id": run.run_id,
+                    "rank": run.rank,
+                    "world_size": run.world_size,
+                    "run_dir": run.run_dir,
+                    "host": socket.gethostname(),
+                    "pid": os.getpid(),
+                    "torchelastic_run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+                    "started": time.time(),
+                },
+                sort_keys=True,
+            ),
+        }
+        os.makedirs(run.run_dir, exist_ok=True)
+        pointer = {"dataset": self.root, "rank": run.rank, "run_id": run.run_id}
+        with open(os.path.join(run.run_dir, POINTER_FILE), "w", encoding="utf-8") as fh:
+            json.dump(pointer, fh)
+
+    def write(self, batch: StatBatch) -> None:
+        if not batch.rows:
+            return
+        by_family: dict[str, list[int]] = {}
+        for i, row in enumerate(batch.rows):
+            by_family.setdefault(row.family, []).append(i)
+        for family, indices in by_family.items():
+            idx = np.asarray(indices, dtype=np.int64)
+            rows = [batch.rows[i] for i in indices]
+            n = len(rows)
+            micro = np.array([-1 if r.micro_step is None else r.micro_step for r in rows], dtype=np.int64)
+            steps = np.full(n, batch.step, dtype=np.int64)
+            columns: dict[str, Any] = {
+                "run_id": [self.run.run_id] * n,
+                "vpp_stage": [r.vpp_stage for r in rows],
+                "name": [r.name for r in rows],
+                "step": steps,
+                "micro_step": micro,
+                "numel": [r.numel for r in rows],
+                "shape": [list(r.shape) for r in rows],
+                "dtype": [str(r.dtype) for r in rows],
+            }
+            for stat in STATS:
+                if stat in self.ops and stat in batch.values:
+                    columns[stat] = np.asarray(batch.values[stat], dtype=np.float64)[idx]
+                else:
+                    columns[stat] = None  # not collected: null, never a made-up number
+            buffer = self.buffers.setdefault(family, ColumnBuffer())
+            buffer.extend(columns, steps)
+        self.steps_buffered += 1
+        if self.buffer_started is None:
+            self.buffer_started = time.monotonic()
+        if self.steps_buffered >= self.steps_per_part or (
+            self.seconds_per_part is not None
+            and time.monotonic() - self.buffer_started >= float(self.seconds_per_part)
+        ):
+            self._roll(list(self.buffers))
+        else:
+            self._roll([f for f, b in self.buffers.items() if b.rows >= self.rows_per_part])
+
+    def _roll(self, families: list[str]) -> None:
+        for family in families:
+            buffer = self.buffers.pop(family, None)
+            if buffer is None or buffer.rows == 0:
+                continue
+            seq = self.seq.get(family, 0)
+            self.seq[family] = seq + 1
+            path = write_part(
+                self.root,
+                family,
+                self.run.rank,
+                self.run.run_id,
+                seq,
+                buffer,
+                self.metadata,
+                self.compression,
+                self.compression_level,
+            )
+            self.parts_written.append(path)
+        if not self.buffers:
+            self.steps_buffered = 0
+            self.buffer_started = None
+
+    def flush(self) -> None:
+        self._roll(list(self.buffers))
+
+    def close(self) -> None:
+        self.flush()

@@ -1,0 +1,341 @@
+"""Anomaly rules, run on the background worker for every finalised step, and the per-rank record file.
+
+Rules (msprobe's config: `"alert": {"rules": [{"rule_name": ..., "args": {...}}], "dump": true}`):
+
+- `AnomalyTurbulence` (msprobe): a norm or mean above (1 + threshold) x the average of its earlier values
+  (below, for a negative average).
+- `AnomalyNan` (msprobe, fixed): NaN or Inf anywhere in the tensor (from the `nans`/`infs` counts when
+  they are collected, else from a non-finite statistic), or |value| above `threshold` when one is given.
+  Counts are never compared with the magnitude threshold.
+- `AnomalySpike` (trainermon): log(norm) more than `z` robust deviations above the rolling median of the
+  last `window` values, after `warmup` values; per (family, name) and for the global gradient norm.
+
+Every statistic of every row is checked on its own, so anomalies on two statistics of one tensor are
+two records. Records go to `{MONITOR_OUTPUT_DIR}/anomaly_detected/anomaly_rank{R}.jsonl`, appended one
+line at a time and flushed (never rewritten). `sort_key` orders records as they happened in the job.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from .records import StatBatch
+
+logger = logging.getLogger("trainermon")
+
+RULE_NAMES = ("AnomalyTurbulence", "AnomalyNan", "AnomalySpike")
+STAGES = {"actv": "forward", "actv_grad": "backward", "grad_unreduced": "backward"}
+_STAGE_ORDER = {"forward": 0, "backward": 1, "optimizer": 2}
+GLOBAL_NORM = "global_grad_norm"
+
+
+def stage_of(family: str) -> str:
+    return STAGES.get(family, "optimizer")
+
+
+@dataclass(frozen=True)
+class Anomaly:
+    rank: int
+    pp_stage: int
+    vpp_stage: int
+    step: int
+    micro_step: int | None
+    stage: str
+    call_order: int
+    family: str
+    name: str
+    stat: str
+    value: float
+    baseline: float | None
+    rule: str
+    time: float
+
+
+def sort_key(rec: dict) -> tuple:
+    """Order in which anomalies happened: step, micro-batch, forward < backward < optimizer, pipeline order
+    (forward runs stage 0 first, backward the last stage first), then the order of calls in the step."""
+    stage = rec.get("stage", "optimizer")
+    pp = int(rec.get("pp_stage", 0))
+    micro = rec.get("micro_step")
+    return (
+        int(rec["step"]),
+        -1 if micro is None else int(micro),
+        _STAGE_ORDER.get(stage, 3),
+        -pp if stage == "backward" else pp,
+        int(rec.get("vpp_stage", 0)),
+        int(rec.get("call_order", 0)),
+        int(rec.get("rank", 0)),
+    )
+
+
+@dataclass(frozen=True)
+class RuleSpec:
+    name: str
+    args: dict
+
+
+def parse_rules(rules: Iterable[dict]) -> list[RuleSpec]:
+    """Validate alert rules; raises ValueError naming the rule, the key and what is allowed."""
+    out = []
+    for i, rule in enumerate(rules):
+        name = rule.get("rule_name")
+        if name not in RULE_NAMES:
+            raise ValueError(
+                f"config key 'alert.rules[{i}].rule_name': got {name!r}; allowed: one of {list(RULE_NAMES)}"
+            )
+        args = rule.get("args", {}) or {}
+        if not isinstance(args, dict):
+            raise ValueError(f"config key 'alert.rules[{i}].args': got {args!r}; allowed: an object")
+        for key, value in args.items():
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value < 0
+            ):
+                raise ValueError(
+                    f"config key 'alert.rules[{i}].args.{key}': got {value!r}; allowed: a non-negative number"
+                )
+        out.append(RuleSpec(name, dict(args)))
+    return out
+
+
+class _Rolling:
+    """Rolling window of log values with a robust (median / MAD) spike test."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, window: int) -> None:
+        self.values: deque[float] = deque(maxlen=window)
+
+    def check_then_add(self, value: float, warmup: int, z: float, min_rel: float) -> float | None:
+        """Return the baseline (median) if `value` is a spike, else None. Non-finite values are skipped."""
+        if not (value > 0 and math.isfinite(value)):
+            return None
+        logv = math.log(value)
+        baseline = None
+        if len(self.values) >= warmup:
+            arr = np.fromiter(self.values, dtype=np.float64)
+            median = float(np.median(arr))
+            mad = float(np.median(np.abs(arr - median))) * 1.4826
+            # A floor on the deviation: a perfectly steady series must not make tiny wiggles spikes.
+            if logv - median > z * max(mad, math.log1p(min_rel)):
+                baseline = math.exp(median)
+        if baseline is None:
+            self.values.append(logv)  # spikes do not become part of the baseline
+        return baseline
+
+
+class AnomalyDetector:
+    """Applies the configured rules to each StatBatch. Runs on the worker thread only."""
+
+    def __init__(
+        self,
+        rules: list[RuleSpec],
+        out_dir: str,
+        rank: int,
+        pp_stage: int = 0,
+        log_limit_per_step: int = 3,
+    ) -> None:
+        self.rules = rules
+        self.rank = rank
+        self.pp_stage = pp_stage
+        self.path = os.path.join(out_dir, "anomaly_detected", f"anomaly_rank{rank}.jsonl")
+        self.counts: Counter[str] = Counter()
+        self.log_limit = log_limit_per_step
+        self._avg: dict[tuple, tuple[float, int]] = {}
+        self._rolling: dict[tuple, _Rolling] = {}
+        self._fh: Any = None
+        self.on_anomaly: list = []  # callbacks(step, anomalies) — escalation hooks in
+
+    # ---- per step ------------------------------------------------------------------------------
+    def __call__(self, batch: StatBatch) -> None:
+        found: list[Anomaly] = []
+        now = time.time()
+        for rule in self.rules:
+            found += getattr(self, f"_{rule.name}")(batch, rule.args, now)
+        for name, count in Counter(a.rule for a in found).items():
+            self.counts[name] += count
+        for rule in RULE_NAMES:
+            batch.extras[f"anomalies_total.{rule}"] = float(self.counts[rule])
+        if not found:
+            return
+        self._write(found)
+        for a in found[: self.log_limit]:
+            logger.warning(
+                "trainermon: %s at step %d: %s %s %s=%g (baseline %s) on rank %d",
+                a.rule,
+                a.step,
+                a.family,
+                a.name,
+                a.stat,
+                a.value,
+                "n/a" if a.baseline is None else f"{a.baseline:g}",
+                a.rank,
+            )
+        if len(found) > self.log_limit:
+            logger.warning(
+                "trainermon: ... and %d more anomalies at step %d", len(found) - self.log_limit, batch.step
+            )
+        for callback in self.on_anomaly:
+            callback(batch.step, found)
+
+    def _make(
+        self, batch: StatBatch, i: int, stat: str, value: float, baseline: float | None, rule: str, now: float
+    ) -> Anomaly:
+        row = batch.rows[i]
+        return Anomaly(
+            self.rank,
+            self.pp_stage,
+            row.vpp_stage,
+            batch.step,
+            row.micro_step,
+            stage_of(row.family),
+            i,
+            row.family,
+            row.name,
+            stat,
+            float(value),
+            baseline,
+            rule,
+            now,
+        )
+
+    def _global(
+        self, batch: StatBatch, value: float, baseline: float | None, rule: str, now: float
+    ) -> Anomaly:
+        return Anomaly(
+            self.rank,
+            self.pp_stage,
+            0,
+            batch.step,
+            None,
+            "optimizer",
+            len(batch.rows),
+            "grad_reduced",
+            GLOBAL_NORM,
+            "norm",
+            value,
+            baseline,
+            rule,
+            now,
+        )
+
+    # ---- rules -----------------------------------------------------------------------------------
+    def _AnomalyTurbulence(self, batch: StatBatch, args: dict, now: float) -> list[Anomaly]:
+        threshold = float(args.get("threshold", 0.5))
+        out = []
+        for stat in ("norm", "mean"):
+            column = batch.values.get(stat)
+            if column is None:
+                continue
+            for i, value in enumerate(column):
+                value = float(value)
+                if not math.isfinite(value):
+                    continue
+                row = batch.rows[i]
+                key = (row.family, row.vpp_stage, row.name, row.micro_step, stat)
+                avg, n = self._avg.get(key, (0.0, 0))
+                if n:
+                    limit = avg * (1 + threshold) if avg > 0 else avg * (1 - threshold)
+                    if (avg > 0 and value > limit) or (avg < 0 and value < limit):
+                        out.append(self._make(batch, i, stat, value, avg, "AnomalyTurbulence", now))
+                self._avg[key] = ((avg * n + value) / (n + 1), n + 1)
+        return out
+
+    def _AnomalyNan(self, batch: StatBatch, args: dict, now: float) -> list[Anomaly]:
+        threshold = args.get("threshold")
+        out = []
+        nans, infs = batch.values.get("nans"), batch.values.get("infs")
+        for i in range(len(batch.rows)):
+            counted = False
+            for stat, column in (("nans", nans), ("infs", infs)):
+                if column is not None and column[i] > 0:
+                    out.append(self._make(batch, i, stat, float(column[i]), None, "AnomalyNan", now))
+                    counted = True
+            for stat in ("norm", "mean", "min", "max"):
+                column = batch.values.get(stat)
+                if column is None:
+                    continue
+                value = float(column[i])
+                if not math.isfinite(value):
+                    # NaN statistics of an empty/all-non-finite tensor were already reported by count.
+                    if not counted and batch.rows[i].numel > 0:
+                        out.append(self._make(batch, i, stat, value, None, "AnomalyNan", now))
+                elif threshold is not None and abs(value) > float(threshold):
+                    out.append(self._make(batch, i, stat, value, float(threshold), "AnomalyNan", now))
+        norm = batch.extras.get(GLOBAL_NORM)
+        if norm is not None and not math.isfinite(norm):
+            out.append(self._global(batch, norm, None, "AnomalyNan", now))
+        return out
+
+    def _AnomalySpike(self, batch: StatBatch, args: dict, now: float) -> list[Anomaly]:
+        window = int(args.get("window", 50))
+        warmup = max(2, int(args.get("warmup", 10)))
+        z = float(args.get("z", 6.0))
+        min_rel = float(args.get("min_rel", 0.1))
+        out = []
+        norm = batch.extras.get(GLOBAL_NORM)
+        if norm is not None:
+            roll = self._rolling.setdefault(("global",), _Rolling(window))
+            baseline = roll.check_then_add(norm, warmup, z, min_rel)
+            if baseline is not None:
+                out.append(self._global(batch, norm, baseline, "AnomalySpike", now))
+        column = batch.values.get("norm")
+        if column is not None:
+            for i, value in enumerate(column):
+                row = batch.rows[i]
+                key = (row.family, row.vpp_stage, row.name, row.micro_step)
+                roll = self._rolling.get(key)
+                if roll is None:
+                    roll = self._rolling[key] = _Rolling(window)
+                baseline = roll.check_then_add(float(value), warmup, z, min_rel)
+                if baseline is not None:
+                    out.append(self._make(batch, i, "norm", float(value), baseline, "AnomalySpike", now))
+        return out
+
+    # ---- output ----------------------------------------------------------------------------------
+    def _write(self, found: list[Anomaly]) -> None:
+        if self._fh is None:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open, append-only
+        lines = "".join(json.dumps(asdict(a), allow_nan=True) + "\n" for a in found)
+        self._fh.write(lines)
+        self._fh.flush()
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+def load_anomalies(directory: str, steps: tuple[int, int] | None = None) -> list[dict]:
+    """All anomaly records under `directory` (any depth), every rank merged, in the order they happened."""
+    records = []
+    for root, _dirs, files in os.walk(directory):
+        for name in files:
+            if not (name.startswith("anomaly_rank") and name.endswith(".jsonl")):
+                continue
+            with open(os.path.join(root, name), encoding="utf-8") as fh:
+                for line in fh:
+                    line = line.strip()
+                    if not line:
+                        continue
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue  # a line cut by a crash: skip it, keep the rest
+                    if steps is None or steps[0] <= int(rec["step"]) <= steps[1]:
+                        records.append(rec)
+    records.sort(key=sort_key)
+    return records

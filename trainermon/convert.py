@@ -1,0 +1,164 @@
+"""`trainermon convert CSV_DIR OUT`: CSV output (trainermon's or msprobe's) into the Parquet layout.
+
+Input: a directory holding rank directories (`{time}-rank{R}-{id}/`, the layout both tools write) or
+one such directory. Every `{family}_{first}-{last}.csv` in them is read. Columns are taken by header
+name, so any subset and order of statistics works; `vpp_stage` (absent in old msprobe files: taken from
+a `{vpp}:` name prefix, else 0), `micro_step`, `shape` and `dtype` are optional. Output: the same
+dataset layout as the Parquet exporter (`OUT/family=.../rank=.../part-....parquet`).
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+import os
+import re
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from trainermon.exporters.parquet import COUNT_STATS, STATS, ColumnBuffer, write_dataset_marker, write_part
+
+logger = logging.getLogger("trainermon")
+
+_FILE = re.compile(r"^(?P<family>.+)_(?P<first>\d+)-(?P<last>\d+)\.csv$")
+_RANK_DIR = re.compile(r"rank(?P<rank>\d+)(?:-(?P<id>[^/\\]+))?$")
+_VPP_PREFIX = re.compile(r"^(?P<vpp>\d+):(?P<name>.*)$")
+_INT = re.compile(r"-?\d+")
+
+
+def _number(text: str | None) -> float:
+    if text is None or text == "":
+        return math.nan
+    try:
+        return float(text)  # accepts nan, inf, -inf as both tools write them
+    except ValueError:
+        return math.nan
+
+
+def _shape(text: str | None) -> list[int] | None:
+    if text is None or text == "":
+        return None
+    return [int(v) for v in _INT.findall(text)]  # "[4, 8]", "(4, 8)" and "torch.Size([4, 8])" alike
+
+
+def _rank_and_run(directory: str) -> tuple[int, str]:
+    base = os.path.basename(os.path.normpath(directory))
+    match = _RANK_DIR.search(base)
+    if match is None:
+        return 0, base or "csv"
+    return int(match.group("rank")), match.group("id") or base
+
+
+def find_csv_files(csv_dir: str) -> dict[str, list[tuple[str, str]]]:
+    """{directory: [(family, path), ...]} for every CSV file of the tool layout under `csv_dir`."""
+    found: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    for directory, _dirs, files in os.walk(csv_dir):
+        for name in sorted(files):
+            match = _FILE.match(name)
+            if match is not None:
+                found[directory].append((match.group("family"), os.path.join(directory, name)))
+    return dict(found)
+
+
+def _read_csv(path: str) -> list[dict[str, str]]:
+    with open(path, newline="", encoding="utf-8") as fh:
+        return list(csv.DictReader(fh))
+
+
+def convert(
+    csv_dir: str | os.PathLike,
+    out: str | os.PathLike,
+    rows_per_part: int = 1_000_000,
+    compression: str = "zstd",
+) -> list[str]:
+    """Convert every CSV file under `csv_dir` into a Parquet dataset at `out`; return the written parts."""
+    csv_dir, out = os.fspath(csv_dir), os.fspath(out)
+    if not os.path.isdir(csv_dir):
+        raise FileNotFoundError(f"trainermon convert: {csv_dir!r} is not a directory")
+    groups = find_csv_files(csv_dir)
+    if not groups:
+        raise FileNotFoundError(
+            f"trainermon convert: no '{{family}}_{{first}}-{{last}}.csv' files under {csv_dir!r}"
+        )
+    os.makedirs(out, exist_ok=True)
+    write_dataset_marker(out)
+    written: list[str] = []
+    for directory, files in sorted(groups.items()):
+        rank, run_id = _rank_and_run(directory)
+        by_family: dict[str, list[str]] = defaultdict(list)
+        for family, path in files:
+            by_family[family].append(path)
+        for family, paths in sorted(by_family.items()):
+            paths.sort(key=lambda p: int(_FILE.match(os.path.basename(p)).group("first")))
+            buffer, seq = ColumnBuffer(), 0
+            for path in paths:
+                rows = _read_csv(path)
+                if rows:
+                    buffer.extend(_columns(rows, run_id), np.array([int(r["step"]) for r in rows]))
+                if buffer.rows >= rows_per_part:
+                    written.append(_write(out, family, rank, run_id, seq, buffer, csv_dir, compression))
+                    buffer, seq = ColumnBuffer(), seq + 1
+            if buffer.rows:
+                written.append(_write(out, family, rank, run_id, seq, buffer, csv_dir, compression))
+    return written
+
+
+def _write(
+    out: str,
+    family: str,
+    rank: int,
+    run_id: str,
+    seq: int,
+    buffer: ColumnBuffer,
+    source: str,
+    compression: str,
+) -> str:
+    meta = {"trainermon.converted_from": os.path.realpath(source)}
+    return write_part(out, family, rank, run_id, seq, buffer, meta, compression)
+
+
+def _columns(rows: list[dict[str, str]], run_id: str) -> dict[str, Any]:
+    header = rows[0].keys()
+    name_key = "name" if "name" in header else "param_name" if "param_name" in header else None
+    if name_key is None or "step" not in header:
+        raise ValueError(
+            f"trainermon convert: a CSV file has no 'name' or 'step' column (columns: {list(header)})"
+        )
+    vpps, names = [], []
+    for r in rows:
+        name = r[name_key]
+        vpp = r.get("vpp_stage")
+        prefixed = _VPP_PREFIX.match(name)
+        if prefixed is not None:  # msprobe's "{vpp}:{name}" names
+            name = prefixed.group("name")
+            vpp = vpp if vpp not in (None, "") else prefixed.group("vpp")
+        vpps.append(int(vpp) if vpp not in (None, "") else 0)
+        names.append(name)
+    n = len(rows)
+    columns: dict[str, Any] = {
+        "run_id": [run_id] * n,
+        "vpp_stage": vpps,
+        "name": names,
+        "step": np.array([int(r["step"]) for r in rows], dtype=np.int64),
+        "micro_step": np.array(
+            [int(r["micro_step"]) if r.get("micro_step") not in (None, "") else -1 for r in rows],
+            dtype=np.int64,
+        ),
+    }
+    for stat in STATS:
+        if stat in header:
+            values = np.array([_number(r[stat]) for r in rows], dtype=np.float64)
+            columns[stat] = np.nan_to_num(values, nan=0.0) if stat in COUNT_STATS else values
+        else:
+            columns[stat] = None
+    shapes = [_shape(r.get("shape")) for r in rows]
+    columns["shape"] = shapes
+    if "numel" in header:
+        columns["numel"] = [int(float(r["numel"])) for r in rows]
+    else:
+        columns["numel"] = [int(np.prod(s)) if s is not None else None for s in shapes]
+    columns["dtype"] = [r.get("dtype") or None for r in rows]
+    return columns

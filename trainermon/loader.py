@@ -1,0 +1,213 @@
+"""`trainermon.load`: read a trainermon Parquet dataset (or a part of it) as one tidy table.
+
+Only the files that can hold requested rows are opened: the family and rank filters choose partition
+directories, and the step filter compares against the step range in each part file's name. The
+remaining filters (names, run ids, exact steps) are pushed down to the Parquet reader, which skips row
+groups by their statistics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from trainermon.exporters.parquet import (
+    COLUMNS,
+    DATASET_MARKER,
+    POINTER_FILE,
+    file_schema,
+    parse_part_name,
+    partition_schema,
+)
+
+#: Columns of the returned table, in order.
+OUTPUT_COLUMNS = ("run_id", "rank", "family") + tuple(c for c in COLUMNS if c != "run_id")
+
+
+def _as_list(value: Any, what: str) -> list | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, int)):
+        return [value]
+    if isinstance(value, Iterable):
+        return list(value)
+    raise TypeError(f"trainermon.load: {what} must be a value or a list of values, got {value!r}")
+
+
+def _step_filter(steps: Any) -> tuple[int, int, list[int] | None] | None:
+    """(lo, hi, exact list or None) from an int, an inclusive (lo, hi) tuple, a range, or a list."""
+    if steps is None:
+        return None
+    if isinstance(steps, bool):
+        raise TypeError("trainermon.load: steps must be an int, a (first, last) tuple, a range or a list")
+    if isinstance(steps, int):
+        return steps, steps, None
+    if isinstance(steps, range):
+        if len(steps) == 0:
+            return 0, -1, []
+        exact = None if steps.step == 1 else list(steps)
+        return min(steps), max(steps), exact
+    if isinstance(steps, tuple) and len(steps) == 2:
+        lo, hi = steps
+        lo = -(2**62) if lo is None else int(lo)
+        hi = 2**62 if hi is None else int(hi)
+        return lo, hi, None
+    if isinstance(steps, Iterable):
+        exact = sorted({int(s) for s in steps})
+        return (exact[0], exact[-1], exact) if exact else (0, -1, [])
+    raise TypeError(
+        f"trainermon.load: steps must be an int, a (first, last) tuple, a range or a list: {steps!r}"
+    )
+
+
+def resolve_dataset(path: str | os.PathLike) -> tuple[str, str | None]:
+    """(dataset root, run id or None) for a dataset root, an output root or a rank's run directory."""
+    path = os.fspath(path)
+    if os.path.isfile(os.path.join(path, POINTER_FILE)):  # a run directory
+        with open(os.path.join(path, POINTER_FILE), encoding="utf-8") as fh:
+            pointer = json.load(fh)
+        return pointer["dataset"], pointer.get("run_id")
+    if os.path.isdir(path) and not _has_partitions(path) and _has_partitions(os.path.join(path, "parquet")):
+        return os.path.join(path, "parquet"), None  # MONITOR_OUTPUT_DIR with the default dataset dir
+    return path, None
+
+
+def _has_partitions(path: str) -> bool:
+    if os.path.isfile(os.path.join(path, DATASET_MARKER)):
+        return True
+    try:
+        return any(e.name.startswith("family=") for e in os.scandir(path))
+    except OSError:
+        return False
+
+
+def select_files(
+    root: str,
+    families: list[str] | None = None,
+    ranks: list[int] | None = None,
+    step_range: tuple[int, int] | None = None,
+) -> list[str]:
+    """Part files under `root` that can hold rows of the given families, ranks and step range."""
+    files: list[str] = []
+    try:
+        family_dirs = sorted(e.name for e in os.scandir(root) if e.is_dir() and e.name.startswith("family="))
+    except FileNotFoundError:
+        return []
+    for fdir in family_dirs:
+        if families is not None and fdir[len("family=") :] not in families:
+            continue
+        fpath = os.path.join(root, fdir)
+        for rdir in sorted(e.name for e in os.scandir(fpath) if e.is_dir() and e.name.startswith("rank=")):
+            value = rdir[len("rank=") :]
+            if ranks is not None and (not value.lstrip("-").isdigit() or int(value) not in ranks):
+                continue
+            rpath = os.path.join(fpath, rdir)
+            for name in sorted(os.listdir(rpath)):
+                if name.startswith((".", "_")) or not name.endswith(".parquet"):
+                    continue  # temporary (incomplete) files and side files
+                span = parse_part_name(name)
+                if step_range is not None and span is not None:
+                    if span[1] < step_range[0] or span[0] > step_range[1]:
+                        continue
+                files.append(os.path.join(rpath, name))
+    return files
+
+
+def load(
+    path: str | os.PathLike,
+    family: str | Iterable[str] | None = None,
+    names: str | Iterable[str] | None = None,
+    steps: Any = None,
+    as_pandas: bool = False,
+    ranks: int | Iterable[int] | None = None,
+    run_id: str | Iterable[str] | None = None,
+    columns: Iterable[str] | None = None,
+) -> Any:
+    """Load trainermon statistics from Parquet as a pyarrow Table (a pandas DataFrame with `as_pandas`).
+
+    path: the dataset root (`{MONITOR_OUTPUT_DIR}/parquet` by default), the output root containing it,
+        a rank's run directory (then only that run's rows), or one part file.
+    family, names, ranks, run_id: one value or a list of values (names match exactly).
+    steps: an int, an inclusive `(first, last)` tuple (either may be None), a range, or a list of steps.
+    columns: a subset of the output columns (default all, in the order of `OUTPUT_COLUMNS`).
+
+    Rows come sorted by family, rank and step, each step's rows in the order they were written.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.dataset as ds
+
+    families = _as_list(family, "family")
+    name_list = _as_list(names, "names")
+    rank_list = [int(r) for r in _as_list(ranks, "ranks") or []] or None
+    run_ids = _as_list(run_id, "run_id")
+    step_spec = _step_filter(steps)
+    path = os.fspath(path)
+
+    full_schema = pa.schema(list(partition_schema()) + list(file_schema()))
+    if os.path.isfile(path):
+        root, files = os.path.dirname(path), [path]
+        dataset = ds.dataset(files, schema=file_schema(), format="parquet")
+        table = dataset.to_table()
+        meta = table.schema.metadata or {}
+        fam = meta.get(b"trainermon.family", b"").decode() or None
+        rank = int(meta.get(b"trainermon.rank", b"0"))
+        table = table.append_column("family", pa.array([fam] * len(table), pa.string()))
+        table = table.append_column("rank", pa.array([rank] * len(table), pa.int32()))
+        expr = _expression(families, name_list, rank_list, run_ids, step_spec)
+        if expr is not None:
+            table = table.filter(expr)
+    else:
+        root, pointed_run = resolve_dataset(path)
+        if pointed_run is not None and run_ids is None:
+            run_ids = [pointed_run]
+        step_range = None if step_spec is None else (step_spec[0], step_spec[1])
+        files = select_files(root, families, rank_list, step_range)
+        if not files:
+            table = full_schema.empty_table()
+        else:
+            dataset = ds.dataset(
+                files,
+                schema=full_schema,
+                format="parquet",
+                partitioning=ds.partitioning(partition_schema(), flavor="hive"),
+                partition_base_dir=root,
+            )
+            expr = _expression(families, name_list, rank_list, run_ids, step_spec)
+            table = dataset.to_table(filter=expr)
+    order = list(columns) if columns is not None else list(OUTPUT_COLUMNS)
+    table = table.select(order)
+    if len(table) and {"family", "rank", "step"} <= set(order):
+        table = table.take(
+            pc.sort_indices(table, [("family", "ascending"), ("rank", "ascending"), ("step", "ascending")])
+        )
+    if as_pandas:
+        return table.to_pandas()
+    return table
+
+
+def _expression(families, names, ranks, run_ids, step_spec):
+    import pyarrow.dataset as ds
+
+    parts = []
+    if families is not None:
+        parts.append(ds.field("family").isin(families))
+    if ranks is not None:
+        parts.append(ds.field("rank").isin(ranks))
+    if names is not None:
+        parts.append(ds.field("name").isin(names))
+    if run_ids is not None:
+        parts.append(ds.field("run_id").isin(run_ids))
+    if step_spec is not None:
+        lo, hi, exact = step_spec
+        parts.append((ds.field("step") >= lo) & (ds.field("step") <= hi))
+        if exact is not None:
+            parts.append(ds.field("step").isin(exact))
+    if not parts:
+        return None
+    expr = parts[0]
+    for p in parts[1:]:
+        expr = expr & p
+    return expr
