@@ -67,9 +67,10 @@ def sort_key(rec: dict) -> tuple:
     stage = rec.get("stage", "optimizer")
     pp = int(rec.get("pp_stage", 0))
     micro = rec.get("micro_step")
+    # Rows with no micro_step (step-level gradients, optimizer state) happen after every micro-batch.
     return (
         int(rec["step"]),
-        -1 if micro is None else int(micro),
+        math.inf if micro is None else int(micro),
         _STAGE_ORDER.get(stage, 3),
         -pp if stage == "backward" else pp,
         int(rec.get("vpp_stage", 0)),
@@ -247,7 +248,7 @@ class AnomalyDetector:
                 key = (row.family, row.vpp_stage, row.name, row.micro_step, stat)
                 avg, n = self._avg.get(key, (0.0, 0))
                 if n:
-                    limit = avg * (1 + threshold) if avg > 0 else avg * (1 - threshold)
+                    limit = avg * (1 + threshold)  # for a negative average: more negative than that
                     if (avg > 0 and value > limit) or (avg < 0 and value < limit):
                         out.append(self._make(batch, i, stat, value, avg, "AnomalyTurbulence", now))
                 self._avg[key] = ((avg * n + value) / (n + 1), n + 1)

@@ -106,6 +106,42 @@ def _cmd_off(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_anomalies(args: argparse.Namespace) -> int:
+    import os
+
+    from .anomaly import load_anomalies
+
+    steps = None
+    if args.steps:
+        try:
+            lo, _, hi = args.steps.partition("-")
+            steps = (int(lo), int(hi or lo))
+        except ValueError:
+            print(f"error: --steps {args.steps!r}: allowed: N or FIRST-LAST", file=sys.stderr)
+            return 2
+    if not os.path.isdir(args.dir):
+        print(f"error: {args.dir!r} is not a directory", file=sys.stderr)
+        return 2
+    records = load_anomalies(args.dir, steps)
+    out = args.json or os.path.join(args.dir, "anomaly_analysis.json")
+    with open(out, "w", encoding="utf-8") as fh:
+        json.dump(records, fh, indent=1)
+    if not records:
+        print(f"no anomalies recorded under {args.dir}")
+        return 0
+    print(f"{len(records)} anomalies, in the order they happened (first = first bad tensor):")
+    print(f"{'#':>3} {'step':>6} {'micro':>5} {'stage':<9} {'rank':>4} {'pp':>3} ", end="")
+    print(f"{'rule':<17} {'family':<14} stat  value  name")
+    for i, r in enumerate(records[: args.top]):
+        micro = "-" if r.get("micro_step") is None else r["micro_step"]
+        print(
+            f"{i:>3} {r['step']:>6} {micro:>5} {r['stage']:<9} {r['rank']:>4} {r['pp_stage']:>3} "
+            f"{r['rule']:<17} {r['family']:<14} {r['stat']}  {r['value']:.6g}  {r['name']}"
+        )
+    print(f"written: {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainermon", description="Low-overhead PyTorch training monitor")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -125,6 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
     off = sub.add_parser("off", help="switch collection off in a running job's config")
     off.add_argument("config")
     off.set_defaults(func=_cmd_off)
+    an = sub.add_parser("anomalies", help="merge every rank's anomaly records in the order they happened")
+    an.add_argument("dir", help="MONITOR_OUTPUT_DIR (searched recursively for anomaly_detected/)")
+    an.add_argument("--top", type=int, default=20, help="rows to print (all are written to JSON)")
+    an.add_argument("--steps", default=None, help="N or FIRST-LAST")
+    an.add_argument("--json", default=None, help="output file (default DIR/anomaly_analysis.json)")
+    an.set_defaults(func=_cmd_anomalies)
     conv = sub.add_parser(
         "convert", help="convert CSV output (trainermon's or msprobe's) into the Parquet dataset layout"
     )

@@ -1,0 +1,183 @@
+"""Anomaly rules, first-anomaly localisation across ranks, the spike rule, and escalation."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tests.distributed import run_ranks
+from tests.helpers import read_family, write_config
+from trainermon import ConfigError, TrainerMon, parse_config
+from trainermon.anomaly import AnomalyDetector, load_anomalies, parse_rules
+from trainermon.cli import main as cli_main
+from trainermon.records import RowMeta, StatBatch
+
+
+def _batch(step: int, rows: list[tuple[str, str]], **columns: list[float]) -> StatBatch:
+    metas = [RowMeta(family, 0, name, None, (4,), torch.float32, 4) for family, name in rows]
+    return StatBatch(step, metas, {k: np.array(v, dtype=np.float64) for k, v in columns.items()})
+
+
+def test_msprobe_rules_with_their_faults_fixed(tmp_path):
+    rules = parse_rules(
+        [
+            {"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.5}},
+            {"rule_name": "AnomalyNan", "args": {"threshold": 100.0}},
+        ]
+    )
+    det = AnomalyDetector(rules, str(tmp_path), rank=3)
+    rows = [("grad_reduced", "a"), ("grad_reduced", "b")]
+    det(_batch(0, rows, norm=[1.0, 2.0], mean=[1.0, -1.0], nans=[0, 0], infs=[0, 0]))
+    det(_batch(1, rows, norm=[1.2, 2.0], mean=[1.1, -1.0], nans=[0, 0], infs=[0, 0]))
+    assert det.counts == {}
+    # Step 2: tensor a has norm and mean both turbulent (two records, not one overwriting the other);
+    # tensor b has 500 NaNs (a count: never compared with the magnitude threshold 100) and an Inf.
+    det(_batch(2, rows, norm=[5.0, 2.0], mean=[9.0, -1.0], nans=[0, 500], infs=[0, 1]))
+    det(_batch(3, rows, norm=[1.0, 250.0], mean=[1.0, -1.0], nans=[0, 0], infs=[0, 0]))
+    det.close()
+    recs = load_anomalies(str(tmp_path))
+    got = {(r["step"], r["name"], r["stat"], r["rule"]) for r in recs}
+    assert got == {
+        (2, "a", "norm", "AnomalyTurbulence"),
+        (2, "a", "mean", "AnomalyTurbulence"),
+        (2, "b", "nans", "AnomalyNan"),
+        (2, "b", "infs", "AnomalyNan"),
+        (3, "b", "norm", "AnomalyNan"),  # above the magnitude threshold
+        (3, "b", "norm", "AnomalyTurbulence"),
+    }
+    assert all(r["rank"] == 3 for r in recs)
+    assert det.counts["AnomalyNan"] == 3
+
+
+def test_non_finite_statistics_without_counts_are_caught(tmp_path):
+    det = AnomalyDetector(parse_rules([{"rule_name": "AnomalyNan"}]), str(tmp_path), rank=0)
+    det(_batch(0, [("actv", "x"), ("actv", "y")], norm=[math.inf, 1.0], max=[math.nan, 1.0]))
+    det.close()
+    assert {(r["name"], r["stat"]) for r in load_anomalies(str(tmp_path))} == {("x", "norm"), ("x", "max")}
+
+
+def test_bad_rule_config_names_the_key():
+    with pytest.raises(ConfigError, match=r"alert.rules\[0\].rule_name"):
+        parse_config({"alert": {"rules": [{"rule_name": "AnomalyMagic"}]}})
+    with pytest.raises(ConfigError, match=r"alert.rules\[0\].args.threshold"):
+        parse_config({"alert": {"rules": [{"rule_name": "AnomalyNan", "args": {"threshold": "big"}}]}})
+    with pytest.raises(ConfigError, match="alert.escalate_steps"):
+        parse_config({"alert": {"rules": [], "escalate_steps": -1}})
+
+
+def _steady_run(tmp_path, monkeypatch, steps: int, spike_step: int, **alert):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    cfg = write_config(
+        tmp_path / "cfg.json",
+        wg_distribution=True,
+        ops=["norm", "mean"],
+        alert={"rules": [{"rule_name": "AnomalySpike", "args": {"warmup": 5, "z": 6}}], **alert},
+    )
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(model, optimizer=opt)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 8, generator=gen)
+    for step in range(steps):
+        scale = 1000.0 if step == spike_step else 1.0
+        (model(x + 0.01 * torch.randn(32, 8, generator=gen)).pow(2).mean() * scale).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == spike_step:
+            monitor.flush()  # the detector has seen the spike before the next step begins
+    monitor.close()
+    return monitor
+
+
+def test_spike_fires_at_the_spike_and_not_before(tmp_path, monkeypatch):
+    monitor = _steady_run(tmp_path, monkeypatch, steps=25, spike_step=15)
+    recs = load_anomalies(str(tmp_path / "out"))
+    spikes = [r for r in recs if r["rule"] == "AnomalySpike"]
+    assert {r["step"] for r in spikes} == {15}  # no false positive in 15 warm, steady steps, none after
+    assert any(r["name"] == "global_grad_norm" for r in spikes)
+    glob_spike = next(r for r in spikes if r["name"] == "global_grad_norm")
+    assert glob_spike["value"] > 100 * glob_spike["baseline"]
+    assert monitor.detector.counts["AnomalySpike"] == len(spikes)
+
+
+def test_escalation_collects_activations_for_exactly_k_steps(tmp_path, monkeypatch):
+    run_dir = _steady_run(tmp_path, monkeypatch, steps=25, spike_step=12, escalate_steps=3).run_dir
+    actv = read_family(str(run_dir), "actv")
+    # The spike is evaluated on the worker; escalation starts at the next step boundary after that.
+    assert sorted({int(r["step"]) for r in actv}) == [14, 15, 16]
+    assert {r["name"] for r in actv} == {"0.input", "0.output", "1.input", "1.output", "2.input", "2.output"}
+    assert {int(r["step"]) for r in read_family(str(run_dir), "actv_grad")} == {14, 15, 16}
+
+
+# ---- first-anomaly localisation on 2 ranks ----------------------------------------------------------
+NAN_STEP, NAN_RANK = 3, 1
+
+
+def _nan_run(rank: int, world: int, root: str) -> int:
+    os.environ["MONITOR_OUTPUT_DIR"] = os.path.join(root, "out")
+    cfg = os.path.join(root, f"cfg{rank}.json")
+    with open(cfg, "w") as fh:
+        json.dump(
+            {
+                "xy_distribution": True,
+                "all_xy": True,
+                "wg_distribution": True,
+                "ops": ["norm", "max", "nans"],
+                "alert": {"rules": [{"rule_name": "AnomalyNan"}], "dump": True},
+            },
+            fh,
+        )
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        OrderedDict(
+            fc1=nn.Linear(6, 16), act1=nn.Tanh(), fc2=nn.Linear(16, 16), act2=nn.Tanh(), head=nn.Linear(16, 1)
+        )
+    )
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(ddp, optimizer=opt)
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(6):
+        if step == NAN_STEP and rank == NAN_RANK:
+            with torch.no_grad():
+                model.fc2.weight[3, 5] = float("nan")  # a bad weight on one rank only
+        ddp(torch.randn(4, 6, generator=gen)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    return monitor.faults.total
+
+
+def test_first_anomaly_names_layer_rank_and_step(tmp_path, capsys):
+    assert run_ranks(_nan_run, world_size=2, root=str(tmp_path)) == [0, 0]
+    out = str(tmp_path / "out")
+    assert sorted(os.listdir(os.path.join(out, "anomaly_detected"))) == [
+        "anomaly_rank0.jsonl",
+        "anomaly_rank1.jsonl",
+    ]
+    assert cli_main(["anomalies", out, "--top", "5"]) == 0
+    printed = capsys.readouterr().out
+    first = json.loads(open(os.path.join(out, "anomaly_analysis.json")).read())[0]
+    assert (first["step"], first["rank"], first["name"], first["family"]) == (
+        NAN_STEP,
+        NAN_RANK,
+        "fc2.output",
+        "actv",
+    )
+    assert first["stage"] == "forward" and first["stat"] == "nans"
+    assert "fc2.output" in printed.splitlines()[2]  # the table's first row
+    # Nothing went wrong before the injection, on either rank.
+    assert min(r["step"] for r in load_anomalies(out)) == NAN_STEP
+    assert cli_main(["anomalies", out, "--steps", "0-2"]) == 0
+    assert "no anomalies" in capsys.readouterr().out
