@@ -13,8 +13,10 @@ or FSDP shards, a distributed optimizer's slices) merge exactly:
     zeros     sum        zeros = fraction with |x| < eps
     numel     sum        kept on the host (shapes are static), never computed on the device
 
-Costs: `compute` launches a handful of kernels per tensor (one BLAS dot, one sum, one aminmax per chunk
-of at most 1 Mi elements, so the second and third pass hit cache) and accumulates in float32. It never
+Costs: `compute` launches a handful of kernels per large tensor (one BLAS dot, one sum, one aminmax per
+chunk of at most 1 Mi elements, so the second and third pass hit cache) and accumulates in float32. Small
+tensors (at most GROUP_MAX elements) of one dtype and size are stacked into chunk-sized blocks and reduced
+row-wise, so that hundreds of biases and norm weights cost a few kernels, not hundreds. It never
 copies a whole tensor to float64 and never reads a value back to the host, except on the CPU, where
 checking for non-finite values costs no device sync. `reduce` is two all-reduces over a process group
 for any number of rows (one packed SUM, one packed MAX).
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,6 +43,10 @@ _ADDITIVE = [SUMSQ, SUM, NANS, INFS, ZEROS]
 #: float32 dot products keep the sum of squares accurate to ~1e-6 relative even for 100M elements.
 CHUNK = 1 << 20
 _FAST_DTYPES = (torch.float32, torch.float64)
+#: Tensors of at most this many elements are batched: stacked (per dtype and size) into blocks of at most
+#: CHUNK elements and reduced row-wise. Measured on the CPU: faster than per-tensor kernels up to ~16 Ki
+#: elements, slower above (the row-wise min/max kernels lose to one whole-tensor pass).
+GROUP_MAX = 1 << 14
 
 _warned_complex = False
 
@@ -68,6 +75,10 @@ class StatsEngine:
     def __init__(self, options: EngineOptions) -> None:
         self.options = options
         self.calls = 0
+        # One reusable chunk-sized staging buffer per dtype for stacking small tensors on the CPU: a fresh
+        # 4 MiB allocation per block costs more in page faults than the reductions themselves.
+        self._staging: dict[torch.dtype, torch.Tensor] = {}
+        self._lock = threading.Lock()
 
     def compute(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Return a float32 [len(tensors), NUM_PARTIALS] tensor on the device of the first tensor.
@@ -75,13 +86,54 @@ class StatsEngine:
         All tensors must be on one device. No host sync on accelerators; see the module docstring.
         """
         self.calls += 1
-        if not tensors:
+        with torch.no_grad():  # activations may require grad; statistics never join the graph
+            return self._compute(tensors)
+
+    def _compute(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        n = len(tensors)
+        if not n:
             return empty_partials(0)
         device = tensors[0].device
         opts = self.options
         masked_everywhere = opts.nonfinite and (device.type != "cpu" or opts.force_masked)
-        rows = [_tensor_partials(t, masked_everywhere, opts.zeros_eps) for t in tensors]
-        out = torch.stack(rows)
+        eps = opts.zeros_eps
+        out = empty_partials(n, device)  # rows of empty tensors stay the merge identity
+        order: list[int] = []
+        blocks: list[torch.Tensor] = []
+        groups: dict[tuple[torch.dtype, int], list[int]] = {}
+        for i, t in enumerate(tensors):
+            numel = t.numel()
+            if numel == 0:
+                continue
+            if numel <= GROUP_MAX and not t.is_complex():
+                groups.setdefault((t.dtype, numel), []).append(i)
+                continue
+            blocks.append(_tensor_partials(t, masked_everywhere, eps).unsqueeze(0))
+            order.append(i)
+        for (dtype, numel), members in groups.items():
+            # Small tensors of one dtype and size are stacked (one chunk-sized copy) so that a few row-wise
+            # kernels replace a handful of kernels and Python calls per tensor.
+            per_block = max(1, CHUNK // numel)
+            for start in range(0, len(members), per_block):
+                part = members[start : start + per_block]
+                flats = [tensors[j].reshape(-1) for j in part]
+                if device.type == "cpu":
+                    with self._lock:  # the staging buffer is shared; CPU kernels finish before we return
+                        rows = torch.stack(flats, out=self._stage(dtype, len(part) * numel).view(-1, numel))
+                        blocks.append(_rows_partials(rows, masked_everywhere, eps))
+                else:
+                    blocks.append(_rows_partials(torch.stack(flats), masked_everywhere, eps))
+                order.extend(part)
+        if blocks:
+            stacked = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
+            if order == list(range(n)):
+                out = stacked
+            else:
+                index = torch.tensor(order, dtype=torch.long)
+                if device.type != "cpu":
+                    # Pinned and non-blocking: building the index never waits on the device.
+                    index = index.pin_memory().to(device, non_blocking=True)
+                out.index_copy_(0, index, stacked)
         if opts.nonfinite and not masked_everywhere:
             # On the CPU this check is free: find tensors whose fast-pass min/max are not finite and
             # recompute only those with the masked path (NaN/Inf counted, the rest over finite values).
@@ -89,8 +141,15 @@ class StatsEngine:
             if bool(bad.any()):
                 for i in bad.nonzero().flatten().tolist():
                     if tensors[i].numel():
-                        out[i] = _tensor_partials(tensors[i], True, opts.zeros_eps)
+                        out[i] = _tensor_partials(tensors[i], True, eps)
         return out
+
+    def _stage(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        buf = self._staging.get(dtype)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(max(numel, CHUNK), dtype=dtype)
+            self._staging[dtype] = buf
+        return buf[:numel]
 
 
 def _as_flat(t: torch.Tensor) -> torch.Tensor:
@@ -110,10 +169,10 @@ def _tensor_partials(t: torch.Tensor, masked: bool, zeros_eps: float | None) -> 
         return torch.full((NUM_PARTIALS,), math.nan, device=t.device)
     flat = _as_flat(t)
     chunks = flat.split(CHUNK) if flat.numel() > CHUNK else (flat,)
-    parts = [_chunk_partials(c, masked, zeros_eps) for c in chunks]
+    parts = [_rows_partials(c.unsqueeze(0), masked, zeros_eps) for c in chunks]
     if len(parts) == 1:
-        return parts[0]
-    stacked = torch.stack(parts)
+        return parts[0][0]
+    stacked = torch.cat(parts)
     return torch.stack(
         [
             stacked[:, SUMSQ].sum(),
@@ -127,37 +186,48 @@ def _tensor_partials(t: torch.Tensor, masked: bool, zeros_eps: float | None) -> 
     )
 
 
-def _chunk_partials(x: torch.Tensor, masked: bool, zeros_eps: float | None) -> torch.Tensor:
+def _rows_partials(x: torch.Tensor, masked: bool, zeros_eps: float | None) -> torch.Tensor:
+    """Partials of each row of a 2-D tensor [k, m] (k tensors of m elements, or one chunk with k = 1)."""
     if x.dtype not in _FAST_DTYPES:
         x = x.float()  # bf16/fp16/int/bool: a chunk-sized float32 temporary, never the whole tensor
-    zero = x.new_zeros(())
+    k, m = x.shape
     if masked:
         finite = torch.isfinite(x)
-        nans = torch.isnan(x).sum().to(torch.float32)
-        infs = (x.numel() - finite.sum() - nans).to(torch.float32)
-        xs = torch.where(finite, x, zero)
-        mn = torch.where(finite, x, math.inf).amin()
-        mx = torch.where(finite, x, -math.inf).amax()
+        n_finite = finite.sum(1)
+        nans = torch.isnan(x).sum(1)
+        infs = m - n_finite - nans
+        xs = torch.where(finite, x, 0.0)
+        mn = torch.where(finite, x, math.inf).amin(1)
+        mx = torch.where(finite, x, -math.inf).amax(1)
     else:
         xs = x
-        nans = infs = zero.float()
-        mn, mx = torch.aminmax(x)
-    sumsq = torch.dot(xs, xs)
-    total = xs.sum()
-    zeros = (xs.abs() < zeros_eps).sum() if zeros_eps is not None else zero
-    if zeros_eps is not None and masked:
-        zeros = zeros - (x.numel() - finite.sum())  # masked-out entries were set to 0; do not count them
-    return torch.stack(
-        [
-            sumsq.float(),
-            total.float(),
-            mn.float(),
-            mx.float(),
-            nans.float(),
-            infs.float(),
-            zeros.float(),
-        ]
-    )
+        nans = infs = None
+        if k == 1:
+            mn, mx = torch.aminmax(x[0])  # one pass; the row-wise variant is slower on the CPU
+            mn, mx = mn.reshape(1), mx.reshape(1)
+        else:
+            mn, mx = x.amin(1), x.amax(1)
+    if k == 1:
+        sumsq = torch.dot(xs[0], xs[0]).reshape(1)  # BLAS, no temporary
+    else:
+        sumsq = torch.linalg.vector_norm(xs, dim=1).square()
+    total = xs.sum(1)
+    zeros = None
+    if zeros_eps is not None:
+        zeros = (xs.abs() < zeros_eps).sum(1)
+        if masked:
+            zeros = zeros - (m - n_finite)  # masked-out entries were set to 0; do not count them
+    missing = x.new_zeros((k,), dtype=torch.float32) if nans is None or zeros is None else None
+    cols = [
+        sumsq,
+        total,
+        mn,
+        mx,
+        missing if nans is None else nans,
+        missing if infs is None else infs,
+        missing if zeros is None else zeros,
+    ]
+    return torch.stack([c.to(torch.float32) for c in cols], dim=1)
 
 
 def merge(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

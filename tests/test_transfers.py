@@ -1,0 +1,181 @@
+"""Host transfers and work on skipped steps: one device-to-host copy per collected step, none otherwise,
+and no statistics computed on steps that are not collected. Plus a smoke run of the overhead benchmark."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from trainermon import TrainerMon
+from trainermon.stats import EngineOptions, StatsEngine, finalize
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def _monitor(
+    tmp_path, monkeypatch, device: str = "cpu", **extra
+) -> tuple[TrainerMon, nn.Module, torch.optim.Optimizer]:
+    config = {
+        "targets": {},
+        "xy_distribution": True,
+        "all_xy": True,
+        "wg_distribution": True,
+        "mv_distribution": True,
+        "param_distribution": True,
+        "ops": ["norm", "min", "max", "mean", "nans"],
+        "format": "csv",
+        **extra,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    torch.manual_seed(0)
+    model = _Net().to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    monitor = TrainerMon(str(path))
+    monitor.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
+    return monitor, model, optimizer
+
+
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer, device: str = "cpu") -> None:
+    optimizer.zero_grad(set_to_none=True)
+    x = torch.randn(5, 8, device=device)
+    model(x).square().mean().backward()
+    optimizer.step()
+
+
+def test_one_transfer_per_collected_step_and_none_otherwise(tmp_path, monkeypatch):
+    # steps 0, 2, 4 are collected (start_step 0, step_interval 2, collect_times 3); 1, 3, 5, 6 are not
+    monitor, model, optimizer = _monitor(tmp_path, monkeypatch, step_interval=2, collect_times=3)
+    try:
+        expected = {0: True, 1: False, 2: True, 3: False, 4: True, 5: False, 6: False}
+        for step, collected in expected.items():
+            assert monitor.collecting is collected, step
+            transfers, calls = monitor.transfers.count, monitor.engine.calls
+            _step(model, optimizer)
+            if collected:
+                assert monitor.transfers.count == transfers + 1, step
+                # every family on: actv, actv_grad, grad_unreduced, grad_reduced, param x2, exp_avg x2
+                assert monitor.engine.calls - calls >= 8, step
+            else:
+                assert monitor.transfers.count == transfers, step
+                assert monitor.engine.calls == calls, step
+        assert monitor.transfers.count == 3
+        monitor.flush()
+        batch = monitor.last_batch
+        assert batch is not None and batch.step == 4
+        families = {row.family for row in batch.rows}
+        assert {"actv", "actv_grad", "grad_reduced", "exp_avg", "exp_avg_sq", "param_updated"} <= families
+    finally:
+        monitor.close()
+
+
+def test_idle_dynamic_monitor_never_computes_or_transfers(tmp_path, monkeypatch):
+    monkeypatch.setenv("DYNAMIC_MONITOR", "true")
+    monitor, model, optimizer = _monitor(tmp_path, monkeypatch, dynamic_on=False)
+    try:
+        for _ in range(3):
+            _step(model, optimizer)
+        assert monitor.transfers.count == 0
+        assert monitor.engine.calls == 0
+        assert monitor.collecting is False
+    finally:
+        monitor.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: no CUDA device on this machine")
+def test_monitored_step_never_syncs_outside_the_transfer_point(tmp_path, monkeypatch):
+    import trainermon.collector as collector
+
+    monitor, model, optimizer = _monitor(tmp_path, monkeypatch, device="cuda")
+    # The single transfer point may wait (it is where the copy is issued); everything else must not.
+    original = collector.transfer_to_host
+
+    def allowed(partials: torch.Tensor, counter):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return original(partials, counter)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(collector, "transfer_to_host", allowed)
+    try:
+        _step(model, optimizer, "cuda")  # warm-up outside the check (lazy init, allocator)
+        before = monitor.transfers.count
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            _step(model, optimizer, "cuda")
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert monitor.transfers.count == before + 1
+        assert monitor.faults.total == 0
+    finally:
+        monitor.close()
+
+
+def test_grouped_small_tensors_match_per_tensor_reference():
+    """The engine stacks small same-size tensors; rows must still land in the caller's order."""
+    torch.manual_seed(0)
+    tensors = [torch.randn(300), torch.randn(16), torch.randn(40, 50), torch.randn(16) * 5, torch.empty(0)]
+    tensors += [torch.randn(16).bfloat16(), torch.randn(4, 4).t(), torch.randn(200_000)]
+    tensors[3][2] = float("nan")
+    for options in (EngineOptions(), EngineOptions(force_masked=True), EngineOptions(zeros_eps=0.5)):
+        partials = StatsEngine(options).compute(tensors).numpy()
+        values = finalize(partials, np.array([t.numel() for t in tensors], dtype=np.float64))
+        for i, t in enumerate(tensors):
+            if t.numel() == 0:
+                assert values["norm"][i] == 0 and math.isnan(values["mean"][i])
+                continue
+            ref = t.double().flatten()
+            finite = ref[torch.isfinite(ref)]
+            assert values["nans"][i] == int(torch.isnan(ref).sum()), (options, i)
+            assert values["norm"][i] == pytest.approx(float(finite.norm()), rel=1e-5), (options, i)
+            assert values["mean"][i] == pytest.approx(float(finite.mean()), rel=1e-4, abs=1e-6), (options, i)
+            assert values["min"][i] == pytest.approx(float(finite.min()), rel=1e-6), (options, i)
+            assert values["max"][i] == pytest.approx(float(finite.max()), rel=1e-6), (options, i)
+            if options.zeros_eps is not None:
+                want = float((finite.abs() < 0.5).sum()) / t.numel()
+                assert values["zeros"][i] == pytest.approx(want), (options, i)
+
+
+def test_overhead_benchmark_smoke():
+    sys.path.insert(0, REPO)
+    from benchmarks.overhead import Plan, many_workload, run_benchmark
+
+    plan = Plan(blocks={"b": 1}, steps={"b": 1}, warmup=1, engine_reps=2, rss_steps=0)
+    work = many_workload(d=16, layers=4, tokens=8)
+    results = run_benchmark(
+        workloads={"b": work}, configs=["idle", "wg"], plan=plan, rss=False, log=lambda _: None
+    )
+    arms = {row["arm"]: row for row in results["workloads"]["b"]["arms"]}
+    assert {"none", "trainermon[idle]", "trainermon[wg]"} <= set(arms)
+    assert ("msprobe[wg]" in arms) == results["msprobe_available"]
+    for row in arms.values():
+        assert row["steps"] == 1
+        assert math.isfinite(row["median_step_ms"]) and row["median_step_ms"] > 0
+    assert arms["none"]["added_ms"] == 0.0
+    assert arms["trainermon[wg]"]["own_ms"] > 0
+    assert arms["trainermon[wg]"]["transfers"] == 2  # warm-up step + one timed step, both collected
+    assert arms["trainermon[idle]"]["transfers"] == 0
+    engine = results["engine"]["b"]
+    assert engine["tensors"] == 4 * 4 + 2 and engine["engine_ms"] > 0 and engine["floor_ms"] > 0
+    assert any(t["target"].startswith("wg on (b)") for t in results["targets"])
