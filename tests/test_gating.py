@@ -178,3 +178,12 @@ def test_vpp_chunks_get_their_stage(tmp_path, monkeypatch):
         ("1", "0.input"),
         ("1", "0.output"),
     }
+
+
+def test_gradients_are_computed_once_when_nothing_reduces_them(tmp_path, monkeypatch):
+    """Plain PyTorch: grad_unreduced and grad_reduced are the same tensors; one engine pass gives both."""
+    monitor, calls = _train(tmp_path, monkeypatch, 2)
+    assert calls == [1, 1]
+    unreduced = {r["name"]: r["norm"] for r in read_family(monitor.run_dir, "grad_unreduced")}
+    reduced = {r["name"]: r["norm"] for r in read_family(monitor.run_dir, "grad_reduced")}
+    assert unreduced == reduced and len(reduced) == 4

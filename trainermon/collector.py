@@ -8,6 +8,7 @@ the host in the step's single device-to-host copy (`transfer_to_host`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,11 +68,13 @@ class StepCollector:
         self,
         family: str,
         entries: Sequence[tuple[int, str, int | None, TensorPiece]],
+        also_as: str | None = None,
     ) -> None:
         """Compute and keep partials for (vpp_stage, name, micro_step, piece) entries of one family.
 
         Local and replicated pieces are computed only on ranks that write them; sharded pieces are
-        computed on every rank (each holds a part) and merged at `finish`.
+        computed on every rank (each holds a part) and merged at `finish`. `also_as` records the same
+        local rows a second time under another family, without computing them again.
         """
         local_rows: list[RowMeta] = []
         local_tensors: list[torch.Tensor] = []
@@ -100,8 +103,12 @@ class StepCollector:
                 block.parts[index] = computed[row : row + 1]
         if local_tensors:
             for device_rows, device_tensors in _by_device(local_rows, local_tensors):
+                partials = self.engine.compute(device_tensors)
                 self._rows.extend(device_rows)
-                self._parts.append(self.engine.compute(device_tensors))
+                self._parts.append(partials)
+                if also_as is not None:
+                    self._rows.extend(dataclasses.replace(r, family=also_as) for r in device_rows)
+                    self._parts.append(partials)
 
     def finish(self, step: int) -> StepPayload:
         """Merge sharded rows (collectives on their groups), then move everything to the host at once.

@@ -72,6 +72,15 @@ def _tensors_in(obj: Any) -> list[torch.Tensor]:
     return []
 
 
+def _same_pieces(a: list, b: list) -> bool:
+    """The two lists describe the very same tensors with the same placement."""
+    return len(a) == len(b) and all(
+        (x is None and y is None)
+        or (x is not None and y is not None and x.placement == y.placement and x.tensor is y.tensor)
+        for x, y in zip(a, b)
+    )
+
+
 def _io_names(base: str, count: int) -> list[str]:
     return [base] if count == 1 else [f"{base}_{i}" for i in range(count)]
 
@@ -476,12 +485,16 @@ class TrainerMon:
 
     def _collect_pre_step(self) -> None:
         cfg = self.config
-        if cfg.wg_distribution and not cfg.monitor_mbs_grad:
-            unreduced = self.adapter.unreduced_grads(self._params)
-            if unreduced is not None:
-                self._add("grad_unreduced", self._entries(unreduced))
         if cfg.wg_distribution:
-            self._add("grad_reduced", self._entries(self.adapter.reduced_grads(self._params)))
+            reduced = self.adapter.reduced_grads(self._params)
+            unreduced = None if cfg.monitor_mbs_grad else self.adapter.unreduced_grads(self._params)
+            if unreduced is not None and _same_pieces(unreduced, reduced):
+                # No reduction happened (plain PyTorch): one computation gives both families.
+                self._add("grad_unreduced", self._entries(unreduced), also_as="grad_reduced")
+            else:
+                if unreduced is not None:
+                    self._add("grad_unreduced", self._entries(unreduced))
+                self._add("grad_reduced", self._entries(reduced))
             self.collector.extras.update(self.adapter.extras())
         if cfg.param_distribution:
             self._add("param_origin", self._entries(self.adapter.param_values(self._params)))
@@ -496,10 +509,10 @@ class TrainerMon:
         if cfg.param_distribution:
             self._add("param_updated", self._entries(self.adapter.param_values(self._params)))
 
-    def _add(self, family: str, entries: list) -> None:
+    def _add(self, family: str, entries: list, also_as: str | None = None) -> None:
         t0 = time.perf_counter()
         with self._lock:
-            self.collector.add(family, entries)
+            self.collector.add(family, entries, also_as=also_as)
         self.monitor_time_s += time.perf_counter() - t0
 
     def _end_collected_step(self) -> None:
