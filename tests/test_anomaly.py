@@ -108,6 +108,8 @@ def test_spike_fires_at_the_spike_and_not_before(tmp_path, monkeypatch):
     glob_spike = next(r for r in spikes if r["name"] == "global_grad_norm")
     assert glob_spike["value"] > 100 * glob_spike["baseline"]
     assert monitor.detector.counts["AnomalySpike"] == len(spikes)
+    # The cumulative count rides on every step's extras, which the Prometheus sink exports.
+    assert monitor.last_batch.extras["anomalies_total.AnomalySpike"] == len(spikes)
 
 
 def test_escalation_collects_activations_for_exactly_k_steps(tmp_path, monkeypatch):
