@@ -15,6 +15,7 @@ from torch import nn
 
 from tests.helpers import assert_row_matches, keyed, read_family, ref_stats, write_config
 from trainermon import TrainerMon
+from trainermon.records import FAMILIES
 
 OPS = ("norm", "mean", "min", "max", "nans")
 STEPS = 3
@@ -93,18 +94,6 @@ def _monitored_run(model: nn.Module, batches, config_path: str) -> TrainerMon:
         opt.zero_grad()
     monitor.close()
     return monitor
-
-
-FAMILIES = (
-    "actv",
-    "actv_grad",
-    "grad_unreduced",
-    "grad_reduced",
-    "param_origin",
-    "exp_avg",
-    "exp_avg_sq",
-    "param_updated",
-)
 
 
 @pytest.mark.parametrize("mbs", [False, True], ids=["step-grads", "micro-batch-grads"])
