@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 
 def write_config(path: Path, **keys: Any) -> str:
@@ -66,3 +67,17 @@ def assert_row_matches(
             # relative to the tensor's scale (rms), not to the tiny result.
             tol += 1e-6 * rms
         assert abs(got - want) <= tol, f"{row['name']} step {row['step']} {op}: got {got}, want {want}"
+
+
+class LayeredNet(nn.Module):
+    """A small model whose parameter names carry layer indices (layers.0, layers.1, head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(6, 8), nn.Linear(8, 8)])
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x)

@@ -18,9 +18,9 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 import torch
-from torch import nn
 
 import trainermon
+from tests.helpers import LayeredNet as Net
 from trainermon import ConfigError, TrainerMon, parse_config
 from trainermon.exporters import RunInfo
 from trainermon.exporters.parquet import ParquetExporter
@@ -28,18 +28,6 @@ from trainermon.records import RowMeta, StatBatch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FULL_OPS = ["norm", "min", "max", "mean", "zeros", "nans", "infs", "numel"]
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(6, 8), nn.Linear(8, 8)])
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return self.head(x)
 
 
 def run_monitored(tmp_path, cfg: dict, steps: int = 5, grad_acc: int = 2, monkeypatch=None) -> TrainerMon:

@@ -18,22 +18,10 @@ import numpy as np
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from torch import nn
 
+from tests.helpers import LayeredNet as Net
 from trainermon import ConfigError, TrainerMon, parse_config
 from trainermon.exporters.prometheus import aggregate, layer_of
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(6, 8), nn.Linear(8, 8)])
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return self.head(x)
 
 
 def start(tmp_path, monkeypatch, **extra) -> tuple[TrainerMon, Net, torch.optim.Optimizer]:
