@@ -142,6 +142,150 @@ def _cmd_anomalies(args: argparse.Namespace) -> int:
     return 0
 
 
+def _split(values: list[str] | None) -> list[str] | None:
+    if not values:
+        return None
+    return [v.strip() for item in values for v in item.split(",") if v.strip()]
+
+
+def _step_range(text: str | None) -> tuple[int, int] | None:
+    if not text:
+        return None
+    lo, _, hi = text.partition("-")
+    return int(lo), int(hi or lo)
+
+
+def _progress(args: argparse.Namespace) -> bool | None:
+    return True if args.progress else False if args.no_progress else None
+
+
+def _cmd_analyze(args: argparse.Namespace) -> int:
+    import os
+
+    from .analysis import analyze, open_run
+    from .analysis.report import write_analysis_report
+
+    try:
+        steps = _step_range(args.steps)
+        ranks = [int(r) for r in _split(args.ranks) or []] or None
+    except ValueError:
+        print(
+            f"error: --steps {args.steps!r} / --ranks {args.ranks!r}: allowed: N or FIRST-LAST / R,R",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        source = open_run(args.run, prefer=args.format, run_id=args.run_id)
+        result = analyze(
+            source,
+            families=_split(args.family),
+            stats=_split(args.stat),
+            steps=steps,
+            ranks=ranks,
+            top=args.top,
+            progress=_progress(args),
+        )
+    except (FileNotFoundError, KeyError, ValueError) as exc:
+        print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 2
+    if not result.summary.rows_read:
+        print(f"error: no rows in {args.run!r} for the given filters", file=sys.stderr)
+        return 2
+    paths = write_analysis_report(result, args.out or "trainermon_report", max_columns=args.max_columns)
+    summary = result.summary
+    print(f"{source.kind} run {args.run}: {summary.rows_read:,} rows, families {summary.families}")
+    if len(result.first_nonfinite):
+        r = result.first_nonfinite.iloc[0]
+        print(f"first NaN/Inf: step {r['step']} {r['family']} {r['name']} (rank {r['rank']})")
+    else:
+        print("no NaN/Inf")
+    if len(result.spikes):
+        print(f"global grad norm spikes at steps {result.spikes['step'].tolist()[:20]}")
+    for fam, table in result.growth.items():
+        top = ", ".join(f"{r.layer} x{r.growth:.3g}" for r in table.head(3).itertuples(index=False))
+        print(f"top growth of {result.growth_stat} in {fam}: {top}")
+    if result.anomalies:
+        print(f"{len(result.anomalies)} anomalies recorded")
+    for note in summary.notes:
+        print(f"note: {note}")
+    print(f"report: {os.path.abspath(paths['html'])} ({len(paths['png'])} plots), findings: {paths['json']}")
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    import os
+
+    from .analysis import compare, open_run
+    from .analysis.report import write_comparison_report
+
+    try:
+        steps = _step_range(args.steps)
+    except ValueError:
+        print(f"error: --steps {args.steps!r}: allowed: N or FIRST-LAST", file=sys.stderr)
+        return 2
+    try:
+        run = open_run(args.run, prefer=args.format)
+        bench = open_run(args.benchmark, prefer=args.format)
+        result = compare(
+            run,
+            bench,
+            rtol=args.rtol,
+            atol=args.atol,
+            stats=_split(args.stat) or ["norm"],
+            families=_split(args.family),
+            steps=steps,
+            progress=_progress(args),
+        )
+    except (FileNotFoundError, KeyError, ValueError) as exc:
+        print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 2
+    paths = write_comparison_report(result, args.out or "trainermon_compare", max_plots=args.max_plots)
+    table = result.per_family
+    print(
+        f"compared {int(table['cells_compared'].sum()):,} cells of {len(table)} families (rtol {args.rtol:g})"
+    )
+    if len(result.only_in_run) or len(result.only_in_benchmark):
+        print(
+            f"tensors only in the run: {len(result.only_in_run)}, only in the benchmark: "
+            f"{len(result.only_in_benchmark)} (listed in the report)"
+        )
+        for r in result.only_in_run.head(10).itertuples(index=False):
+            print(f"  only in run: {r.family} {r.name}")
+        for r in result.only_in_benchmark.head(10).itertuples(index=False):
+            print(f"  only in benchmark: {r.family} {r.name}")
+    if result.families_only_in_run or result.families_only_in_benchmark:
+        print(
+            f"families only in the run: {result.families_only_in_run}, "
+            f"only in the benchmark: {result.families_only_in_benchmark}"
+        )
+    for note in result.notes:
+        print(f"note: {note}")
+    first = result.first
+    if first is None:
+        print("no divergence")
+    else:
+        micro = "" if first.micro_step is None else f" micro-step {first.micro_step}"
+        print(
+            f"first divergence: step {first.step}{micro} {first.family} {first.label} {first.stat}: "
+            f"run {first.run_value:.6g} benchmark {first.benchmark_value:.6g} "
+            f"(rel. diff {first.rel_diff:.3g})"
+        )
+    print(f"report: {os.path.abspath(paths['html'])}, findings: {paths['json']}")
+    return 1 if result.diverged else 0
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--format",
+        choices=["auto", "parquet", "csv"],
+        default="auto",
+        help="which output to read (auto: Parquet if any)",
+    )
+    bar = parser.add_mutually_exclusive_group()
+    bar.add_argument("--progress", action="store_true", help="show a progress bar (default: on a terminal)")
+    bar.add_argument("--no-progress", action="store_true", help="never show a progress bar")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainermon", description="Low-overhead PyTorch training monitor")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -174,6 +318,38 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("out", help="dataset root to write (family=.../rank=.../part-*.parquet)")
     conv.add_argument("--rows-per-part", type=int, default=1_000_000)
     conv.set_defaults(func=_cmd_convert)
+    ana = sub.add_parser(
+        "analyze",
+        help="per-layer trends of a run: heatmaps, global grad norm and spikes, growth, first NaN/Inf",
+    )
+    ana.add_argument(
+        "run", help="Parquet dataset, MONITOR_OUTPUT_DIR, rank directory, or CSV (msprobe's too)"
+    )
+    ana.add_argument("--family", action="append", help="families (repeat or comma-separate; default all)")
+    ana.add_argument("--stat", action="append", help="heatmap statistics (default norm,mean,min,max)")
+    ana.add_argument("--out", default=None, help="report directory (default ./trainermon_report)")
+    ana.add_argument("--steps", default=None, help="N or FIRST-LAST")
+    ana.add_argument("--ranks", action="append", help="ranks to read (default all)")
+    ana.add_argument("--run-id", default=None, help="keep only this run id's rows")
+    ana.add_argument("--top", type=int, default=10, help="layers in the growth ranking")
+    ana.add_argument("--max-columns", type=int, default=500, help="heatmap columns before steps are binned")
+    _common(ana)
+    ana.set_defaults(func=_cmd_analyze)
+    cmp_ = sub.add_parser(
+        "compare",
+        help="compare a run with its benchmark run; exit 0: no divergence, 1: divergence, 2: error",
+    )
+    cmp_.add_argument("run", help="the run to check (same kinds of RUN as analyze)")
+    cmp_.add_argument("benchmark", help="the reference run (another device or software version)")
+    cmp_.add_argument("--rtol", type=float, default=0.01, help="relative threshold (default 0.01 = 1%%)")
+    cmp_.add_argument("--atol", type=float, default=0.0, help="absolute tolerance added to the threshold")
+    cmp_.add_argument("--stat", action="append", help="statistics to compare (default norm)")
+    cmp_.add_argument("--family", action="append", help="families to compare (default all in both)")
+    cmp_.add_argument("--steps", default=None, help="N or FIRST-LAST")
+    cmp_.add_argument("--out", default=None, help="report directory (default ./trainermon_compare)")
+    cmp_.add_argument("--max-plots", type=int, default=6, help="diverging tensors to plot")
+    _common(cmp_)
+    cmp_.set_defaults(func=_cmd_compare)
     return parser
 
 

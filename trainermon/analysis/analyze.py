@@ -1,0 +1,203 @@
+"""`analyze`: one scan of a run, then every finding of the report (tables, series, figures)."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from .jsonutil import describe, jsonable, records
+from .scan import RunSummary, scan
+from .source import FLOAT_STATS, RunSource, open_run
+from .trends import find_spikes, first_nonfinite, global_grad_norm, growth, heatmap, nonfinite_cells
+
+#: Statistics drawn as heatmaps by default (those the run has).
+DEFAULT_STATS = ("norm", "mean", "min", "max")
+SPIKE_DEFAULTS = {"window": 50, "warmup": 10, "z": 6.0, "min_rel": 0.1}
+
+
+@dataclass
+class Analysis:
+    summary: RunSummary
+    heatmaps: dict[tuple[str, str], pd.DataFrame]
+    nonfinite: dict[str, pd.DataFrame]
+    global_norm: pd.Series
+    spikes: pd.DataFrame
+    growth: dict[str, pd.DataFrame]
+    growth_stat: str
+    first_nonfinite: pd.DataFrame
+    anomalies: list[dict]
+    spike_rule: dict = field(default_factory=lambda: dict(SPIKE_DEFAULTS))
+
+    def findings(self) -> dict:
+        """The report's findings as JSON-ready data (figures are referred to by file stem)."""
+        steps = sorted({int(s) for df in self.heatmaps.values() for s in df.columns})
+        steps_all = steps or [int(s) for s in self.global_norm.index]
+        first = None
+        if len(self.first_nonfinite):
+            first = records(self.first_nonfinite.head(1))[0]
+        per_family = {}
+        for fam, rows in self.summary.nonfinite_rows.items():
+            if rows:
+                per_family[fam] = {
+                    "first_step": int(rows[0]["step"]),
+                    "rows_with_nan_or_inf": int(self.summary.nonfinite_counts.get(fam, 0)),
+                }
+        gn = self.global_norm
+        finite = gn[gn.notna() & (gn != float("inf"))]
+        return {
+            "run": describe(self.summary),
+            "steps": {
+                "first": steps_all[0] if steps_all else None,
+                "last": steps_all[-1] if steps_all else None,
+                "count": len(steps_all),
+            },
+            "heatmaps": [
+                {
+                    "family": fam,
+                    "stat": stat,
+                    "layers": int(df.shape[0]),
+                    "steps": int(df.shape[1]),
+                    "figure": _stem("heatmap", fam, stat),
+                }
+                for (fam, stat), df in self.heatmaps.items()
+            ],
+            "global_grad_norm": {
+                "definition": "sqrt(sum over grad_reduced tensors of norm^2), all ranks combined",
+                "steps": [int(s) for s in gn.index],
+                "values": [jsonable(float(v)) for v in gn.to_numpy()],
+                "max": float(finite.max()) if len(finite) else None,
+                "max_step": int(finite.idxmax()) if len(finite) else None,
+                "figure": "global_grad_norm" if len(gn) else None,
+            },
+            "spikes": records(self.spikes),
+            "spike_rule": self.spike_rule,
+            "growth": {
+                fam: {"stat": self.growth_stat, "top": records(df), "figure": _stem("growth", fam)}
+                for fam, df in self.growth.items()
+            },
+            "first_nonfinite": {
+                "first": first,
+                "per_family": per_family,
+                "rows": records(self.first_nonfinite.head(50)),
+            },
+            "anomalies": {
+                "count": len(self.anomalies),
+                "by_rule": dict(Counter(a.get("rule") for a in self.anomalies)),
+                "first": [jsonable(a) for a in self.anomalies[:50]],
+            },
+            "notes": self.summary.notes,
+        }
+
+    def figures(self, max_columns: int = 500) -> dict[str, Any]:
+        """{file stem: matplotlib Figure} for every plot of the report."""
+        return dict(self.iter_figures(max_columns))
+
+    def iter_figures(self, max_columns: int = 500) -> Iterator[tuple[str, Any]]:
+        """(file stem, Figure) one at a time (the report draws and drops each in turn)."""
+        from .plots import plot_global_norm, plot_growth, plot_heatmap
+
+        for (fam, stat), df in self.heatmaps.items():
+            title = f"{fam} {stat} per layer (model order) and step"
+            bad = self.nonfinite.get(fam)
+            yield _stem("heatmap", fam, stat), plot_heatmap(df, title, stat, bad, max_columns)
+        if len(self.global_norm):
+            yield "global_grad_norm", plot_global_norm(self.global_norm, self.spikes)
+        for fam, df in self.growth.items():
+            title = f"{fam}: top layers by growth of {self.growth_stat} (end / start of the run)"
+            yield _stem("growth", fam), plot_growth(df, title)
+
+
+def _stem(*parts: str) -> str:
+    return "_".join(p.replace("/", "-") for p in parts)
+
+
+def load_run_anomalies(source: RunSource, steps: tuple[int, int] | None = None) -> list[dict]:
+    from trainermon.anomaly import load_anomalies, sort_key
+
+    records: list[dict] = []
+    for directory in source.anomaly_dirs():
+        records += load_anomalies(directory, steps)
+    records.sort(key=sort_key)
+    return records
+
+
+def analyze(
+    run: str | os.PathLike | RunSource,
+    families: Iterable[str] | None = None,
+    stats: Iterable[str] | None = None,
+    steps: tuple[int, int] | None = None,
+    ranks: Iterable[int] | None = None,
+    top: int = 10,
+    spike_rule: dict | None = None,
+    progress: bool | None = None,
+    batch_size: int = 65_536,
+) -> Analysis:
+    """Scan `run` once and compute the report's findings.
+
+    families: families for heatmaps, growth and NaN/Inf search (default: all in the run). The global
+    gradient norm always reads `grad_reduced` norms when the run has them. stats: heatmap statistics
+    (default: norm, mean, min, max, those the run has). steps: inclusive (first, last). ranks: a subset.
+    """
+    source = run if isinstance(run, RunSource) else open_run(run)
+    available = source.families()
+    if families is None:
+        fams = available
+    else:
+        fams = list(dict.fromkeys(families))
+        unknown = [f for f in fams if f not in available]
+        if unknown:
+            raise KeyError(f"families {unknown} are not in {source.path!r} (it has {available})")
+    wanted = list(DEFAULT_STATS if stats is None else stats)
+    bad_stats = [s for s in wanted if s not in FLOAT_STATS + ("nans", "infs")]
+    if bad_stats:
+        raise KeyError(f"unknown statistics {bad_stats}; allowed: {list(FLOAT_STATS) + ['nans', 'infs']}")
+    scan_stats = list(dict.fromkeys(wanted + ["nans", "infs"]))
+    family_stats = {f: scan_stats for f in fams}
+    if "grad_reduced" in available and "grad_reduced" not in fams:
+        family_stats["grad_reduced"] = ["norm", "nans", "infs"]
+    summary = scan(
+        source,
+        families=list(family_stats),
+        family_stats=family_stats,
+        steps=steps,
+        ranks=ranks,
+        progress=progress,
+        batch_size=batch_size,
+        label="analyze",
+    )
+    if "grad_reduced" not in fams:
+        summary.nonfinite_rows.pop("grad_reduced", None)
+        summary.nonfinite_counts.pop("grad_reduced", None)
+    heatmaps: dict[tuple[str, str], pd.DataFrame] = {}
+    nonfinite: dict[str, pd.DataFrame] = {}
+    growth_tables: dict[str, pd.DataFrame] = {}
+    growth_stat = "norm" if "norm" in wanted else wanted[0]
+    for fam in fams:
+        grid = summary.grids[fam]
+        if not len(grid.tensors):
+            continue
+        nonfinite[fam] = nonfinite_cells(summary, fam)
+        for stat in wanted:
+            if stat in grid.seen_stats:
+                heatmaps[(fam, stat)] = heatmap(summary, fam, stat)
+        if growth_stat in grid.seen_stats:
+            growth_tables[fam] = growth(summary, fam, growth_stat, top=top)
+    rule = {**SPIKE_DEFAULTS, **(spike_rule or {})}
+    norm = global_grad_norm(summary)
+    return Analysis(
+        summary=summary,
+        heatmaps=heatmaps,
+        nonfinite=nonfinite,
+        global_norm=norm,
+        spikes=find_spikes(norm, **rule),
+        growth=growth_tables,
+        growth_stat=growth_stat,
+        first_nonfinite=first_nonfinite(summary),
+        anomalies=load_run_anomalies(source, steps),
+        spike_rule=rule,
+    )

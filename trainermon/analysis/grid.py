@@ -1,0 +1,291 @@
+"""Per-(tensor, step, micro-step) accumulators of one family: the only state a scan keeps per row.
+
+How rows combine into one cell. Several rows can describe the same (tensor, step, micro_step):
+
+- ranks that each hold a disjoint piece of it: tensor-parallel shards of a `grad_reduced`,
+  `exp_avg(_sq)` or `param_*` tensor (trainermon writes a sharded tensor once per shard group, as exact
+  full statistics, so these come from tensor parallelism); or each rank's own activations and
+  pre-reduce gradients (`actv`, `actv_grad`, `grad_unreduced`, written by every rank);
+- ranks that hold a copy of it: msprobe writes replicated tensors on every data-parallel rank (and
+  tensor-parallel-replicated parameters on every tensor-parallel rank).
+
+A cell is the statistic of all the elements its rows describe, with copies counted once:
+`norm = sqrt(sum of norm^2)`, `min = min`, `max = max`, `mean` and `zeros` weighted by numel (by row
+when numel is unknown), `nans` and `infs` summed. Copies are recognised in two ways: a whole rank whose
+rows of a family start exactly like an earlier rank's is skipped by the scan (see `scan.py`), and
+within a cell, rows whose norms are all bit-identical are one tensor seen several times (counted once).
+Two different shards with bit-identical norms would be taken for copies; with real data this does not
+happen (all-zero shards give the same result either way).
+
+Memory is proportional to tensors x (step, micro_step) cells, never to rows or ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .source import Batch
+
+#: micro_step is encoded into a column key with the step: key = step * MICRO_BASE + micro_step + 1.
+MICRO_BASE = 1 << 20
+
+#: Accumulator arrays each statistic needs.
+_NEEDS = {
+    "norm": ("n_norm", "sumsq", "first_norm", "same_norm"),
+    "mean": ("w_mean", "s_mean"),
+    "zeros": ("w_zeros", "s_zeros"),
+    "min": ("n_min", "min"),
+    "max": ("n_max", "max"),
+    "nans": ("n_nans", "nans"),
+    "infs": ("n_infs", "infs"),
+}
+_FILL = {"min": np.inf, "max": -np.inf, "first_norm": np.nan, "same_norm": True}
+_DTYPE = {"same_norm": bool}
+_DTYPE.update({k: np.int32 for k in ("n_norm", "n_min", "n_max", "n_nans", "n_infs")})
+
+
+def col_key(step: np.ndarray, micro: np.ndarray) -> np.ndarray:
+    return step * MICRO_BASE + (micro + 1)
+
+
+def split_key(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    keys = np.asarray(keys, dtype=np.int64)
+    return keys // MICRO_BASE, keys % MICRO_BASE - 1
+
+
+class _Axis:
+    """Dense indices for keys, in insertion order."""
+
+    def __init__(self) -> None:
+        self.index: dict = {}
+        self.keys: list = []
+
+    def lookup(self, keys: list) -> np.ndarray:
+        out = np.empty(len(keys), dtype=np.int64)
+        for i, key in enumerate(keys):
+            idx = self.index.get(key)
+            if idx is None:
+                idx = self.index[key] = len(self.keys)
+                self.keys.append(key)
+            out[i] = idx
+        return out
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+class CellGrid:
+    """Accumulators for one family over tensors (rows) x (step, micro_step) (columns)."""
+
+    def __init__(self, family: str, stats: list[str]) -> None:
+        self.family = family
+        self.stats = [s for s in stats if s in _NEEDS]
+        self.tensors = _Axis()  # (vpp_stage, name)
+        self.first_rank: list[int] = []  # rank each tensor was first seen on
+        self.cols = _Axis()  # column keys (step, micro_step)
+        self.seen_stats: set[str] = set()
+        self.rows = 0
+        self._cap = (0, 0)
+        self.acc: dict[str, np.ndarray] = {}
+        self._names = sorted({a for s in self.stats for a in _NEEDS[s]})
+        self._final: dict[str, Final] = {}
+        self._grow(64, 64)
+
+    # ---- storage ------------------------------------------------------------------------------------
+    def _grow(self, rows: int, cols: int) -> None:
+        r0, c0 = self._cap
+        r1 = max(r0, rows if rows <= r0 else max(rows, 2 * r0))
+        c1 = max(c0, cols if cols <= c0 else max(cols, 2 * c0))
+        if (r1, c1) == (r0, c0):
+            return
+        for name in self._names:
+            new = np.full((r1, c1), _FILL.get(name, 0), dtype=_DTYPE.get(name, np.float64))
+            old = self.acc.get(name)
+            if old is not None:
+                new[:r0, :c0] = old
+            self.acc[name] = new
+        self._cap = (r1, c1)
+
+    # ---- accumulation ---------------------------------------------------------------------------------
+    def add(self, batch: Batch) -> None:
+        n = len(batch)
+        if n == 0:
+            return
+        self._final.clear()
+        before = len(self.tensors)
+        tensor_idx = self.tensors.lookup(batch.tensors)
+        self.first_rank.extend([batch.rank] * (len(self.tensors) - before))
+        rows = tensor_idx[batch.codes]
+        keys = col_key(batch.step, batch.micro)
+        uniq, inverse = np.unique(keys, return_inverse=True)
+        cols = self.cols.lookup(uniq.tolist())[inverse.ravel()]
+        self._grow(len(self.tensors), len(self.cols))
+        flat = rows * self._cap[1] + cols
+        self.rows += n
+        with np.errstate(invalid="ignore", over="ignore"):
+            self._accumulate(batch, flat, n)
+
+    def _accumulate(self, batch: Batch, flat: np.ndarray, n: int) -> None:
+        weight = None
+        # Rows of empty tensors (numel 0) have no elements: their NaN mean/min/max are no values.
+        empty = None if batch.numel is None else batch.numel == 0
+        has_empty = empty is not None and bool(empty.any())
+        for stat in self.stats:
+            got = batch.stats.get(stat)
+            if got is None:
+                continue
+            values, valid = got
+            if has_empty and stat in ("mean", "min", "max", "zeros"):
+                valid = ~empty if valid is None else valid & ~empty
+            f, v = (flat, values) if valid is None else (flat[valid], values[valid])
+            if f.size == 0:
+                continue
+            self.seen_stats.add(stat)
+            acc = self.acc
+            if stat == "norm":
+                np.add.at(acc["n_norm"].ravel(), f, 1)
+                np.add.at(acc["sumsq"].ravel(), f, v * v)
+                first = acc["first_norm"].ravel()
+                same = acc["same_norm"].ravel()
+                # Rows in arbitrary order: a cell stays "all the same" while every norm equals the first
+                # one stored for it (NaN norms never equal, so a NaN cell is never taken for copies).
+                fresh = np.isnan(first[f])
+                first[f[fresh]] = v[fresh]
+                differs = first[f] != v
+                same[f[differs]] = False
+            elif stat in ("mean", "zeros"):
+                if weight is None:
+                    weight = (
+                        np.ones(n)
+                        if batch.numel is None
+                        else np.where(np.isnan(batch.numel), 1.0, batch.numel)
+                    )
+                w = weight if valid is None else weight[valid]
+                np.add.at(acc[f"w_{stat}"].ravel(), f, w)
+                np.add.at(acc[f"s_{stat}"].ravel(), f, v * w)
+            elif stat == "min":
+                np.add.at(acc["n_min"].ravel(), f, 1)
+                np.minimum.at(acc["min"].ravel(), f, v)
+            elif stat == "max":
+                np.add.at(acc["n_max"].ravel(), f, 1)
+                np.maximum.at(acc["max"].ravel(), f, v)
+            else:  # nans, infs
+                np.add.at(acc[f"n_{stat}"].ravel(), f, 1)
+                np.add.at(acc[stat].ravel(), f, v)
+
+    # ---- results ------------------------------------------------------------------------------------
+    def order(self) -> np.ndarray:
+        """Tensor indices in model order: by vpp_stage, then by first appearance (ranks in order)."""
+        keys = [(vpp, i) for i, (vpp, _name) in enumerate(self.tensors.keys)]
+        return np.asarray([i for _vpp, i in sorted(keys)], dtype=np.int64)
+
+    def labels(self, order: np.ndarray | None = None) -> list[str]:
+        """`name`, or `{vpp}:{name}` (msprobe's spelling) when the family has several vpp stages."""
+        order = self.order() if order is None else order
+        multi = len({vpp for vpp, _ in self.tensors.keys}) > 1
+        return [
+            f"{self.tensors.keys[i][0]}:{self.tensors.keys[i][1]}" if multi else self.tensors.keys[i][1]
+            for i in order
+        ]
+
+    def col_keys(self) -> np.ndarray:
+        return np.asarray(self.cols.keys, dtype=np.int64)
+
+    def _view(self, name: str) -> np.ndarray:
+        return self.acc[name][: len(self.tensors), : len(self.cols)]
+
+    def combined(self, by: str = "cell") -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+        """(accumulators, column keys, tensor order): tensors in model order, columns sorted by key.
+
+        by="cell": one column per (step, micro_step); by="step": micro-steps merged into their step
+        (column keys are then steps). Copies within a cell are counted once here.
+        """
+        order = self.order()
+        keys = self.col_keys()
+        col_order = np.argsort(keys, kind="stable")
+        keys = keys[col_order]
+        index = np.ix_(order, col_order)
+        out: dict[str, np.ndarray] = {}
+        for name in self._names:
+            if name not in ("first_norm", "same_norm"):
+                out[name] = self._view(name)[index]
+        if "sumsq" in out:
+            n = out["n_norm"]
+            copies = self._view("same_norm")[index] & (n > 1)
+            if copies.any():
+                first = self._view("first_norm")[index]
+                out["sumsq"] = np.where(copies, first * first, out["sumsq"])
+                for stat in ("nans", "infs"):
+                    if stat in out:  # counts of copies: one copy's count
+                        out[stat] = np.where(copies, out[stat] / np.maximum(n, 1), out[stat])
+            del copies
+        if by == "step":
+            steps, _micro = split_key(keys)
+            uniq, starts = np.unique(steps, return_index=True)
+            if len(uniq) == len(keys):  # no micro-steps to merge
+                return out, uniq, order
+            for name, arr in out.items():
+                if arr.shape[1] == 0:
+                    continue
+                if name == "min":
+                    out[name] = np.minimum.reduceat(arr, starts, axis=1)
+                elif name == "max":
+                    out[name] = np.maximum.reduceat(arr, starts, axis=1)
+                else:
+                    out[name] = np.add.reduceat(arr.astype(np.float64), starts, axis=1)
+            return out, uniq, order
+        return out, keys, order
+
+    def finalize(self, by: str = "step") -> Final:
+        """Every statistic as a matrix (cached until the next `add`)."""
+        cached = self._final.get(by)
+        if cached is not None:
+            return cached
+        acc, keys, order = self.combined(by)
+        values: dict[str, np.ndarray] = {}
+        present: dict[str, np.ndarray] = {}
+        bad = np.zeros((len(order), len(keys)), dtype=bool)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            for stat in self.stats:
+                count = acc[{"mean": "w_mean", "zeros": "w_zeros"}.get(stat, f"n_{stat}")]
+                here = count > 0
+                if stat == "norm":
+                    value = np.sqrt(acc["sumsq"])
+                elif stat in ("mean", "zeros"):
+                    value = acc[f"s_{stat}"] / acc[f"w_{stat}"]
+                else:
+                    value = acc[stat].astype(np.float64)
+                value = np.where(here, value, np.nan)
+                if stat in ("nans", "infs"):
+                    bad |= np.nan_to_num(value, nan=0.0) > 0
+                else:
+                    bad |= here & ~np.isfinite(value)
+                if stat in self.seen_stats:
+                    values[stat], present[stat] = value, here
+        del acc
+        final = Final(self.family, keys, order, self.labels(order), values, present, bad, by)
+        self._final[by] = final
+        return final
+
+    def values(self, stat: str, by: str = "step") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(matrix [tensor, column], column keys, tensor order) of one statistic; NaN where no row."""
+        final = self.finalize(by)
+        if stat not in final.values:
+            raise KeyError(f"{self.family}: no {stat!r} values (statistics seen: {sorted(final.values)})")
+        return final.values[stat], final.keys, final.order
+
+
+@dataclass
+class Final:
+    """A family's statistics as matrices: rows = tensors in model order, columns sorted by key."""
+
+    family: str
+    keys: np.ndarray  # column keys: steps (by="step") or step * MICRO_BASE + micro_step + 1 (by="cell")
+    order: np.ndarray  # tensor index (into CellGrid.tensors.keys) of each row
+    labels: list[str]
+    values: dict[str, np.ndarray]
+    present: dict[str, np.ndarray]
+    nonfinite: np.ndarray  # a NaN/Inf statistic or a non-zero NaN/Inf count in the cell
+    by: str
