@@ -11,6 +11,7 @@ import torch
 from tests.helpers import ref_stats
 from trainermon.stats import (
     CHUNK,
+    GROUP_MAX,
     MAX,
     MIN,
     EngineOptions,
@@ -113,3 +114,26 @@ def test_shards_merge_exactly():
 def test_complex_tensor_is_a_documented_skip():
     values = _final(StatsEngine(EngineOptions()), [torch.ones(3, dtype=torch.complex64)])
     assert math.isnan(values["norm"][0])
+
+
+@pytest.mark.parametrize("nonfinite", [True, False], ids=["nan-counting", "plain"])
+def test_every_path_in_one_call_keeps_rows_in_order(nonfinite):
+    """Sizes on both sides of the grouping threshold and of the chunk size, every dtype, non-contiguous
+    views and empty tensors, all in one call: each row matches a float64 reference of its own tensor."""
+    torch.manual_seed(0)
+    sizes = [1, 7, GROUP_MAX, GROUP_MAX + 1, CHUNK - 3, CHUNK, CHUNK + 1, 2 * CHUNK + 11]
+    dtypes = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.bool]
+    tensors = []
+    for k, n in enumerate(sizes):
+        dtype = dtypes[k % len(dtypes)]
+        tensors.append((torch.randn(n) * 3 - 1).to(dtype))
+        tensors.append(torch.empty(0, dtype=dtype))
+        wide = torch.randn(n, 2) * 2 + 0.5
+        tensors.append(wide[:, 1])  # non-contiguous: every other element
+    tensors.append(torch.randn(GROUP_MAX + 5).to(torch.complex64).real)  # a view of a complex tensor
+    values = _final(StatsEngine(EngineOptions(nonfinite=nonfinite)), tensors)
+    for i, t in enumerate(tensors):
+        if t.numel() == 0:
+            assert values["norm"][i] == 0 and math.isnan(values["min"][i]), i
+            continue
+        _check(values, i, ref_stats(t), rtol=2e-5 if t.dtype in (torch.float16, torch.bfloat16) else 1e-5)
