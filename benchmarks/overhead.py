@@ -170,7 +170,7 @@ class OwnTimer:
     """Times trainermon's entry points on the training thread (outermost call only, so nesting such as
     post-step -> begin-step or pre-step -> add is counted once)."""
 
-    ENTRY_POINTS = ("_on_pre_step", "_on_post_step", "_begin_step", "_add")
+    ENTRY_POINTS = ("_on_pre_step", "_on_post_step", "_begin_step", "_add", "_add_local")
 
     def __init__(self, monitor: Any) -> None:
         self.total = 0.0

@@ -88,6 +88,7 @@ def test_raising_hooks_do_not_change_training(tmp_path, monkeypatch, caplog):
         raise RuntimeError("injected failure")
 
     monkeypatch.setattr(monitor.collector, "add", boom)
+    monkeypatch.setattr(monitor.collector, "add_local", boom)
     monkeypatch.setattr(monitor.adapter, "optimizer_state", boom)
     with caplog.at_level(logging.ERROR, logger="trainermon"):
         losses = _train(model, opt)

@@ -1,7 +1,12 @@
 """trainermon: a low-overhead training-status monitor for PyTorch, drop-in for msprobe's TrainerMon."""
 
+from typing import TYPE_CHECKING
+
 from .config import ConfigError, MonitorConfig, load_config, parse_config
-from .monitor import PrintStructDone, TrainerMon
+
+if TYPE_CHECKING:
+    from .loader import load
+    from .monitor import PrintStructDone, TrainerMon
 
 __version__ = "0.1.0"
 __all__ = [
@@ -16,7 +21,12 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # `trainermon.load` imports pyarrow: only when it is used, never at `import trainermon`.
+    # Imported on first use: the monitor needs torch, `load` needs pyarrow; the offline tools
+    # (`trainermon analyze`, `trainermon.analysis`) need neither and start without them.
+    if name in ("TrainerMon", "PrintStructDone"):
+        from . import monitor
+
+        return getattr(monitor, name)
     if name == "load":
         from .loader import load
 

@@ -8,14 +8,15 @@ the host in the step's single device-to-host copy (`transfer_to_host`).
 
 from __future__ import annotations
 
-import dataclasses
+import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .placement import Local, Replicated, Sharded, TensorPiece, writes_rows
+from .placement import Local, Sharded, TensorPiece, writes_rows
 from .records import RowMeta, StepPayload
 from .stats import NUM_PARTIALS, StatsEngine, empty_partials, reduce_across
 
@@ -59,6 +60,10 @@ class StepCollector:
         self._rows: list[RowMeta] = []
         self._parts: list[torch.Tensor] = []
         self._sharded: dict[int, _ShardedBlock] = {}
+        self._writes: dict[tuple[type, int], bool] = {}
+        #: Tensors already computed this step, by what their values are (see `_value_key`), so that one
+        #: activation seen as a module's output and as the next module's input is reduced once.
+        self._seen: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
         self.extras: dict[str, float | torch.Tensor] = {}
 
     def __len__(self) -> int:
@@ -80,9 +85,20 @@ class StepCollector:
         local_tensors: list[torch.Tensor] = []
         pending: list[tuple[_ShardedBlock, int, torch.Tensor]] = []
         for vpp_stage, name, micro_step, piece in entries:
-            meta = _meta(family, vpp_stage, name, micro_step, piece)
             placement = piece.placement
-            if isinstance(placement, Sharded):
+            kind = type(placement)
+            if kind is not Local and kind is not Sharded and not self._writes_rows(placement):
+                continue  # replicated: another rank of the group writes it
+            meta = RowMeta(
+                family,
+                vpp_stage,
+                name,
+                micro_step,
+                piece.full_shape,
+                piece.dtype,
+                math.prod(piece.full_shape),
+            )
+            if kind is Sharded:
                 block = self._sharded.get(id(placement.group))
                 if block is None:
                     block = _ShardedBlock(placement.group, writes_rows(placement))
@@ -91,8 +107,6 @@ class StepCollector:
                 block.parts.append(empty_partials(1, _device_hint(entries)))
                 if piece.tensor is not None and piece.tensor.numel() > 0:
                     pending.append((block, len(block.parts) - 1, piece.tensor))
-                continue
-            if isinstance(placement, (Local, Replicated)) and not writes_rows(placement):
                 continue
             assert piece.tensor is not None
             local_rows.append(meta)
@@ -107,8 +121,52 @@ class StepCollector:
                 self._rows.extend(device_rows)
                 self._parts.append(partials)
                 if also_as is not None:
-                    self._rows.extend(dataclasses.replace(r, family=also_as) for r in device_rows)
+                    self._rows.extend(RowMeta(also_as, *r[1:]) for r in device_rows)
                     self._parts.append(partials)
+
+    def add_local(
+        self, family: str, vpp_stage: int, labels: Sequence[str], micro_step: int | None, tensors: Sequence
+    ) -> None:
+        """Rows for this rank's own tensors seen by a hook (activations and their gradients).
+
+        A tensor whose values were already reduced this step (the same memory, unmodified: a module's
+        output that is the next module's input, or a view of it) reuses that row instead of computing
+        again. Cost: one engine call for the new tensors, none when all were seen.
+        """
+        seen = self._seen
+        new_tensors: list[torch.Tensor] = []
+        new_keys: list[tuple | None] = []
+        slots: list[tuple[int, torch.Tensor | None]] = []  # (index into new_tensors, or -1 with a row)
+        for t in tensors:
+            key = _value_key(t)
+            hit = seen.get(key) if key is not None else None
+            if hit is not None and hit[0]() is not None:
+                slots.append((-1, hit[1]))
+                continue
+            slots.append((len(new_tensors), None))
+            new_tensors.append(t)
+            new_keys.append(key)
+        partials = self.engine.compute(new_tensors) if new_tensors else None
+        for i, (index, reused) in enumerate(slots):
+            t = tensors[i]
+            self._rows.append(
+                RowMeta(family, vpp_stage, labels[i], micro_step, tuple(t.shape), t.dtype, t.numel())
+            )
+            if index < 0:
+                self._parts.append(reused)
+                continue
+            row = partials[index : index + 1]
+            self._parts.append(row)
+            key = new_keys[index]
+            if key is not None:
+                seen[key] = (weakref.ref(t), row)
+
+    def _writes_rows(self, placement: Any) -> bool:
+        key = (type(placement), id(placement.group))
+        writes = self._writes.get(key)
+        if writes is None:
+            writes = self._writes[key] = writes_rows(placement)
+        return writes
 
     def finish(self, step: int) -> StepPayload:
         """Merge sharded rows (collectives on their groups), then move everything to the host at once.
@@ -138,14 +196,20 @@ class StepCollector:
         self._rows = []
         self._parts = []
         self._sharded = {}
+        self._seen = {}
         self.extras = {}
 
 
-def _meta(family: str, vpp_stage: int, name: str, micro_step: int | None, piece: TensorPiece) -> RowMeta:
-    numel = 1
-    for d in piece.full_shape:
-        numel *= d
-    return RowMeta(family, vpp_stage, name, micro_step, tuple(piece.full_shape), piece.dtype, numel)
+def _value_key(t: torch.Tensor) -> tuple | None:
+    """What identifies a tensor's values while the tensor is alive: its memory, layout and version
+    counter (shared by views, bumped by in-place writes). None where that cannot be read (no storage,
+    inference tensors): such tensors are always computed."""
+    try:
+        if not t.numel():
+            return None
+        return (t.data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype, t.device, t._version)
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _device_hint(entries: Sequence[tuple[int, str, int | None, TensorPiece]]) -> torch.device:

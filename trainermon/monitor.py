@@ -16,6 +16,7 @@ Every hook is fail-open: an error is logged once, counted in `faults`, and train
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import logging
 import os
@@ -515,6 +516,14 @@ class TrainerMon:
             self.collector.add(family, entries, also_as=also_as)
         self.monitor_time_s += time.perf_counter() - t0
 
+    def _add_local(
+        self, family: str, vpp_stage: int, labels: Sequence[str], micro: int | None, tensors: Sequence
+    ) -> None:
+        t0 = time.perf_counter()
+        with self._lock:
+            self.collector.add_local(family, vpp_stage, labels, micro, tensors)
+        self.monitor_time_s += time.perf_counter() - t0
+
     def _end_collected_step(self) -> None:
         t0 = time.perf_counter()
         if self.scheduled:
@@ -531,7 +540,10 @@ class TrainerMon:
         if self.config.print_struct:
             self._write_struct_and_stop()
         if self.control is not None and self.config.dynamic_on and self.schedule.exhausted:
-            self.control.switch_off_in_file()  # the last collection of this switch-on is done
+            # The last collection of this switch-on is done: off in the file (rank 0 writes it) and, on
+            # every rank at this same step, in memory, without waiting for the watcher to see the write.
+            self.control.switch_off_in_file()
+            self.config = dataclasses.replace(self.config, dynamic_on=False)
 
     # ==== gradient taps ========================================================================
     def _on_unreduced(self, indices: Sequence[int], grads: Sequence[torch.Tensor]) -> None:
@@ -627,16 +639,11 @@ class TrainerMon:
                     return
                 if cfg.stack_info and name not in self._stacks and name not in self._stacks_written:
                     self._stacks[name] = "".join(traceback.format_stack(limit=32)[:-2])
-                if self._actv_on:
-                    entries = [
-                        (vpp_stage, label, micro, TensorPiece.whole(t, LOCAL))
-                        for label, t in zip(_io_names(f"{name}.input", len(inputs)), inputs)
-                    ] + [
-                        (vpp_stage, label, micro, TensorPiece.whole(t, LOCAL))
-                        for label, t in zip(_io_names(f"{name}.output", len(outputs)), outputs)
-                    ]
-                    if entries:
-                        self._add("actv", entries)
+                if self._actv_on and (inputs or outputs):
+                    labels = _io_names(f"{name}.input", len(inputs)) + _io_names(
+                        f"{name}.output", len(outputs)
+                    )
+                    self._add_local("actv", vpp_stage, labels, micro, inputs + outputs)
                 if self._actv_grad_on and torch.is_grad_enabled():
                     for label, t in zip(_io_names(f"{name}.output_grad", len(outputs)), outputs):
                         if t.requires_grad:
@@ -650,7 +657,7 @@ class TrainerMon:
         def grad_hook(grad: torch.Tensor) -> None:
             try:
                 if self.collecting and grad is not None:
-                    self._add(family, [(vpp_stage, label, micro, TensorPiece.whole(grad, LOCAL))])
+                    self._add_local(family, vpp_stage, (label,), micro, (grad,))
             except Exception as exc:  # noqa: BLE001
                 self.faults.record("activation-gradient hook", exc)
 

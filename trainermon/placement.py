@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -34,10 +34,10 @@ Placement = Local | Replicated | Sharded
 LOCAL = Local()
 
 
-@dataclass(frozen=True)
-class TensorPiece:
+class TensorPiece(NamedTuple):
     """One rank's view of a monitored tensor: its local values (None if it holds no elements) plus the
-    full tensor's shape and dtype, which are what the output reports."""
+    full tensor's shape and dtype, which are what the output reports. A named tuple, because adapters
+    build one per parameter per collected step."""
 
     tensor: torch.Tensor | None
     placement: Placement

@@ -1,0 +1,116 @@
+"""One tensor seen by several hooks in a step is reduced once, and never reused after it changed.
+
+An activation is usually a module's output and the next module's input, and a container's output is its
+last child's output; the collector reduces such a tensor once (keyed by its memory, layout and version
+counter). These tests check that the shortcut is exact: an in-place change between two hooks (ReLU with
+inplace=True) gives a fresh row, and a run with the shortcut switched off gives identical rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import trainermon.collector as collector_module
+from tests.helpers import keyed, read_family, write_config
+from trainermon import TrainerMon
+
+
+class ResidualNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.relu = nn.ReLU(inplace=True)  # rewrites a's output in place
+        self.b = nn.Linear(8, 8)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())  # container output = child output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.relu(self.a(x))
+        y = self.b(h) + h  # residual: gradients of h accumulate from two consumers
+        y = self.block(y)
+        return self.block(y)  # the same module twice: micro_step 0 and 1
+
+
+def _run(tmp_path, monkeypatch, name: str, dedup: bool):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / name))
+    if not dedup:
+        monkeypatch.setattr(collector_module, "_value_key", lambda t: None)
+    cfg = write_config(
+        tmp_path / f"{name}.json", xy_distribution=True, all_xy=True, ops=["norm", "min", "max", "mean"]
+    )
+    torch.manual_seed(0)
+    model = ResidualNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(model, optimizer=opt)
+    computed = []
+    original = monitor.engine.compute
+
+    def counting(tensors):
+        computed.append(len(tensors))
+        return original(tensors)
+
+    monitor.engine.compute = counting
+    # Reference: our own hooks registered before the monitor's step hooks, cloning at hook time.
+    reference: dict[str, torch.Tensor] = {}
+
+    def keep(label):
+        def hook(module, args, output):
+            reference.setdefault(f"{label}.output", output.detach().clone())
+
+        return hook
+
+    for label in ("a", "relu", "block", "block.1"):
+        model.get_submodule(label).register_forward_hook(keep(label))
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).pow(2).sum().backward()
+        opt.step()
+    monitor.close()
+    monkeypatch.undo()
+    return _rows(monitor.run_dir, "actv"), _rows(monitor.run_dir, "actv_grad"), sum(computed), reference
+
+
+def _rows(run_dir: str, family: str) -> dict[tuple, dict[str, float]]:
+    return {
+        key: {op: float(row[op]) for op in ("norm", "min", "max", "mean")}
+        for key, row in keyed(read_family(run_dir, family)).items()
+    }
+
+
+def test_shared_tensors_are_reduced_once_and_exactly(tmp_path, monkeypatch):
+    actv, actv_grad, computed, reference = _run(tmp_path, monkeypatch, "dedup", dedup=True)
+    actv_off, actv_grad_off, computed_off, _ = _run(tmp_path, monkeypatch, "plain", dedup=False)
+
+    # The shortcut changes nothing in the output, row for row ...
+    assert len(actv) == len(actv_off) and len(actv_grad) == len(actv_grad_off)
+    for ours, plain in ((actv, actv_off), (actv_grad, actv_grad_off)):
+        for key, row in ours.items():
+            for op in ("norm", "min", "max", "mean"):
+                assert row[op] == plain[key][op], (key, op)
+    # ... and saves work: fewer tensors reduced than rows written
+    assert computed < computed_off
+
+    def stats(step, name, micro=0):
+        return actv[(name, step, micro)]
+
+    # a's output was reduced before ReLU rewrote it: it still has the negative values
+    pre_relu = reference["a.output"]
+    assert stats(0, "a.output")["min"] == pytest.approx(float(pre_relu.min()), rel=1e-5)
+    assert stats(0, "a.output")["min"] < 0
+    # ReLU's input and output are the rewritten tensor
+    assert stats(0, "relu.input")["min"] >= 0 and stats(0, "relu.output")["min"] >= 0
+    assert stats(0, "relu.input")["norm"] == pytest.approx(float(reference["relu.output"].norm()), rel=1e-5)
+    # container and its last child: one tensor, identical rows
+    for op in ("norm", "min", "max", "mean"):
+        assert stats(0, "block.output")[op] == stats(0, "block.1.output")[op]
+    assert stats(0, "block.output")["norm"] == pytest.approx(
+        float(reference["block.output"].norm()), rel=1e-5
+    )
+    # reused module: two micro steps with different values
+    assert stats(0, "block.output", 1)["norm"] != stats(0, "block.output", 0)["norm"]
+    assert all(math.isfinite(r["norm"]) for r in actv_grad.values())
