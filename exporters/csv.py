@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import csv
 import io
-import math
 import os
 from typing import TextIO
 
@@ -22,19 +21,18 @@ _NUMERIC_OPS = ("norm", "min", "max", "mean", "zeros")
 _COUNT_OPS = ("nans", "infs", "numel")
 
 
-def format_value(value: float, ndigits: int) -> str:
-    if math.isnan(value):
-        return "nan"
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    # ndigits significant digits (msprobe rounds to ndigits decimal places, which turns an Adam second
-    # moment of 1e-9 into 0.0; significant digits keep small statistics readable in the same layout).
-    return f"{float(value):.{ndigits}g}"
+def _csv_field(text: str) -> str:
+    """One field as the csv module writes it (quoted when it holds a comma, a quote or a newline)."""
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="").writerow([text])
+    return buf.getvalue()
 
 
 class CsvExporter(Exporter):
     def __init__(self) -> None:
         self._files: dict[str, tuple[int, TextIO]] = {}
+        self._heads: dict[tuple[int, str], str] = {}
+        self._shapes: dict[tuple[int, ...], str] = {}
 
     def open(self, run: RunInfo) -> None:
         self.run_dir = run.run_dir
@@ -48,31 +46,56 @@ class CsvExporter(Exporter):
         return head + list(self.ops)
 
     def write(self, batch: StatBatch) -> None:
+        # Column-wise formatting (one C-level format per value, cached per-row text for name, shape and
+        # dtype): this runs on the worker thread, and every microsecond it holds the GIL is a
+        # microsecond the training thread may wait.
         by_family: dict[str, list[int]] = {}
         for i, row in enumerate(batch.rows):
             by_family.setdefault(row.family, []).append(i)
+        columns = {op: self._column(batch, op) for op in self.ops}
+        step = str(batch.step)
         for family, indices in by_family.items():
-            with_micro = any(batch.rows[i].micro_step is not None for i in indices)
+            rows = [batch.rows[i] for i in indices]
+            with_micro = any(r.micro_step is not None for r in rows)
             handle = self._file_for(family, batch.step, with_micro)
-            buf = io.StringIO()
-            writer = csv.writer(buf, lineterminator="\n")
-            for i in indices:
-                row = batch.rows[i]
-                line: list[object] = [row.vpp_stage, row.name, batch.step]
-                if with_micro:
-                    line.append(row.micro_step if row.micro_step is not None else 0)
-                for op in self.ops:
-                    if op in _NUMERIC_OPS:
-                        line.append(format_value(batch.values[op][i], self.ndigits))
-                    elif op in _COUNT_OPS:
-                        line.append(int(batch.values[op][i]))
-                    elif op == "shape":
-                        line.append(str(list(row.shape)))
-                    elif op == "dtype":
-                        line.append(str(row.dtype))
-                writer.writerow(line)
-            handle.write(buf.getvalue())
+            fields: list[list[str]] = [[self._head(r) for r in rows], [step] * len(rows)]
+            if with_micro:
+                fields.append([str(r.micro_step or 0) for r in rows])
+            for op in self.ops:
+                if op == "shape":
+                    fields.append([self._shape(r.shape) for r in rows])
+                elif op == "dtype":
+                    fields.append([str(r.dtype) for r in rows])
+                else:
+                    column = columns[op]
+                    fields.append([column[i] for i in indices])
+            handle.write("".join(",".join(line) + "\n" for line in zip(*fields)))
             handle.flush()
+
+    def _column(self, batch: StatBatch, op: str) -> list[str]:
+        if op in _NUMERIC_OPS:
+            fmt = f"%.{self.ndigits}g"  # ndigits significant digits; nan, inf, -inf
+            return [fmt % v for v in batch.values[op].tolist()]
+        if op in _COUNT_OPS:
+            return [str(int(v)) for v in batch.values[op].tolist()]
+        return []
+
+    def _head(self, row) -> str:
+        key = (row.vpp_stage, row.name)
+        head = self._heads.get(key)
+        if head is None:
+            if len(self._heads) > 100_000:
+                self._heads.clear()  # bounded: names are few, but never let the cache grow unchecked
+            head = self._heads[key] = f"{row.vpp_stage},{_csv_field(row.name)}"
+        return head
+
+    def _shape(self, shape: tuple[int, ...]) -> str:
+        text = self._shapes.get(shape)
+        if text is None:
+            if len(self._shapes) > 100_000:
+                self._shapes.clear()
+            text = self._shapes[shape] = _csv_field(str(list(shape)))
+        return text
 
     def _file_for(self, family: str, step: int, with_micro: bool) -> TextIO:
         first = (step // self.per_record) * self.per_record

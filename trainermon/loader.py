@@ -36,6 +36,12 @@ def _as_list(value: Any, what: str) -> list | None:
     raise TypeError(f"trainermon.load: {what} must be a value or a list of values, got {value!r}")
 
 
+def _rank_order(directory: str) -> tuple[int, int | str]:
+    """rank=2 before rank=10 (numeric order); anything unexpected after, by name."""
+    value = directory[len("rank=") :]
+    return (0, int(value)) if value.lstrip("-").isdigit() else (1, value)
+
+
 def _step_filter(steps: Any) -> tuple[int, int, list[int] | None] | None:
     """(lo, hi, exact list or None) from an int, an inclusive (lo, hi) tuple, a range, or a list."""
     if steps is None:
@@ -99,7 +105,8 @@ def select_files(
         if families is not None and fdir[len("family=") :] not in families:
             continue
         fpath = os.path.join(root, fdir)
-        for rdir in sorted(e.name for e in os.scandir(fpath) if e.is_dir() and e.name.startswith("rank=")):
+        rank_dirs = [e.name for e in os.scandir(fpath) if e.is_dir() and e.name.startswith("rank=")]
+        for rdir in sorted(rank_dirs, key=_rank_order):
             value = rdir[len("rank=") :]
             if ranks is not None and (not value.lstrip("-").isdigit() or int(value) not in ranks):
                 continue
