@@ -146,7 +146,14 @@ class StepCollector:
             slots.append((len(new_tensors), None))
             new_tensors.append(t)
             new_keys.append(key)
-        partials = self.engine.compute(new_tensors) if new_tensors else None
+        new_rows: list[torch.Tensor] = []
+        if new_tensors:
+            device = new_tensors[0].device
+            if all(t.device == device for t in new_tensors):
+                partials = self.engine.compute(new_tensors)
+                new_rows = [partials[i : i + 1] for i in range(len(new_tensors))]
+            else:  # a module spanning devices (pipeline stages in one process): one call per tensor
+                new_rows = [self.engine.compute([t]) for t in new_tensors]
         for i, (index, reused) in enumerate(slots):
             t = tensors[i]
             self._rows.append(
@@ -155,7 +162,7 @@ class StepCollector:
             if index < 0:
                 self._parts.append(reused)
                 continue
-            row = partials[index : index + 1]
+            row = new_rows[index]
             self._parts.append(row)
             key = new_keys[index]
             if key is not None:
