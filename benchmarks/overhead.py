@@ -569,7 +569,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: smaller GPT, fewer blocks, no RSS")
     parser.add_argument("--no-rss", action="store_true", help="skip the per-arm peak-RSS subprocesses")
-    parser.add_argument("--json", default=os.path.join(REPO, "benchmarks", "overhead_results.json"))
+    parser.add_argument(
+        "--json",
+        help="where to write the results (default: benchmarks/overhead_results.json for a full run, the "
+        "run of record quoted in docs/PERFORMANCE.md; a temporary file for --quick)",
+    )
     parser.add_argument("--workloads", default="a,b", help="comma-separated subset of a,b")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -594,6 +598,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     chosen = _workloads(args.quick)
     workloads = {k: chosen[k] for k in args.workloads.split(",")}
+    if args.json is None:
+        args.json = (
+            os.path.join(tempfile.gettempdir(), "trainermon_overhead_quick.json")
+            if args.quick
+            else os.path.join(REPO, "benchmarks", "overhead_results.json")
+        )
     results = run_benchmark(quick=args.quick, workloads=workloads, rss=not args.no_rss, seed=args.seed)
     if args.quick:
         print("  (quick mode: smaller models; the targets below are defined for the full run)")
