@@ -202,18 +202,29 @@ def write_part(
         **metadata,
     }
     table = buffer.to_table({k.encode(): v.encode() for k, v in meta.items()})
-    with open(tmp, "wb") as fh:
-        pq.write_table(
-            table,
-            fh,
-            compression=None if compression == "none" else compression,
-            compression_level=compression_level,
-            row_group_size=max(len(table), 1),  # one large row group per part
-        )
-        fh.flush()
-        os.fsync(fh.fileno())  # the rename must not expose a file whose bytes are not yet on disk
-    os.replace(tmp, final)
+    try:
+        with open(tmp, "wb") as fh:
+            pq.write_table(
+                table,
+                fh,
+                compression=None if compression == "none" else compression,
+                compression_level=compression_level,
+                row_group_size=max(len(table), 1),  # one large row group per part
+            )
+            fh.flush()
+            os.fsync(fh.fileno())  # the rename must not expose a file whose bytes are not yet on disk
+        os.replace(tmp, final)
+    except BaseException:
+        _discard(tmp)  # a failed write (disk full) leaves no temporary file behind
+        raise
     return final
+
+
+def _discard(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def write_dataset_marker(root: str) -> None:
@@ -228,15 +239,22 @@ def write_dataset_marker(root: str) -> None:
         "columns": list(COLUMNS),
     }
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(body, fh, indent=2)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(body, fh, indent=2)
+        os.replace(tmp, path)
+    except BaseException:
+        _discard(tmp)
+        raise
 
 
 def default_root(output_root: str, configured: str | None) -> str:
-    if configured is None:
-        return os.path.join(output_root, "parquet")
-    return os.path.join(output_root, configured)  # an absolute `configured` wins in os.path.join
+    """The dataset root: `parquet.dir` under MONITOR_OUTPUT_DIR (the config refuses absolute paths and
+    '..'; checked again here, so that no config can send the dataset elsewhere)."""
+    root = os.path.normpath(os.path.join(output_root, "parquet" if configured is None else configured))
+    if os.path.commonpath([root, os.path.normpath(output_root)]) != os.path.normpath(output_root):
+        raise ValueError(f"parquet.dir {configured!r} is outside MONITOR_OUTPUT_DIR {output_root!r}")
+    return root
 
 
 class ParquetExporter(Exporter):

@@ -129,10 +129,52 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class _MetricsServer(ThreadingHTTPServer):
+    """One thread per connection (daemon: never holds up interpreter exit), each one tracked, so that
+    `close_connections` can end them all, even one waiting on a client that never sends its request."""
+
     daemon_threads = True
     request_queue_size = 256  # dozens of concurrent scrapers must not overflow the listen backlog
     page: bytes = b""
     owner: object = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._active: dict[threading.Thread, socket.socket] = {}
+        self._active_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        thread = threading.Thread(
+            target=self._serve_one, args=(request, client_address), name="trainermon-prometheus-request"
+        )
+        thread.daemon = True
+        with self._active_lock:
+            self._active[thread] = request
+        thread.start()
+
+    def _serve_one(self, request: Any, client_address: Any) -> None:
+        try:
+            self.process_request_thread(request, client_address)
+        finally:
+            with self._active_lock:
+                self._active.pop(threading.current_thread(), None)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A scraper that disconnects mid-response (or a connection ended by close) is not an error
+        # worth a traceback on the job's stderr.
+        logger.debug("trainermon: Prometheus request from %s failed", client_address, exc_info=True)
+
+    def close_connections(self, timeout: float = 2.0) -> None:
+        """End every open connection and join its thread (after `shutdown()`: no new ones come)."""
+        with self._active_lock:
+            active = dict(self._active)
+        for request in active.values():
+            try:
+                request.shutdown(socket.SHUT_RDWR)  # a handler blocked reading its request returns now
+            except OSError:
+                pass
+        end = time.monotonic() + timeout
+        for thread in active:
+            thread.join(max(0.0, end - time.monotonic()))
 
 
 class PrometheusExporter(Exporter):
@@ -175,7 +217,7 @@ class PrometheusExporter(Exporter):
                 # training goes on.
                 server = _MetricsServer((host, port), _Handler)
                 thread = threading.Thread(
-                    target=server.serve_forever, kwargs={"poll_interval": 0.5}, name="trainermon-prometheus"
+                    target=server.serve_forever, kwargs={"poll_interval": 0.1}, name="trainermon-prometheus"
                 )
                 thread.daemon = True
                 thread.start()
@@ -185,8 +227,22 @@ class PrometheusExporter(Exporter):
         self.server = server
         self.host = host
         self.port = server.server_address[1]
+        self.discovery_error: OSError | None = None
         try:
             self._write_discovery(run, section, host)
+        except OSError as exc:
+            # The endpoint does not need its discovery files (an unwritable or full output directory):
+            # it keeps serving; the failure is logged once and counted as an error of this sink.
+            self.discovery_error = exc
+            logger.error(
+                "trainermon: could not write the Prometheus discovery files of rank %d (%s: %s); the "
+                "endpoint is still served at http://%s:%d/metrics",
+                run.rank,
+                type(exc).__name__,
+                exc,
+                host,
+                self.port,
+            )
         except Exception:
             self._stop_server()
             raise
@@ -302,7 +358,10 @@ class PrometheusExporter(Exporter):
         _atomic_json(os.path.join(run.run_dir, "prometheus.json"), info)
         sd_dir = section.get("sd_dir", "prometheus_sd")
         if sd_dir:
-            directory = os.path.join(run.output_root, sd_dir)
+            directory = os.path.normpath(os.path.join(run.output_root, sd_dir))
+            top = os.path.normpath(run.output_root)
+            if os.path.commonpath([directory, top]) != top:  # the config refuses these; checked again
+                raise ValueError(f"prometheus.sd_dir {sd_dir!r} is outside MONITOR_OUTPUT_DIR {top!r}")
             os.makedirs(directory, exist_ok=True)
             self.sd_path = os.path.join(directory, f"rank{run.rank}-{run.run_id}.json")
             _atomic_json(self.sd_path, [{"targets": [target], "labels": {"run_id": run.run_id}}])
@@ -310,6 +369,8 @@ class PrometheusExporter(Exporter):
     def attach_error_counts(self, errors: Any, formats: list[str]) -> None:
         """Called by build_exporters: the shared per-sink failure counts to export."""
         self._errors = errors
+        if self.discovery_error is not None:
+            errors.add(getattr(self, "format_name", "prometheus"))
         self._sync_errors()
         self._publish()
 
@@ -447,6 +508,7 @@ class PrometheusExporter(Exporter):
             _LIVE.pop((self.host, self.port), None)
         server.shutdown()
         server.server_close()
+        server.close_connections()
 
     def close(self) -> None:
         self._stop_server()
@@ -461,6 +523,13 @@ class PrometheusExporter(Exporter):
 def _atomic_json(path: str, body: Any) -> None:
     directory, name = os.path.split(path)
     tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")  # not matched by a *.json file_sd glob
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(body, fh)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(body, fh)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)  # a failed write (disk full) leaves no temporary file behind
+        except OSError:
+            pass
+        raise

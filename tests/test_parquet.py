@@ -355,8 +355,12 @@ def test_convert_msprobe_csv(tmp_path):
 
 
 def test_parquet_config_validation():
-    cfg = parse_config({"format": ["parquet"], "parquet": {"steps_per_part": 5, "dir": "/data/ds"}})
+    cfg = parse_config({"format": ["parquet"], "parquet": {"steps_per_part": 5, "dir": "datasets/ds"}})
     assert cfg.parquet["steps_per_part"] == 5 and cfg.parquet["rows_per_part"] == 250_000
+    assert cfg.parquet["dir"] == "datasets/ds"
+    for escaping in ("/data/ds", "../ds", "a/../../ds"):  # only MONITOR_OUTPUT_DIR may point elsewhere
+        with pytest.raises(ConfigError, match=r"parquet.dir.*relative to MONITOR_OUTPUT_DIR"):
+            parse_config({"parquet": {"dir": escaping}})
     assert cfg.parquet["compression"] == "zstd"
     with pytest.raises(ConfigError, match=r"parquet.steps_per_part.*0.*integer in \[1,"):
         parse_config({"parquet": {"steps_per_part": 0}})
@@ -369,9 +373,10 @@ def test_parquet_config_validation():
 
 
 def test_unwritable_dataset_dir_disables_only_parquet(tmp_path, monkeypatch):
-    blocker = tmp_path / "blocker"
+    blocker = tmp_path / "out" / "blocker"
+    blocker.parent.mkdir(parents=True, exist_ok=True)
     blocker.write_text("a file where the dataset directory should be")
-    cfg = full_config(parquet={"dir": str(blocker / "ds")})
+    cfg = full_config(parquet={"dir": "blocker/ds"})
     mon = run_monitored(tmp_path, cfg, steps=2, monkeypatch=monkeypatch)
     mon.close()
     assert [type(e).__name__ for e in mon.worker.exporters] == ["CsvExporter"]

@@ -283,7 +283,8 @@ def test_series_budget_and_family_filter(tmp_path, monkeypatch):
 
 
 def test_all_three_formats_and_sink_error_counter(tmp_path, monkeypatch):
-    blocker = tmp_path / "blocker"
+    blocker = tmp_path / "out" / "blocker"
+    blocker.parent.mkdir(parents=True, exist_ok=True)
     blocker.write_text("x")
     mon, model, opt = start(
         tmp_path, monkeypatch, format=["csv", "parquet", "prometheus"], parquet={"steps_per_part": 2}
@@ -306,7 +307,7 @@ def test_all_three_formats_and_sink_error_counter(tmp_path, monkeypatch):
         mon.close()
     # A sink that cannot open is counted in trainermon_exporter_errors_total.
     mon, model, opt = start(
-        tmp_path, monkeypatch, format=["parquet", "prometheus"], parquet={"dir": str(blocker / "ds")}
+        tmp_path, monkeypatch, format=["parquet", "prometheus"], parquet={"dir": "blocker/ds"}
     )
     try:
         s = scrape(url_of(mon))

@@ -48,6 +48,30 @@ def test_construction_works_or_raises_one_clear_error(raw):
     assert cfg.step_interval >= 1 and cfg.collect_times >= 0 and set(cfg.ops) <= set(SUPPORTED_OPS)
 
 
+path_like = st.lists(
+    st.sampled_from(["a", "b", ".", "..", "/", "\\", "~", " ", "\x00", "é"]), max_size=12
+).map("".join)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(
+    path=path_like | st.sampled_from(["..", "/etc", "a/../..", "./.././x", "a/./b/../c"]),
+    key=st.sampled_from(["parquet.dir", "prometheus.sd_dir"]),
+)
+def test_output_paths_from_the_config_stay_under_the_output_dir(path, key):
+    """Whatever string a config gives as an output path: refused with one clear error, or it resolves to
+    a location inside MONITOR_OUTPUT_DIR."""
+    section, sub = key.split(".")
+    try:
+        cfg = parse_config({section: {sub: path}})
+    except ConfigError as exc:
+        assert f"'{key}'" in str(exc) and "relative to MONITOR_OUTPUT_DIR" in str(exc)
+        return
+    root = os.path.join(os.sep, "job", "out")
+    target = os.path.normpath(os.path.join(root, getattr(cfg, section)[sub]))
+    assert os.path.commonpath([root, target]) == root, (path, target)
+
+
 class _Job:
     """A small dynamic-mode training job kept alive across hypothesis examples."""
 

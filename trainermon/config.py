@@ -258,7 +258,7 @@ PARQUET_COMPRESSIONS = ("zstd", "snappy", "gzip", "lz4", "none")
 #: Defaults of the `parquet` section. A part file is completed every `steps_per_part` collected steps,
 #: or when a family buffers `rows_per_part` rows, or `seconds_per_part` after the first buffered row.
 PARQUET_DEFAULTS: dict[str, Any] = {
-    "dir": None,  # dataset root; None = {MONITOR_OUTPUT_DIR}/parquet; relative = under MONITOR_OUTPUT_DIR
+    "dir": None,  # dataset root under MONITOR_OUTPUT_DIR (relative, no '..'); None = "parquet"
     "steps_per_part": 1000,
     "rows_per_part": 250_000,
     "seconds_per_part": 300.0,
@@ -292,6 +292,26 @@ def _opt_str(section: str, values: dict, key: str) -> None:
         raise _fail(f"{section}.{key}", value, "a non-empty string or null")
 
 
+#: What an output path from the config may be. Config files are edited while jobs run (and by tools),
+#: so a config alone never sends output outside MONITOR_OUTPUT_DIR; only the environment can.
+RELATIVE_PATH = (
+    "a path relative to MONITOR_OUTPUT_DIR without '..' (to write elsewhere, set MONITOR_OUTPUT_DIR)"
+)
+
+
+def _relative_path(section: str, values: dict, key: str) -> None:
+    """An output location under MONITOR_OUTPUT_DIR (or null): relative, no '..' component, no NUL."""
+    value = values[key]
+    if value is None:
+        return
+    allowed = RELATIVE_PATH + ", or null"
+    if not isinstance(value, str) or not value or "\x00" in value:
+        raise _fail(f"{section}.{key}", value, allowed)
+    parts = value.replace("\\", "/").split("/")
+    if os.path.isabs(value) or value.startswith(("/", "\\")) or ".." in parts:
+        raise _fail(f"{section}.{key}", value, allowed)
+
+
 def _choices(section: str, values: dict, key: str, allowed: tuple[str, ...]) -> None:
     value = values[key]
     if value is None:
@@ -306,7 +326,7 @@ def _choices(section: str, values: dict, key: str, allowed: tuple[str, ...]) -> 
 
 def _parquet(raw: dict) -> dict[str, Any]:
     values = _section(raw, "parquet", PARQUET_DEFAULTS)
-    _opt_str("parquet", values, "dir")
+    _relative_path("parquet", values, "dir")
     for key in ("steps_per_part", "rows_per_part"):
         values[key] = _int({f"parquet.{key}": values[key]}, f"parquet.{key}", 1, 1, 10**9)
     seconds = values["seconds_per_part"]
@@ -330,7 +350,7 @@ def _prometheus(raw: dict) -> dict[str, Any]:
         raise _fail("prometheus.host", values["host"], "an address to bind, e.g. '127.0.0.1' or '0.0.0.0'")
     values["port"] = _int({"prometheus.port": values["port"]}, "prometheus.port", 0, 0, 65535)
     _opt_str("prometheus", values, "advertise_host")
-    _opt_str("prometheus", values, "sd_dir")
+    _relative_path("prometheus", values, "sd_dir")
     if not isinstance(values["per_parameter"], bool):
         raise _fail("prometheus.per_parameter", values["per_parameter"], "true or false")
     _choices("prometheus", values, "stats", NUMERIC_STATS)
