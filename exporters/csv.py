@@ -2,8 +2,9 @@
 
 Files: `{run_dir}/{family}_{first}-{last}.csv`, where [first, last] is the step bucket of
 `step_count_per_record` steps. Columns: `vpp_stage,name,step[,micro_step],{ops...},shape,dtype`
-(micro_step for actv, actv_grad, and grad_unreduced with monitor_mbs_grad). Every step is written with
-one write call and flushed, so a killed process leaves complete rows only.
+(micro_step for actv, actv_grad, and grad_unreduced with monitor_mbs_grad). Each family's rows of a step
+go to the file in one unbuffered write, so a killed process leaves complete rows only, and a write that
+fails part-way (disk full) is cut back to the last complete row.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import csv
 import io
 import os
-from typing import TextIO
 
 from trainermon.records import StatBatch
 
@@ -28,9 +28,38 @@ def _csv_field(text: str) -> str:
     return buf.getvalue()
 
 
+class _RowFile:
+    """An append-only CSV file that only ever shows whole rows.
+
+    Writes are unbuffered (one `write` per family per step already), and a write that fails part-way
+    (disk full, quota, a file-size limit) cuts the file back to the end of its last complete row before
+    the error goes on, so neither a reader nor a later write ever sees half a row."""
+
+    def __init__(self, path: str) -> None:
+        self._fh = open(path, "ab", buffering=0)  # noqa: SIM115 - kept open across steps
+        self._size = os.fstat(self._fh.fileno()).st_size
+
+    def write(self, text: str) -> None:
+        encoded = text.encode("utf-8")
+        data = memoryview(encoded)
+        try:
+            while data:
+                data = data[self._fh.write(data) :]
+        except BaseException:
+            os.ftruncate(self._fh.fileno(), self._size)
+            raise
+        self._size += len(encoded)
+
+    def flush(self) -> None:
+        pass  # nothing is buffered
+
+    def close(self) -> None:
+        self._fh.close()
+
+
 class CsvExporter(Exporter):
     def __init__(self) -> None:
-        self._files: dict[str, tuple[int, TextIO]] = {}
+        self._files: dict[str, tuple[int, _RowFile]] = {}
         self._heads: dict[tuple[int, str], str] = {}
         self._shapes: dict[tuple[int, ...], str] = {}
 
@@ -70,7 +99,6 @@ class CsvExporter(Exporter):
                     column = columns[op]
                     fields.append([column[i] for i in indices])
             handle.write("".join(",".join(line) + "\n" for line in zip(*fields)))
-            handle.flush()
 
     def _column(self, batch: StatBatch, op: str) -> list[str]:
         if op in _NUMERIC_OPS:
@@ -97,7 +125,7 @@ class CsvExporter(Exporter):
             text = self._shapes[shape] = _csv_field(str(list(shape)))
         return text
 
-    def _file_for(self, family: str, step: int, with_micro: bool) -> TextIO:
+    def _file_for(self, family: str, step: int, with_micro: bool) -> _RowFile:
         first = (step // self.per_record) * self.per_record
         current = self._files.get(family)
         if current is not None and current[0] == first:
@@ -106,10 +134,9 @@ class CsvExporter(Exporter):
             current[1].close()
         path = os.path.join(self.run_dir, f"{family}_{first}-{first + self.per_record - 1}.csv")
         new = not os.path.exists(path)
-        handle = open(path, "a", encoding="utf-8", newline="")  # noqa: SIM115 - kept open across steps
+        handle = _RowFile(path)
         if new:
             handle.write(",".join(self.header(with_micro)) + "\n")
-            handle.flush()
         self._files[family] = (first, handle)
         return handle
 

@@ -299,13 +299,20 @@ def reduce_across(partials: torch.Tensor, group=None) -> torch.Tensor:
     import torch.distributed as dist
 
     additive = partials[:, _ADDITIVE].contiguous()
-    extremes = torch.stack([partials[:, MAX], -partials[:, MIN]], dim=1).contiguous()
+    # A NaN min/max (NaN counting off) must survive the merge, but MAX reductions may drop NaN (gloo
+    # does): it travels as a flag column in the same reduction, its slot set to the identity.
+    mx, neg_mn = partials[:, MAX], -partials[:, MIN]
+    nan = torch.isnan(mx) | torch.isnan(neg_mn)
+    extremes = torch.stack(
+        [mx.masked_fill(nan, -math.inf), neg_mn.masked_fill(nan, -math.inf), nan.to(partials.dtype)], dim=1
+    )
     dist.all_reduce(additive, op=dist.ReduceOp.SUM, group=group)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    merged_nan = extremes[:, 2] > 0
     out = torch.empty_like(partials)
     out[:, _ADDITIVE] = additive
-    out[:, MAX] = extremes[:, 0]
-    out[:, MIN] = -extremes[:, 1]
+    out[:, MAX] = extremes[:, 0].masked_fill(merged_nan, math.nan)
+    out[:, MIN] = (-extremes[:, 1]).masked_fill(merged_nan, math.nan)
     return out
 
 

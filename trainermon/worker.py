@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -62,20 +63,39 @@ class BackgroundWorker:
             self._queue.put(("swap", list(exporters)))
 
     def flush(self, timeout: float | None = None) -> None:
-        """Block until every submitted step is written and every exporter flushed."""
+        """Block until every submitted step is written and every exporter flushed, or `timeout` passes
+        (a hung sink: a warning, never an exception)."""
         if self._closed or not self._thread.is_alive():
             return
         done = threading.Event()
-        self._queue.put(done, timeout=timeout)
-        done.wait(timeout)
+        try:
+            self._queue.put(done, timeout=timeout)
+        except queue.Full:
+            logger.warning("trainermon: flush gave up after %s s: the output queue stayed full", timeout)
+            return
+        if not done.wait(timeout):
+            logger.warning("trainermon: flush gave up after %s s: an exporter is still writing", timeout)
 
     def close(self, timeout: float = 30.0) -> None:
+        """Write what is queued, then stop the worker and close the exporters; at most `timeout` seconds.
+
+        A sink that hangs (a dead network filesystem) is left to its daemon thread: its exporters are not
+        closed under it, and the caller (often the interpreter's exit) is not held."""
         if self._closed:
             return
         self._closed = True
         if self._thread.is_alive():
-            self._queue.put(_STOP)
-            self._thread.join(timeout)
+            deadline = time.monotonic() + timeout
+            try:
+                self._queue.put(_STOP, timeout=timeout)
+                self._thread.join(max(0.0, deadline - time.monotonic()))
+            except queue.Full:
+                pass
+            if self._thread.is_alive():
+                logger.error(
+                    "trainermon: an exporter did not finish within %s s; leaving it to its thread", timeout
+                )
+                return
         self._close_exporters()
 
     def _close_exporters(self) -> None:
@@ -145,6 +165,7 @@ class BackgroundWorker:
                     exc,
                     "this exporter is disabled, the others continue",
                 )
+                _close_quietly(exporter)  # release its files and sockets
 
     def _flush_exporters(self) -> None:
         for i, exporter in enumerate(self.exporters):
@@ -155,3 +176,11 @@ class BackgroundWorker:
             except Exception as exc:  # noqa: BLE001
                 self._disabled.add(i)
                 self.faults.record(f"exporter {type(exporter).__name__}.flush", exc)
+                _close_quietly(exporter)
+
+
+def _close_quietly(exporter) -> None:
+    try:
+        exporter.close()
+    except Exception:  # noqa: BLE001 - already failed and counted once; closing is best effort
+        pass
