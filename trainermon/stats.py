@@ -13,13 +13,14 @@ or FSDP shards, a distributed optimizer's slices) merge exactly:
     zeros     sum        zeros = fraction with |x| < eps
     numel     sum        kept on the host (shapes are static), never computed on the device
 
-Costs: `compute` launches a handful of kernels per large tensor (one BLAS dot, one sum, one aminmax per
-chunk of at most 1 Mi elements, so the second and third pass hit cache) and accumulates in float32. Small
-tensors (at most GROUP_MAX elements) of one dtype and size are stacked into chunk-sized blocks and reduced
-row-wise, so that hundreds of biases and norm weights cost a few kernels, not hundreds. It never
-copies a whole tensor to float64 and never reads a value back to the host, except on the CPU, where
-checking for non-finite values costs no device sync. `reduce` is two all-reduces over a process group
-for any number of rows (one packed SUM, one packed MAX).
+Costs: `compute` launches four kernels per chunk of a large tensor (a BLAS dot, a sum, an amin and an
+amax over at most CHUNK elements, so the last three read the chunk from cache), writing scalars that are
+stacked once per call; it accumulates in float32. Small tensors (at most GROUP_MAX elements) of one dtype
+and size are stacked into chunk-sized blocks and reduced row-wise, so that hundreds of biases and norm
+weights cost a few kernels, not hundreds. It never copies a whole tensor to float64 and never reads a
+value back to the host, except on the CPU, where checking for non-finite values costs no device sync.
+`reduce_across` is two all-reduces over a process group for any number of rows (one packed SUM, one
+packed MAX).
 """
 
 from __future__ import annotations
