@@ -52,7 +52,8 @@ class TinyGPT(nn.Module):
         self.layers = nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.final_norm = nn.LayerNorm(d)
         self.output = nn.Linear(d, vocab, bias=False)
-        self.register_buffer("mask", torch.triu(torch.full((seq, seq), float("-inf")), diagonal=1))
+        # Boolean causal mask (True = may not attend): not a floating-point activation, so no row
+        self.register_buffer("mask", torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embedding(tokens) + self.position[: tokens.shape[1]]
