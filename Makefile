@@ -12,7 +12,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 EXTRAS := test,parquet,prometheus,dynamic,deepspeed,megatron
 # DeepSpeed builds as pure Python (no C++ ops compiled at install time).
 export DS_BUILD_OPS := 0
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml setup.py trainermon/_fused.c Makefile | cksum | cut -d' ' -f1)
 
 .PHONY: venv demo test lint bench clean
 

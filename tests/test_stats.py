@@ -21,6 +21,18 @@ from trainermon.stats import (
     merge,
 )
 
+#: The engine's three CPU-reachable paths: the native one-pass kernel, eager torch (the kernel off), and
+#: the branch-free masked path that accelerators run.
+PATHS = {
+    "native": {},
+    "cpu-eager": {"fused": False},
+    "accelerator-path": {"force_masked": True},
+}
+
+
+def _engine(path: str, **options) -> StatsEngine:
+    return StatsEngine(EngineOptions(**PATHS[path], **options))
+
 
 def _final(engine: StatsEngine, tensors: list[torch.Tensor]) -> dict[str, np.ndarray]:
     partials = engine.compute(tensors).numpy()
@@ -37,20 +49,20 @@ def _check(values: dict[str, np.ndarray], i: int, ref: dict[str, float], rtol: f
             assert got == pytest.approx(want, rel=rtol, abs=1e-6 * max(ref["norm"], 1e-30)), op
 
 
-@pytest.mark.parametrize("masked", [False, True], ids=["cpu-path", "accelerator-path"])
-def test_plain_values(masked):
+@pytest.mark.parametrize("path", PATHS)
+def test_plain_values(path):
     torch.manual_seed(0)
     tensors = [torch.randn(7, 5), torch.randn(100) * 3 + 1, torch.tensor([2.5]), torch.randn(3, 4, 5)]
-    values = _final(StatsEngine(EngineOptions(force_masked=masked)), tensors)
+    values = _final(_engine(path), tensors)
     for i, t in enumerate(tensors):
         _check(values, i, ref_stats(t))
 
 
-@pytest.mark.parametrize("masked", [False, True], ids=["cpu-path", "accelerator-path"])
-def test_nan_and_inf_are_counted_and_excluded(masked):
+@pytest.mark.parametrize("path", PATHS)
+def test_nan_and_inf_are_counted_and_excluded(path):
     t = torch.tensor([1.0, float("nan"), -3.0, float("inf"), 2.0, float("-inf"), float("nan")])
     all_bad = torch.tensor([float("nan"), float("inf")])
-    values = _final(StatsEngine(EngineOptions(force_masked=masked)), [t, all_bad])
+    values = _final(_engine(path), [t, all_bad])
     assert values["nans"][0] == 2 and values["infs"][0] == 2
     assert values["min"][0] == -3.0 and values["max"][0] == 2.0
     assert values["mean"][0] == pytest.approx(0.0) and values["norm"][0] == pytest.approx(math.sqrt(14))
@@ -58,9 +70,10 @@ def test_nan_and_inf_are_counted_and_excluded(masked):
     assert math.isnan(values["min"][1]) and math.isnan(values["mean"][1]) and values["norm"][1] == 0
 
 
-def test_without_nan_counting_nan_propagates_visibly():
-    values = _final(StatsEngine(EngineOptions(nonfinite=False)), [torch.tensor([1.0, float("nan")])])
-    assert math.isnan(values["norm"][0]) and math.isnan(values["max"][0])
+@pytest.mark.parametrize("path", ["native", "cpu-eager"])
+def test_without_nan_counting_nan_propagates_visibly(path):
+    values = _final(_engine(path, nonfinite=False), [torch.tensor([1.0, float("nan")])])
+    assert math.isnan(values["norm"][0]) and math.isnan(values["max"][0]) and math.isnan(values["min"][0])
 
 
 def test_zeros_fraction():
@@ -69,11 +82,12 @@ def test_zeros_fraction():
     assert values["zeros"][0] == pytest.approx(3 / 6)  # 0, 1e-12, 0; the NaN is not a zero
 
 
+@pytest.mark.parametrize("path", ["native", "cpu-eager"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.bool])
-def test_dtypes(dtype):
+def test_dtypes(dtype, path):
     torch.manual_seed(0)
     t = (torch.randn(1000) * 4).to(dtype)
-    values = _final(StatsEngine(EngineOptions()), [t])
+    values = _final(_engine(path), [t])
     _check(values, 0, ref_stats(t), rtol=1e-5)
 
 
@@ -87,11 +101,12 @@ def test_empty_and_non_contiguous():
     _check(values, 2, ref_stats(base[:, ::3]))
 
 
-def test_large_tensor_is_chunked_and_accurate():
+@pytest.mark.parametrize("path", ["native", "cpu-eager"])
+def test_large_tensor_is_chunked_and_accurate(path):
     torch.manual_seed(0)
     t = torch.randn(3 * CHUNK + 17) * 2 + 0.5
     t[CHUNK + 5] = float("nan")
-    values = _final(StatsEngine(EngineOptions()), [t])
+    values = _final(_engine(path), [t])
     _check(values, 0, ref_stats(t), rtol=2e-6)
 
 
@@ -116,8 +131,9 @@ def test_complex_tensor_is_a_documented_skip():
     assert math.isnan(values["norm"][0])
 
 
+@pytest.mark.parametrize("path", ["native", "cpu-eager"])
 @pytest.mark.parametrize("nonfinite", [True, False], ids=["nan-counting", "plain"])
-def test_every_path_in_one_call_keeps_rows_in_order(nonfinite):
+def test_every_path_in_one_call_keeps_rows_in_order(nonfinite, path):
     """Sizes on both sides of the grouping threshold and of the chunk size, every dtype, non-contiguous
     views and empty tensors, all in one call: each row matches a float64 reference of its own tensor."""
     torch.manual_seed(0)
@@ -131,7 +147,7 @@ def test_every_path_in_one_call_keeps_rows_in_order(nonfinite):
         wide = torch.randn(n, 2) * 2 + 0.5
         tensors.append(wide[:, 1])  # non-contiguous: every other element
     tensors.append(torch.randn(GROUP_MAX + 5).to(torch.complex64).real)  # a view of a complex tensor
-    values = _final(StatsEngine(EngineOptions(nonfinite=nonfinite)), tensors)
+    values = _final(_engine(path, nonfinite=nonfinite), tensors)
     for i, t in enumerate(tensors):
         if t.numel() == 0:
             assert values["norm"][i] == 0 and math.isnan(values["min"][i]), i

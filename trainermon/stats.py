@@ -13,12 +13,16 @@ or FSDP shards, a distributed optimizer's slices) merge exactly:
     zeros     sum        zeros = fraction with |x| < eps
     numel     sum        kept on the host (shapes are static), never computed on the device
 
-Costs: `compute` launches four kernels per chunk of a large tensor (a BLAS dot, a sum, an amin and an
-amax over at most CHUNK elements, so the last three read the chunk from cache), writing scalars that are
-stacked once per call; it accumulates in float32. Small tensors (at most GROUP_MAX elements) of one dtype
-and size are stacked into chunk-sized blocks and reduced row-wise, so that hundreds of biases and norm
-weights cost a few kernels, not hundreds. It never copies a whole tensor to float64 and never reads a
-value back to the host, except on the CPU, where checking for non-finite values costs no device sync.
+Costs: on the CPU, contiguous float32/bf16/fp16 tensors go to the native kernel (`trainermon.fused`):
+one read of each tensor, one call for the whole batch, no per-tensor Python beyond collecting addresses.
+Everywhere else (accelerators, other dtypes, non-contiguous tensors, or the kernel not built),
+`compute` launches four kernels per chunk of a large tensor (a BLAS dot, a sum, an amin and an amax over
+at most CHUNK elements, so the last three read the chunk from cache), writing scalars that are stacked
+once per call; small tensors (at most GROUP_MAX elements) of one dtype and size are stacked into
+chunk-sized blocks and reduced row-wise, so that hundreds of biases and norm weights cost a few kernels,
+not hundreds. Both accumulate in float32 lanes (the kernel adds its 4 Ki-element blocks in double). It
+never copies a whole tensor to float64 and never reads a value back to the host, except on the CPU, where
+checking for non-finite values costs no device sync.
 `reduce_across` is two all-reduces over a process group for any number of rows (one packed SUM, one
 packed MAX).
 """
@@ -33,6 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from trainermon import fused
 
 logger = logging.getLogger("trainermon")
 
@@ -64,6 +70,9 @@ class EngineOptions:
     zeros_eps: float | None = None  # count |x| < eps when set
     #: Force the branch-free masked path everywhere (the accelerator path); used by tests on CPU.
     force_masked: bool = False
+    #: Use the native one-pass CPU kernel (`trainermon.fused`) where it is built; tests turn it off to
+    #: check the eager path.
+    fused: bool = True
 
 
 def empty_partials(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -105,6 +114,10 @@ class StatsEngine:
         eps = opts.zeros_eps
         chunk = CHUNK if device.type == "cpu" else DEVICE_CHUNK
         lean = not masked_everywhere and eps is None
+        # Native path: contiguous CPU tensors of the kernel's dtypes, one read each, one call for all.
+        use_fused = lean and opts.fused and fused.AVAILABLE and device.type == "cpu"
+        fused_dtypes = fused.DTYPES if use_fused else ()
+        fused_order: list[int] = []
         # Lean path, per tensor above GROUP_MAX: seven scalars (four kernels: dot, sum, amin, amax, then
         # three shared zeros), stacked once at the end. No per-tensor allocation or Python bookkeeping.
         scalars: list[torch.Tensor] = []
@@ -117,7 +130,9 @@ class StatsEngine:
             numel = t.numel()
             if numel == 0:
                 continue
-            if numel <= GROUP_MAX and not t.is_complex():
+            if t.dtype in fused_dtypes and t.is_contiguous():
+                fused_order.append(i)
+            elif numel <= GROUP_MAX and not t.is_complex():
                 groups.setdefault((t.dtype, numel), []).append(i)
             elif lean and not t.is_complex():
                 scalars += _lean_scalars(t.detach().reshape(-1), chunk)
@@ -144,6 +159,11 @@ class StatsEngine:
             block = torch.stack(scalars).view(-1, NUM_PARTIALS)
             full_rows.insert(0, block if block.dtype == torch.float32 else block.float())
             full_order[:0] = singles
+        if fused_order:
+            block = torch.empty((len(fused_order), NUM_PARTIALS), dtype=torch.float32)
+            fused.rows_unchecked([tensors[i] for i in fused_order], block)
+            full_rows.insert(0, block)
+            full_order[:0] = fused_order
         if not full_rows:
             out = empty_partials(n, device)  # only empty tensors: the merge identity
         elif len(full_order) == n and full_order == list(range(n)):
@@ -156,14 +176,24 @@ class StatsEngine:
                 index = index.pin_memory().to(device, non_blocking=True)
             out.index_copy_(0, index, torch.cat(full_rows) if len(full_rows) > 1 else full_rows[0])
         if opts.nonfinite and not masked_everywhere:
-            # On the CPU this check is free: find tensors whose fast-pass min/max are not finite and
+            # On the CPU this check is free: find tensors whose fast-pass values are not all finite and
             # recompute only those with the masked path (NaN/Inf counted, the rest over finite values).
-            finite = torch.isfinite(out[:, MIN : MAX + 1]).all(1)
-            if not bool(finite.all()):
-                for i in (~finite).nonzero().flatten().tolist():
-                    if tensors[i].numel():
-                        out[i] = _tensor_partials(tensors[i], True, eps, chunk)
+            # The sums are checked too: the native kernel's min/max skip a NaN that the sums carry.
+            self._recompute_nonfinite(out, tensors, range(n), True, eps, chunk)
+        elif fused_order:
+            # NaN counting off: non-finite rows of the native kernel are recomputed with torch's
+            # propagating semantics, so that min/max are NaN exactly as on the eager path.
+            self._recompute_nonfinite(out, tensors, fused_order, False, eps, chunk)
         return out
+
+    @staticmethod
+    def _recompute_nonfinite(out, tensors, rows, masked: bool, eps: float | None, chunk: int) -> None:
+        finite = torch.isfinite(out[:, : MAX + 1]).all(1)
+        if bool(finite.all()):
+            return
+        for i in (~finite).nonzero().flatten().tolist():
+            if i in rows and tensors[i].numel():
+                out[i] = _tensor_partials(tensors[i], masked, eps, chunk)
 
     def _zero(self, device: torch.device) -> torch.Tensor:
         zero = self._zeros.get(device)

@@ -1,0 +1,145 @@
+"""The native one-pass CPU kernel (trainermon/_fused.c) against float64 references, at the sizes where its
+vector loop, its scalar tail and its 4 Ki-element blocks meet, and with NaN/Inf in each of those parts."""
+
+from __future__ import annotations
+
+import math
+import platform
+import shutil
+
+import pytest
+import torch
+
+from tests.helpers import ref_stats
+from trainermon import fused
+from trainermon.stats import NUM_PARTIALS, EngineOptions, StatsEngine
+
+SIZES = [1, 7, 15, 16, 17, 31, 33, 4095, 4096, 4097, 8192 + 5, 1_000_003]
+DTYPES = sorted(fused.DTYPES, key=str) if fused.AVAILABLE else []
+
+
+def _cpu_has_simd() -> bool:
+    if platform.machine() in ("aarch64", "arm64"):
+        return True
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return " avx2" in flags and " fma" in flags
+
+
+def test_kernel_is_built_where_it_can_be():
+    """With a C compiler at install time and an AVX2/NEON CPU, the kernel must be there: otherwise every
+    other test here would quietly test nothing."""
+    if not (shutil.which("cc") or shutil.which("gcc")) or not _cpu_has_simd():
+        pytest.skip(f"no C compiler or no AVX2/NEON here; kernel: {fused.KIND}")
+    assert fused.AVAILABLE, f"native kernel unavailable: {fused.KIND}"
+    assert fused.KIND in ("avx2", "neon")
+    assert torch.float32 in fused.DTYPES and torch.bfloat16 in fused.DTYPES
+
+
+needs_kernel = pytest.mark.skipif(not fused.AVAILABLE, reason=f"native kernel: {fused.KIND}")
+
+
+def _rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    out = torch.full((len(tensors), NUM_PARTIALS), -7.0)
+    fused.rows(tensors, out)
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rows_match_float64_at_every_boundary(dtype):
+    torch.manual_seed(0)
+    tensors = [(torch.randn(n) * 3 - 0.5).to(dtype) for n in SIZES]
+    out = _rows(tensors)
+    for i, t in enumerate(tensors):
+        x = t.double()
+        assert out[i, 0].item() == pytest.approx(float((x * x).sum()), rel=1e-5), (dtype, t.numel())
+        tol = 1e-4 * float(x.norm())
+        assert out[i, 1].item() == pytest.approx(float(x.sum()), rel=1e-4, abs=tol), t.numel()
+        assert out[i, 2].item() == float(x.min()) and out[i, 3].item() == float(x.max()), t.numel()
+        assert out[i, 4:].tolist() == [0.0, 0.0, 0.0]
+
+
+@needs_kernel
+def test_sums_of_a_16m_tensor_are_accurate():
+    """Float32 lanes per 4 Ki block, blocks added in double: far tighter than one float32 accumulator."""
+    torch.manual_seed(1)
+    t = torch.rand(1 << 24) + 0.5  # all positive: the sum has no cancellation to hide errors
+    out = _rows([t])
+    x = t.double()
+    assert out[0, 0].item() == pytest.approx(float((x * x).sum()), rel=2e-7)
+    assert out[0, 1].item() == pytest.approx(float(x.sum()), rel=2e-7)
+
+
+@needs_kernel
+@pytest.mark.parametrize("where", [0, 9, 4095, 4096, 5000, 8204], ids=lambda w: f"at{w}")
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf"])
+def test_nonfinite_values_never_leave_a_row_looking_finite(where, bad):
+    """A NaN is skipped by the min/max instructions but must reach the sums; an Inf must show somewhere.
+    The engine recomputes exactly the rows that are not all finite."""
+    t = torch.randn(8192 + 13)
+    t[where] = float(bad)
+    row = _rows([t])[0, :4]
+    assert not bool(torch.isfinite(row).all())
+    if bad == "nan":
+        assert math.isnan(row[0].item()) and math.isnan(row[1].item())
+
+
+@needs_kernel
+@pytest.mark.parametrize("nonfinite", [True, False], ids=["nan-counting", "propagating"])
+def test_engine_results_equal_the_eager_path(nonfinite):
+    """Same rows from the kernel and from eager torch, including the NaN/Inf semantics of each mode."""
+    torch.manual_seed(2)
+    tensors = [torch.randn(n) for n in (5, 300, 5000, 70_000)]
+    tensors[1][17] = float("nan")
+    tensors[2][4999] = float("inf")
+    tensors[3][:] = float("-inf")
+    tensors.append(torch.randn(40, 40).bfloat16())
+    native = StatsEngine(EngineOptions(nonfinite=nonfinite)).compute(tensors)
+    eager = StatsEngine(EngineOptions(nonfinite=nonfinite, fused=False)).compute(tensors)
+    torch.testing.assert_close(native, eager, rtol=2e-5, atol=1e-5, equal_nan=True)
+    if nonfinite:
+        assert native[1, 4].item() == 1 and native[2, 5].item() == 1 and native[3, 5].item() == 70_000
+        ref = ref_stats(tensors[1])
+        assert native[1, 2].item() == pytest.approx(ref["min"])
+        assert native[1, 3].item() == pytest.approx(ref["max"])
+    else:
+        assert math.isnan(native[1, 2].item()) and math.isnan(native[1, 3].item())  # torch's amin/amax
+
+
+@needs_kernel
+def test_engine_sends_only_qualifying_tensors_to_the_kernel(monkeypatch):
+    seen: list[list[torch.Tensor]] = []
+    real = fused.rows_unchecked
+
+    def spy(tensors, out):
+        seen.append(list(tensors))
+        real(tensors, out)
+
+    monkeypatch.setattr(fused, "rows_unchecked", spy)
+    base = torch.randn(64, 32)
+    half = torch.randn(3).half()
+    tensors = [base, base.t(), torch.randn(10).double(), torch.arange(9), torch.empty(0), half]
+    out = StatsEngine(EngineOptions()).compute(tensors)
+    assert len(seen) == 1  # one call for the whole batch
+    expected = [base] + ([tensors[5]] if torch.float16 in fused.DTYPES else [])
+    assert [id(t) for t in seen[0]] == [id(t) for t in expected]
+    for i, t in enumerate(tensors):
+        if t.numel():
+            assert out[i, 0].item() == pytest.approx(float(t.double().square().sum()), rel=1e-5), i
+
+
+@needs_kernel
+def test_rows_rejects_what_the_kernel_cannot_read():
+    out = torch.empty(1, NUM_PARTIALS)
+    with pytest.raises(ValueError, match="unsupported tensor"):
+        fused.rows([torch.randn(8, 8).t()], out)  # non-contiguous: raw reads would be wrong
+    with pytest.raises(ValueError, match="unsupported tensor"):
+        fused.rows([torch.randn(1).expand(100)], out)  # stride 0: raw reads would run out of bounds
+    with pytest.raises(ValueError, match="unsupported tensor"):
+        fused.rows([torch.randn(8).double()], out)
+    with pytest.raises(ValueError, match="expected"):
+        fused.rows([torch.randn(8)], torch.empty(2, NUM_PARTIALS))
