@@ -122,21 +122,47 @@ def test_engine_sends_only_qualifying_tensors_to_the_kernel(monkeypatch):
     monkeypatch.setattr(fused, "rows_unchecked", spy)
     base = torch.randn(64, 32)
     half = torch.randn(3).half()
-    tensors = [base, base.t(), torch.randn(10).double(), torch.arange(9), torch.empty(0), half]
+    permuted = torch.randn(2, 3, 4, 5).permute(0, 2, 3, 1)  # dense, in another order: read as it lies
+    tensors = [base, base[:, ::2], torch.randn(10).double(), torch.arange(9), torch.empty(0), half, permuted]
     out = StatsEngine(EngineOptions()).compute(tensors)
     assert len(seen) == 1  # one call for the whole batch
-    expected = [base] + ([tensors[5]] if torch.float16 in fused.DTYPES else [])
+    expected = [base] + ([half] if torch.float16 in fused.DTYPES else []) + [permuted]
     assert [id(t) for t in seen[0]] == [id(t) for t in expected]
     for i, t in enumerate(tensors):
         if t.numel():
-            assert out[i, 0].item() == pytest.approx(float(t.double().square().sum()), rel=1e-5), i
+            x = t.double()
+            assert out[i, 0].item() == pytest.approx(float(x.square().sum()), rel=1e-5), i
+            assert out[i, 1].item() == pytest.approx(float(x.sum()), rel=1e-5, abs=1e-5), i
+            assert (out[i, 2].item(), out[i, 3].item()) == (float(x.min()), float(x.max())), i
+
+
+@pytest.mark.parametrize(
+    "make, dense",
+    [
+        (lambda: torch.randn(6, 7), True),
+        (lambda: torch.randn(6, 7).t(), True),
+        (lambda: torch.randn(2, 3, 4).permute(2, 0, 1), True),
+        (lambda: torch.randn(1, 5, 1, 3).transpose(0, 3), True),  # size-1 dims have arbitrary strides
+        (lambda: torch.randn(6, 7)[:, 1:], False),
+        (lambda: torch.randn(6, 7)[::2], False),
+        (lambda: torch.randn(7).expand(3, 7), False),
+        (lambda: torch.randn(4, 4).diagonal(), False),
+    ],
+)
+def test_is_dense(make, dense):
+    t = make()
+    assert fused.is_dense(t) is dense
+    if dense:  # the claim behind it: the elements are exactly one gap-free range from data_ptr()
+        n = t.numel()
+        flat = torch.as_strided(t, (n,), (1,), t.storage_offset())
+        assert sorted(flat.tolist()) == sorted(t.flatten().tolist())
 
 
 @needs_kernel
 def test_rows_rejects_what_the_kernel_cannot_read():
     out = torch.empty(1, NUM_PARTIALS)
     with pytest.raises(ValueError, match="unsupported tensor"):
-        fused.rows([torch.randn(8, 8).t()], out)  # non-contiguous: raw reads would be wrong
+        fused.rows([torch.randn(8, 8)[:, ::2]], out)  # gaps: raw reads would see other values
     with pytest.raises(ValueError, match="unsupported tensor"):
         fused.rows([torch.randn(1).expand(100)], out)  # stride 0: raw reads would run out of bounds
     with pytest.raises(ValueError, match="unsupported tensor"):

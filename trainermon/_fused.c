@@ -1,4 +1,4 @@
-/* One-pass statistics of contiguous CPU tensors: sum of squares, sum, min and max in a single read.
+/* One-pass statistics of dense CPU tensors (elements in one gap-free range, any order): sum of squares, sum, min and max in a single read.
  *
  * Eager torch has no fused CPU kernel for these four reductions, so the Python engine makes four passes
  * (a dot, a sum, an amin, an amax). This module makes one, with explicit SIMD (AVX2 on x86-64 when the CPU

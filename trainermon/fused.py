@@ -1,10 +1,10 @@
 """The native one-pass CPU kernel (`trainermon/_fused.c`), when it was built and this CPU has its SIMD.
 
 `rows(tensors, out)` writes (sumsq, sum, min, max, 0, 0, 0) for each tensor in one read of its bytes
-and one call for the whole batch, releasing the GIL while it runs; it is single-threaded. Only
-contiguous CPU tensors of the dtypes in `supports` qualify; the engine sends every other tensor through
-its eager-torch path. A NaN is skipped by min/max here but propagates through the sums, so callers must
-recompute any row whose four values are not all finite (`StatsEngine` does).
+and one call for the whole batch, releasing the GIL while it runs; it is single-threaded. Only dense CPU
+tensors (contiguous or permuted, see `is_dense`) of the dtypes in `DTYPES` qualify; the engine sends
+every other tensor through its eager-torch path. A NaN is skipped by min/max here but propagates through
+the sums, so callers must recompute any row whose four values are not all finite (`StatsEngine` does).
 
 Set TRAINERMON_FUSED=0 to turn the kernel off (the engine then uses eager torch everywhere).
 """
@@ -48,7 +48,21 @@ DTYPES = frozenset(_CODES)
 
 def supports(t: torch.Tensor) -> bool:
     """Whether `rows` can take this tensor (no copy, no conversion of the whole tensor)."""
-    return AVAILABLE and t.device.type == "cpu" and t.dtype in _CODES and t.is_contiguous()
+    return AVAILABLE and t.device.type == "cpu" and t.dtype in _CODES and is_dense(t)
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """Whether the tensor's elements fill one gap-free memory range starting at `data_ptr()`, in any order
+    (contiguous, or a permutation of a contiguous tensor such as an attention transpose). The statistics
+    do not depend on element order, so the kernel can read that range as it lies."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def rows(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
@@ -67,8 +81,9 @@ def rows(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
 
 
 def rows_unchecked(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
-    """`rows` for callers that already checked `supports` for every tensor and the shape of `out`:
-    contiguous CPU tensors of `DTYPES` (a non-contiguous one would make the kernel read out of bounds)."""
+    """`rows` for callers that already checked `supports` for every tensor and the shape of `out`: dense
+    CPU tensors of `DTYPES` (any other layout would make the kernel read the wrong or out-of-bounds
+    memory)."""
     _native.stats(
         [t.data_ptr() for t in tensors],
         [t.numel() for t in tensors],

@@ -13,9 +13,9 @@ or FSDP shards, a distributed optimizer's slices) merge exactly:
     zeros     sum        zeros = fraction with |x| < eps
     numel     sum        kept on the host (shapes are static), never computed on the device
 
-Costs: on the CPU, contiguous float32/bf16/fp16 tensors go to the native kernel (`trainermon.fused`):
-one read of each tensor, one call for the whole batch, no per-tensor Python beyond collecting addresses.
-Everywhere else (accelerators, other dtypes, non-contiguous tensors, or the kernel not built),
+Costs: on the CPU, dense (contiguous or permuted) float32/bf16/fp16 tensors go to the native kernel
+(`trainermon.fused`): one read of each tensor, one call for the whole batch, no per-tensor Python beyond
+collecting addresses. Everywhere else (accelerators, other dtypes, views with gaps, or no kernel built),
 `compute` launches four kernels per chunk of a large tensor (a BLAS dot, a sum, an amin and an amax over
 at most CHUNK elements, so the last three read the chunk from cache), writing scalars that are stacked
 once per call; small tensors (at most GROUP_MAX elements) of one dtype and size are stacked into
@@ -114,7 +114,7 @@ class StatsEngine:
         eps = opts.zeros_eps
         chunk = CHUNK if device.type == "cpu" else DEVICE_CHUNK
         lean = not masked_everywhere and eps is None
-        # Native path: contiguous CPU tensors of the kernel's dtypes, one read each, one call for all.
+        # Native path: dense CPU tensors of the kernel's dtypes, one read each, one call for all.
         use_fused = lean and opts.fused and fused.AVAILABLE and device.type == "cpu"
         fused_dtypes = fused.DTYPES if use_fused else ()
         fused_order: list[int] = []
@@ -130,7 +130,7 @@ class StatsEngine:
             numel = t.numel()
             if numel == 0:
                 continue
-            if t.dtype in fused_dtypes and t.is_contiguous():
+            if t.dtype in fused_dtypes and fused.is_dense(t):
                 fused_order.append(i)
             elif numel <= GROUP_MAX and not t.is_complex():
                 groups.setdefault((t.dtype, numel), []).append(i)
