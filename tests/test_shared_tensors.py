@@ -114,3 +114,53 @@ def test_shared_tensors_are_reduced_once_and_exactly(tmp_path, monkeypatch):
     # reused module: two micro steps with different values
     assert stats(0, "block.output", 1)["norm"] != stats(0, "block.output", 0)["norm"]
     assert all(math.isfinite(r["norm"]) for r in actv_grad.values())
+
+
+class SelfAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(x)
+        return self.attn(h, h, h, need_weights=False)[0]
+
+
+def test_one_tensor_passed_as_several_inputs_stays_one_object(tmp_path, monkeypatch):
+    """attn(h, h, h) must still receive one object: nn.MultiheadAttention takes its packed self-attention
+    path only when query is key is value, and the input-gradient taps must not change the model's code
+    path. Each of the three input labels reports the gradient that flows into the module through h."""
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    cfg = write_config(tmp_path / "c.json", xy_distribution=True, all_xy=True, ops=["norm", "min", "max"])
+    torch.manual_seed(0)
+    model = SelfAttention()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(model, optimizer=opt)
+    same_object = []
+    model.attn.register_forward_pre_hook(  # registered after the monitor's: sees the arguments it passes
+        lambda module, args, kwargs: same_object.append(args[0] is args[1] is args[2]), with_kwargs=True
+    )
+    x = torch.randn(4, 6, 16)
+    h_grads = []
+    model.ln.register_forward_hook(lambda m, a, out: out.register_hook(h_grads.append) and None)
+    computed = []
+    original = monitor.engine.compute
+    monitor.engine.compute = lambda tensors: computed.append(len(tensors)) or original(tensors)
+    out = model(x)
+    computed.clear()  # count the backward's reductions only
+    out.square().sum().backward()
+    opt.step()
+    monitor.close()
+
+    assert same_object == [True]
+    rows = {r["name"]: r for r in read_family(monitor.run_dir, "actv_grad")}
+    want = h_grads[0].double()  # h has one consumer (attn), so its gradient is attn's input gradient
+    for i in range(3):
+        row = rows[f"attn.input_grad_{i}"]
+        assert float(row["norm"]) == pytest.approx(float(want.norm()), rel=1e-5)
+        assert float(row["min"]) == pytest.approx(float(want.min()), rel=1e-5)
+        assert float(row["max"]) == pytest.approx(float(want.max()), rel=1e-5)
+    # five rows (attn output, its three inputs, ln output); the three input rows came from one reduction
+    assert len(rows) == 5 and sum(computed) <= 3

@@ -137,12 +137,18 @@ class StepCollector:
         new_tensors: list[torch.Tensor] = []
         new_keys: list[tuple | None] = []
         slots: list[tuple[int, torch.Tensor | None]] = []  # (index into new_tensors, or -1 with a row)
+        in_call: dict[tuple, int] = {}  # one tensor passed twice in this call (attn(h, h, h)): once
         for t in tensors:
             key = _value_key(t)
             hit = seen.get(key) if key is not None else None
             if hit is not None and hit[0]() is not None:
                 slots.append((-1, hit[1]))
                 continue
+            if key is not None and key in in_call:
+                slots.append((in_call[key], None))
+                continue
+            if key is not None:
+                in_call[key] = len(new_tensors)
             slots.append((len(new_tensors), None))
             new_tensors.append(t)
             new_keys.append(key)

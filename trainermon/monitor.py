@@ -603,13 +603,21 @@ class TrainerMon:
                 keys += [k for k, v in kwargs.items() if _is_float_tensor(v)]
                 labels = _io_names(f"{name}.input_grad", len(keys))
                 new_args, new_kwargs = list(args), dict(kwargs)
+                # One view per distinct tensor: a module called as attn(h, h, h) must still see the same
+                # object three times (nn.MultiheadAttention takes its packed self-attention path only
+                # when query is key is value; distinct views cost an extra projection and ~4% memory).
+                views: dict[int, tuple[torch.Tensor, list[str]]] = {}
                 for key, label in zip(keys, labels):
                     holder = new_args if isinstance(key, int) else new_kwargs
                     tensor = holder[key]
                     if tensor.requires_grad:
-                        view = tensor.view_as(tensor)
-                        view.register_hook(self._make_grad_hook("actv_grad", vpp_stage, label, micro))
+                        if id(tensor) not in views:
+                            views[id(tensor)] = (tensor.view_as(tensor), [])
+                        view, view_labels = views[id(tensor)]
+                        view_labels.append(label)
                         holder[key] = view
+                for view, view_labels in views.values():
+                    view.register_hook(self._make_grad_hook("actv_grad", vpp_stage, view_labels, micro))
                 return tuple(new_args), new_kwargs
             except Exception as exc:  # noqa: BLE001
                 self.faults.record("forward pre-hook", exc)
@@ -647,17 +655,20 @@ class TrainerMon:
                 if self._actv_grad_on and torch.is_grad_enabled():
                     for label, t in zip(_io_names(f"{name}.output_grad", len(outputs)), outputs):
                         if t.requires_grad:
-                            t.register_hook(self._make_grad_hook("actv_grad", vpp_stage, label, micro))
+                            t.register_hook(self._make_grad_hook("actv_grad", vpp_stage, [label], micro))
             except Exception as exc:  # noqa: BLE001
                 self.faults.record("forward hook", exc)
 
         return fwd_hook
 
-    def _make_grad_hook(self, family: str, vpp_stage: int, label: str, micro: int):
+    def _make_grad_hook(self, family: str, vpp_stage: int, labels: list[str], micro: int):
+        """A gradient hook writing one row per label (one tensor passed as several inputs: one row each,
+        computed once)."""
+
         def grad_hook(grad: torch.Tensor) -> None:
             try:
                 if self.collecting and grad is not None:
-                    self._add_local(family, vpp_stage, (label,), micro, (grad,))
+                    self._add_local(family, vpp_stage, labels, micro, (grad,) * len(labels))
             except Exception as exc:  # noqa: BLE001
                 self.faults.record("activation-gradient hook", exc)
 
