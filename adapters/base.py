@@ -94,6 +94,11 @@ class Adapter(ABC):
     def unreduced_grads(self, params: Sequence[MonitoredParam]) -> list[TensorPiece | None] | None:
         """Pre-reduce gradients read at the optimizer step, or None when taps already reported them."""
 
+    def single_replica(self) -> bool:
+        """True when no data-parallel reduction exists (one replica): the pre- and post-reduce gradients
+        are then the same tensors and the monitor computes them once, without asking for both lists."""
+        return False
+
     def install_microbatch_taps(self, params: Sequence[MonitoredParam], taps: GradTaps) -> list[Any]:
         """Install taps (only for a collected step) that report each micro-batch's own gradient."""
         return []

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from trainermon.names import clean_name
-from trainermon.placement import LOCAL, Local, Replicated, TensorPiece
+from trainermon.placement import LOCAL, Replicated, TensorPiece
 
 from .base import Adapter, GradTaps, MonitoredParam
 
@@ -127,6 +127,9 @@ class TorchAdapter(Adapter):
     def new_step(self) -> None:
         self._seen_this_step.clear()
 
+    def single_replica(self) -> bool:
+        return self._replica is LOCAL and not self._comm_hooked
+
     def unreduced_grads(self, params: Sequence[MonitoredParam]) -> list[TensorPiece | None] | None:
         if self._comm_hooked:
             return None
@@ -147,7 +150,7 @@ class TorchAdapter(Adapter):
     def _piece(self, t: torch.Tensor | None) -> TensorPiece | None:
         if t is None:
             return None
-        return TensorPiece.whole(t, self._replica if not isinstance(self._replica, Local) else LOCAL)
+        return TensorPiece.whole(t, self._replica)
 
     def reduced_grads(self, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
         return [self._piece(mp.param.grad) for mp in params]

@@ -75,10 +75,14 @@ def _tensors_in(obj: Any) -> list[torch.Tensor]:
 
 def _same_pieces(a: list, b: list) -> bool:
     """The two lists describe the very same tensors with the same placement."""
-    return len(a) == len(b) and all(
-        (x is None and y is None)
-        or (x is not None and y is not None and x.placement == y.placement and x.tensor is y.tensor)
-        for x, y in zip(a, b)
+    return (
+        a is b
+        or len(a) == len(b)
+        and all(
+            (x is None and y is None)
+            or (x is not None and y is not None and x.placement == y.placement and x.tensor is y.tensor)
+            for x, y in zip(a, b)
+        )
     )
 
 
@@ -488,7 +492,10 @@ class TrainerMon:
         cfg = self.config
         if cfg.wg_distribution:
             reduced = self.adapter.reduced_grads(self._params)
-            unreduced = None if cfg.monitor_mbs_grad else self.adapter.unreduced_grads(self._params)
+            if not cfg.monitor_mbs_grad and self.adapter.single_replica():
+                unreduced = reduced  # no data-parallel reduction exists
+            else:
+                unreduced = None if cfg.monitor_mbs_grad else self.adapter.unreduced_grads(self._params)
             if unreduced is not None and _same_pieces(unreduced, reduced):
                 # No reduction happened (plain PyTorch): one computation gives both families.
                 self._add("grad_unreduced", self._entries(unreduced), also_as="grad_reduced")
