@@ -13,6 +13,8 @@ import csv
 import io
 import os
 
+import numpy as np
+
 from trainermon.records import StatBatch
 
 from .base import Exporter, RunInfo
@@ -81,32 +83,47 @@ class CsvExporter(Exporter):
         by_family: dict[str, list[int]] = {}
         for i, row in enumerate(batch.rows):
             by_family.setdefault(row.family, []).append(i)
-        columns = {op: self._column(batch, op) for op in self.ops}
         step = str(batch.step)
+        written: list[tuple[list[int], str]] = []  # (indices, text) of the families formatted so far
         for family, indices in by_family.items():
             rows = [batch.rows[i] for i in indices]
             with_micro = any(r.micro_step is not None for r in rows)
             handle = self._file_for(family, batch.step, with_micro)
-            fields: list[list[str]] = [[self._head(r) for r in rows], [step] * len(rows)]
-            if with_micro:
-                fields.append([str(r.micro_step or 0) for r in rows])
-            for op in self.ops:
-                if op == "shape":
-                    fields.append([self._shape(r.shape) for r in rows])
-                elif op == "dtype":
-                    fields.append([str(r.dtype) for r in rows])
-                else:
-                    column = columns[op]
-                    fields.append([column[i] for i in indices])
-            handle.write("".join(",".join(line) + "\n" for line in zip(*fields)))
+            # A family whose lines equal another's (grad_reduced and grad_unreduced without data
+            # parallelism: the same tensors) reuses that text, since a line has no family column.
+            text = next((t for other, t in written if self._same_lines(batch, other, indices)), None)
+            if text is None:
+                text = self._format(batch, rows, indices, step, with_micro)
+                written.append((indices, text))
+            handle.write(text)
 
-    def _column(self, batch: StatBatch, op: str) -> list[str]:
-        if op in _NUMERIC_OPS:
-            fmt = f"%.{self.ndigits}g"  # ndigits significant digits; nan, inf, -inf
-            return [fmt % v for v in batch.values[op].tolist()]
-        if op in _COUNT_OPS:
-            return [str(int(v)) for v in batch.values[op].tolist()]
-        return []
+    def _same_lines(self, batch: StatBatch, a: list[int], b: list[int]) -> bool:
+        if len(a) != len(b):
+            return False
+        rows = batch.rows
+        if any(rows[i][1:] != rows[j][1:] for i, j in zip(a, b)):  # every field but the family
+            return False
+        return all(
+            np.array_equal(batch.values[op][a], batch.values[op][b], equal_nan=True)
+            for op in self.ops
+            if op in batch.values
+        )
+
+    def _format(self, batch: StatBatch, rows: list, indices: list[int], step: str, with_micro: bool) -> str:
+        fields: list[list[str]] = [[self._head(r) for r in rows], [step] * len(rows)]
+        if with_micro:
+            fields.append([str(r.micro_step or 0) for r in rows])
+        for op in self.ops:
+            if op == "shape":
+                fields.append([self._shape(r.shape) for r in rows])
+            elif op == "dtype":
+                fields.append([str(r.dtype) for r in rows])
+            elif op in _NUMERIC_OPS:
+                fmt = f"%.{self.ndigits}g"  # ndigits significant digits; nan, inf, -inf
+                fields.append([fmt % v for v in batch.values[op][indices].tolist()])
+            elif op in _COUNT_OPS:
+                fields.append([str(int(v)) for v in batch.values[op][indices].tolist()])
+        return "".join(",".join(line) + "\n" for line in zip(*fields))
 
     def _head(self, row) -> str:
         key = (row.vpp_stage, row.name)

@@ -137,3 +137,52 @@ def test_recomputed_forward_is_not_counted_twice(tmp_path, monkeypatch):
     assert names.count("inner.0.output") == 1  # the recomputation during backward is skipped
     grads = {r["name"] for r in read_family(monitor.run_dir, "actv_grad")}
     assert {"inner.0.output_grad", "head.output_grad", "inner.0.input_grad"} <= grads
+
+
+def test_csv_reuses_text_only_for_identical_lines(tmp_path):
+    """grad_reduced equal to grad_unreduced (one replica) is formatted once and written to both files;
+    one differing value, name or count makes the families format separately."""
+    import numpy as np
+
+    from trainermon.config import parse_config
+    from trainermon.exporters.base import RunInfo
+    from trainermon.exporters.csv import CsvExporter
+    from trainermon.records import RowMeta, StatBatch
+
+    cfg = parse_config({"ops": ["norm", "min", "nans"]})
+    exporter = CsvExporter()
+    exporter.open(RunInfo(str(tmp_path), str(tmp_path), 0, 1, "r", cfg))
+
+    def rows(family, names):
+        return [RowMeta(family, 0, n, None, (2, 3), torch.float32, 6) for n in names]
+
+    def batch(step, names_b, norms_b, nans_b):
+        meta = rows("grad_unreduced", ["w", "b"]) + rows("grad_reduced", names_b)
+        values = {
+            "norm": np.array([1.5, float("nan"), *norms_b]),
+            "min": np.array([-1.0, 0.0, -1.0, 0.0]),
+            "nans": np.array([0.0, 2.0, *nans_b]),
+        }
+        return StatBatch(step=step, rows=meta, values=values)
+
+    exporter.write(batch(0, ["w", "b"], [1.5, float("nan")], [0.0, 2.0]))  # identical: reused
+    exporter.write(batch(1, ["w", "b"], [1.5, 2.5], [0.0, 2.0]))  # a norm differs
+    exporter.write(batch(2, ["w", "x"], [1.5, float("nan")], [0.0, 2.0]))  # a name differs
+    exporter.write(batch(3, ["w", "b"], [1.5, float("nan")], [0.0, 1.0]))  # a count differs
+    exporter.close()
+    unreduced = read_family(str(tmp_path), "grad_unreduced")
+    reduced = read_family(str(tmp_path), "grad_reduced")
+    assert [(r["name"], r["norm"], r["nans"]) for r in unreduced] == [
+        ("w", "1.5", "0"),
+        ("b", "nan", "2"),
+    ] * 4
+    assert [(r["step"], r["name"], r["norm"], r["nans"]) for r in reduced] == [
+        ("0", "w", "1.5", "0"),
+        ("0", "b", "nan", "2"),
+        ("1", "w", "1.5", "0"),
+        ("1", "b", "2.5", "2"),
+        ("2", "w", "1.5", "0"),
+        ("2", "x", "nan", "2"),
+        ("3", "w", "1.5", "0"),
+        ("3", "b", "nan", "1"),
+    ]
