@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -187,7 +187,15 @@ class StatsEngine:
         return out
 
     @staticmethod
-    def _recompute_nonfinite(out, tensors, rows, masked: bool, eps: float | None, chunk: int) -> None:
+    def _recompute_nonfinite(
+        out: torch.Tensor,
+        tensors: Sequence[torch.Tensor],
+        rows: Container[int],
+        masked: bool,
+        eps: float | None,
+        chunk: int,
+    ) -> None:
+        """Recompute, among `rows`, those whose sumsq/sum/min/max are not all finite."""
         finite = torch.isfinite(out[:, : MAX + 1]).all(1)
         if bool(finite.all()):
             return
