@@ -100,8 +100,17 @@ class Adapter(ABC):
         return False
 
     def install_microbatch_taps(self, params: Sequence[MonitoredParam], taps: GradTaps) -> list[Any]:
-        """Install taps (only for a collected step) that report each micro-batch's own gradient."""
-        return []
+        """Install taps (only for a collected step) that report each micro-batch's own gradient. The
+        default is a tensor hook per parameter, which fires with each backward's gradient before it is
+        accumulated into `.grad`; adapters whose parameters are flattened or sharded override it."""
+        handles = []
+        for mp in params:
+
+            def hook(grad: torch.Tensor, index: int = mp.index) -> None:
+                taps.on_microbatch(index, grad)
+
+            handles.append(mp.param.register_hook(hook))
+        return handles
 
     @abstractmethod
     def reduced_grads(self, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:

@@ -325,16 +325,6 @@ class DeepSpeedAdapter(Adapter):
     def unreduced_grads(self, params: Sequence[MonitoredParam]) -> list[TensorPiece | None] | None:
         return None  # reported by the taps during backward
 
-    def install_microbatch_taps(self, params: Sequence[MonitoredParam], taps: GradTaps) -> list[Any]:
-        handles = []
-        for mp in params:
-
-            def hook(grad: torch.Tensor, index: int = mp.index) -> None:
-                taps.on_microbatch(index, grad)
-
-            handles.append(mp.param.register_hook(hook))
-        return handles
-
     # ---- optimizer-side tensors ----------------------------------------------------------------
     def reduced_grads(self, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
         self._grad_scale = self._loss_scale()  # read once per step, not per parameter

@@ -439,16 +439,6 @@ class MegatronAdapter(Adapter):
                 out.append(TensorPiece(piece.tensor, LOCAL, piece.full_shape, piece.dtype))
         return out
 
-    def install_microbatch_taps(self, params: Sequence[MonitoredParam], taps: GradTaps) -> list[Any]:
-        handles = []
-        for mp in params:
-
-            def hook(grad: torch.Tensor, index: int = mp.index) -> None:
-                taps.on_microbatch(index, grad)
-
-            handles.append(mp.param.register_hook(hook))
-        return handles
-
     def new_step(self) -> None:
         self._seen_groups.clear()
 

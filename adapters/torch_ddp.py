@@ -135,17 +135,6 @@ class TorchAdapter(Adapter):
             return None
         return [None if mp.param.grad is None else TensorPiece.whole(mp.param.grad, LOCAL) for mp in params]
 
-    def install_microbatch_taps(self, params: Sequence[MonitoredParam], taps: GradTaps) -> list[Any]:
-        handles = []
-        for mp in params:
-            index = mp.index
-
-            def hook(grad: torch.Tensor, index: int = index) -> None:
-                taps.on_microbatch(index, grad)
-
-            handles.append(mp.param.register_hook(hook))
-        return handles
-
     # ---- optimizer-side tensors --------------------------------------------------------------
     def _piece(self, t: torch.Tensor | None) -> TensorPiece | None:
         if t is None:
