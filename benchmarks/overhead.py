@@ -408,9 +408,11 @@ def bench_workload(
             for arm in arms:
                 close_arm(arm)
     base = statistics.median(arms[0].times)
+    mean_base = statistics.fmean(arms[0].times)
     rows = []
     for arm in arms:
         med = statistics.median(arm.times)
+        mean = statistics.fmean(arm.times)
         row = {
             "arm": arm.name,
             "tool": arm.tool,
@@ -419,6 +421,10 @@ def bench_workload(
             "median_step_ms": med * 1e3,
             "added_ms": (med - base) * 1e3,
             "overhead_pct": (med / base - 1.0) * 100.0,
+            # The worker writes in batches (write_interval_s), so its cost lands on one step in several
+            # and a median can miss it; the mean cannot.
+            "mean_step_ms": mean * 1e3,
+            "mean_overhead_pct": (mean / mean_base - 1.0) * 100.0,
             "own_ms": statistics.median(arm.own) * 1e3 if arm.own else None,
             "monitor_time_s_last": monitor_time.get(arm.name),
             "transfers": transfers.get(arm.name),
@@ -523,6 +529,7 @@ def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 {
                     "target": f"{config} on ({key}) <= {limit}%",
                     "measured_pct": row["overhead_pct"],
+                    "mean_pct": row["mean_overhead_pct"],
                     "own_time_pct": own,
                     "met": row["overhead_pct"] <= limit,
                 }
@@ -554,13 +561,13 @@ def format_table(res: dict[str, Any], engine: dict[str, float]) -> str:
 
     lines = [
         f"\n({res['workload']}) {res['title']}; baseline {res['baseline_ms']:.1f} ms/step",
-        f"{'arm':28} {'n':>3} {'median ms':>10} {'added ms':>9} {'ovh %':>7} {'own ms':>8} "
-        f"{'tm/ms step':>10} {'peak RSS MB':>11} {'RSS %':>6}",
+        f"{'arm':28} {'n':>3} {'median ms':>10} {'added ms':>9} {'ovh %':>7} {'mean ovh %':>10} "
+        f"{'own ms':>8} {'tm/ms step':>10} {'peak RSS MB':>11} {'RSS %':>6}",
     ]
     for r in res["arms"]:
         lines.append(
             f"{r['arm']:28} {r['steps']:>3} {r['median_step_ms']:>10.1f} {r['added_ms']:>9.2f} "
-            f"{r['overhead_pct']:>7.2f} {num(r['own_ms'], '8.2f'):>8} "
+            f"{r['overhead_pct']:>7.2f} {r['mean_overhead_pct']:>10.2f} {num(r['own_ms'], '8.2f'):>8} "
             f"{num(r.get('step_ratio_vs_msprobe'), '.3f'):>10} {num(r.get('peak_rss_mb'), '.0f'):>11} "
             f"{num(r.get('peak_rss_pct'), '.2f'):>6}"
         )
@@ -626,7 +633,8 @@ def main(argv: list[str] | None = None) -> int:
         print("  (quick mode: smaller models; the targets below are defined for the full run)")
     for t in results["targets"]:
         value = t.get("measured_pct", t.get("measured_ratio"))
-        print(f"  {'MET ' if t['met'] else 'MISS'} {t['target']}: {value:.2f}")
+        mean = f" (mean {t['mean_pct']:.2f})" if "mean_pct" in t else ""
+        print(f"  {'MET ' if t['met'] else 'MISS'} {t['target']}: {value:.2f}{mean}")
     with open(args.json, "w", encoding="utf-8") as fh:
         json.dump(results, fh, indent=2)
     print(f"results: {args.json} ({results['wall_s']:.0f} s)")

@@ -37,6 +37,9 @@ BAD = [
     ("alert", {"rules": "AnomalyTurbulence"}, "alert.rules"),
     ("ur_distribution", True, "ur_distribution"),
     ("queue_size", 0, "queue_size"),
+    ("write_interval_s", -1, "write_interval_s"),
+    ("write_interval_s", "0.5", "write_interval_s"),
+    ("write_interval_s", 3600, "write_interval_s"),
 ]
 
 

@@ -848,6 +848,7 @@ def crash_trials(tmp_path_factory) -> dict:
         format=["csv", "parquet"],
         parquet={"steps_per_part": 3},
         queue_size=100_000,  # nothing is dropped: a hole in the steps would be a lost write
+        write_interval_s=0,  # a write after every step: the kills land between and inside many writes
     )
     fsize = write_config(root / "fsize.json", **base, ops=CRASH_OPS, step_count_per_record=1000)
     (root / "zygote.py").write_text(ZYGOTE)

@@ -82,6 +82,7 @@ class MonitorConfig:
     squash_name: bool = False
     # trainermon's own keys
     queue_size: int = 64
+    write_interval_s: float = 0.5  # how often the worker writes what is waiting; 0 = after every step
     dynamic_watch: str = "inotify"  # how the config file is watched in dynamic mode: inotify or polling
     csv: dict = field(default_factory=dict)
     parquet: dict = field(default_factory=dict)
@@ -139,6 +140,13 @@ def _int(raw: dict, key: str, default: int, lo: int, hi: int) -> int:
     if not lo <= value <= hi:
         raise _fail(key, value, f"an integer in [{lo}, {hi}]")
     return value
+
+
+def _seconds(raw: dict, key: str, default: float, hi: float) -> float:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= hi:
+        raise _fail(key, value, f"a number of seconds in [0, {hi:g}]")
+    return float(value)
 
 
 def _choice(raw: dict, key: str, default: str, allowed: tuple[str, ...]) -> str:
@@ -417,6 +425,7 @@ def parse_config(raw: Any, source: str = "<dict>") -> MonitorConfig:
         stack_info=_bool(raw, "stack_info", False),
         squash_name=_bool(raw, "squash_name", False),
         queue_size=_int(raw, "queue_size", 64, 1, 100_000),
+        write_interval_s=_seconds(raw, "write_interval_s", 0.5, 60.0),
         dynamic_watch=_choice(raw, "dynamic_watch", "inotify", ("inotify", "polling")),
         csv=_dict(raw, "csv"),
         parquet=_parquet(raw),

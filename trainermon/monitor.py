@@ -212,7 +212,13 @@ class TrainerMon:
 
         self._make_detector()
         observers = [self._observe] if self.detector is None else [self.detector, self._observe]
-        self.worker = BackgroundWorker(self._open_exporters(), self.faults, self.config.queue_size, observers)
+        self.worker = BackgroundWorker(
+            self._open_exporters(),
+            self.faults,
+            self.config.queue_size,
+            observers,
+            self.config.write_interval_s,
+        )
 
         self._grad_taps = GradTaps(self._on_unreduced, self._on_microbatch)
         if self.config.wg_distribution or self.dynamic:  # dynamic: a later config may switch wg on
@@ -379,6 +385,8 @@ class TrainerMon:
         self._make_detector()
         self._select_params()
         self._select_modules()
+        if self.worker is not None:
+            self.worker.set_interval(cfg.write_interval_s)
         output_keys = ("ops", "format", "step_count_per_record", "ndigits", "csv", "parquet", "prometheus")
         if self.worker is not None and any(getattr(old, k) != getattr(cfg, k) for k in output_keys):
             self.run_dir = self._new_run_dir()  # new columns or sinks: a new output directory
