@@ -179,3 +179,27 @@ def test_overhead_benchmark_smoke():
     engine = results["engine"]["b"]
     assert engine["tensors"] == 4 * 4 + 2 and engine["engine_ms"] > 0 and engine["floor_ms"] > 0
     assert any(t["target"].startswith("wg on (b)") for t in results["targets"])
+    for t in results["targets"]:
+        if "interval_pct" in t:
+            low, high = t["interval_pct"]
+            assert low <= t["measured_pct"] <= high or t["verdict"] == "within noise"
+            assert t["verdict"] in {"met", "missed", "within noise"}
+
+
+def test_overhead_noise_band():
+    """The benchmark's 90% band of the step overhead: around 0 for the same distribution, around the true
+    shift otherwise."""
+    import random
+
+    sys.path.insert(0, REPO)
+    from benchmarks.overhead import overhead_interval
+
+    rng = random.Random(0)
+    base = [1.0 + rng.gauss(0, 0.02) for _ in range(50)]
+    same = [1.0 + rng.gauss(0, 0.02) for _ in range(50)]
+    slower = [1.1 * (1.0 + rng.gauss(0, 0.02)) for _ in range(50)]
+    low, high = overhead_interval(same, base, 5, random.Random(1))
+    assert low < 0 < high and high - low < 3
+    low, high = overhead_interval(slower, base, 5, random.Random(1))
+    assert 7 < low < 10 < high < 13
+    assert all(math.isnan(v) for v in overhead_interval([], base, 5, random.Random(1)))
