@@ -179,6 +179,9 @@ def test_overhead_benchmark_smoke():
     engine = results["engine"]["b"]
     assert engine["tensors"] == 4 * 4 + 2 and engine["engine_ms"] > 0 and engine["floor_ms"] > 0
     assert any(t["target"].startswith("wg on (b)") for t in results["targets"])
+    idle = results["workloads"]["b"]["idle_added_us"]
+    assert 0 < idle["optimizer_step_us"] and 0 < idle["with_idle_monitor_us"]
+    assert idle["added_us"] == idle["with_idle_monitor_us"] - idle["optimizer_step_us"]
     for t in results["targets"]:
         if "interval_pct" in t:
             low, high = t["interval_pct"]
