@@ -86,6 +86,43 @@ def test_nonfinite_values_never_leave_a_row_looking_finite(where, bad):
     assert not bool(torch.isfinite(row).all())
     if bad == "nan":
         assert math.isnan(row[0].item()) and math.isnan(row[1].item())
+    # The kernel's own count of rows that are not all finite, which lets the engine skip its check.
+    out = torch.empty(4, NUM_PARTIALS)
+    batch = [torch.randn(100), t, torch.randn(5000), t.bfloat16()]
+    assert fused.rows(batch, out) == 2
+    assert fused.rows(batch[::2], out[:2]) == 0
+    huge = torch.full((10,), 1e30)  # finite values whose sum of squares overflows float32
+    assert fused.rows([huge], out[:1]) == 1 and math.isinf(out[0, 0].item())
+
+
+@needs_kernel
+@pytest.mark.parametrize("nonfinite", [True, False], ids=["nan-counting", "propagating"])
+def test_engine_checks_finiteness_only_when_needed(monkeypatch, nonfinite):
+    """A batch the kernel handled alone, all finite: no finiteness pass. A NaN, or rows from another
+    path: the check runs and recomputes the bad rows."""
+    calls = []
+    real = StatsEngine._recompute_nonfinite
+
+    def spy(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(StatsEngine, "_recompute_nonfinite", staticmethod(spy))
+    engine = StatsEngine(EngineOptions(nonfinite=nonfinite))
+    clean = [torch.randn(300), torch.randn(64, 64)]
+    engine.compute(clean)
+    assert calls == []
+    bad = [torch.randn(300), torch.randn(64, 64)]
+    bad[1][3, 3] = float("nan")
+    out = engine.compute(bad)
+    assert calls == [1]
+    if nonfinite:
+        assert out[1, 4].item() == 1  # counted, and the rest over the finite values
+        assert out[1, 3].item() == pytest.approx(float(bad[1].nan_to_num(-99).max()))
+    else:
+        assert math.isnan(out[1, 2].item()) and math.isnan(out[1, 3].item())
+    engine.compute([torch.randn(300), torch.randn(10).double()])  # a float64 row: not from the kernel
+    assert calls == [1, 1] if nonfinite else calls == [1]
 
 
 @needs_kernel
@@ -117,7 +154,7 @@ def test_engine_sends_only_qualifying_tensors_to_the_kernel(monkeypatch):
 
     def spy(tensors, out):
         seen.append(list(tensors))
-        real(tensors, out)
+        return real(tensors, out)
 
     monkeypatch.setattr(fused, "rows_unchecked", spy)
     base = torch.randn(64, 32)

@@ -65,8 +65,9 @@ def is_dense(t: torch.Tensor) -> bool:
     return True
 
 
-def rows(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
-    """Fill `out` (float32 [len(tensors), 7], contiguous, CPU) with one row per tensor.
+def rows(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> int:
+    """Fill `out` (float32 [len(tensors), 7], contiguous, CPU) with one row per tensor; return how many
+    rows have a non-finite sumsq, sum, min or max (a NaN or Inf in the tensor).
 
     Every tensor must pass `supports`; this is checked here because the kernel reads raw addresses.
     """
@@ -77,14 +78,14 @@ def rows(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
     for t in tensors:
         if not supports(t):
             raise ValueError(f"fused.rows: unsupported tensor (dtype {t.dtype}, device {t.device})")
-    rows_unchecked(tensors, out)
+    return rows_unchecked(tensors, out)
 
 
-def rows_unchecked(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+def rows_unchecked(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> int:
     """`rows` for callers that already checked `supports` for every tensor and the shape of `out`: dense
     CPU tensors of `DTYPES` (any other layout would make the kernel read the wrong or out-of-bounds
     memory)."""
-    _native.stats(
+    return _native.stats(
         [t.data_ptr() for t in tensors],
         [t.numel() for t in tensors],
         [_CODES[t.dtype] for t in tensors],

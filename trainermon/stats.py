@@ -159,9 +159,13 @@ class StatsEngine:
             block = torch.stack(scalars).view(-1, NUM_PARTIALS)
             full_rows.insert(0, block if block.dtype == torch.float32 else block.float())
             full_order[:0] = singles
+        # Rows from other paths than the kernel; the kernel itself counts its rows that are not all
+        # finite, so its rows need no finiteness pass below when that count is 0.
+        unchecked = len(full_order)
+        fused_not_finite = 0
         if fused_order:
             block = torch.empty((len(fused_order), NUM_PARTIALS), dtype=torch.float32)
-            fused.rows_unchecked([tensors[i] for i in fused_order], block)
+            fused_not_finite = fused.rows_unchecked([tensors[i] for i in fused_order], block)
             full_rows.insert(0, block)
             full_order[:0] = fused_order
         if not full_rows:
@@ -176,11 +180,12 @@ class StatsEngine:
                 index = index.pin_memory().to(device, non_blocking=True)
             out.index_copy_(0, index, torch.cat(full_rows) if len(full_rows) > 1 else full_rows[0])
         if opts.nonfinite and not masked_everywhere:
-            # On the CPU this check is free: find tensors whose fast-pass values are not all finite and
-            # recompute only those with the masked path (NaN/Inf counted, the rest over finite values).
-            # The sums are checked too: the native kernel's min/max skip a NaN that the sums carry.
-            self._recompute_nonfinite(out, tensors, range(n), True, eps, chunk)
-        elif fused_order:
+            # Find tensors whose fast-pass values are not all finite and recompute only those with the
+            # masked path (NaN/Inf counted, the rest over finite values). The sums are checked too: the
+            # native kernel's min/max skip a NaN that the sums carry.
+            if unchecked or fused_not_finite != 0:
+                self._recompute_nonfinite(out, tensors, range(n), True, eps, chunk)
+        elif fused_order and fused_not_finite != 0:
             # NaN counting off: non-finite rows of the native kernel are recomputed with torch's
             # propagating semantics, so that min/max are NaN exactly as on the eager path.
             self._recompute_nonfinite(out, tensors, fused_order, False, eps, chunk)
