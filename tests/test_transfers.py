@@ -132,6 +132,69 @@ def test_monitored_step_never_syncs_outside_the_transfer_point(tmp_path, monkeyp
         monitor.close()
 
 
+def test_accelerator_path_reads_nothing_back_on_the_training_thread(tmp_path, monkeypatch):
+    """CPU stand-in for the CUDA test above (no GPU here): with the engine on its accelerator path
+    (masked, no native kernel), a monitored step with every family on never calls a host read-back
+    (`item`, `tolist`, `numpy`, `bool`/`float`/`int` of a tensor) from monitor code on the training thread,
+    except inside the single transfer point. Device-only branches (pinned copies, events) are not
+    exercised here."""
+    import dataclasses
+    import threading
+
+    import trainermon.collector as collector
+
+    monitor, model, optimizer = _monitor(tmp_path, monkeypatch)
+    monitor.engine.options = dataclasses.replace(monitor.engine.options, force_masked=True, fused=False)
+    ours = tuple(os.path.join(REPO, d) + os.sep for d in ("trainermon", "adapters", "exporters"))
+    main = threading.main_thread()
+    state = {"in_transfer": False}
+    reads: list[str] = []
+
+    def guard(name: str):
+        real = getattr(torch.Tensor, name)
+
+        def checked(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if (
+                threading.current_thread() is main
+                and caller.startswith(ours)
+                and not state["in_transfer"]
+            ):
+                reads.append(f"{name} from {os.path.relpath(caller, REPO)}:{sys._getframe(1).f_lineno}")
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, checked)
+
+    real_transfer = collector.transfer_to_host
+
+    def transfer(partials, counter):
+        state["in_transfer"] = True
+        try:
+            return real_transfer(partials, counter)
+        finally:
+            state["in_transfer"] = False
+
+    try:
+        _step(model, optimizer)  # warm-up: optimizer state exists from here on
+        monitor.flush()
+        monkeypatch.setattr(collector, "transfer_to_host", transfer)
+        for name in ("item", "tolist", "numpy", "__bool__", "__float__", "__int__"):
+            guard(name)
+        nan_model_input = torch.randn(5, 8)
+        nan_model_input[0, 0] = float("nan")  # non-finite values must not trigger a read-back either
+        optimizer.zero_grad(set_to_none=True)
+        model(nan_model_input).square().mean().backward()
+        optimizer.step()
+        monkeypatch.undo()
+        assert reads == []
+        assert monitor.transfers.count == 2 and monitor.faults.total == 0
+        monitor.flush()
+        rows = {(r.family, r.name) for r in monitor.last_batch.rows}
+        assert {"actv", "actv_grad", "grad_reduced", "exp_avg", "param_updated"} <= {f for f, _ in rows}
+    finally:
+        monitor.close()
+
+
 def test_grouped_small_tensors_match_per_tensor_reference():
     """The engine stacks small same-size tensors; rows must still land in the caller's order."""
     torch.manual_seed(0)
