@@ -155,11 +155,7 @@ def test_accelerator_path_reads_nothing_back_on_the_training_thread(tmp_path, mo
 
         def checked(self, *args, **kwargs):
             caller = sys._getframe(1).f_code.co_filename
-            if (
-                threading.current_thread() is main
-                and caller.startswith(ours)
-                and not state["in_transfer"]
-            ):
+            if threading.current_thread() is main and caller.startswith(ours) and not state["in_transfer"]:
                 reads.append(f"{name} from {os.path.relpath(caller, REPO)}:{sys._getframe(1).f_lineno}")
             return real(self, *args, **kwargs)
 
