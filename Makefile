@@ -12,9 +12,14 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 EXTRAS := test,parquet,prometheus,dynamic,deepspeed,megatron
 # DeepSpeed builds as pure Python (no C++ ops compiled at install time).
 export DS_BUILD_OPS := 0
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml setup.py trainermon/_fused.c Makefile | cksum | cut -d' ' -f1)
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml setup.py trainermon/stats/_fused.c Makefile | cksum | cut -d' ' -f1)
 
-.PHONY: venv demo test lint bench clean
+SHELL := /bin/bash
+#: The engine's tests, run again under each CPU capability torch dispatches to and with the native kernel
+#: off: the accuracy contract must hold on every x86 host (AVX2 or AVX-512), not only this one.
+ENGINE_TESTS := tests/test_stats.py tests/test_engine_accuracy.py tests/test_fused.py
+
+.PHONY: venv demo test test-variants lint bench clean
 
 $(STAMP):
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,8 +34,19 @@ venv: $(STAMP)
 demo: venv
 	$(BIN)/trainermon demo
 
-test: venv
+test: venv test-variants
 	$(BIN)/python -m pytest -q
+
+test-variants: venv
+	@for cap in default avx2 avx512; do \
+	  flag=$$cap; [ $$cap = avx512 ] && flag=avx512f; \
+	  if [ $$cap != default ] && ! grep -qw $$flag /proc/cpuinfo 2>/dev/null; then \
+	    echo "== engine tests, ATEN_CPU_CAPABILITY=$$cap: not run, this CPU lacks $$flag"; continue; fi; \
+	  echo "== engine tests, ATEN_CPU_CAPABILITY=$$cap"; \
+	  ATEN_CPU_CAPABILITY=$$cap $(BIN)/python -m pytest -q -p no:cacheprovider $(ENGINE_TESTS) || exit 1; \
+	done
+	@echo "== engine tests, TRAINERMON_FUSED=0 (eager path everywhere)"
+	TRAINERMON_FUSED=0 $(BIN)/python -m pytest -q -p no:cacheprovider $(ENGINE_TESTS)
 
 lint: venv
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -1,6 +1,6 @@
 """Build the optional native kernel; everything else is declared in pyproject.toml.
 
-`trainermon._fused` (one-pass CPU statistics) is optional: when it cannot be compiled (no C compiler),
+`trainermon.stats._fused` (one-pass CPU statistics) is optional: when it cannot be compiled (no C compiler),
 the install still succeeds and the engine uses its eager-torch path.
 """
 
@@ -9,8 +9,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "trainermon._fused",
-            sources=["trainermon/_fused.c"],
+            "trainermon.stats._fused",
+            sources=["trainermon/stats/_fused.c"],
             extra_compile_args=["-O3", "-std=c11"],
             optional=True,
         )

@@ -335,8 +335,7 @@ def engine_microbench(work: Workload, reps: int) -> dict[str, Any]:
 
     The engine is timed as shipped (the native kernel when built) and with the kernel off (eager torch,
     the path accelerators and kernel-less installs take), interleaved with the floor."""
-    from trainermon import fused
-    from trainermon.stats import EngineOptions, StatsEngine
+    from trainermon.stats import EngineOptions, StatsEngine, fused
 
     torch.manual_seed(0)
     model = work.build()

@@ -47,13 +47,13 @@ def _run(tmp_path, monkeypatch, name: str, dedup: bool):
     monitor = TrainerMon(cfg)
     monitor.set_monitor(model, optimizer=opt)
     computed = []
-    original = monitor.engine.compute
+    original = monitor.engine.compute_rows
 
     def counting(tensors):
         computed.append(len(tensors))
         return original(tensors)
 
-    monitor.engine.compute = counting
+    monitor.engine.compute_rows = counting
     # Reference: our own hooks registered before the monitor's step hooks, cloning at hook time.
     reference: dict[str, torch.Tensor] = {}
 
@@ -146,8 +146,8 @@ def test_one_tensor_passed_as_several_inputs_stays_one_object(tmp_path, monkeypa
     h_grads = []
     model.ln.register_forward_hook(lambda m, a, out: out.register_hook(h_grads.append) and None)
     computed = []
-    original = monitor.engine.compute
-    monitor.engine.compute = lambda tensors: computed.append(len(tensors)) or original(tensors)
+    original = monitor.engine.compute_rows
+    monitor.engine.compute_rows = lambda tensors: computed.append(len(tensors)) or original(tensors)
     out = model(x)
     computed.clear()  # count the backward's reductions only
     out.square().sum().backward()

@@ -16,9 +16,11 @@ from typing import Any
 
 import torch
 
+from .failsafe import FaultLog
 from .placement import Local, Sharded, TensorPiece, writes_rows
 from .records import RowMeta, StepPayload
-from .stats import NUM_PARTIALS, StatsEngine, empty_partials, reduce_across
+from .stats import NANS, NUM_PARTIALS, StatsEngine, Unreadable, empty_partials, reduce_across
+from .stats.kinds import local_view
 
 
 @dataclass
@@ -27,6 +29,7 @@ class _ShardedBlock:
     writes: bool
     rows: list[RowMeta] = field(default_factory=list)
     parts: list[torch.Tensor] = field(default_factory=list)
+    flags: list[float] = field(default_factory=list)  # 1: a rank could not compute its piece of the row
 
 
 class TransferCounter:
@@ -54,9 +57,12 @@ def transfer_to_host(partials: torch.Tensor, counter: TransferCounter) -> tuple[
 
 
 class StepCollector:
-    def __init__(self, engine: StatsEngine, transfers: TransferCounter) -> None:
+    def __init__(
+        self, engine: StatsEngine, transfers: TransferCounter, faults: FaultLog | None = None
+    ) -> None:
         self.engine = engine
         self.transfers = transfers
+        self.faults = faults
         self._rows: list[RowMeta] = []
         self._parts: list[torch.Tensor] = []
         self._sharded: dict[int, _ShardedBlock] = {}
@@ -79,7 +85,9 @@ class StepCollector:
 
         Local and replicated pieces are computed only on ranks that write them; sharded pieces are
         computed on every rank (each holds a part) and merged at `finish`. `also_as` records the same
-        local rows a second time under another family, without computing them again.
+        local rows a second time under another family, without computing them again. A DTensor that is
+        not sharded through its placement is this rank's local piece: a row of its own, labelled with
+        the piece (exact full-tensor values of DTensors need their placement in the adapter).
         """
         local_rows: list[RowMeta] = []
         local_tensors: list[torch.Tensor] = []
@@ -87,17 +95,13 @@ class StepCollector:
         for vpp_stage, name, micro_step, piece in entries:
             placement = piece.placement
             kind = type(placement)
-            if kind is not Local and kind is not Sharded and not self._writes_rows(placement):
+            tensor, shard = local_view(piece.tensor)
+            shape = piece.full_shape
+            if shard and kind is not Sharded:
+                kind, shape = Local, tuple(tensor.shape)
+            elif kind is not Local and kind is not Sharded and not self._writes_rows(placement):
                 continue  # replicated: another rank of the group writes it
-            meta = RowMeta(
-                family,
-                vpp_stage,
-                name,
-                micro_step,
-                piece.full_shape,
-                piece.dtype,
-                math.prod(piece.full_shape),
-            )
+            meta = RowMeta(family, vpp_stage, name, micro_step, shape, piece.dtype, math.prod(shape), shard)
             if kind is Sharded:
                 block = self._sharded.get(id(placement.group))
                 if block is None:
@@ -105,23 +109,33 @@ class StepCollector:
                     self._sharded[id(placement.group)] = block
                 block.rows.append(meta)
                 block.parts.append(empty_partials(1, _device_hint(entries)))
-                if piece.tensor is not None and piece.tensor.numel() > 0:
-                    pending.append((block, len(block.parts) - 1, piece.tensor))
+                block.flags.append(0.0)
+                if tensor is not None and tensor.numel() > 0:
+                    pending.append((block, len(block.parts) - 1, tensor))
                 continue
-            assert piece.tensor is not None
+            assert tensor is not None
             local_rows.append(meta)
-            local_tensors.append(piece.tensor)
+            local_tensors.append(tensor)
         if pending:
-            computed = self.engine.compute([t for *_, t in pending])
+            computed, skipped = self.engine.compute_rows([t for *_, t in pending])
             for row, (block, index, _) in enumerate(pending):
                 block.parts[index] = computed[row : row + 1]
+                if row in skipped:
+                    block.flags[index] = 1.0  # no rank writes a row that one rank could not compute
+                    self._skip(family, skipped[row])
         if local_tensors:
             for device_rows, device_tensors in _by_device(local_rows, local_tensors):
-                partials = self.engine.compute(device_tensors)
+                partials, skipped = self.engine.compute_rows(device_tensors)
+                if skipped:
+                    keep = [i for i in range(len(device_rows)) if i not in skipped]
+                    for why in skipped.values():
+                        self._skip(family, why)
+                    device_rows = [device_rows[i] for i in keep]
+                    partials = partials[keep]
                 self._rows.extend(device_rows)
                 self._parts.append(partials)
                 if also_as is not None:
-                    self._rows.extend(RowMeta(also_as, *r[1:]) for r in device_rows)
+                    self._rows.extend(r._replace(family=also_as) for r in device_rows)
                     self._parts.append(partials)
 
     def add_local(
@@ -138,7 +152,12 @@ class StepCollector:
         new_keys: list[tuple | None] = []
         slots: list[tuple[int, torch.Tensor | None]] = []  # (index into new_tensors, or -1 with a row)
         in_call: dict[tuple, int] = {}  # one tensor passed twice in this call (attn(h, h, h)): once
+        shards: list[str] = []
+        values: list[torch.Tensor] = []
         for t in tensors:
+            t, shard = local_view(t)
+            shards.append(shard)
+            values.append(t)
             key = _value_key(t)
             hit = seen.get(key) if key is not None else None
             if hit is not None and hit[0]() is not None:
@@ -152,27 +171,38 @@ class StepCollector:
             slots.append((len(new_tensors), None))
             new_tensors.append(t)
             new_keys.append(key)
-        new_rows: list[torch.Tensor] = []
+        new_rows: list[torch.Tensor | None] = []
         if new_tensors:
             device = new_tensors[0].device
             if all(t.device == device for t in new_tensors):
-                partials = self.engine.compute(new_tensors)
-                new_rows = [partials[i : i + 1] for i in range(len(new_tensors))]
+                partials, skipped = self.engine.compute_rows(new_tensors)
+                new_rows = [None if i in skipped else partials[i : i + 1] for i in range(len(new_tensors))]
             else:  # a module spanning devices (pipeline stages in one process): one call per tensor
-                new_rows = [self.engine.compute([t]) for t in new_tensors]
+                new_rows, skipped = [], {}
+                for i, t in enumerate(new_tensors):
+                    partials, bad = self.engine.compute_rows([t])
+                    new_rows.append(None if bad else partials)
+                    if bad:
+                        skipped[i] = bad[0]
+            for why in skipped.values():
+                self._skip(family, why)
         for i, (index, reused) in enumerate(slots):
-            t = tensors[i]
+            t = values[i]
+            row = reused if index < 0 else new_rows[index]
+            if row is None:
+                continue  # unreadable: skipped and counted above
             self._rows.append(
-                RowMeta(family, vpp_stage, labels[i], micro_step, tuple(t.shape), t.dtype, t.numel())
+                RowMeta(
+                    family, vpp_stage, labels[i], micro_step, tuple(t.shape), t.dtype, t.numel(), shards[i]
+                )
             )
-            if index < 0:
-                self._parts.append(reused)
-                continue
-            row = new_rows[index]
             self._parts.append(row)
-            key = new_keys[index]
-            if key is not None:
-                seen[key] = (weakref.ref(t), row)
+            if index >= 0 and new_keys[index] is not None:
+                seen[new_keys[index]] = (weakref.ref(t), row)
+
+    def _skip(self, family: str, why: Unreadable) -> None:
+        if self.faults is not None:
+            self.faults.record(f"unreadable tensor ({why.kind})", why, f"its {family} row is skipped")
 
     def _writes_rows(self, placement: Any) -> bool:
         key = (type(placement), id(placement.group))
@@ -190,8 +220,13 @@ class StepCollector:
         rows = list(self._rows)
         parts = list(self._parts)
         for block in self._sharded.values():
-            merged = reduce_across(torch.cat(block.parts), block.group)
+            local = torch.cat(block.parts)
+            flags = torch.tensor(block.flags, dtype=local.dtype).to(local.device, non_blocking=True)
+            merged, bad = reduce_across(local, block.group, flags)
             if block.writes:
+                # A row that some rank could not compute is marked (a NaN count, which no data can give)
+                # and dropped by the worker: deciding here would read the flags back, a device sync.
+                merged[:, NANS] = torch.where(bad, math.nan, merged[:, NANS])
                 rows.extend(block.rows)
                 parts.append(merged)
         extras = self.extras
@@ -199,7 +234,12 @@ class StepCollector:
         if not rows:
             # Nothing for this rank to write (replicated rows belong to another rank): the step's
             # scalars still go out, so that live sinks see the step advance. No transfer needed.
-            return StepPayload(step=step, rows=[], partials=torch.zeros((0, NUM_PARTIALS)), extras=extras)
+            return StepPayload(
+                step=step,
+                rows=[],
+                partials=torch.zeros((0, NUM_PARTIALS), dtype=torch.float64),
+                extras=extras,
+            )
         device = parts[0].device
         partials = torch.cat([p.to(device) for p in parts])
         host, ready = transfer_to_host(partials, self.transfers)
@@ -213,10 +253,15 @@ class StepCollector:
         self.extras = {}
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _value_key(t: torch.Tensor) -> tuple | None:
     """What identifies a tensor's values while the tensor is alive: its memory, layout and version
     counter (shared by views, bumped by in-place writes). None where that cannot be read (no storage,
     inference tensors): such tensors are always computed."""
+    if type(t) not in _PLAIN or t.layout is not torch.strided or t.is_neg() or t.is_conj():
+        return None  # only plain tensors: a view bit or a subclass changes what the same memory means
     try:
         if not t.numel():
             return None

@@ -36,6 +36,8 @@ class RowMeta(NamedTuple):
     shape: tuple[int, ...]
     dtype: torch.dtype
     numel: int
+    #: Where this rank's row holds only a piece of the tensor: which piece ("" = the whole tensor).
+    shard: str = ""
 
 
 @dataclass

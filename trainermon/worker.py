@@ -25,7 +25,7 @@ import numpy as np
 
 from .failsafe import FaultLog
 from .records import StatBatch, StepPayload
-from .stats import finalize
+from .stats import NANS, SUMSQ, finalize
 
 logger = logging.getLogger("trainermon")
 _STOP = object()
@@ -173,17 +173,23 @@ class BackgroundWorker:
         if payload.ready is not None:
             payload.ready.synchronize()
         partials = payload.partials.numpy()
-        numel = np.fromiter((r.numel for r in payload.rows), dtype=np.float64, count=len(payload.rows))
+        rows = payload.rows
+        dropped = np.isnan(partials[:, NANS])  # rows a rank could not compute (see StepCollector.finish)
+        if dropped.any():
+            keep = np.flatnonzero(~dropped)
+            partials = partials[keep]
+            rows = [rows[i] for i in keep]
+        numel = np.fromiter((r.numel for r in rows), dtype=np.float64, count=len(rows))
         values = finalize(partials, numel)
         extras = {k: float(v) for k, v in payload.extras.items()}
         # Global gradient norm from the per-parameter sums of squares (exact across shards, since each
         # row is already the full parameter's merged statistic).
-        reduced = [i for i, r in enumerate(payload.rows) if r.family == "grad_reduced"]
+        reduced = [i for i, r in enumerate(rows) if r.family == "grad_reduced"]
         if reduced:
-            extras["global_grad_norm"] = float(np.sqrt(np.sum(partials[reduced, 0].astype(np.float64))))
+            extras["global_grad_norm"] = float(np.sqrt(np.sum(partials[reduced, SUMSQ])))
         extras["dropped_rows"] = float(self.dropped_rows)
         extras["monitor_faults"] = float(self.faults.total)
-        return StatBatch(step=payload.step, rows=payload.rows, values=values, extras=extras)
+        return StatBatch(step=payload.step, rows=rows, values=values, extras=extras)
 
     def _export(self, batch: StatBatch) -> None:
         for i, exporter in enumerate(self.exporters):

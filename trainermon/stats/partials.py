@@ -1,0 +1,113 @@
+"""Partial statistics: the float64 rows the engine computes, how pieces of one tensor merge, and how a row
+becomes the statistics users see.
+
+A row has one column per partial; every statistic is a (local partial, combiner) pair, so that pieces of
+one tensor (micro-batches, ZeRO or FSDP shards, a distributed optimizer's slices, a tensor-parallel shard)
+merge exactly:
+
+    partial   combiner   used for
+    sumsq     sum        norm = sqrt(sumsq)
+    sum       sum        mean = sum / finite count
+    min       min        min
+    max       max        max
+    nans      sum        nans, and the finite count
+    infs      sum        infs, and the finite count
+    zeros     sum        zeros = fraction with |x| < eps
+    numel     sum        kept on the host (shapes are static), never computed on the device
+
+Rows are float64 on every device: a float32 row would lose the accuracy the engine guarantees as soon
+as rows of many pieces are added, and could not hold the norm of a tensor of large float32 values.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+SUMSQ, SUM, MIN, MAX, NANS, INFS, ZEROS = range(7)
+NUM_PARTIALS = 7
+PARTIAL_NAMES = ("sumsq", "sum", "min", "max", "nans", "infs", "zeros")
+ADDITIVE = [SUMSQ, SUM, NANS, INFS, ZEROS]
+DTYPE = torch.float64
+
+
+def empty_partials(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Identity element of the merge: n rows for tensors (or shards) with no elements."""
+    out = torch.zeros((n, NUM_PARTIALS), dtype=DTYPE, device=device)
+    out[:, MIN] = math.inf
+    out[:, MAX] = -math.inf
+    return out
+
+
+def merge(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Combine partials of two disjoint pieces (row by row)."""
+    out = a.clone()
+    out[:, ADDITIVE] += b[:, ADDITIVE]
+    out[:, MIN] = torch.minimum(a[:, MIN], b[:, MIN])
+    out[:, MAX] = torch.maximum(a[:, MAX], b[:, MAX])
+    return out
+
+
+def scale_and_pad(row: torch.Tensor, multiplicity: int, implicit_zeros: int, count_zeros: bool) -> None:
+    """In place, for one row: each element counted `multiplicity` times (broadcast dimensions), then
+    `implicit_zeros` zeros added (the elements a sparse tensor does not store)."""
+    if multiplicity != 1:
+        row[ADDITIVE] *= multiplicity
+    if implicit_zeros:
+        row[MIN] = torch.clamp(row[MIN], max=0.0)
+        row[MAX] = torch.clamp(row[MAX], min=0.0)
+        if count_zeros:
+            row[ZEROS] += implicit_zeros
+
+
+def reduce_across(partials: torch.Tensor, group: Any = None, flags: torch.Tensor | None = None):
+    """Merge each row's partials across the ranks of `group` (two all-reduces, any number of rows).
+
+    Every rank must pass the same rows in the same order; a rank that holds no piece of a tensor passes
+    `empty_partials` for its row. `flags` (one float per row, 0 or 1) travel in the same reduction and come
+    back OR-ed over the ranks: a rank flags a row it could not compute, so that no rank writes it.
+    Returns the merged rows, and the merged flags when `flags` was given.
+    """
+    import torch.distributed as dist
+
+    additive = partials[:, ADDITIVE].contiguous()
+    # A NaN min/max (NaN counting off) must survive the merge, but MAX reductions may drop NaN (gloo
+    # does): it travels as a flag column in the same reduction, its slot set to the identity.
+    mx, neg_mn = partials[:, MAX], -partials[:, MIN]
+    nan = torch.isnan(mx) | torch.isnan(neg_mn)
+    columns = [mx.masked_fill(nan, -math.inf), neg_mn.masked_fill(nan, -math.inf), nan.to(partials.dtype)]
+    if flags is not None:
+        columns.append(flags.to(partials.dtype))
+    extremes = torch.stack(columns, dim=1)
+    dist.all_reduce(additive, op=dist.ReduceOp.SUM, group=group)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    merged_nan = extremes[:, 2] > 0
+    out = torch.empty_like(partials)
+    out[:, ADDITIVE] = additive
+    out[:, MAX] = extremes[:, 0].masked_fill(merged_nan, math.nan)
+    out[:, MIN] = (-extremes[:, 1]).masked_fill(merged_nan, math.nan)
+    if flags is None:
+        return out
+    return out, extremes[:, 3] > 0
+
+
+def finalize(partials: np.ndarray, numel: np.ndarray) -> dict[str, np.ndarray]:
+    """Turn host partials [N, NUM_PARTIALS] and element counts [N] into the user-facing statistics."""
+    p = partials.astype(np.float64, copy=False)
+    numel = numel.astype(np.float64, copy=False)
+    finite = numel - p[:, NANS] - p[:, INFS]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        has = finite > 0
+        return {
+            "norm": np.sqrt(np.maximum(p[:, SUMSQ], 0.0)),
+            "mean": np.where(has, p[:, SUM] / np.where(has, finite, 1.0), np.nan),
+            "min": np.where(has, p[:, MIN], np.nan),
+            "max": np.where(has, p[:, MAX], np.nan),
+            "zeros": np.where(numel > 0, p[:, ZEROS] / np.where(numel > 0, numel, 1.0), np.nan),
+            "nans": p[:, NANS],
+            "infs": p[:, INFS],
+            "numel": numel,
+        }
