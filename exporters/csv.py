@@ -1,8 +1,10 @@
 """CSV exporter in msprobe's layout, so existing scripts keep working.
 
 Files: `{run_dir}/{family}_{first}-{last}.csv`, where [first, last] is the step bucket of
-`step_count_per_record` steps. Columns: `vpp_stage,name,step[,micro_step],{ops...},shape,dtype`
-(micro_step for actv, actv_grad, and grad_unreduced with monitor_mbs_grad). Each family's rows of a step
+`step_count_per_record` steps. Columns: `vpp_stage,name,step[,micro_step],{ops...},shape,dtype,shard`
+(micro_step for actv, actv_grad, and grad_unreduced with monitor_mbs_grad): msprobe's columns, then
+trainermon's `shard`, empty unless the rank's row holds only a piece of the tensor (a DTensor's local
+shard), so msprobe's readers, which select columns by name, keep working. Each family's rows of a step
 go to the file in one unbuffered write, so a killed process leaves complete rows only, and a write that
 fails part-way (disk full) is cut back to the last complete row.
 """
@@ -74,7 +76,7 @@ class CsvExporter(Exporter):
 
     def header(self, with_micro_step: bool) -> list[str]:
         head = ["vpp_stage", "name", "step"] + (["micro_step"] if with_micro_step else [])
-        return head + list(self.ops)
+        return head + list(self.ops) + ["shard"]
 
     def write(self, batch: StatBatch) -> None:
         # Column-wise formatting (one C-level format per value, cached per-row text for name, shape and
@@ -123,6 +125,7 @@ class CsvExporter(Exporter):
                 fields.append([fmt % v for v in batch.values[op][indices].tolist()])
             elif op in _COUNT_OPS:
                 fields.append([str(int(v)) for v in batch.values[op][indices].tolist()])
+        fields.append([_csv_field(r.shard) if r.shard else "" for r in rows])
         return "".join(",".join(line) + "\n" for line in zip(*fields))
 
     def _head(self, row) -> str:

@@ -142,8 +142,9 @@ def test_csv_layout_is_msprobes(tmp_path, monkeypatch):
         r"[A-Z][a-z]{2}\d{2}_\d{2}-\d{2}-\d{2}-rank0-[0-9a-f]{8}", os.path.basename(monitor.run_dir)
     )
     with open(os.path.join(monitor.run_dir, "actv_0-0.csv")) as fh:
-        assert fh.readline().strip() == "vpp_stage,name,step,micro_step,min,norm,shape,dtype"
+        # msprobe's columns in msprobe's order, then trainermon's own (appended, so readers by name work)
+        assert fh.readline().strip() == "vpp_stage,name,step,micro_step,min,norm,shape,dtype,shard"
     with open(os.path.join(monitor.run_dir, "grad_reduced_1-1.csv")) as fh:
-        assert fh.readline().strip() == "vpp_stage,name,step,min,norm,shape,dtype"
+        assert fh.readline().strip() == "vpp_stage,name,step,min,norm,shape,dtype,shard"
         first = fh.readline().strip()
-    assert first.startswith("0,fc1.weight,1,") and first.endswith(',"[16, 6]",torch.float32')
+    assert first.startswith("0,fc1.weight,1,") and first.endswith(',"[16, 6]",torch.float32,')

@@ -89,7 +89,7 @@ def test_round_trip_equals_csv(tmp_path, monkeypatch):
     table = trainermon.load(tmp_path / "out")
     assert table.column_names == [
         "run_id", "rank", "family", "vpp_stage", "name", "step", "micro_step",
-        "norm", "mean", "min", "max", "zeros", "nans", "infs", "numel", "shape", "dtype",
+        "norm", "mean", "min", "max", "zeros", "nans", "infs", "numel", "shape", "dtype", "shard",
     ]  # fmt: skip
     assert table.num_rows == len(csv_rows) > 100
     assert set(table.column("family").to_pylist()) == {
@@ -105,6 +105,7 @@ def test_round_trip_equals_csv(tmp_path, monkeypatch):
         for stat in ("nans", "infs", "numel"):
             assert r[stat] == int(c[stat])
         assert str(r["shape"]) == c["shape"] and r["dtype"] == c["dtype"]
+        assert r["shard"] is None and c["shard"] == ""  # whole tensors: no piece label
     norms = trainermon.load(tmp_path / "out", family="param_updated", names="head.weight", steps=4)
     assert norms.num_rows == 1
     assert norms.column("shape").to_pylist() == [[3, 8]]

@@ -58,14 +58,15 @@ def _dist_info(process_group: Any) -> tuple[int, int]:
 
 
 def _is_float_tensor(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.is_floating_point()
+    """Activations are floating point, complex or quantized tensors (the engine reads or refuses them,
+    never silently); integer tensors (token ids, masks) are not activations."""
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex() or t.is_quantized)
 
 
 def _tensors_in(obj: Any) -> list[torch.Tensor]:
-    """Top-level floating-point tensors of a module's inputs or outputs (tensor, tuple/list, dict values).
-    Integer inputs (token ids, masks) are not activations and are skipped."""
+    """Top-level activation tensors of a module's inputs or outputs (tensor, tuple/list, dict values)."""
     if isinstance(obj, torch.Tensor):
-        return [obj] if obj.is_floating_point() else []
+        return [obj] if _is_float_tensor(obj) else []
     if isinstance(obj, (tuple, list)):
         return [t for t in obj if _is_float_tensor(t)]
     if isinstance(obj, dict):
@@ -132,7 +133,7 @@ class TrainerMon:
             )
         )
         self.transfers = TransferCounter()
-        self.collector = StepCollector(self.engine, self.transfers)
+        self.collector = StepCollector(self.engine, self.transfers, self.faults)
         self.schedule = Schedule(self.config)
         self.output_root = os.path.realpath(os.environ.get("MONITOR_OUTPUT_DIR", "./monitor_output"))
         self.run_dir = self._new_run_dir()

@@ -105,6 +105,7 @@ def write_synthetic_dataset(
                     pa.array(np.tile(np.array([shape_rows, shape_cols], dtype=np.int64), n)),
                 ),
                 dtype_dict.take(pa.array(np.zeros(n, dtype=np.int64))),
+                pa.nulls(n, pa.string()),
             ]
             meta = {
                 "trainermon.schema_version": str(SCHEMA_VERSION),
