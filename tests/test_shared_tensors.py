@@ -164,3 +164,123 @@ def test_one_tensor_passed_as_several_inputs_stays_one_object(tmp_path, monkeypa
         assert float(row["max"]) == pytest.approx(float(want.max()), rel=1e-5)
     # five rows (attn output, its three inputs, ln output); the three input rows came from one reduction
     assert len(rows) == 5 and sum(computed) <= 3
+
+
+# ==== the reuse cache never hands one tensor's row to another ==========================================
+def _collector():
+    from trainermon.collector import StepCollector, TransferCounter
+    from trainermon.stats import EngineOptions, StatsEngine
+
+    return StepCollector(StatsEngine(EngineOptions(nonfinite=False)), TransferCounter())
+
+
+def _norms(collector) -> list[float]:
+    payload = collector.finish(0)
+    return payload.partials[:, 0].sqrt().tolist()
+
+
+def _same_address(size: int, address: int, tries: int = 200) -> torch.Tensor:
+    """A fresh tensor that the allocator placed at `address` (freed memory reused, as in training)."""
+    keep = []
+    for _ in range(tries):
+        t = torch.empty(size)
+        if t.data_ptr() == address:
+            return t
+        keep.append(t)  # hold it, so the next allocation tries another block
+    pytest.skip(f"the allocator did not reuse the freed block in {tries} allocations")
+
+
+def test_memory_replaced_through_data_is_not_reused():
+    """Megatron's deallocate_output_tensor: `out.data = torch.empty(1)` frees out's memory while `out`
+    lives on; the next tensor of that shape at that address, same version, must be computed afresh."""
+    buf = bytearray(4 * 32)
+    first = torch.frombuffer(buf, dtype=torch.float32).view(4, 8)  # version 0, at buf's address
+    buf[:] = torch.full((32,), 1.0).numpy().tobytes()  # writes no version counter
+    collector = _collector()
+    collector.add_local("actv", 0, ["a.output"], 0, [first])
+    first.data = torch.empty(1)
+    buf[:] = torch.full((32,), 3.0).numpy().tobytes()
+    second = torch.frombuffer(buf, dtype=torch.float32).view(4, 8)  # same address, shape, version
+    collector.add_local("actv", 0, ["b.input"], 0, [second])
+    assert _norms(collector) == pytest.approx([math.sqrt(32), 3 * math.sqrt(32)])
+
+
+def test_storage_released_with_resize_is_not_reused():
+    first = torch.empty(1024)
+    first.fill_(1.0)
+    address = first.data_ptr()
+    collector = _collector()
+    collector.add_local("actv", 0, ["a.output"], 0, [first])
+    first.untyped_storage().resize_(0)  # FSDP's way to free memory; `first` stays alive
+    second = _same_address(1024, address)
+    second.fill_(2.0)  # the same version count as `first` had
+    assert second._version == first._version
+    collector.add_local("actv", 0, ["b.input"], 0, [second])
+    assert _norms(collector) == pytest.approx([32.0, 64.0])
+
+
+def test_memory_of_a_dead_tensor_is_not_reused():
+    first = torch.empty(1024)
+    first.fill_(1.0)
+    address = first.data_ptr()
+    collector = _collector()
+    collector.add_local("actv", 0, ["a.output"], 0, [first])
+    del first
+    second = _same_address(1024, address)
+    second.fill_(2.0)
+    collector.add_local("actv", 0, ["b.input"], 0, [second])
+    assert _norms(collector) == pytest.approx([32.0, 64.0])
+
+
+def test_the_same_live_tensor_is_still_reduced_once():
+    t = torch.randn(64, 64)
+    collector = _collector()
+    engine = collector.engine
+    collector.add_local("actv", 0, ["a.output"], 0, [t])
+    calls = engine.calls
+    collector.add_local("actv", 0, ["b.input"], 0, [t.view(-1)[: 64 * 64].view(64, 64)])  # a view of it
+    assert engine.calls == calls  # reused, not computed
+    first, second = _norms(collector)
+    assert first == second
+
+
+def test_a_parameter_returned_as_an_output_gets_one_gradient_row_per_call(tmp_path, monkeypatch):
+    """Megatron's skip_bias_add returns the bias Parameter itself as an output. A hook on the Parameter
+    would fire for every later backward (every micro-batch's gradient under the same row) and would never
+    be removed; the monitor hooks a view of it for each call instead."""
+
+    class Biased(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Linear(4, 4, bias=False)
+            self.bias = nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return self.w(x), self.bias
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = Biased()
+
+        def forward(self, x):
+            out, bias = self.lin(x)
+            return (out + bias).sum()
+
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    cfg = write_config(tmp_path / "c.json", xy_distribution=True, all_xy=True, ops=["norm"], ndigits=12)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(model, optimizer=opt, grad_acc_steps=2)
+    for _step in range(3):
+        for micro in range(2):
+            model(torch.full((3, 4), float(micro + 1))).backward()  # d(sum)/d(bias) = 3 per element
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    rows = keyed(read_family(monitor.run_dir, "actv_grad"))
+    for step in range(3):
+        for micro in range(2):
+            assert float(rows[("lin.output_grad_1", step, micro)]["norm"]) == pytest.approx(6.0)
+    assert not model.lin.bias._backward_hooks  # nothing left on the Parameter

@@ -160,7 +160,7 @@ class StepCollector:
             values.append(t)
             key = _value_key(t)
             hit = seen.get(key) if key is not None else None
-            if hit is not None and hit[0]() is not None:
+            if hit is not None and _still_holds(hit, key):
                 slots.append((-1, hit[1]))
                 continue
             if key is not None and key in in_call:
@@ -257,17 +257,40 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _value_key(t: torch.Tensor) -> tuple | None:
-    """What identifies a tensor's values while the tensor is alive: its memory, layout and version
-    counter (shared by views, bumped by in-place writes). None where that cannot be read (no storage,
-    inference tensors): such tensors are always computed."""
+    """What identifies a tensor's values: its storage (the object and its size, not only its address),
+    the place and layout of its elements in it, and its version counter (shared by views, bumped by
+    in-place writes). None where that cannot be read: such tensors are always computed.
+
+    A key found in the cache is trusted only if the tensor that was computed still has that same key
+    (`_still_holds`): Megatron's pipeline schedules free an output's memory with `out.data =
+    torch.empty(1)` while the tensor object lives on, and the next micro-batch's tensor of that shape gets
+    the same address (and may get a storage object at the same address too). Not detected: a storage
+    refilled in place without autograd seeing it (`storage.resize_(0)`, then `resize_(n)` and a raw copy)."""
     if type(t) not in _PLAIN or t.layout is not torch.strided or t.is_neg() or t.is_conj():
         return None  # only plain tensors: a view bit or a subclass changes what the same memory means
     try:
         if not t.numel():
             return None
-        return (t.data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype, t.device, t._version)
-    except (RuntimeError, NotImplementedError):
+        storage = t.untyped_storage()
+        return (
+            storage._cdata,
+            storage.nbytes(),
+            t.data_ptr(),
+            t.storage_offset(),
+            t.shape,
+            t.stride(),
+            t.dtype,
+            t.device,
+            t._version,
+        )
+    except (RuntimeError, NotImplementedError, AttributeError):
         return None
+
+
+def _still_holds(hit: tuple[weakref.ref, torch.Tensor], key: tuple) -> bool:
+    """The tensor computed under `key` is alive and still has that key (its memory was not replaced)."""
+    computed = hit[0]()
+    return computed is not None and _value_key(computed) == key
 
 
 def _device_hint(entries: Sequence[tuple[int, str, int | None, TensorPiece]]) -> torch.device:
