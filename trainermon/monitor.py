@@ -74,6 +74,18 @@ def _tensors_in(obj: Any) -> list[torch.Tensor]:
     return []
 
 
+def _replace_tensors(obj: Any, by_id: dict[int, torch.Tensor]) -> Any:
+    """`obj` (a tensor, tuple, list or dict of them) with the tensors whose id is in `by_id` replaced."""
+    if isinstance(obj, torch.Tensor):
+        return by_id.get(id(obj), obj)
+    if isinstance(obj, (tuple, list)):
+        items = [by_id.get(id(t), t) if isinstance(t, torch.Tensor) else t for t in obj]
+        return type(obj)(items) if type(obj) in (tuple, list) else obj
+    if isinstance(obj, dict):
+        return {k: by_id.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in obj.items()}
+    return obj
+
+
 def _same_pieces(a: list, b: list) -> bool:
     """The two lists describe the very same tensors with the same placement."""
     return (
@@ -669,9 +681,18 @@ class TrainerMon:
                     )
                     self._add_local("actv", vpp_stage, labels, micro, inputs + outputs)
                 if self._actv_grad_on and torch.is_grad_enabled():
+                    leaves: dict[int, torch.Tensor] = {}
                     for label, t in zip(_io_names(f"{name}.output_grad", len(outputs)), outputs):
                         if t.requires_grad:
+                            if t.is_leaf:
+                                # A parameter returned as an output (Megatron's skip_bias_add bias): a hook
+                                # on it would fire for every later backward and never go away, so this
+                                # call's output becomes a view of it, hooked for this call only.
+                                view = leaves[id(t)] = t.view_as(t)
+                                t = view
                             t.register_hook(self._make_grad_hook("actv_grad", vpp_stage, [label], micro))
+                    if leaves:
+                        return _replace_tensors(output, leaves)
             except Exception as exc:  # noqa: BLE001
                 self.faults.record("forward hook", exc)
 
