@@ -10,6 +10,7 @@ import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -498,6 +499,52 @@ def test_names_only_in_one_run_are_listed(tmp_path, capsys):
     assert "families only in the run: [], only in the benchmark: ['exp_avg']" in out
     found = json.loads((tmp_path / "o" / "compare.json").read_text())
     assert found["only_in_run"][0]["name"] == "c.weight"
+
+
+def test_msprobe_module_prefixes_are_stripped_so_cells_align(runs, tmp_path, capsys):
+    """msprobe names parameters through DDP/Float16Module (`module.module.layers.0.weight`): read as the
+    model names them, the same training compares cell for cell."""
+    ms = _as_msprobe(runs["base"]["run_dir"], tmp_path / "ms")
+    for path in glob.glob(str(ms / "*" / "*.csv")):
+        text = Path(path).read_text()
+        Path(path).write_text(re.sub(r"(?m)^0:", "0:module.module.", text))
+    assert (
+        "0:module.module.layers.1.weight"
+        in Path(glob.glob(str(ms / "*" / "grad_reduced_*.csv"))[0]).read_text()
+    )
+    same = compare(_source(runs["same"], "parquet"), ms)
+    assert same.first is None and (same.per_family["cells_compared"] == 6 * STEPS).all()
+    assert len(same.only_in_run) == 0 and len(same.only_in_benchmark) == 0
+
+
+def test_zero_cells_compared_is_an_error_with_names(tmp_path, capsys):
+    """Two runs without one (family, name, step) in common: exit 2, saying why and showing names, never
+    "no divergence" (which is what comparing nothing used to print)."""
+    head = "vpp_stage,name,step,norm"
+    _write_csv(
+        tmp_path / "run" / "Jan01_00-00-00-rank0-r" / "grad_reduced_0-1.csv",
+        head,
+        [f"0,{n},{s},1.0" for s in (0, 1) for n in ("enc.a.weight", "enc.b.weight")],
+    )
+    _write_csv(
+        tmp_path / "bench" / "Jan01_00-00-00-rank0-b" / "grad_reduced_0-1.csv",
+        head,
+        [f"0,{n},{s},1.0" for s in (0, 1) for n in ("dec.a.weight", "dec.b.weight")],
+    )
+    with pytest.raises(ValueError, match="no cell compared"):
+        compare(tmp_path / "run", tmp_path / "bench")
+    code = main(["compare", str(tmp_path / "run"), str(tmp_path / "bench"), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "no cell compared" in err and "enc.a.weight" in err and "dec.a.weight" in err
+    # No family in common at all: the same, naming the families.
+    os.rename(
+        tmp_path / "bench" / "Jan01_00-00-00-rank0-b" / "grad_reduced_0-1.csv",
+        tmp_path / "bench" / "Jan01_00-00-00-rank0-b" / "exp_avg_0-1.csv",
+    )
+    code = main(["compare", str(tmp_path / "run"), str(tmp_path / "bench"), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and "share no family" in err and "exp_avg" in err
 
 
 # ---- scale: streaming in bounded memory ------------------------------------------------------------

@@ -139,6 +139,21 @@ def _tensor_rows(grid, order: np.ndarray) -> list[tuple[int, str]]:
     return [grid.tensors.keys[i] for i in order]
 
 
+class NothingCompared(ValueError):
+    """The two runs share no (family, name, step) cell: a comparison would prove nothing."""
+
+
+def _nothing_compared(sum_a: Any, sum_b: Any, fam_a: list[str], fam_b: list[str], common: list[str]) -> str:
+    if not common:
+        return f"no cell compared: the runs share no family (run: {fam_a}, benchmark: {fam_b})"
+    lines = ["no cell compared: the runs share no (family, name, step) with the statistics asked for"]
+    for label, summary in (("run", sum_a), ("benchmark", sum_b)):
+        grid = summary.grids[common[0]]
+        names = [name for _, name in _tensor_rows(grid, grid.finalize("cell").order)][:5]
+        lines.append(f"  {label} {common[0]} names, e.g.: {names}")
+    return "\n".join(lines)
+
+
 def compare(
     run: str | os.PathLike | RunSource,
     benchmark: str | os.PathLike | RunSource,
@@ -282,6 +297,8 @@ def compare(
                 "max_rel_diff": float(finite_rel.max()) if finite_rel.size else 0.0,
             }
         )
+    if not sum(row["cells_compared"] for row in per_family):
+        raise NothingCompared(_nothing_compared(sum_a, sum_b, fam_a, fam_b, common))
     columns = ["family", "vpp_stage", "name", "label", "first_step", "first_micro_step", "stat", "run_value"]
     columns += ["benchmark_value", "rel_diff_at_first", "divergent_cells", "max_rel_diff"]
     if divergent_parts:

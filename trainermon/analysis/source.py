@@ -351,9 +351,19 @@ def _to_int(column: Any, default: int, n: int) -> np.ndarray:
     return column.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
 
 
+def _unwrapped(name: str) -> str:
+    """A name without leading `module.` segments: msprobe names parameters through the wrappers
+    (`module.module.layers.0...` under DDP and Float16Module), trainermon as the model names them. A model
+    whose own top-level attribute is called `module` loses that prefix too, in every run read."""
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    return name
+
+
 def _tensors(names: Any, vpp: np.ndarray | None) -> tuple[list[tuple[int, str]], np.ndarray]:
     """(vpp, name) pairs in order of first appearance and each row's index into them. msprobe's
-    `{vpp}:{name}` prefix is removed; its vpp counts where the file has no vpp_stage column."""
+    `{vpp}:{name}` prefix and wrapper `module.` prefixes are removed; its vpp counts where the file has
+    no vpp_stage column."""
     import pyarrow as pa
 
     if isinstance(names, pa.ChunkedArray):
@@ -366,10 +376,10 @@ def _tensors(names: Any, vpp: np.ndarray | None) -> tuple[list[tuple[int, str]],
     for name in dictionary:
         m = _VPP_PREFIX.match(name) if name is not None else None
         if m is not None:
-            stripped.append(m.group("name"))
+            stripped.append(_unwrapped(m.group("name")))
             prefix_vpp.append(int(m.group("vpp")))
         else:
-            stripped.append("" if name is None else name)
+            stripped.append("" if name is None else _unwrapped(name))
             prefix_vpp.append(0)
     if vpp is None:
         row_vpp = np.asarray(prefix_vpp, dtype=np.int64)[codes] if codes.size else codes
