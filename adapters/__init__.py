@@ -8,13 +8,13 @@ from typing import Any
 
 import torch
 
-from .base import Adapter, GradTaps, MonitoredParam
+from .base import Adapter, AdapterContext, GradTaps, MonitoredParam, StepEvents
 
 #: Tried in order; the first whose `detect` accepts the objects wins. Plain PyTorch/DDP is last, as the
 #: fallback. Framework adapters are imported only when tried, and each imports its framework lazily.
 ADAPTERS = (
-    "trainermon.adapters.fsdp:Fsdp2Adapter",
-    "trainermon.adapters.fsdp:Fsdp1Adapter",
+    "trainermon.adapters.fsdp.fsdp2:Fsdp2Adapter",
+    "trainermon.adapters.fsdp.fsdp1:Fsdp1Adapter",
     "trainermon.adapters.megatron:MegatronAdapter",
     "trainermon.adapters.deepspeed:DeepSpeedAdapter",
     "trainermon.adapters.torch_ddp:TorchAdapter",
@@ -27,16 +27,17 @@ def _load(spec: str) -> type[Adapter]:
 
 
 def select_adapter(
-    chunks: Sequence[torch.nn.Module], optimizer: Any, dp_group: Any = None, tp_group: Any = None
+    chunks: Sequence[torch.nn.Module], optimizer: Any, context: AdapterContext | None = None
 ) -> Adapter:
+    context = context or AdapterContext()
     for spec in ADAPTERS:
         cls = _load(spec)
         if cls.detect(chunks, optimizer):
-            return cls(chunks, optimizer, dp_group, tp_group)
+            return cls(chunks, optimizer, context)
     raise TypeError(
         f"trainermon: no adapter handles model {[type(c).__name__ for c in chunks]} with optimizer "
         f"{type(optimizer).__name__}"
     )
 
 
-__all__ = ["Adapter", "GradTaps", "MonitoredParam", "select_adapter"]
+__all__ = ["Adapter", "AdapterContext", "GradTaps", "MonitoredParam", "StepEvents", "select_adapter"]

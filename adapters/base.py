@@ -1,25 +1,34 @@
-"""The adapter interface: what the core needs to know about a framework, and nothing more.
+"""The adapter interface: adapters describe a framework's model and optimizer; the core acts.
 
-Every adapter answers the same questions:
-- which modules and parameters the user's model has, under their own names (`roots`, `parameters`);
-- where the pre-reduce gradient can be seen (`install_grad_taps`, `unreduced_grads`,
-  `install_microbatch_taps`);
-- where the reduced gradient, the optimizer state and the parameter live, and which piece of each this
-  rank holds (`reduced_grads`, `optimizer_state`, `param_values`: `TensorPiece`s with placements);
-- which optimizer's steps advance the monitor's step (`step_optimizer`).
-The core never imports a framework; adapters import theirs lazily.
+Every adapter answers the same questions, and nothing more:
+
+- the model view: the user's model chunks (`roots`), its parameters under their own names
+  (`parameters`), and which modules are only wrappers (`is_wrapper_module`);
+- the step events: it calls `events.pre()` when the step's reduced gradients are ready and the update
+  has not run, and `events.post(scalars)` when the update is done (`attach_step`);
+- the gradients seen in backward: pre-reduce taps (`install_grad_taps`) and each micro-batch's own
+  gradient (`install_microbatch_taps`), reported to the core's `GradTaps`;
+- where each family's tensors live, as `TensorPiece`s with placements (`read`).
+
+The core never imports a framework; adapters import theirs lazily. Failures inside an adapter's hooks
+go to the monitor's `FaultLog` (`self.context.faults`), never into the training loop.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from trainermon.placement import TensorPiece
+from trainermon.collect.placement import TensorPiece
+from trainermon.collect.records import StepScalars
+from trainermon.failsafe import FaultLog
+
+#: What `read` is asked for: the two gradient families, the parameter, or an optimizer-state key.
+GRAD_REDUCED, GRAD_UNREDUCED, PARAM = "grad_reduced", "grad_unreduced", "param"
 
 
 @dataclass(frozen=True)
@@ -30,11 +39,28 @@ class MonitoredParam:
     param: torch.nn.Parameter
 
 
-class GradTaps:
-    """Callbacks the core hands to an adapter for gradients seen during backward.
+@dataclass
+class AdapterContext:
+    """What `set_monitor` was told, and where adapter failures are counted."""
 
-    `active` is a plain attribute so that an always-installed tap can return at once on steps that are
-    not collected."""
+    dp_group: Any = None
+    tp_group: Any = None
+    process_group: Any = None  # msprobe's `process_group` (its pipeline group, in its Megatron example)
+    grad_acc_steps: int = 1
+    faults: FaultLog = field(default_factory=FaultLog)
+
+
+class StepEvents:
+    """The two moments of a step the core acts on; the adapter calls them from the framework's step."""
+
+    def __init__(self, pre: Callable[[], None], post: Callable[[StepScalars], None]) -> None:
+        self.pre = pre
+        self.post = post
+
+
+class GradTaps:
+    """Callbacks the core hands to an adapter for gradients seen during backward. `active` is a plain
+    attribute so that an always-installed tap returns at once on steps that are not collected."""
 
     def __init__(
         self,
@@ -49,19 +75,17 @@ class GradTaps:
 class Adapter(ABC):
     name: str = "base"
 
-    def __init__(
-        self, chunks: Sequence[torch.nn.Module], optimizer: Any, dp_group: Any, tp_group: Any
-    ) -> None:
+    def __init__(self, chunks: Sequence[torch.nn.Module], optimizer: Any, context: AdapterContext) -> None:
         self.chunks = list(chunks)
         self.optimizer = optimizer
-        self.dp_group = dp_group
-        self.tp_group = tp_group
+        self.context = context
 
     @classmethod
     @abstractmethod
     def detect(cls, chunks: Sequence[torch.nn.Module], optimizer: Any) -> bool:
         """True when this adapter handles these objects (checked by type, not by class name alone)."""
 
+    # ---- the model view ------------------------------------------------------------------------
     @abstractmethod
     def roots(self) -> list[torch.nn.Module]:
         """The unwrapped model chunks; module names are relative to these (vpp_stage = index)."""
@@ -74,29 +98,30 @@ class Adapter(ABC):
     def parameters(self) -> list[MonitoredParam]:
         """Every trainable parameter, in model order, named as the user names it."""
 
-    def step_optimizer(self) -> Any:
-        """The object whose `step()` marks the end of a training step (None: the user calls step()).
+    # ---- the step ------------------------------------------------------------------------------
+    @abstractmethod
+    def attach_step(self, events: StepEvents) -> list[Any]:
+        """Make the framework's step call `events.pre()` and `events.post(scalars)`; return removable
+        handles. No handles and no calls when there is no optimizer to hook (the user calls
+        `TrainerMon.step()`)."""
 
-        A torch optimizer, or any object with `register_step_pre_hook` / `register_step_post_hook` (an
-        adapter may return a small stand-in to choose where in a framework's step the hooks run), or an
-        object with a `step()` method, which is wrapped on that instance only."""
-        return self.optimizer
+    def new_step(self) -> None:  # noqa: B027 - optional hook
+        """Called at every step boundary, before the next step's backward."""
 
-    def grad_acc_steps(self, requested: int) -> int:
-        return requested
-
+    # ---- gradients seen in backward ----------------------------------------------------------------
     def install_grad_taps(self, taps: GradTaps) -> list[Any]:
         """Install always-on pre-reduce taps that call `taps.on_unreduced` during backward. Returns handles.
-        The default installs none and reports unreduced gradients at the step's end instead."""
+        An adapter that installs none reads the pre-reduce gradient at the step (`read(GRAD_UNREDUCED)`)."""
         return []
 
-    @abstractmethod
-    def unreduced_grads(self, params: Sequence[MonitoredParam]) -> list[TensorPiece | None] | None:
-        """Pre-reduce gradients read at the optimizer step, or None when taps already reported them."""
+    @property
+    def taps_report_unreduced(self) -> bool:
+        """The taps report grad_unreduced (so it is not read at the step)."""
+        return False
 
     def single_replica(self) -> bool:
         """True when no data-parallel reduction exists (one replica): the pre- and post-reduce gradients
-        are then the same tensors and the monitor computes them once, without asking for both lists."""
+        are then the same tensors and the core computes them once."""
         return False
 
     def install_microbatch_taps(self, params: Sequence[MonitoredParam], taps: GradTaps) -> list[Any]:
@@ -112,28 +137,12 @@ class Adapter(ABC):
             handles.append(mp.param.register_hook(hook))
         return handles
 
+    # ---- where each family lives -------------------------------------------------------------------
     @abstractmethod
-    def reduced_grads(self, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
-        """The gradient the optimizer will use, per parameter (None: no gradient this step)."""
-
-    @abstractmethod
-    def optimizer_state(self, params: Sequence[MonitoredParam], key: str) -> list[TensorPiece | None]:
-        """Optimizer state tensor `key` (e.g. 'exp_avg') per parameter (None: absent)."""
-
-    @abstractmethod
-    def param_values(self, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
-        """The parameter values per parameter."""
-
-    def new_step(self) -> None:  # noqa: B027 - optional hook
-        """Called at every step boundary, before the next step's backward."""
-
-    def extras(self) -> dict[str, float | torch.Tensor]:
-        """Per-step scalars recorded beside grad_reduced (loss scale, clip coefficient, optimizer norm)."""
-        return {}
-
-    def post_step_extras(self) -> dict[str, float | torch.Tensor]:
-        """Per-step scalars known only after the optimizer step (skipped step, the optimizer's norm)."""
-        return {}
+    def read(self, kind: str, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
+        """One piece per parameter (None: no such tensor on any rank this step) of `kind`: GRAD_REDUCED
+        (what the optimizer uses, loss scale divided out), GRAD_UNREDUCED (read at the step when no tap
+        reports it), PARAM (the values the optimizer updates), or an optimizer-state key ('exp_avg')."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Remove anything the adapter installed."""

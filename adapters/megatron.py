@@ -21,8 +21,8 @@ Where each family is read:
   shard of the master, which covers `_get_model_param_range_map(p)["param"]` of the flattened parameter;
   these are `Sharded` pieces merged over the optimizer's data-parallel group in the core's one packed
   reduction (a rank that owns no elements of a parameter contributes an empty row). Nothing is gathered.
-- extras: `loss_scale` (read before `prepare_grads` updates a dynamic scaler) and the optimizer's own
-  returned `optimizer_grad_norm` and `optimizer_update_skipped`.
+- step scalars: `loss_scale` (read before `prepare_grads` updates a dynamic scaler) and what the
+  optimizer's own `step()` returns: its grad norm and whether it skipped the update.
 - Replicated values are written by the first rank of the parameter's data-parallel group (expert
   parameters use their own expert-data-parallel group, as Megatron's buffers do). Parameters duplicated
   across tensor-parallel ranks (not `tensor_model_parallel`) are written for the optimizer-side families
@@ -42,10 +42,12 @@ from typing import Any
 
 import torch
 
+from trainermon.collect.placement import LOCAL, Placement, Replicated, Sharded, TensorPiece
+from trainermon.collect.records import StepScalars
 from trainermon.names import clean_name
-from trainermon.placement import LOCAL, Placement, Replicated, Sharded, TensorPiece
 
-from .base import Adapter, GradTaps, MonitoredParam
+from .base import GRAD_REDUCED, GRAD_UNREDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
+from .common import Restore, guarded, hook_optimizer_step, unwrap
 
 logger = logging.getLogger("trainermon")
 
@@ -60,13 +62,6 @@ def _wrapper_types() -> tuple[type, ...]:
     from megatron.core.transformer.module import Float16Module
 
     return (_BaseDataParallel, Float16Module)
-
-
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    wrappers = _wrapper_types()
-    while isinstance(module, wrappers) and isinstance(getattr(module, "module", None), torch.nn.Module):
-        module = module.module
-    return module
 
 
 def _is_megatron_optimizer(optimizer: Any) -> bool:
@@ -97,48 +92,15 @@ class _Slot:
     full_shape: tuple[int, ...]
 
 
-class _StepHooks:
-    """What the core hooks instead of the Megatron optimizer: pre-hooks fire inside `step()` right after
-    `prepare_grads()` (reduced, unscaled, not yet clipped gradients), post-hooks after `step()` returns."""
-
-    def __init__(self) -> None:
-        self.pre: dict[int, Callable[..., Any]] = {}
-        self.post: dict[int, Callable[..., Any]] = {}
-        self._next = 0
-
-    def _register(self, table: dict[int, Callable[..., Any]], fn: Callable[..., Any]) -> Any:
-        key = self._next
-        self._next += 1
-        table[key] = fn
-
-        class _Handle:
-            def remove(self) -> None:
-                table.pop(key, None)
-
-        return _Handle()
-
-    def register_step_pre_hook(self, fn: Callable[..., Any]) -> Any:
-        return self._register(self.pre, fn)
-
-    def register_step_post_hook(self, fn: Callable[..., Any]) -> Any:
-        return self._register(self.post, fn)
-
-    def fire(self, table: dict[int, Callable[..., Any]]) -> None:
-        for fn in list(table.values()):
-            fn(self, (), {})
-
-
 class MegatronAdapter(Adapter):
     name = "megatron"
 
-    def __init__(
-        self, chunks: Sequence[torch.nn.Module], optimizer: Any, dp_group: Any, tp_group: Any
-    ) -> None:
-        super().__init__(chunks, optimizer, dp_group, tp_group)
+    def __init__(self, chunks: Sequence[torch.nn.Module], optimizer: Any, context: AdapterContext) -> None:
+        super().__init__(chunks, optimizer, context)
         from megatron.core.distributed import DistributedDataParallel
 
         self._ddps = [c for c in self.chunks if isinstance(c, DistributedDataParallel)]
-        self._roots = [_unwrap(c) for c in self.chunks]
+        self._roots = [unwrap(c, _wrapper_types()) for c in self.chunks]
         self._params: list[MonitoredParam] | None = None
         self._slots: dict[int, _Slot] | None = None
         self._duplicate: dict[int, bool] = {}
@@ -147,17 +109,12 @@ class MegatronAdapter(Adapter):
             for buffer in list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", [])):
                 for p in buffer.param_index_map:
                     self._param_dp_group[id(p)] = buffer.data_parallel_group
+        self.dp_group = context.dp_group
         if self.dp_group is None and self._ddps:
             self.dp_group = getattr(self._ddps[0], "dp_cp_group", None)
         self._tapped: list[Any] = []  # bucket groups whose start_grad_sync is wrapped
         self._seen_groups: set[int] = set()
-        self._hooks = _StepHooks() if _is_megatron_optimizer(optimizer) else None
-        self._in_step = False
-        self._pre_fired = False
-        self._loss_scale: torch.Tensor | None = None
-        self._step_out: dict[str, torch.Tensor] = {}
-        if self._hooks is not None:
-            self._wrap_optimizer(optimizer)
+        self._loss_scale: Any = None
 
     @classmethod
     def detect(cls, chunks: Sequence[torch.nn.Module], optimizer: Any) -> bool:
@@ -178,7 +135,7 @@ class MegatronAdapter(Adapter):
         return self._roots
 
     def is_wrapper_module(self, module: torch.nn.Module) -> bool:
-        return isinstance(module, _wrapper_types())
+        return isinstance(module, _wrapper_types()) or unwrap(module) is not module
 
     def parameters(self) -> list[MonitoredParam]:
         if self._params is None:
@@ -192,42 +149,44 @@ class MegatronAdapter(Adapter):
             self._params = out
         return self._params
 
-    # ---- optimizer step ------------------------------------------------------------------------
-    def step_optimizer(self) -> Any:
-        # A torch optimizer (no Megatron wrapper) is hooked by the core as usual.
-        return self._hooks if self._hooks is not None else self.optimizer
-
-    def _wrap_optimizer(self, optimizer: Any) -> None:
-        original_step = optimizer.step
-        original_prepare = optimizer.prepare_grads
+    # ---- the step ------------------------------------------------------------------------------
+    def attach_step(self, events: Any) -> list[Any]:
+        """Megatron optimizers: the pre event fires inside `step()` right after `prepare_grads()` (reduced,
+        unscaled, not yet clipped gradients), the post event after `step()` returns, with its results.
+        A torch optimizer (no Megatron wrapper) gets torch's step hooks."""
+        optimizer = self.optimizer
+        if optimizer is None:
+            return []
+        if not _is_megatron_optimizer(optimizer):
+            return hook_optimizer_step(optimizer, events)
+        original_step, original_prepare = optimizer.step, optimizer.prepare_grads
         adapter = self
-        hooks = self._hooks
-        assert hooks is not None
+        state = {"in_step": False, "pre_fired": False}
 
         def prepare_grads(*args: Any, **kwargs: Any) -> Any:
-            if adapter._in_step:
+            if state["in_step"]:
                 adapter._capture_loss_scale()
             found_inf = original_prepare(*args, **kwargs)
-            if adapter._in_step and not adapter._pre_fired:
-                adapter._pre_fired = True
-                hooks.fire(hooks.pre)
+            if state["in_step"] and not state["pre_fired"]:
+                state["pre_fired"] = True
+                events.pre()
             return found_inf
 
         def step(*args: Any, **kwargs: Any) -> Any:
-            adapter._in_step, adapter._pre_fired = True, False
+            state["in_step"], state["pre_fired"] = True, False
             try:
                 out = original_step(*args, **kwargs)
             finally:
-                adapter._in_step = False
-            if not adapter._pre_fired:  # a step that never prepared its gradients: report them late
-                adapter._pre_fired = True
-                hooks.fire(hooks.pre)
-            adapter._record_step_output(out)
-            hooks.fire(hooks.post)
+                state["in_step"] = False
+            if not state["pre_fired"]:  # a step that never prepared its gradients: report them late
+                state["pre_fired"] = True
+                events.pre()
+            events.post(adapter._scalars(out))
             return out
 
         optimizer.prepare_grads = prepare_grads
         optimizer.step = step
+        return [Restore(optimizer, "step", step), Restore(optimizer, "prepare_grads", prepare_grads)]
 
     def _capture_loss_scale(self) -> None:
         # A reference, no computation: Megatron's scalers replace the scale tensor on update (never in
@@ -237,30 +196,16 @@ class MegatronAdapter(Adapter):
         except Exception:  # noqa: BLE001 - a missing scale must not stop the step
             self._loss_scale = None
 
-    def _record_step_output(self, out: Any) -> None:
-        # The core read `extras()` before the step; it holds these one-element tensors and the worker reads
-        # them after the step's end, so filling them here lands the optimizer's own results in this step.
-        slots, self._step_out = self._step_out, {}  # one-shot: only the collected step's own tensors
-        if slots and isinstance(out, tuple) and len(out) >= 2:
-            ok, norm = out[0], out[1]
-            slots["optimizer_grad_norm"].fill_(float("nan") if norm is None else float(norm))
-            slots["optimizer_update_skipped"].fill_(0.0 if ok else 1.0)
-
-    def extras(self) -> dict[str, float | torch.Tensor]:
-        if self._hooks is None:
-            return {}  # a torch optimizer: nothing Megatron-specific to record
-        # Fresh tensors per step: the worker may still be reading the previous step's.
-        self._step_out = {
-            "optimizer_grad_norm": torch.full((), float("nan"), dtype=torch.float64),
-            "optimizer_update_skipped": torch.zeros((), dtype=torch.float64),
-        }
-        out: dict[str, float | torch.Tensor] = dict(self._step_out)
+    def _scalars(self, out: Any) -> StepScalars:
         scale = self._loss_scale
         if isinstance(scale, torch.Tensor):
-            out["loss_scale"] = scale.detach().reshape(-1)[0]
-        elif isinstance(scale, (int, float)):
-            out["loss_scale"] = float(scale)
-        return out
+            scale = scale.detach().reshape(-1)[0]  # read by the worker, never here (a device sync)
+        norm = skipped = None
+        if isinstance(out, tuple) and len(out) >= 2:
+            ok, grad_norm = out[0], out[1]
+            norm = float("nan") if grad_norm is None else float(grad_norm)
+            skipped = not ok
+        return StepScalars(loss_scale=scale, optimizer_grad_norm=norm, update_skipped=skipped)
 
     # ---- where the optimizer keeps each parameter -----------------------------------------------
     def _replica(self, p: torch.Tensor) -> Replicated:
@@ -323,8 +268,9 @@ class MegatronAdapter(Adapter):
             return False
         import torch.distributed as dist
 
-        if self.tp_group is not None and dist.is_initialized():
-            return dist.get_rank(group=self.tp_group) != 0
+        tp_group = self.context.tp_group
+        if tp_group is not None and dist.is_initialized():
+            return dist.get_rank(group=tp_group) != 0
         try:
             from megatron.core import parallel_state
 
@@ -374,20 +320,23 @@ class MegatronAdapter(Adapter):
             grad = getattr(mp.param, "main_grad", None)  # no Megatron optimizer: the reduced main_grad
         return grad
 
-    def reduced_grads(self, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
-        return self._pieces(params, self._grad_of)
+    def read(self, kind: str, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
+        if kind == GRAD_REDUCED:
+            return self._pieces(params, self._grad_of)
+        if kind == GRAD_UNREDUCED:
+            return self._unreduced_at_step(params)
+        if kind == PARAM:
+            return self._pieces(
+                params, lambda slot, mp: slot.master.data if slot.master is not None else None
+            )
 
-    def optimizer_state(self, params: Sequence[MonitoredParam], key: str) -> list[TensorPiece | None]:
-        def read(slot: _Slot, mp: MonitoredParam) -> torch.Tensor | None:
+        def read_state(slot: _Slot, mp: MonitoredParam) -> torch.Tensor | None:
             if slot.inner is None:
                 return None
-            value = slot.inner.state.get(slot.master, {}).get(key)
+            value = slot.inner.state.get(slot.master, {}).get(kind)
             return value if isinstance(value, torch.Tensor) else None
 
-        return self._pieces(params, read)
-
-    def param_values(self, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
-        return self._pieces(params, lambda slot, mp: slot.master.data if slot.master is not None else None)
+        return self._pieces(params, read_state)
 
     # ---- pre-reduce gradients ------------------------------------------------------------------
     def install_grad_taps(self, taps: GradTaps) -> list[Any]:
@@ -399,40 +348,41 @@ class MegatronAdapter(Adapter):
                 handles.append(self._tap_bucket_group(bucket_group, taps, index_of))
         return handles
 
+    @property
+    def taps_report_unreduced(self) -> bool:
+        return bool(self._tapped)
+
     def _tap_bucket_group(self, bucket_group: Any, taps: GradTaps, index_of: dict[int, int]) -> Any:
         original = bucket_group.start_grad_sync
-        adapter = self
+        report = guarded(self.context.faults, "Megatron gradient tap", self._report_group)
 
         def start_grad_sync(*args: Any, **kwargs: Any) -> Any:
             # Before the original: the buckets still hold this rank's accumulated, unscaled local grads.
-            if taps.active and id(bucket_group) not in adapter._seen_groups:
-                adapter._seen_groups.add(id(bucket_group))
-                indices, grads = [], []
-                for bucket in bucket_group.buckets:
-                    for p in bucket.params_list:
-                        i = index_of.get(id(p))
-                        if i is not None:
-                            indices.append(i)
-                            grads.append(p.main_grad)
-                if indices:
-                    taps.on_unreduced(indices, grads)
+            if taps.active and id(bucket_group) not in self._seen_groups:
+                self._seen_groups.add(id(bucket_group))
+                report(bucket_group, taps, index_of)
             return original(*args, **kwargs)
 
         bucket_group.start_grad_sync = start_grad_sync
         self._tapped.append(bucket_group)
+        return Restore(bucket_group, "start_grad_sync", start_grad_sync)
 
-        class _Restore:
-            def remove(self) -> None:
-                bucket_group.__dict__.pop("start_grad_sync", None)
+    @staticmethod
+    def _report_group(bucket_group: Any, taps: GradTaps, index_of: dict[int, int]) -> None:
+        indices, grads = [], []
+        for bucket in bucket_group.buckets:
+            for p in bucket.params_list:
+                i = index_of.get(id(p))
+                if i is not None:
+                    indices.append(i)
+                    grads.append(p.main_grad)
+        if indices:
+            taps.on_unreduced(indices, grads)
 
-        return _Restore()
-
-    def unreduced_grads(self, params: Sequence[MonitoredParam]) -> list[TensorPiece | None] | None:
-        if self._tapped:
-            return None
+    def _unreduced_at_step(self, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
         # No Megatron DDP: nothing is reduced, so the local gradient is the one the optimizer sees.
         out: list[TensorPiece | None] = []
-        for piece in self.reduced_grads(params):
+        for piece in self.read(GRAD_REDUCED, params):
             if piece is None or piece.tensor is None or isinstance(piece.placement, Sharded):
                 out.append(None)
             else:
@@ -441,11 +391,3 @@ class MegatronAdapter(Adapter):
 
     def new_step(self) -> None:
         self._seen_groups.clear()
-
-    def close(self) -> None:
-        for bucket_group in self._tapped:
-            bucket_group.__dict__.pop("start_grad_sync", None)
-        self._tapped.clear()
-        if self._hooks is not None:
-            self.optimizer.__dict__.pop("step", None)
-            self.optimizer.__dict__.pop("prepare_grads", None)

@@ -1,9 +1,11 @@
-"""Plain PyTorch and torch DistributedDataParallel.
+"""Plain PyTorch and torch DistributedDataParallel (checked on torch 2.13).
 
+- The step: torch's step pre/post hooks on the optimizer instance (or a wrapper of its `step()`).
 - Pre-reduce gradient under DDP: a DDP communication hook sees each bucket's local gradients before it
   all-reduces them (then averages, as DDP's default does). `.grad` cannot be used for this: with
-  `gradient_as_bucket_view=True` DDP has already divided it by the world size. With gradient
-  accumulation under `no_sync()` the bucket holds the accumulated local gradient of the step.
+  `gradient_as_bucket_view=True` DDP divides the bucket in place by the world size before the all-reduce,
+  so `.grad` is already scaled there. With gradient accumulation under `no_sync()` the bucket holds the
+  accumulated local gradient of the step.
 - Each micro-batch's own gradient: a tensor hook on the leaf parameter, which autograd calls with the
   incoming gradient before it is accumulated into `.grad` (and before DDP sees it).
 - Without DDP there is no reduction: the pre-reduce gradient is `.grad` at the optimizer step.
@@ -11,50 +13,34 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from trainermon.collect.placement import LOCAL, Replicated, TensorPiece
 from trainermon.names import clean_name
-from trainermon.placement import LOCAL, Replicated, TensorPiece
 
-from .base import Adapter, GradTaps, MonitoredParam
-
-logger = logging.getLogger("trainermon")
-
-
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    from torch.nn.parallel import DistributedDataParallel
-
-    while True:
-        if isinstance(module, DistributedDataParallel):
-            module = module.module
-        elif type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod"):
-            module = module._orig_mod  # torch.compile wrapper
-        else:
-            return module
+from .base import GRAD_REDUCED, GRAD_UNREDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
+from .common import OncePerStep, guarded, hook_optimizer_step, is_wrapper, state_value, unwrap
 
 
 class TorchAdapter(Adapter):
     name = "torch"
 
-    def __init__(
-        self, chunks: Sequence[torch.nn.Module], optimizer: Any, dp_group: Any, tp_group: Any
-    ) -> None:
-        super().__init__(chunks, optimizer, dp_group, tp_group)
+    def __init__(self, chunks: Sequence[torch.nn.Module], optimizer: Any, context: AdapterContext) -> None:
+        super().__init__(chunks, optimizer, context)
         from torch.nn.parallel import DistributedDataParallel
 
         self._ddps = [c for c in self.chunks if isinstance(c, DistributedDataParallel)]
-        self._roots = [_unwrap(c) for c in self.chunks]
-        if self._ddps and self.dp_group is None:
-            self.dp_group = self._ddps[0].process_group
-        self._replica = Replicated(self.dp_group) if (self._ddps or dp_group is not None) else LOCAL
+        self._roots = [unwrap(c) for c in self.chunks]
+        dp_group = context.dp_group
+        if self._ddps and dp_group is None:
+            dp_group = self._ddps[0].process_group
+        self._replica = Replicated(dp_group) if (self._ddps or context.dp_group is not None) else LOCAL
         self._params: list[MonitoredParam] | None = None
         self._comm_hooked = False
-        self._seen_this_step: set[int] = set()
-        self._warned_multi_reduce = False
+        self._seen = OncePerStep("DDP")
 
     @classmethod
     def detect(cls, chunks: Sequence[torch.nn.Module], optimizer: Any) -> bool:
@@ -64,7 +50,7 @@ class TorchAdapter(Adapter):
         return self._roots
 
     def is_wrapper_module(self, module: torch.nn.Module) -> bool:
-        return _unwrap(module) is not module
+        return is_wrapper(module)
 
     def parameters(self) -> list[MonitoredParam]:
         if self._params is None:
@@ -76,27 +62,37 @@ class TorchAdapter(Adapter):
             self._params = out
         return self._params
 
+    def attach_step(self, events: Any) -> list[Any]:
+        return [] if self.optimizer is None else hook_optimizer_step(self.optimizer, events)
+
+    def new_step(self) -> None:
+        self._seen.clear()
+
     # ---- pre-reduce taps ---------------------------------------------------------------------
     def install_grad_taps(self, taps: GradTaps) -> list[Any]:
         if not self._ddps:
             return []
         index_of = {id(mp.param): mp.index for mp in self.parameters()}
+        report = guarded(self.context.faults, "DDP gradient tap", self._report_bucket)
         for ddp in self._ddps:
-            self._register_comm_hook(ddp, taps, index_of)
+            self._register_comm_hook(ddp, taps, index_of, report)
         self._comm_hooked = True
         return []
 
-    def _register_comm_hook(self, ddp: Any, taps: GradTaps, index_of: dict[int, int]) -> None:
+    @property
+    def taps_report_unreduced(self) -> bool:
+        return self._comm_hooked
+
+    def _register_comm_hook(self, ddp: Any, taps: GradTaps, index_of: dict[int, int], report: Any) -> None:
         import torch.distributed as dist
 
         group = ddp.process_group
-        adapter = self
 
         # No annotations: DDP validates hook annotations against the real classes, and this module's
         # postponed (string) annotations would fail that check.
         def allreduce_with_tap(state, bucket):  # noqa: ANN001, ANN202
             if taps.active:
-                adapter._report_bucket(bucket, taps, index_of)
+                report(bucket, taps, index_of)
             tensor = bucket.buffer()
             tensor.div_(dist.get_world_size(group))
             work = dist.all_reduce(tensor, group=group, async_op=True)
@@ -105,54 +101,26 @@ class TorchAdapter(Adapter):
         ddp.register_comm_hook(None, allreduce_with_tap)
 
     def _report_bucket(self, bucket: Any, taps: GradTaps, index_of: dict[int, int]) -> None:
-        indices, grads = [], []
-        for p, g in zip(bucket.parameters(), bucket.gradients()):
-            i = index_of.get(id(p))
-            if i is None:
-                continue
-            if i in self._seen_this_step:
-                if not self._warned_multi_reduce:
-                    self._warned_multi_reduce = True
-                    logger.warning(
-                        "trainermon: DDP reduced gradients more than once in one step (gradient "
-                        "accumulation without no_sync()); grad_unreduced records the first reduce only"
-                    )
-                continue
-            self._seen_this_step.add(i)
-            indices.append(i)
-            grads.append(g)
-        if indices:
-            taps.on_unreduced(indices, grads)
-
-    def new_step(self) -> None:
-        self._seen_this_step.clear()
+        pairs = [(index_of.get(id(p)), g) for p, g in zip(bucket.parameters(), bucket.gradients())]
+        fresh = set(self._seen.fresh(i for i, _ in pairs if i is not None))
+        chosen = [(i, g) for i, g in pairs if i in fresh]
+        if chosen:
+            taps.on_unreduced([i for i, _ in chosen], [g for _, g in chosen])
 
     def single_replica(self) -> bool:
         return self._replica is LOCAL and not self._comm_hooked
 
-    def unreduced_grads(self, params: Sequence[MonitoredParam]) -> list[TensorPiece | None] | None:
-        if self._comm_hooked:
-            return None
-        return [None if mp.param.grad is None else TensorPiece.whole(mp.param.grad, LOCAL) for mp in params]
+    # ---- reads --------------------------------------------------------------------------------
+    def read(self, kind: str, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
+        if kind == GRAD_UNREDUCED:
+            return [
+                None if mp.param.grad is None else TensorPiece.whole(mp.param.grad, LOCAL) for mp in params
+            ]
+        if kind == GRAD_REDUCED:
+            return [self._piece(mp.param.grad) for mp in params]
+        if kind == PARAM:
+            return [self._piece(mp.param.data) for mp in params]
+        return [self._piece(state_value(self.optimizer, mp.param, kind)) for mp in params]
 
-    # ---- optimizer-side tensors --------------------------------------------------------------
     def _piece(self, t: torch.Tensor | None) -> TensorPiece | None:
-        if t is None:
-            return None
-        return TensorPiece.whole(t, self._replica)
-
-    def reduced_grads(self, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
-        return [self._piece(mp.param.grad) for mp in params]
-
-    def optimizer_state(self, params: Sequence[MonitoredParam], key: str) -> list[TensorPiece | None]:
-        state = getattr(self.optimizer, "state", None)
-        if state is None:
-            return [None] * len(params)
-        out = []
-        for mp in params:
-            value = state.get(mp.param, {}).get(key) if mp.param in state else None
-            out.append(self._piece(value) if isinstance(value, torch.Tensor) else None)
-        return out
-
-    def param_values(self, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
-        return [self._piece(mp.param.data) for mp in params]
+        return None if t is None else TensorPiece.whole(t, self._replica)

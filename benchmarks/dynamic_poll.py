@@ -23,7 +23,7 @@ def _worker(rank: int, world: int, port: int, path: str, steps: int, out: str) -
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from trainermon.config import load_config
-    from trainermon.control import DynamicControl
+    from trainermon.runtime.control import DynamicControl
 
     control = DynamicControl(path, load_config(path))
     control.attach()

@@ -167,33 +167,20 @@ def write_config(directory: str, tool: str, config: str) -> str:
 
 
 class OwnTimer:
-    """Times trainermon's entry points on the training thread (outermost call only, so nesting such as
-    post-step -> begin-step or pre-step -> add is counted once)."""
-
-    ENTRY_POINTS = ("_on_pre_step", "_on_post_step", "_begin_step", "_add", "_add_local")
+    """trainermon's own time on the training thread: the step loop sums it at its entry points (the step
+    events, the step boundary, and every batch of rows added from a hook; outermost call only)."""
 
     def __init__(self, monitor: Any) -> None:
-        self.total = 0.0
-        self._depth = 0
-        for name in self.ENTRY_POINTS:
-            bound = getattr(monitor, name, None)
-            if callable(bound):
-                # instance attributes shadow the methods; hooks call them through `self.<name>`
-                setattr(monitor, name, self._wrap(bound))
+        self.loop = monitor.loop
+        self._start = self.loop.own_time_total_s
 
-    def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if self._depth:
-                return fn(*args, **kwargs)
-            self._depth += 1
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.total += time.perf_counter() - t0
-                self._depth -= 1
+    @property
+    def total(self) -> float:
+        return self.loop.own_time_total_s - self._start
 
-        return timed
+    @total.setter
+    def total(self, value: float) -> None:
+        self._start = self.loop.own_time_total_s - value
 
 
 @dataclass
@@ -442,7 +429,7 @@ def bench_workload(
                 for a in arms
                 if a.tool == "trainermon"
             }
-            transfers = {a.name: a.monitor.transfers.count for a in arms if a.tool == "trainermon"}
+            transfers = {a.name: a.monitor.loop.transfers.count for a in arms if a.tool == "trainermon"}
         finally:
             for arm in arms:
                 close_arm(arm)

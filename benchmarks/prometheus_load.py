@@ -215,7 +215,7 @@ def run_load(
         mon = TrainerMon(cfg)
         mon.set_monitor(model, optimizer=opt)
         try:
-            exporter = mon.worker.exporters[0]
+            exporter = mon.loop.worker.exporters[0]
             host, port = exporter.host, exporter.port
             _phase(model, opt, batch, 0.0, 5)
             quiet_before = _phase(model, opt, batch, quiet_seconds, 20)

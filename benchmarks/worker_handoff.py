@@ -49,9 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         ):
             arm = build_arm(work, "trainermon", "wg", out_dir)
             if interval is None:
-                arm.monitor.worker.submit = lambda payload: True
+                arm.monitor.loop.worker.submit = lambda payload: True
             else:
-                arm.monitor.worker.set_interval(interval)
+                arm.monitor.loop.worker.set_interval(interval)
             arms[name] = arm
         try:
             for arm in arms.values():

@@ -103,9 +103,7 @@ def train(flavour: int, steps: int, out_dir: str, config_path: str) -> None:
             print(f"fsdp{flavour} step {step} loss {loss.item():.4f}", flush=True)
     monitor.flush()
     if rank == 0 and monitor.last_batch is not None:
-        print(
-            f"fsdp{flavour} global grad norm {monitor.last_batch.extras['global_grad_norm']:.6f}", flush=True
-        )
+        print(f"fsdp{flavour} global grad norm {monitor.last_batch.derived.global_grad_norm:.6f}", flush=True)
     monitor.close()
 
 

@@ -107,7 +107,7 @@ def pretrain(out_dir: str, steps: int = 5, all_families: bool = True) -> dict[st
         _, grad_norm, _ = optimizer.step()
         monitor.flush()
         batch = monitor.last_batch
-        norms.append((float(grad_norm), batch.extras.get("global_grad_norm") if batch else None))
+        norms.append((float(grad_norm), batch.derived.global_grad_norm if batch else None))
         if rank == 0:
             print(
                 f"loss {float(loss):.4f} grad norm {float(grad_norm):.6f} monitor {norms[-1][1]}", flush=True

@@ -5,8 +5,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from trainermon.collect.records import StatBatch
 from trainermon.config import MonitorConfig
-from trainermon.records import StatBatch
 
 
 @dataclass(frozen=True)

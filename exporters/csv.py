@@ -17,12 +17,10 @@ import os
 
 import numpy as np
 
-from trainermon.records import StatBatch
+from trainermon.collect.records import StatBatch
+from trainermon.stats.table import BY_NAME, Kind
 
 from .base import Exporter, RunInfo
-
-_NUMERIC_OPS = ("norm", "min", "max", "mean", "zeros")
-_COUNT_OPS = ("nans", "infs", "numel")
 
 
 def _csv_field(text: str) -> str:
@@ -120,10 +118,10 @@ class CsvExporter(Exporter):
                 fields.append([self._shape(r.shape) for r in rows])
             elif op == "dtype":
                 fields.append([str(r.dtype) for r in rows])
-            elif op in _NUMERIC_OPS:
+            elif BY_NAME[op].kind is Kind.FLOAT:
                 fmt = f"%.{self.ndigits}g"  # ndigits significant digits; nan, inf, -inf
                 fields.append([fmt % v for v in batch.values[op][indices].tolist()])
-            elif op in _COUNT_OPS:
+            elif BY_NAME[op].kind is Kind.COUNT:
                 fields.append([str(int(v)) for v in batch.values[op][indices].tolist()])
         fields.append([_csv_field(r.shard) if r.shard else "" for r in rows])
         return "".join(",".join(line) + "\n" for line in zip(*fields))

@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from trainermon.records import StatBatch
+from trainermon.collect.records import StatBatch
+from trainermon.stats import table
 
 from .base import Exporter, RunInfo
 
@@ -37,10 +38,8 @@ logger = logging.getLogger("trainermon")
 
 #: Bumped on any incompatible change of the file schema or the layout.
 SCHEMA_VERSION = 1
-#: Floating-point statistics (float64 in the file and on the device).
-FLOAT_STATS = ("norm", "mean", "min", "max", "zeros")
-#: Count statistics (int64 in the file).
-COUNT_STATS = ("nans", "infs")
+#: Statistic columns, from the statistics table: floats as float64, counts as int64.
+FLOAT_STATS, COUNT_STATS = table.FLOAT_STATS, table.COUNT_STATS
 STATS = FLOAT_STATS + COUNT_STATS
 #: Columns of the tidy table as `trainermon.load` returns it, in order.
 COLUMNS = ("run_id", "vpp_stage", "name", "step", "micro_step") + STATS + ("numel", "shape", "dtype", "shard")
@@ -265,12 +264,12 @@ class ParquetExporter(Exporter):
         _pa()  # fail at open (one clear error) when pyarrow is missing
         section = run.config.parquet
         self.run = run
-        self.root = os.path.realpath(default_root(run.output_root, section.get("dir")))
-        self.steps_per_part = int(section.get("steps_per_part", 1000))
-        self.rows_per_part = int(section.get("rows_per_part", 250_000))
-        self.seconds_per_part = section.get("seconds_per_part", 300.0)
-        self.compression = section.get("compression", "zstd")
-        self.compression_level = section.get("compression_level")
+        self.root = os.path.realpath(default_root(run.output_root, section.dir))
+        self.steps_per_part = section.steps_per_part
+        self.rows_per_part = section.rows_per_part
+        self.seconds_per_part = section.seconds_per_part
+        self.compression = section.compression
+        self.compression_level = section.compression_level
         self.ops = set(run.config.ops)
         self.buffers: dict[str, ColumnBuffer] = {}
         self.seq: dict[str, int] = {}

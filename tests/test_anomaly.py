@@ -16,9 +16,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tests.distributed import run_ranks
 from tests.helpers import read_family, write_config
 from trainermon import ConfigError, TrainerMon, parse_config
-from trainermon.anomaly import AnomalyDetector, load_anomalies, parse_rules
 from trainermon.cli import main as cli_main
-from trainermon.records import RowMeta, StatBatch
+from trainermon.collect.records import RowMeta, StatBatch
+from trainermon.pipeline.anomaly import AnomalyDetector, load_anomalies, parse_rules
 
 
 def _batch(step: int, rows: list[tuple[str, str]], **columns: list[float]) -> StatBatch:
@@ -35,13 +35,13 @@ def test_msprobe_rules_with_their_faults_fixed(tmp_path):
     )
     det = AnomalyDetector(rules, str(tmp_path), rank=3)
     rows = [("grad_reduced", "a"), ("grad_reduced", "b")]
-    det(_batch(0, rows, norm=[1.0, 2.0], mean=[1.0, -1.0], nans=[0, 0], infs=[0, 0]))
-    det(_batch(1, rows, norm=[1.2, 2.0], mean=[1.1, -1.0], nans=[0, 0], infs=[0, 0]))
+    det.check(_batch(0, rows, norm=[1.0, 2.0], mean=[1.0, -1.0], nans=[0, 0], infs=[0, 0]))
+    det.check(_batch(1, rows, norm=[1.2, 2.0], mean=[1.1, -1.0], nans=[0, 0], infs=[0, 0]))
     assert det.counts == {}
     # Step 2: tensor a has norm and mean both turbulent (two records, not one overwriting the other);
     # tensor b has 500 NaNs (a count: never compared with the magnitude threshold 100) and an Inf.
-    det(_batch(2, rows, norm=[5.0, 2.0], mean=[9.0, -1.0], nans=[0, 500], infs=[0, 1]))
-    det(_batch(3, rows, norm=[1.0, 250.0], mean=[1.0, -1.0], nans=[0, 0], infs=[0, 0]))
+    det.check(_batch(2, rows, norm=[5.0, 2.0], mean=[9.0, -1.0], nans=[0, 500], infs=[0, 1]))
+    det.check(_batch(3, rows, norm=[1.0, 250.0], mean=[1.0, -1.0], nans=[0, 0], infs=[0, 0]))
     det.close()
     recs = load_anomalies(str(tmp_path))
     got = {(r["step"], r["name"], r["stat"], r["rule"]) for r in recs}
@@ -59,7 +59,7 @@ def test_msprobe_rules_with_their_faults_fixed(tmp_path):
 
 def test_non_finite_statistics_without_counts_are_caught(tmp_path):
     det = AnomalyDetector(parse_rules([{"rule_name": "AnomalyNan"}]), str(tmp_path), rank=0)
-    det(_batch(0, [("actv", "x"), ("actv", "y")], norm=[math.inf, 1.0], max=[math.nan, 1.0]))
+    det.check(_batch(0, [("actv", "x"), ("actv", "y")], norm=[math.inf, 1.0], max=[math.nan, 1.0]))
     det.close()
     assert {(r["name"], r["stat"]) for r in load_anomalies(str(tmp_path))} == {("x", "norm"), ("x", "max")}
 
@@ -79,7 +79,11 @@ def _steady_run(tmp_path, monkeypatch, steps: int, spike_step: int, **alert):
         tmp_path / "cfg.json",
         wg_distribution=True,
         ops=["norm", "mean"],
-        alert={"rules": [{"rule_name": "AnomalySpike", "args": {"warmup": 5, "z": 6}}], **alert},
+        alert={
+            "rules": [{"rule_name": "AnomalySpike", "args": {"warmup": 5, "z": 6}}],
+            "dump": True,
+            **alert,
+        },
     )
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
@@ -107,9 +111,9 @@ def test_spike_fires_at_the_spike_and_not_before(tmp_path, monkeypatch):
     assert any(r["name"] == "global_grad_norm" for r in spikes)
     glob_spike = next(r for r in spikes if r["name"] == "global_grad_norm")
     assert glob_spike["value"] > 100 * glob_spike["baseline"]
-    assert monitor.detector.counts["AnomalySpike"] == len(spikes)
-    # The cumulative count rides on every step's extras, which the Prometheus sink exports.
-    assert monitor.last_batch.extras["anomalies_total.AnomalySpike"] == len(spikes)
+    assert monitor.loop.detector.counts["AnomalySpike"] == len(spikes)
+    # The cumulative count rides on every step's derived values, which the Prometheus sink exports.
+    assert monitor.last_batch.derived.anomalies_total["AnomalySpike"] == len(spikes)
 
 
 def test_escalation_collects_activations_for_exactly_k_steps(tmp_path, monkeypatch):
@@ -183,3 +187,13 @@ def test_first_anomaly_names_layer_rank_and_step(tmp_path, capsys):
     assert min(r["step"] for r in load_anomalies(out)) == NAN_STEP
     assert cli_main(["anomalies", out, "--steps", "0-2"]) == 0
     assert "no anomalies" in capsys.readouterr().out
+
+
+def test_dump_false_detects_and_counts_but_writes_no_record_file(tmp_path):
+    """msprobe's `alert.dump`: records are written to anomaly_detected/ only when it is true."""
+    rules = parse_rules([{"rule_name": "AnomalyNan"}])
+    det = AnomalyDetector(rules, str(tmp_path), rank=0, dump=False)
+    found = det.check(_batch(0, [("grad_reduced", "w")], norm=[math.nan], nans=[2], infs=[0]))
+    det.close()
+    assert [a.rule for a in found] == ["AnomalyNan"] and det.totals() == {"AnomalyNan": 1}
+    assert not (tmp_path / "anomaly_detected").exists()

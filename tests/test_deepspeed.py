@@ -188,7 +188,7 @@ def _run_case(rank: int, world: int, out_root: str, case_index: int, case: dict[
     monitor = TrainerMon(cfg_path)
     model_arg, opt_arg = _set_monitor_args(case_index, engine, basic)
     monitor.set_monitor(model_arg, grad_acc_steps=1, optimizer=opt_arg)
-    assert monitor.adapter.name == "deepspeed" and monitor.grad_acc_steps == GAS
+    assert monitor.loop.adapter.name == "deepspeed" and monitor.grad_acc_steps == GAS
 
     names = dict(engine.module.named_parameters())
     micro_grads: dict[str, list[torch.Tensor]] = {n: [] for n in names}
@@ -268,17 +268,17 @@ def _run_case(rank: int, world: int, out_root: str, case_index: int, case: dict[
     # ---- per-step extras: global grad norm, loss scale, skipped steps -------------------------
     for (step, ds_norm, ref_norm), batch in zip(norms, batches):
         assert batch is not None and batch.step == step
-        extras = batch.extras
         skipped = step == overflow_step
-        assert extras["skipped_step"] == (1.0 if skipped else 0.0)
+        assert batch.scalars.update_skipped is skipped
         if stage > 0 or bf16:
-            assert extras["loss_scale"] == 1.0
+            assert batch.derived.loss_scale == 1.0
         if not writer or skipped:
             continue
         want = ds_norm if ds_norm is not None else ref_norm
         assert ds_norm is not None or (stage == 0 and not bf16)
-        assert math.isclose(extras["global_grad_norm"], want, rel_tol=1e-5), (step, extras, want)
-        assert math.isclose(extras["global_grad_norm"], ref_norm, rel_tol=1e-5)
+        norm = batch.derived.global_grad_norm
+        assert math.isclose(norm, want, rel_tol=1e-5), (step, batch.derived, want)
+        assert math.isclose(norm, ref_norm, rel_tol=1e-5)
     # Each rank saw its own data: the local gradients differ.
     first = keyed(read_family(monitor.run_dir, "grad_unreduced"))
     norm = torch.tensor([float(next(iter(first.values()))["norm"])])

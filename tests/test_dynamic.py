@@ -22,7 +22,7 @@ from torch import nn
 from tests.distributed import run_ranks
 from trainermon import TrainerMon
 from trainermon.cli import main as cli_main
-from trainermon.control import ConfigWatcher, DynamicControl, update_config_file
+from trainermon.runtime.control import ConfigWatcher, DynamicControl, update_config_file
 
 BASE = {"wg_distribution": True, "ops": ["norm"], "dynamic_on": False, "collect_times": 100}
 
@@ -36,7 +36,7 @@ def _collected_steps(out_root: str, family: str = "grad_reduced") -> list[int]:
 
 
 def _wait_dirty(monitor: TrainerMon, timeout: float = 5.0) -> None:
-    watcher = monitor.control.watcher
+    watcher = monitor.loop.control.watcher
     deadline = time.monotonic() + timeout
     while not watcher.dirty and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -92,14 +92,14 @@ def test_static_mode_ignores_edits(tmp_path, monkeypatch):
         time.sleep(0.05)
 
     monitor = _train(str(path), 5, {1: edit})
-    assert monitor.control is None
+    assert monitor.loop.control is None
     assert _collected_steps(str(tmp_path / "out")) == [0, 1]
 
 
 def test_dynamic_off_collects_nothing(dyn):
     make, out = dyn
     monitor = _train(make(dynamic_on=False), 4, {})
-    assert _collected_steps(out) == [] and monitor.engine.calls == 0
+    assert _collected_steps(out) == [] and monitor.loop.engine.calls == 0
 
 
 def test_dynamic_on_from_the_start_then_switches_itself_off(dyn):
@@ -282,7 +282,7 @@ def _two_rank_switch(rank: int, world: int, root: str) -> list[int]:
     def edit(**changes):
         def act(monitor):
             update_config_file(path, **changes)
-            if monitor.control.watcher is not None:
+            if monitor.loop.control.watcher is not None:
                 _wait_dirty(monitor)
 
         return act

@@ -87,9 +87,9 @@ def test_raising_hooks_do_not_change_training(tmp_path, monkeypatch, caplog):
     def boom(*args, **kwargs):
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(monitor.collector, "add", boom)
-    monkeypatch.setattr(monitor.collector, "add_local", boom)
-    monkeypatch.setattr(monitor.adapter, "optimizer_state", boom)
+    monkeypatch.setattr(monitor.loop.collector, "add", boom)
+    monkeypatch.setattr(monitor.loop.collector, "add_local", boom)
+    monkeypatch.setattr(monitor.loop.adapter, "read", boom)
     with caplog.at_level(logging.ERROR, logger="trainermon"):
         losses = _train(model, opt)
     monitor.close()
@@ -122,6 +122,6 @@ def test_close_is_idempotent_and_hooks_are_removed(tmp_path, monkeypatch):
     _train(model, opt, steps=1)
     monitor.close()
     monitor.close()
-    assert not monitor.worker._thread.is_alive()
+    assert not monitor.loop.worker._thread.is_alive()
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
     assert all(not m._forward_hooks for m in model.modules())

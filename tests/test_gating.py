@@ -23,12 +23,12 @@ def _train(tmp_path, monkeypatch, steps: int, grad_acc: int = 1, start_iteration
     monitor.set_monitor(model, grad_acc_steps=grad_acc, optimizer=opt, start_iteration=start_iteration)
     calls_per_step = []
     for _ in range(steps):
-        before = monitor.engine.calls
+        before = monitor.loop.engine.calls
         for _ in range(grad_acc):
             model(torch.randn(3, 4)).sum().backward()
         opt.step()
         opt.zero_grad()
-        calls_per_step.append(monitor.engine.calls - before)
+        calls_per_step.append(monitor.loop.engine.calls - before)
     monitor.close()
     return monitor, calls_per_step
 
@@ -42,7 +42,7 @@ def test_start_step_interval_collect_times(tmp_path, monkeypatch):
     assert _steps(read_family(monitor.run_dir, "grad_reduced")) == [2, 5, 8]
     # Engine calls happen on collected steps only; every other step computes nothing at all.
     assert [i for i, c in enumerate(calls) if c] == [2, 5, 8]
-    assert monitor.transfers.count == 3
+    assert monitor.loop.transfers.count == 3
 
 
 def test_start_iteration_offsets_the_step_counter(tmp_path, monkeypatch):
@@ -52,7 +52,7 @@ def test_start_iteration_offsets_the_step_counter(tmp_path, monkeypatch):
 
 def test_collect_times_zero_collects_nothing(tmp_path, monkeypatch):
     monitor, calls = _train(tmp_path, monkeypatch, 4, collect_times=0, xy_distribution=True)
-    assert sum(calls) == 0 and monitor.transfers.count == 0
+    assert sum(calls) == 0 and monitor.loop.transfers.count == 0
     assert (
         not [f for f in os.listdir(monitor.run_dir) if f.endswith(".csv")]
         if os.path.isdir(monitor.run_dir)

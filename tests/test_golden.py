@@ -15,7 +15,7 @@ from torch import nn
 
 from tests.helpers import assert_row_matches, keyed, read_family, ref_stats, write_config
 from trainermon import TrainerMon
-from trainermon.records import FAMILIES
+from trainermon.collect.records import FAMILIES
 
 OPS = ("norm", "mean", "min", "max", "nans")
 STEPS = 3

@@ -154,7 +154,7 @@ def _megatron_case(rank: int, world: int, out_root: str, case: dict) -> dict:
 
     monitor = TrainerMon(cfg_path, params_have_main_grad=None)
     monitor.set_monitor(ddps, grad_acc_steps=case["grad_acc"], optimizer=opt)
-    assert monitor.adapter.name == "megatron"
+    assert monitor.loop.adapter.name == "megatron"
 
     ref_named = [list(m.named_parameters()) for m in reference]
     masters = [[p.detach().float().clone().requires_grad_(True) for _, p in named] for named in ref_named]
@@ -221,11 +221,11 @@ def _megatron_case(rank: int, world: int, out_root: str, case: dict) -> dict:
                 for q, p in zip(ref_m.parameters(), m.parameters()):
                     q.copy_(p)
         monitor.flush()
-        extras = monitor.last_batch.extras if monitor.last_batch is not None else {}
-        norms.append((ref_norm, float(grad_norm), extras.get("global_grad_norm")))
-        assert extras["optimizer_grad_norm"] == pytest.approx(float(grad_norm), rel=1e-12), extras
-        assert extras["loss_scale"] == scale, extras
-        assert extras["optimizer_update_skipped"] == 0.0
+        batch = monitor.last_batch
+        norms.append((ref_norm, float(grad_norm), batch.derived.global_grad_norm))
+        assert batch.scalars.optimizer_grad_norm == pytest.approx(float(grad_norm), rel=1e-12), batch.scalars
+        assert batch.derived.loss_scale == scale, batch.derived
+        assert batch.scalars.update_skipped is False
     monitor.close()
     assert monitor.faults.total == 0, dict(monitor.faults.counts)
 
@@ -275,7 +275,7 @@ def _example_case(rank: int, world: int, out_root: str) -> dict:
     out = os.path.join(out_root, "gpt")
     result = example.pretrain(out_dir=out, steps=3, all_families=True)
     monitor = result["monitor"]
-    assert monitor.adapter.name == "megatron"
+    assert monitor.loop.adapter.name == "megatron"
     assert monitor.faults.total == 0, dict(monitor.faults.counts)
     counts = {}
     for family in ("actv", "actv_grad", *FAMILIES):

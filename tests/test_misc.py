@@ -144,10 +144,10 @@ def test_csv_reuses_text_only_for_identical_lines(tmp_path):
     one differing value, name or count makes the families format separately."""
     import numpy as np
 
+    from trainermon.collect.records import RowMeta, StatBatch
     from trainermon.config import parse_config
     from trainermon.exporters.base import RunInfo
     from trainermon.exporters.csv import CsvExporter
-    from trainermon.records import RowMeta, StatBatch
 
     cfg = parse_config({"ops": ["norm", "min", "nans"]})
     exporter = CsvExporter()

@@ -22,9 +22,9 @@ import torch
 import trainermon
 from tests.helpers import LayeredNet as Net
 from trainermon import ConfigError, TrainerMon, parse_config
+from trainermon.collect.records import RowMeta, StatBatch
 from trainermon.exporters import RunInfo
 from trainermon.exporters.parquet import ParquetExporter
-from trainermon.records import RowMeta, StatBatch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FULL_OPS = ["norm", "min", "max", "mean", "zeros", "nans", "infs", "numel"]
@@ -357,12 +357,12 @@ def test_convert_msprobe_csv(tmp_path):
 
 def test_parquet_config_validation():
     cfg = parse_config({"format": ["parquet"], "parquet": {"steps_per_part": 5, "dir": "datasets/ds"}})
-    assert cfg.parquet["steps_per_part"] == 5 and cfg.parquet["rows_per_part"] == 250_000
-    assert cfg.parquet["dir"] == "datasets/ds"
+    assert cfg.parquet.steps_per_part == 5 and cfg.parquet.rows_per_part == 250_000
+    assert cfg.parquet.dir == "datasets/ds"
     for escaping in ("/data/ds", "../ds", "a/../../ds"):  # only MONITOR_OUTPUT_DIR may point elsewhere
         with pytest.raises(ConfigError, match=r"parquet.dir.*relative to MONITOR_OUTPUT_DIR"):
             parse_config({"parquet": {"dir": escaping}})
-    assert cfg.parquet["compression"] == "zstd"
+    assert cfg.parquet.compression == "zstd"
     with pytest.raises(ConfigError, match=r"parquet.steps_per_part.*0.*integer in \[1,"):
         parse_config({"parquet": {"steps_per_part": 0}})
     with pytest.raises(ConfigError, match=r"parquet.compression.*'brotli'.*zstd"):
@@ -380,5 +380,5 @@ def test_unwritable_dataset_dir_disables_only_parquet(tmp_path, monkeypatch):
     cfg = full_config(parquet={"dir": "blocker/ds"})
     mon = run_monitored(tmp_path, cfg, steps=2, monkeypatch=monkeypatch)
     mon.close()
-    assert [type(e).__name__ for e in mon.worker.exporters] == ["CsvExporter"]
+    assert [type(e).__name__ for e in mon.loop.worker.exporters] == ["CsvExporter"]
     assert len(read_csv_rows(mon.run_dir)) > 0  # training and the CSV sink went on

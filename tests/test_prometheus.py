@@ -239,7 +239,7 @@ def test_port_taken_disables_only_that_sink(tmp_path, monkeypatch, caplog):
         blocker.close()
     errors = [r for r in caplog.records if "prometheus sink is disabled" in r.getMessage()]
     assert len(errors) == 1 and "Address already in use" in errors[0].getMessage()
-    assert [type(e).__name__ for e in mon.worker.exporters] == ["CsvExporter"]
+    assert [type(e).__name__ for e in mon.loop.worker.exporters] == ["CsvExporter"]
     assert len(glob.glob(os.path.join(mon.run_dir, "grad_reduced_*.csv"))) == 3
 
 
@@ -319,8 +319,8 @@ def test_all_three_formats_and_sink_error_counter(tmp_path, monkeypatch):
 
 def test_prometheus_config_validation():
     cfg = parse_config({"format": ["prometheus"], "prometheus": {"port": 9400}})
-    assert cfg.prometheus["host"] == "127.0.0.1" and cfg.prometheus["port"] == 9400
-    assert cfg.prometheus["per_parameter"] is False and cfg.prometheus["max_series"] == 10_000
+    assert cfg.prometheus.host == "127.0.0.1" and cfg.prometheus.port == 9400
+    assert cfg.prometheus.per_parameter is False and cfg.prometheus.max_series == 10_000
     with pytest.raises(ConfigError, match=r"prometheus.port.*70000.*\[0, 65535\]"):
         parse_config({"prometheus": {"port": 70000}})
     with pytest.raises(ConfigError, match=r"prometheus.stats.*'p99'.*norm"):
@@ -335,9 +335,9 @@ def test_prometheus_config_validation():
 
 def test_reopen_on_a_fixed_port_takes_the_endpoint_over(tmp_path, monkeypatch):
     # A dynamic config change opens the new sinks before it closes the old ones.
+    from trainermon.collect.records import Derived, RowMeta, StatBatch
     from trainermon.exporters import RunInfo
     from trainermon.exporters.prometheus import PrometheusExporter
-    from trainermon.records import RowMeta, StatBatch
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     probe = socket.socket()
@@ -352,7 +352,8 @@ def test_reopen_on_a_fixed_port_takes_the_endpoint_over(tmp_path, monkeypatch):
         row = RowMeta("grad_reduced", 0, "w", None, (2,), torch.float32, 2)
         vals = {k: np.array([1.0]) for k in ("norm", "mean", "min", "max", "zeros", "numel")}
         old.write(StatBatch(step=7, rows=[row], values=vals))  # a late write of the old sink is not shown
-        new.write(StatBatch(step=8, rows=[row], values=vals, extras={"anomalies_total.AnomalySpike": 2.0}))
+        derived = Derived(anomalies_total={"AnomalySpike": 2})
+        new.write(StatBatch(step=8, rows=[row], values=vals, derived=derived))
         old.close()
         s = scrape(f"http://127.0.0.1:{port}/metrics")
         assert value(s, "trainermon_last_step") == 8

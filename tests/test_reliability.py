@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from trainermon import ConfigError, MonitorConfig, TrainerMon, parse_config
-from trainermon.config import SUPPORTED_OPS
+from trainermon.stats.table import OPS as SUPPORTED_OPS
 
 KEYS = [f.name for f in fields(MonitorConfig)] + ["ur_distribution", "append_output", "sa_order"]
 scalars = (
@@ -68,7 +68,7 @@ def test_output_paths_from_the_config_stay_under_the_output_dir(path, key):
         assert f"'{key}'" in str(exc) and "relative to MONITOR_OUTPUT_DIR" in str(exc)
         return
     root = os.path.join(os.sep, "job", "out")
-    target = os.path.normpath(os.path.join(root, getattr(cfg, section)[sub]))
+    target = os.path.normpath(os.path.join(root, getattr(getattr(cfg, section), sub)))
     assert os.path.commonpath([root, target]) == root, (path, target)
 
 
@@ -110,12 +110,12 @@ def test_running_job_never_stops_or_changes_on_invalid_files(tmp_path):
         seen["invalid"] += 1
         with open(job.path, "w") as fh:
             json.dump(raw, fh, default=str)
-        job.monitor.control.watcher.dirty = True  # as if inotify had reported the save
+        job.monitor.loop.control.watcher.dirty = True  # as if inotify had reported the save
         step = job.monitor.current_step
         job.step()
         assert job.monitor.current_step == step + 1
         assert job.monitor.config is before  # the running config is untouched
-        assert job.monitor.collecting
+        assert job.monitor.loop.plan.collecting
 
     try:
         feed()

@@ -36,7 +36,7 @@ import trainermon.exporters.csv as csv_mod
 from tests.distributed import run_ranks
 from tests.helpers import keyed, read_family, write_config
 from trainermon import ConfigError, TrainerMon, parse_config
-from trainermon.records import FAMILIES
+from trainermon.collect.records import FAMILIES
 
 REPO = Path(__file__).resolve().parents[1]
 FULL_OPS = ("norm", "min", "max", "mean", "zeros", "nans", "infs", "numel")
@@ -358,10 +358,11 @@ def _two_rank_edges(rank: int, world: int, root: str) -> dict:
     import numpy as np
     import torch.distributed as dist
 
-    from trainermon.collector import StepCollector, TransferCounter
+    from trainermon.collect.collector import StepCollector, TransferCounter
+    from trainermon.collect.placement import Sharded, TensorPiece
+    from trainermon.collect.records import StepScalars
     from trainermon.config import parse_config
-    from trainermon.control import DynamicControl, update_config_file
-    from trainermon.placement import Sharded, TensorPiece
+    from trainermon.runtime.control import DynamicControl, update_config_file
     from trainermon.stats import EngineOptions, StatsEngine, finalize
 
     out: dict = {"stats": {}}
@@ -379,7 +380,7 @@ def _two_rank_edges(rank: int, world: int, root: str) -> dict:
                 piece = TensorPiece(tensor, Sharded(None), tuple(full.shape), full.dtype)
                 entries.append((0, f"{name}/{variant}", None, piece))
         collector.add("param_origin", entries)
-        payload = collector.finish(step=0)
+        payload = collector.finish(0, StepScalars())
         numel = np.array([r.numel for r in payload.rows], dtype=np.float64)
         values = finalize(payload.partials.numpy(), numel)
         out["stats"][mode] = {
@@ -487,7 +488,7 @@ def _steps(model, opt, n: int, seed: int = 0) -> list[float]:
 
 
 def _exporter(mon: TrainerMon, cls: str):
-    found = [e for e in mon.worker.exporters if type(e).__name__ == cls]
+    found = [e for e in mon.loop.worker.exporters if type(e).__name__ == cls]
     return found[0] if found else None
 
 
@@ -713,7 +714,7 @@ def test_existing_unwritable_output_dir(tmp_path, monkeypatch, caplog):
     assert len(messages) == 3 and all("Permission denied" in m for m in messages), messages
     assert sum("csv" in m for m in messages) == 1 and sum("parquet" in m for m in messages) == 1
     assert set(mon.faults.counts) == {"exporter csv open", "exporter parquet open"}
-    assert [type(e).__name__ for e in mon.worker.exporters] == ["PrometheusExporter"]
+    assert [type(e).__name__ for e in mon.loop.worker.exporters] == ["PrometheusExporter"]
     assert scraped[("trainermon_last_step", ())] == 4
     assert scraped[("trainermon_exporter_errors_total", (("exporter", "csv"),))] == 1
     assert scraped[("trainermon_exporter_errors_total", (("exporter", "parquet"),))] == 1
@@ -1124,7 +1125,7 @@ def test_output_paths_cannot_escape_the_output_dir(key, value):
 def test_output_goes_only_under_monitor_output_dir(tmp_path, monkeypatch, caplog):
     """Every sink, stack_info, anomaly dumps, discovery files, a dynamic reload: files appear only under
     MONITOR_OUTPUT_DIR (the config file itself aside), wherever it points; an escaping edit is refused."""
-    assert parse_config({"parquet": {"dir": "./data/ds"}, "prometheus": {"sd_dir": "sd"}}).parquet["dir"]
+    assert parse_config({"parquet": {"dir": "./data/ds"}, "prometheus": {"sd_dir": "sd"}}).parquet.dir
     monkeypatch.chdir(tmp_path / "cwd" if (tmp_path / "cwd").mkdir() is None else tmp_path)
     monkeypatch.setenv("DYNAMIC_MONITOR", "true")
     cfg = write_config(
@@ -1153,9 +1154,9 @@ def test_output_goes_only_under_monitor_output_dir(tmp_path, monkeypatch, caplog
         good = json.loads(Path(cfg).read_text())
         with caplog.at_level(logging.WARNING, logger="trainermon"):
             Path(cfg).write_text(json.dumps({**good, "parquet": {"dir": "../escaped"}}))
-            mon.control.watcher.dirty = True
+            mon.loop.control.watcher.dirty = True
             _steps(model, opt, 1)
-        assert mon.config.parquet["dir"] == "data/ds"  # the escaping edit was refused ...
+        assert mon.config.parquet.dir == "data/ds"  # the escaping edit was refused ...
         assert "parquet.dir" in caplog.text and "relative to MONITOR_OUTPUT_DIR" in caplog.text  # ... loudly
         Path(cfg).write_text(json.dumps(good))
         mon.close()
@@ -1181,7 +1182,7 @@ def test_control_file_is_the_only_control_channel(tmp_path, monkeypatch):
         _steps(model, opt, 2)
         new = set(_listening()) - before
         try:
-            assert mon.control is not None and mon.control.watcher is not None
+            assert mon.loop.control is not None and mon.loop.control.watcher is not None
             assert len(new) == expected, new
             if expected:
                 exporter = _exporter(mon, "PrometheusExporter")
@@ -1192,7 +1193,7 @@ def test_control_file_is_the_only_control_channel(tmp_path, monkeypatch):
                     conn.request(method, "/metrics", body=b'{"dynamic_on": false}')
                     assert conn.getresponse().status == 501
                     conn.close()
-                assert mon.config.dynamic_on and mon.collecting
+                assert mon.config.dynamic_on and mon.loop.plan.collecting
         finally:
             mon.close()
         assert set(_listening()) - before == set()  # closed: nothing left listening
@@ -1261,7 +1262,7 @@ EXIT_SCRIPT = textwrap.dedent(
         model(torch.randn(2, 8)).sum().backward()
         opt.step()
         opt.zero_grad()
-    port = monitor.worker.exporters[-1].port
+    port = monitor.loop.worker.exporters[-1].port
     urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
     idle = socket.create_connection(("127.0.0.1", port))  # still connected at exit, never sends
     print(monitor.run_dir, flush=True)
@@ -1355,7 +1356,7 @@ def test_flush_with_a_hung_sink_returns_without_raising(tmp_path, monkeypatch):
 def test_close_with_a_hung_sink_is_bounded(tmp_path, monkeypatch):
     mon, sink = _hung_monitor(tmp_path, monkeypatch)
     try:
-        returned, errors, thread = _returns_within(lambda: mon.worker.close(timeout=0.5), 3.0)
+        returned, errors, thread = _returns_within(lambda: mon.loop.worker.close(timeout=0.5), 3.0)
     finally:
         sink.release.set()
         mon.close()

@@ -14,9 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-import trainermon.collector as collector_module
+import trainermon.collect.collector as collector_module
 from tests.helpers import keyed, read_family, write_config
 from trainermon import TrainerMon
+from trainermon.collect.records import StepScalars
 
 
 class ResidualNet(nn.Module):
@@ -47,13 +48,13 @@ def _run(tmp_path, monkeypatch, name: str, dedup: bool):
     monitor = TrainerMon(cfg)
     monitor.set_monitor(model, optimizer=opt)
     computed = []
-    original = monitor.engine.compute_rows
+    original = monitor.loop.engine.compute_rows
 
     def counting(tensors):
         computed.append(len(tensors))
         return original(tensors)
 
-    monitor.engine.compute_rows = counting
+    monitor.loop.engine.compute_rows = counting
     # Reference: our own hooks registered before the monitor's step hooks, cloning at hook time.
     reference: dict[str, torch.Tensor] = {}
 
@@ -146,8 +147,8 @@ def test_one_tensor_passed_as_several_inputs_stays_one_object(tmp_path, monkeypa
     h_grads = []
     model.ln.register_forward_hook(lambda m, a, out: out.register_hook(h_grads.append) and None)
     computed = []
-    original = monitor.engine.compute_rows
-    monitor.engine.compute_rows = lambda tensors: computed.append(len(tensors)) or original(tensors)
+    original = monitor.loop.engine.compute_rows
+    monitor.loop.engine.compute_rows = lambda tensors: computed.append(len(tensors)) or original(tensors)
     out = model(x)
     computed.clear()  # count the backward's reductions only
     out.square().sum().backward()
@@ -168,14 +169,14 @@ def test_one_tensor_passed_as_several_inputs_stays_one_object(tmp_path, monkeypa
 
 # ==== the reuse cache never hands one tensor's row to another ==========================================
 def _collector():
-    from trainermon.collector import StepCollector, TransferCounter
+    from trainermon.collect.collector import StepCollector, TransferCounter
     from trainermon.stats import EngineOptions, StatsEngine
 
     return StepCollector(StatsEngine(EngineOptions(nonfinite=False)), TransferCounter())
 
 
 def _norms(collector) -> list[float]:
-    payload = collector.finish(0)
+    payload = collector.finish(0, StepScalars())
     return payload.partials[:, 0].sqrt().tolist()
 
 

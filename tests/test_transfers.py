@@ -68,17 +68,17 @@ def test_one_transfer_per_collected_step_and_none_otherwise(tmp_path, monkeypatc
     try:
         expected = {0: True, 1: False, 2: True, 3: False, 4: True, 5: False, 6: False}
         for step, collected in expected.items():
-            assert monitor.collecting is collected, step
-            transfers, calls = monitor.transfers.count, monitor.engine.calls
+            assert monitor.loop.plan.collecting is collected, step
+            transfers, calls = monitor.loop.transfers.count, monitor.loop.engine.calls
             _step(model, optimizer)
             if collected:
-                assert monitor.transfers.count == transfers + 1, step
+                assert monitor.loop.transfers.count == transfers + 1, step
                 # every family on: actv, actv_grad, grad_unreduced, grad_reduced, param x2, exp_avg x2
-                assert monitor.engine.calls - calls >= 8, step
+                assert monitor.loop.engine.calls - calls >= 8, step
             else:
-                assert monitor.transfers.count == transfers, step
-                assert monitor.engine.calls == calls, step
-        assert monitor.transfers.count == 3
+                assert monitor.loop.transfers.count == transfers, step
+                assert monitor.loop.engine.calls == calls, step
+        assert monitor.loop.transfers.count == 3
         monitor.flush()
         batch = monitor.last_batch
         assert batch is not None and batch.step == 4
@@ -94,16 +94,16 @@ def test_idle_dynamic_monitor_never_computes_or_transfers(tmp_path, monkeypatch)
     try:
         for _ in range(3):
             _step(model, optimizer)
-        assert monitor.transfers.count == 0
-        assert monitor.engine.calls == 0
-        assert monitor.collecting is False
+        assert monitor.loop.transfers.count == 0
+        assert monitor.loop.engine.calls == 0
+        assert monitor.loop.plan.collecting is False
     finally:
         monitor.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: no CUDA device on this machine")
 def test_monitored_step_never_syncs_outside_the_transfer_point(tmp_path, monkeypatch):
-    import trainermon.collector as collector
+    import trainermon.collect.collector as collector
 
     monitor, model, optimizer = _monitor(tmp_path, monkeypatch, device="cuda")
     # The single transfer point may wait (it is where the copy is issued); everything else must not.
@@ -119,14 +119,14 @@ def test_monitored_step_never_syncs_outside_the_transfer_point(tmp_path, monkeyp
     monkeypatch.setattr(collector, "transfer_to_host", allowed)
     try:
         _step(model, optimizer, "cuda")  # warm-up outside the check (lazy init, allocator)
-        before = monitor.transfers.count
+        before = monitor.loop.transfers.count
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
             _step(model, optimizer, "cuda")
         finally:
             torch.cuda.set_sync_debug_mode(0)
-        assert monitor.transfers.count == before + 1
+        assert monitor.loop.transfers.count == before + 1
         assert monitor.faults.total == 0
     finally:
         monitor.close()
@@ -141,10 +141,12 @@ def test_accelerator_path_reads_nothing_back_on_the_training_thread(tmp_path, mo
     import dataclasses
     import threading
 
-    import trainermon.collector as collector
+    import trainermon.collect.collector as collector
 
     monitor, model, optimizer = _monitor(tmp_path, monkeypatch)
-    monitor.engine.options = dataclasses.replace(monitor.engine.options, force_masked=True, fused=False)
+    monitor.loop.engine.options = dataclasses.replace(
+        monitor.loop.engine.options, force_masked=True, fused=False
+    )
     ours = tuple(os.path.join(REPO, d) + os.sep for d in ("trainermon", "adapters", "exporters"))
     main = threading.main_thread()
     state = {"in_transfer": False}
@@ -183,7 +185,7 @@ def test_accelerator_path_reads_nothing_back_on_the_training_thread(tmp_path, mo
         optimizer.step()
         monkeypatch.undo()
         assert reads == []
-        assert monitor.transfers.count == 2 and monitor.faults.total == 0
+        assert monitor.loop.transfers.count == 2 and monitor.faults.total == 0
         monitor.flush()
         rows = {(r.family, r.name) for r in monitor.last_batch.rows}
         assert {"actv", "actv_grad", "grad_reduced", "exp_avg", "param_updated"} <= {f for f, _ in rows}

@@ -7,10 +7,13 @@ import time
 
 import torch
 
+from trainermon.collect.records import RowMeta, StepPayload
 from trainermon.failsafe import FaultLog
-from trainermon.records import RowMeta, StepPayload
+from trainermon.pipeline.derive import Deriver
+from trainermon.pipeline.worker import BackgroundWorker
 from trainermon.stats import NUM_PARTIALS
-from trainermon.worker import BackgroundWorker
+
+_derive = Deriver(FaultLog())
 
 
 class Recorder:
@@ -35,7 +38,7 @@ class Recorder:
 
 def payload(step: int) -> StepPayload:
     row = RowMeta("grad_reduced", 0, "w", None, (2,), torch.float32, 2)
-    return StepPayload(step=step, rows=[row], partials=torch.ones(1, NUM_PARTIALS))
+    return StepPayload(step=step, rows=(row,), partials=torch.ones(1, NUM_PARTIALS, dtype=torch.float64))
 
 
 def wait_for(predicate, seconds: float = 10.0) -> bool:
@@ -49,7 +52,7 @@ def wait_for(predicate, seconds: float = 10.0) -> bool:
 
 def test_steps_wait_for_the_interval_then_go_out_together_in_order():
     sink = Recorder()
-    worker = BackgroundWorker([sink], FaultLog(), queue_size=64, interval_s=0.4)
+    worker = BackgroundWorker([sink], FaultLog(), _derive, queue_size=64, interval_s=0.4)
     try:
         time.sleep(0.05)  # let the worker reach its wait
         t0 = time.monotonic()
@@ -69,7 +72,7 @@ def test_steps_wait_for_the_interval_then_go_out_together_in_order():
 
 def test_half_full_wakes_the_worker_before_the_interval():
     sink = Recorder()
-    worker = BackgroundWorker([sink], FaultLog(), queue_size=4, interval_s=60.0)
+    worker = BackgroundWorker([sink], FaultLog(), _derive, queue_size=4, interval_s=60.0)
     try:
         time.sleep(0.05)
         worker.submit(payload(0))
@@ -83,7 +86,7 @@ def test_half_full_wakes_the_worker_before_the_interval():
 
 def test_full_list_drops_and_counts_and_flush_writes_the_rest():
     sink = Recorder()
-    worker = BackgroundWorker([sink], FaultLog(), queue_size=2, interval_s=60.0)
+    worker = BackgroundWorker([sink], FaultLog(), _derive, queue_size=2, interval_s=60.0)
     gate = threading.Event()
     original = sink.write
 
@@ -108,7 +111,7 @@ def test_full_list_drops_and_counts_and_flush_writes_the_rest():
 
 def test_interval_zero_writes_each_step_without_a_flush():
     sink = Recorder()
-    worker = BackgroundWorker([sink], FaultLog(), queue_size=64, interval_s=0)
+    worker = BackgroundWorker([sink], FaultLog(), _derive, queue_size=64, interval_s=0)
     try:
         for step in range(3):
             worker.submit(payload(step))
@@ -119,7 +122,9 @@ def test_interval_zero_writes_each_step_without_a_flush():
 
 def test_interval_change_applies_to_a_waiting_worker():
     sink = Recorder()
-    worker = BackgroundWorker([sink], FaultLog(), queue_size=64, interval_s=0)  # waits with no timeout
+    worker = BackgroundWorker(
+        [sink], FaultLog(), _derive, queue_size=64, interval_s=0
+    )  # waits with no timeout
     try:
         time.sleep(0.05)
         worker.set_interval(0.2)
@@ -132,7 +137,7 @@ def test_interval_change_applies_to_a_waiting_worker():
 
 def test_close_writes_what_is_waiting():
     sink = Recorder()
-    worker = BackgroundWorker([sink], FaultLog(), queue_size=64, interval_s=60.0)
+    worker = BackgroundWorker([sink], FaultLog(), _derive, queue_size=64, interval_s=60.0)
     for step in range(3):
         worker.submit(payload(step))
     worker.close(timeout=10)
@@ -161,15 +166,15 @@ def test_monitor_takes_the_interval_from_its_config_and_a_reload(tmp_path, monke
         opt.zero_grad()
 
     try:
-        assert mon.worker.interval_s == 60.0
+        assert mon.loop.worker.interval_s == 60.0
         for _ in range(3):
             step()
         time.sleep(0.2)
         assert read_family(mon.run_dir, "grad_reduced") == []  # held for the interval
         mon.flush()
         assert [int(r["step"]) for r in read_family(mon.run_dir, "grad_reduced")] == [0, 0, 1, 1, 2, 2]
-        mon._apply_config(parse_config({"wg_distribution": True, "ops": ["norm"], "write_interval_s": 0}))
-        assert mon.worker.interval_s == 0.0
+        mon.loop._reload(parse_config({"wg_distribution": True, "ops": ["norm"], "write_interval_s": 0}))
+        assert mon.loop.worker.interval_s == 0.0
         step()
         assert wait_for(lambda: len(read_family(mon.run_dir, "grad_reduced")) == 8, 5.0)
     finally:

@@ -5,8 +5,8 @@ from typing import TYPE_CHECKING
 from .config import ConfigError, MonitorConfig, load_config, parse_config
 
 if TYPE_CHECKING:
+    from .api import PrintStructDone, TrainerMon
     from .loader import load
-    from .monitor import PrintStructDone, TrainerMon
 
 __version__ = "0.1.0"
 __all__ = [
@@ -24,9 +24,9 @@ def __getattr__(name: str):
     # Imported on first use: the monitor needs torch, `load` needs pyarrow; the offline tools
     # (`trainermon analyze`, `trainermon.analysis`) need neither and start without them.
     if name in ("TrainerMon", "PrintStructDone"):
-        from . import monitor
+        from . import api
 
-        return getattr(monitor, name)
+        return getattr(api, name)
     if name == "load":
         from .loader import load
 

@@ -58,7 +58,7 @@ FAMILY_SWITCHES = {
 
 def _cmd_on(args: argparse.Namespace) -> int:
     from .config import ConfigError, parse_config
-    from .control import update_config_file
+    from .runtime.control import update_config_file
 
     changes: dict = {"dynamic_on": True}
     if args.collect_times is not None:
@@ -95,7 +95,7 @@ def _cmd_on(args: argparse.Namespace) -> int:
 
 
 def _cmd_off(args: argparse.Namespace) -> int:
-    from .control import update_config_file
+    from .runtime.control import update_config_file
 
     try:
         update_config_file(args.config, dynamic_on=False)
@@ -109,7 +109,7 @@ def _cmd_off(args: argparse.Namespace) -> int:
 def _cmd_anomalies(args: argparse.Namespace) -> int:
     import os
 
-    from .anomaly import load_anomalies
+    from .pipeline.anomaly import load_anomalies
 
     steps = None
     if args.steps:

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable
-from typing import Any, TypeVar
 
 logger = logging.getLogger("trainermon")
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 class FaultLog:
@@ -37,19 +33,3 @@ class FaultLog:
     @property
     def total(self) -> int:
         return sum(self.counts.values())
-
-    def guarded(self, where: str, fallback: Any = None) -> Callable[[F], F]:
-        """Decorator: run the function; on any Exception record it and return `fallback`."""
-
-        def wrap(fn: F) -> F:
-            @functools.wraps(fn)
-            def inner(*args: Any, **kwargs: Any) -> Any:
-                try:
-                    return fn(*args, **kwargs)
-                except Exception as exc:  # noqa: BLE001 - the whole point is to never propagate
-                    self.record(where, exc)
-                    return fallback
-
-            return inner  # type: ignore[return-value]
-
-        return wrap

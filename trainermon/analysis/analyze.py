@@ -117,7 +117,7 @@ def _stem(*parts: str) -> str:
 
 
 def load_run_anomalies(source: RunSource, steps: tuple[int, int] | None = None) -> list[dict]:
-    from trainermon.anomaly import load_anomalies, sort_key
+    from trainermon.pipeline.anomaly import load_anomalies, sort_key
 
     records: list[dict] = []
     for directory in source.anomaly_dirs():

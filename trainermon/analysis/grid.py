@@ -26,24 +26,36 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from trainermon.stats.table import BY_NAME, STATISTICS, Combine
+
 from .source import Batch
 
 #: micro_step is encoded into a column key with the step: key = step * MICRO_BASE + micro_step + 1.
 MICRO_BASE = 1 << 20
 
-#: Accumulator arrays each statistic needs.
-_NEEDS = {
-    "norm": ("n_norm", "sumsq", "first_norm", "same_norm"),
-    "mean": ("w_mean", "s_mean"),
-    "zeros": ("w_zeros", "s_zeros"),
-    "min": ("n_min", "min"),
-    "max": ("n_max", "max"),
-    "nans": ("n_nans", "nans"),
-    "infs": ("n_infs", "infs"),
+#: Accumulator arrays per combining rule of the statistics table (`{s}`: the statistic's name). An L2
+#: statistic also keeps its first value per cell and whether every row equals it (copies, see above).
+_ARRAYS = {
+    Combine.L2: ("n_{s}", "sq_{s}", "first_{s}", "same_{s}"),
+    Combine.MEAN_BY_FINITE: ("w_{s}", "s_{s}"),
+    Combine.MEAN_BY_NUMEL: ("w_{s}", "s_{s}"),
+    Combine.MIN: ("n_{s}", "{s}"),
+    Combine.MAX: ("n_{s}", "{s}"),
+    Combine.SUM: ("n_{s}", "{s}"),
 }
-_FILL = {"min": np.inf, "max": -np.inf, "first_norm": np.nan, "same_norm": True}
-_DTYPE = {"same_norm": bool}
-_DTYPE.update({k: np.int32 for k in ("n_norm", "n_min", "n_max", "n_nans", "n_infs")})
+_NEEDS = {
+    st.name: tuple(a.format(s=st.name) for a in _ARRAYS[st.combine])
+    for st in STATISTICS
+    if st.combine in _ARRAYS
+}
+_NEEDS.pop("numel", None)  # element counts come with the rows, not as a statistic of cells
+_RULE = {name: BY_NAME[name].combine for name in _NEEDS}
+_FILL = {f"first_{s}": np.nan for s, r in _RULE.items() if r is Combine.L2}
+_FILL.update({f"same_{s}": True for s, r in _RULE.items() if r is Combine.L2})
+_FILL.update({s: np.inf for s, r in _RULE.items() if r is Combine.MIN})
+_FILL.update({s: -np.inf for s, r in _RULE.items() if r is Combine.MAX})
+_DTYPE: dict[str, type] = {f"same_{s}": bool for s, r in _RULE.items() if r is Combine.L2}
+_DTYPE.update({f"n_{s}": np.int32 for s, r in _RULE.items() if r is not Combine.MEAN_BY_FINITE})
 
 
 def col_key(step: np.ndarray, micro: np.ndarray) -> np.ndarray:
@@ -144,18 +156,19 @@ class CellGrid:
                 continue
             self.seen_stats.add(stat)
             acc = self.acc
-            if stat == "norm":
-                np.add.at(acc["n_norm"].ravel(), f, 1)
-                np.add.at(acc["sumsq"].ravel(), f, v * v)
-                first = acc["first_norm"].ravel()
-                same = acc["same_norm"].ravel()
+            rule = _RULE[stat]
+            if rule is Combine.L2:
+                np.add.at(acc[f"n_{stat}"].ravel(), f, 1)
+                np.add.at(acc[f"sq_{stat}"].ravel(), f, v * v)
+                first = acc[f"first_{stat}"].ravel()
+                same = acc[f"same_{stat}"].ravel()
                 # Rows in arbitrary order: a cell stays "all the same" while every norm equals the first
                 # one stored for it (NaN norms never equal, so a NaN cell is never taken for copies).
                 fresh = np.isnan(first[f])
                 first[f[fresh]] = v[fresh]
                 differs = first[f] != v
                 same[f[differs]] = False
-            elif stat in ("mean", "zeros"):
+            elif rule in (Combine.MEAN_BY_FINITE, Combine.MEAN_BY_NUMEL):
                 if weight is None:
                     weight = (
                         np.ones(n)
@@ -165,13 +178,13 @@ class CellGrid:
                 w = weight if valid is None else weight[valid]
                 np.add.at(acc[f"w_{stat}"].ravel(), f, w)
                 np.add.at(acc[f"s_{stat}"].ravel(), f, v * w)
-            elif stat == "min":
-                np.add.at(acc["n_min"].ravel(), f, 1)
-                np.minimum.at(acc["min"].ravel(), f, v)
-            elif stat == "max":
-                np.add.at(acc["n_max"].ravel(), f, 1)
-                np.maximum.at(acc["max"].ravel(), f, v)
-            else:  # nans, infs
+            elif rule is Combine.MIN:
+                np.add.at(acc[f"n_{stat}"].ravel(), f, 1)
+                np.minimum.at(acc[stat].ravel(), f, v)
+            elif rule is Combine.MAX:
+                np.add.at(acc[f"n_{stat}"].ravel(), f, 1)
+                np.maximum.at(acc[stat].ravel(), f, v)
+            else:  # Combine.SUM: nans, infs
                 np.add.at(acc[f"n_{stat}"].ravel(), f, 1)
                 np.add.at(acc[stat].ravel(), f, v)
 
@@ -209,14 +222,14 @@ class CellGrid:
         index = np.ix_(order, col_order)
         out: dict[str, np.ndarray] = {}
         for name in self._names:
-            if name not in ("first_norm", "same_norm"):
+            if not name.startswith(("first_", "same_")):
                 out[name] = self._view(name)[index]
-        if "sumsq" in out:
+        if "sq_norm" in out:
             n = out["n_norm"]
             copies = self._view("same_norm")[index] & (n > 1)
             if copies.any():
                 first = self._view("first_norm")[index]
-                out["sumsq"] = np.where(copies, first * first, out["sumsq"])
+                out["sq_norm"] = np.where(copies, first * first, out["sq_norm"])
                 for stat in ("nans", "infs"):
                     if stat in out:  # counts of copies: one copy's count
                         out[stat] = np.where(copies, out[stat] / np.maximum(n, 1), out[stat])
@@ -249,11 +262,12 @@ class CellGrid:
         bad = np.zeros((len(order), len(keys)), dtype=bool)
         with np.errstate(invalid="ignore", divide="ignore"):
             for stat in self.stats:
-                count = acc[{"mean": "w_mean", "zeros": "w_zeros"}.get(stat, f"n_{stat}")]
-                here = count > 0
-                if stat == "norm":
-                    value = np.sqrt(acc["sumsq"])
-                elif stat in ("mean", "zeros"):
+                rule = _RULE[stat]
+                weighted = rule in (Combine.MEAN_BY_FINITE, Combine.MEAN_BY_NUMEL)
+                here = acc[f"w_{stat}" if weighted else f"n_{stat}"] > 0
+                if rule is Combine.L2:
+                    value = np.sqrt(acc[f"sq_{stat}"])
+                elif weighted:
                     value = acc[f"s_{stat}"] / acc[f"w_{stat}"]
                 else:
                     value = acc[stat].astype(np.float64)

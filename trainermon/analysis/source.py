@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from trainermon.records import FAMILIES
+from trainermon.collect.records import FAMILIES
 
 #: Statistics the analysis knows (float statistics, then counts).
 FLOAT_STATS = ("norm", "mean", "min", "max", "zeros")

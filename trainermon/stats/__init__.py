@@ -1,47 +1,43 @@
-"""Statistics: which tensors can be read (`kinds`), partial statistics and how they merge (`partials`), the
-engine that computes them on the tensor's device (`engine`, with the native CPU kernel in `fused`)."""
+"""Statistics: the table of statistics (`table`), which tensors can be read (`kinds`), partial statistics
+and how they merge (`partials`), and the engine that computes them on the tensor's device (`engine`, with
+the native CPU kernel in `fused`).
 
-from .engine import CHUNK, DEVICE_CHUNK, GROUP_MAX, RUN, EngineOptions, StatsEngine
-from .kinds import Readable, Unreadable, readable
-from .partials import (
-    ADDITIVE,
-    INFS,
-    MAX,
-    MIN,
-    NANS,
-    NUM_PARTIALS,
-    PARTIAL_NAMES,
-    SUM,
-    SUMSQ,
-    ZEROS,
-    empty_partials,
-    finalize,
-    merge,
-    reduce_across,
-)
+Names are imported on first use: the table is needed by the offline tools, which run without torch."""
 
-__all__ = [
-    "ADDITIVE",
-    "CHUNK",
-    "DEVICE_CHUNK",
-    "GROUP_MAX",
-    "INFS",
-    "MAX",
-    "MIN",
-    "NANS",
-    "NUM_PARTIALS",
-    "PARTIAL_NAMES",
-    "RUN",
-    "SUM",
-    "SUMSQ",
-    "ZEROS",
-    "EngineOptions",
-    "Readable",
-    "StatsEngine",
-    "Unreadable",
-    "empty_partials",
-    "finalize",
-    "merge",
-    "readable",
-    "reduce_across",
-]
+from __future__ import annotations
+
+_EXPORTS = {
+    "engine": ("CHUNK", "DEVICE_CHUNK", "GROUP_MAX", "RUN", "EngineOptions", "StatsEngine"),
+    "kinds": ("Readable", "Unreadable", "readable"),
+    "partials": (
+        "ADDITIVE",
+        "INFS",
+        "MAX",
+        "MIN",
+        "NANS",
+        "NUM_PARTIALS",
+        "PARTIALS",
+        "SUM",
+        "SUMSQ",
+        "ZEROS",
+        "empty_partials",
+        "finalize",
+        "merge",
+        "reduce_across",
+    ),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    module = _WHERE.get(name)
+    if module == "engine":
+        from . import engine as source
+    elif module == "kinds":
+        from . import kinds as source
+    elif module == "partials":
+        from . import partials as source
+    else:
+        raise AttributeError(f"module 'trainermon.stats' has no attribute {name!r}")
+    return getattr(source, name)

@@ -19,7 +19,13 @@ from collections.abc import Sequence
 
 import torch
 
+from .partials import NUM_PARTIALS
+
 logger = logging.getLogger("trainermon")
+if NUM_PARTIALS != 7:  # ROW in _fused.c: the kernel writes rows of 7 partials
+    raise ImportError(
+        f"trainermon: the native kernel writes 7 partials per row, the engine has {NUM_PARTIALS}"
+    )
 
 try:
     from trainermon.stats import _fused as _native
@@ -96,8 +102,10 @@ def rows(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> int:
     Every tensor is checked with `supports` here, because the kernel reads raw addresses."""
     if not (out.dtype == torch.float64 and out.is_contiguous() and out.device.type == "cpu"):
         raise ValueError("fused.rows: out must be a contiguous float64 CPU tensor")
-    if out.shape != (len(tensors), 7):
-        raise ValueError(f"fused.rows: out has shape {tuple(out.shape)}, expected ({len(tensors)}, 7)")
+    if out.shape != (len(tensors), NUM_PARTIALS):
+        raise ValueError(
+            f"fused.rows: out has shape {tuple(out.shape)}, expected ({len(tensors)}, {NUM_PARTIALS})"
+        )
     for t in tensors:
         if not supports(t):
             raise ValueError(f"fused.rows: unsupported tensor ({type(t).__name__}, dtype {t.dtype})")

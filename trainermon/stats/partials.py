@@ -22,15 +22,33 @@ as rows of many pieces are added, and could not hold the norm of a tensor of lar
 from __future__ import annotations
 
 import math
+from enum import Enum
 from typing import Any
 
 import numpy as np
 import torch
 
-SUMSQ, SUM, MIN, MAX, NANS, INFS, ZEROS = range(7)
-NUM_PARTIALS = 7
-PARTIAL_NAMES = ("sumsq", "sum", "min", "max", "nans", "infs", "zeros")
-ADDITIVE = [SUMSQ, SUM, NANS, INFS, ZEROS]
+
+class Merge(Enum):
+    SUM = "sum"
+    MIN = "min"
+    MAX = "max"
+
+
+#: The partial columns, in row order, with the combiner that merges pieces of one tensor.
+PARTIALS = (
+    ("sumsq", Merge.SUM),
+    ("sum", Merge.SUM),
+    ("min", Merge.MIN),
+    ("max", Merge.MAX),
+    ("nans", Merge.SUM),
+    ("infs", Merge.SUM),
+    ("zeros", Merge.SUM),
+)
+PARTIAL_NAMES = tuple(name for name, _ in PARTIALS)
+SUMSQ, SUM, MIN, MAX, NANS, INFS, ZEROS = (PARTIAL_NAMES.index(n) for n in PARTIAL_NAMES)
+NUM_PARTIALS = len(PARTIALS)
+ADDITIVE = [i for i, (_, merge) in enumerate(PARTIALS) if merge is Merge.SUM]
 DTYPE = torch.float64
 
 

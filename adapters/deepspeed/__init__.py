@@ -3,10 +3,10 @@
 What is hooked
 - The step: the engine's `_take_model_step` (it runs once per real optimizer step, at the accumulation
   boundary, also when the step is then skipped on overflow). The adapter wraps it on the engine instance
-  and hands the monitor a small `_StepBoundary` object whose `step()` runs it, so the monitor's pre-step
-  comes before DeepSpeed's gradient clipping and the post-step after the update. Whatever optimizer the
-  user passes (the engine, `engine.optimizer`, Accelerate's wrapper, the basic torch optimizer), the
-  step is the same.
+  and fires the pre event before it (so before DeepSpeed's gradient clipping) and the post event after
+  the update, with the loss scale and whether the update was skipped. Whatever optimizer the user passes
+  (the engine, `engine.optimizer`, Accelerate's wrapper, the basic torch optimizer), the step is the
+  same.
 - grad_unreduced: autograd hooks on `engine.module`'s parameters, which see the local gradient before
   DeepSpeed reduces it. Where DeepSpeed leaves `.grad` accumulating over micro-batches and reduces only at
   the boundary (stage 0, ZeRO-1 with DeepSpeedZeroOptimizer) a post-accumulate-grad hook reads `.grad` at
@@ -44,10 +44,12 @@ from typing import Any
 
 import torch
 
+from trainermon.collect.placement import Placement, Replicated, Sharded, TensorPiece
+from trainermon.collect.records import StepScalars
 from trainermon.names import clean_name
-from trainermon.placement import Placement, Replicated, Sharded, TensorPiece
 
-from .base import Adapter, GradTaps, MonitoredParam
+from ..base import GRAD_REDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
+from ..common import Restore, guarded
 
 logger = logging.getLogger("trainermon")
 
@@ -107,17 +109,6 @@ def find_engine(chunks: Sequence[Any], optimizer: Any) -> Any | None:
     return None
 
 
-# ==== the step the monitor hooks =================================================================
-class _StepBoundary:
-    """Handed to the monitor as the optimizer to hook: `step(run)` runs one real DeepSpeed step.
-
-    The monitor wraps this instance's `step`, so its pre-step runs right before `run` and its post-step
-    right after."""
-
-    def step(self, run: Callable[[], Any]) -> Any:
-        return run()
-
-
 # ==== per-kind access to the optimizer-side tensors ==============================================
 @dataclass(frozen=True)
 class _Kind:
@@ -144,9 +135,7 @@ def _classify(optimizer: Any) -> _Kind:
 class DeepSpeedAdapter(Adapter):
     name = "deepspeed"
 
-    def __init__(
-        self, chunks: Sequence[torch.nn.Module], optimizer: Any, dp_group: Any, tp_group: Any
-    ) -> None:
+    def __init__(self, chunks: Sequence[torch.nn.Module], optimizer: Any, context: AdapterContext) -> None:
         engine = find_engine(chunks, optimizer)
         if engine is None:
             raise TypeError("trainermon: no DeepSpeed engine found for this model and optimizer")
@@ -154,7 +143,8 @@ class DeepSpeedAdapter(Adapter):
             raise TypeError("trainermon: the DeepSpeed adapter takes one model (the engine or engine.module)")
         self.engine = engine
         ds_optimizer = engine.optimizer
-        super().__init__([engine.module], ds_optimizer, dp_group, tp_group)
+        super().__init__([engine.module], ds_optimizer, context)
+        dp_group = context.dp_group
         self.kind = _classify(ds_optimizer)
         self._dp_group = getattr(engine, "seq_data_parallel_group", None) or getattr(
             engine, "data_parallel_group", None
@@ -164,16 +154,19 @@ class DeepSpeedAdapter(Adapter):
                 "trainermon: dp_group is ignored with DeepSpeed; the engine's data-parallel group is used"
             )
         self._params: list[MonitoredParam] | None = None
-        self._boundary = _StepBoundary()
-        self._original_take_step: Any = None
         self._fp32_master: dict[int, torch.Tensor] = {}  # fp16_wrapper: id(lp param) -> fp32 master
         self._zero12_group: dict[int, int] = {}  # zero12: id(lp param) -> param group index
         self._index_maps()
         self._acc: dict[int, torch.Tensor] = {}  # float32 sums of earlier micro-batches (collected steps)
-        self._skipped: torch.Tensor | None = None
         self._grad_scale: float | None = None
-        self._hook_error_logged = False
-        self._wrap_engine_step()  # last: nothing after it can fail and leave the engine wrapped
+        steps = int(engine.gradient_accumulation_steps())
+        if context.grad_acc_steps not in (1, steps):
+            logger.warning(
+                "trainermon: grad_acc_steps=%d differs from the DeepSpeed engine's %d; using the engine's",
+                context.grad_acc_steps,
+                steps,
+            )
+        context.grad_acc_steps = steps
 
     @classmethod
     def detect(cls, chunks: Sequence[torch.nn.Module], optimizer: Any) -> bool:
@@ -192,16 +185,6 @@ class DeepSpeedAdapter(Adapter):
             self._params = out
         return self._params
 
-    def grad_acc_steps(self, requested: int) -> int:
-        steps = int(self.engine.gradient_accumulation_steps())
-        if requested not in (1, steps):
-            logger.warning(
-                "trainermon: grad_acc_steps=%d differs from the DeepSpeed engine's %d; using the engine's",
-                requested,
-                steps,
-            )
-        return steps
-
     def _index_maps(self) -> None:
         opt = self.optimizer
         if self.kind.name == "fp16_wrapper":
@@ -215,38 +198,22 @@ class DeepSpeedAdapter(Adapter):
                     self._zero12_group[id(lp)] = g
 
     # ---- the step ------------------------------------------------------------------------------
-    def _wrap_engine_step(self) -> None:
+    def attach_step(self, events: Any) -> list[Any]:
         engine = self.engine
         original = engine._take_model_step  # bound method of the class
         adapter = self
 
         def take_model_step(*args: Any, **kwargs: Any) -> Any:
-            def run() -> Any:
-                skipped_before = engine.skipped_steps
-                out = original(*args, **kwargs)
-                if adapter._skipped is not None:
-                    # Filled in before the monitor's post-step hands the step's extras to its worker.
-                    adapter._skipped.fill_(1.0 if engine.skipped_steps > skipped_before else 0.0)
-                    adapter._skipped = None
-                return out
-
-            return adapter._boundary.step(run)
+            scale = adapter._loss_scale()  # the scale this step's gradients carry (an overflow changes it)
+            events.pre()
+            skipped_before = engine.skipped_steps
+            out = original(*args, **kwargs)
+            skipped = engine.skipped_steps > skipped_before
+            events.post(StepScalars(loss_scale=scale, update_skipped=skipped))
+            return out
 
         object.__setattr__(engine, "_take_model_step", take_model_step)
-        self._original_take_step = take_model_step
-
-    def step_optimizer(self) -> Any:
-        return self._boundary
-
-    def extras(self) -> dict[str, float | torch.Tensor]:
-        out: dict[str, float | torch.Tensor] = {}
-        scale = self._loss_scale()
-        if scale is not None:
-            out["loss_scale"] = scale
-        # Whether this step is skipped (overflow) is known only after it ran: a 0-d tensor, filled then.
-        self._skipped = torch.zeros(())
-        out["skipped_step"] = self._skipped
-        return out
+        return [Restore(engine, "_take_model_step", take_model_step)]
 
     def _loss_scale(self) -> float | None:
         if self.kind.name == "torch":
@@ -261,8 +228,6 @@ class DeepSpeedAdapter(Adapter):
         self._acc.clear()
 
     def close(self) -> None:
-        if self.engine.__dict__.get("_take_model_step") is self._original_take_step:
-            del self.engine.__dict__["_take_model_step"]
         self._acc.clear()
 
     # ---- pre-reduce gradients ------------------------------------------------------------------
@@ -278,18 +243,19 @@ class DeepSpeedAdapter(Adapter):
                 )
         return handles
 
+    @property
+    def taps_report_unreduced(self) -> bool:
+        return True
+
     def _boundary_hook(self, index: int, taps: GradTaps) -> Callable[[torch.Tensor], None]:
         engine = self.engine
 
         def hook(param: torch.Tensor) -> None:
             # .grad already holds this step's local sum; DeepSpeed reduces it after this backward.
-            try:
-                if taps.active and param.grad is not None and engine.is_gradient_accumulation_boundary():
-                    taps.on_unreduced([index], [param.grad])
-            except Exception as exc:  # noqa: BLE001 - never raise into the backward pass
-                self._hook_failed(exc)
+            if taps.active and param.grad is not None and engine.is_gradient_accumulation_boundary():
+                taps.on_unreduced([index], [param.grad])
 
-        return hook
+        return guarded(self.context.faults, "DeepSpeed gradient tap", hook)
 
     def _summing_hook(self, index: int, taps: GradTaps) -> Callable[[torch.Tensor], None]:
         engine = self.engine
@@ -311,30 +277,20 @@ class DeepSpeedAdapter(Adapter):
                     earlier.add_(grad)
             except Exception as exc:  # noqa: BLE001 - never raise into the backward pass
                 acc.pop(index, None)
-                self._hook_failed(exc)
+                self.context.faults.record("DeepSpeed gradient tap", exc)
 
         return hook
 
-    def _hook_failed(self, exc: BaseException) -> None:
-        if not self._hook_error_logged:
-            self._hook_error_logged = True
-            logger.error(
-                "trainermon: DeepSpeed gradient tap failed (%s: %s); continuing", type(exc).__name__, exc
-            )
-
-    def unreduced_grads(self, params: Sequence[MonitoredParam]) -> list[TensorPiece | None] | None:
-        return None  # reported by the taps during backward
-
     # ---- optimizer-side tensors ----------------------------------------------------------------
-    def reduced_grads(self, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
-        self._grad_scale = self._loss_scale()  # read once per step, not per parameter
-        return [self._piece(mp, "grad") for mp in params]
-
-    def optimizer_state(self, params: Sequence[MonitoredParam], key: str) -> list[TensorPiece | None]:
-        return [self._piece(mp, key) for mp in params]
-
-    def param_values(self, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
-        return [self._piece(mp, "param") for mp in params]
+    def read(self, kind: str, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
+        if kind == GRAD_REDUCED:
+            self._grad_scale = self._loss_scale()  # read once per step, not per parameter
+            return [self._piece(mp, "grad") for mp in params]
+        if kind == PARAM:
+            return [self._piece(mp, "param") for mp in params]
+        if kind in ("grad", "param"):
+            return [None] * len(params)  # never a state key (those names are the two reads above)
+        return [self._piece(mp, kind) for mp in params]  # an optimizer-state key; GRAD_UNREDUCED: no key
 
     def _piece(self, mp: MonitoredParam, what: str) -> TensorPiece | None:
         kind = self.kind.name

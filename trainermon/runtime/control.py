@@ -21,7 +21,7 @@ import tempfile
 import threading
 from typing import Any
 
-from .config import ConfigError, MonitorConfig, parse_config
+from trainermon.config import ConfigError, MonitorConfig, parse_config
 
 logger = logging.getLogger("trainermon")
 

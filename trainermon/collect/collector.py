@@ -16,11 +16,13 @@ from typing import Any
 
 import torch
 
-from .failsafe import FaultLog
+from trainermon.failsafe import FaultLog
+from trainermon.stats import NANS, NUM_PARTIALS, StatsEngine, Unreadable, empty_partials, reduce_across
+from trainermon.stats.kinds import local_view
+
 from .placement import Local, Sharded, TensorPiece, writes_rows
-from .records import RowMeta, StepPayload
-from .stats import NANS, NUM_PARTIALS, StatsEngine, Unreadable, empty_partials, reduce_across
-from .stats.kinds import local_view
+from .records import RowMeta, StepPayload, StepScalars
+from .transfer import TransferCounter, transfer_to_host
 
 
 @dataclass
@@ -30,30 +32,6 @@ class _ShardedBlock:
     rows: list[RowMeta] = field(default_factory=list)
     parts: list[torch.Tensor] = field(default_factory=list)
     flags: list[float] = field(default_factory=list)  # 1: a rank could not compute its piece of the row
-
-
-class TransferCounter:
-    """Counts device-to-host transfers of statistics; the monitor promises one per collected step."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-
-def transfer_to_host(partials: torch.Tensor, counter: TransferCounter) -> tuple[torch.Tensor, Any]:
-    """The engine's single transfer point. On an accelerator the copy is non-blocking into pinned memory
-    and an event is returned for the worker to wait on; the training thread does not wait."""
-    counter.count += 1
-    if partials.device.type == "cpu":
-        return partials, None
-    if partials.device.type == "npu":
-        from ._device import torch_npu
-
-        torch_npu()  # registers the NPU back-end's events and pinned memory with torch
-    host = torch.empty(partials.shape, dtype=partials.dtype, pin_memory=True)
-    host.copy_(partials, non_blocking=True)
-    event = torch.Event(device=partials.device)
-    event.record()
-    return host, event
 
 
 class StepCollector:
@@ -70,7 +48,6 @@ class StepCollector:
         #: Tensors already computed this step, by what their values are (see `_value_key`), so that one
         #: activation seen as a module's output and as the next module's input is reduced once.
         self._seen: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
-        self.extras: dict[str, float | torch.Tensor] = {}
 
     def __len__(self) -> int:
         return len(self._rows) + sum(len(b.rows) for b in self._sharded.values())
@@ -211,7 +188,7 @@ class StepCollector:
             writes = self._writes[key] = writes_rows(placement)
         return writes
 
-    def finish(self, step: int) -> StepPayload:
+    def finish(self, step: int, scalars: StepScalars) -> StepPayload:
         """Merge sharded rows (collectives on their groups), then move everything to the host at once.
 
         Collective: every rank of each sharded group must call this at the same step, with the same
@@ -229,28 +206,22 @@ class StepCollector:
                 merged[:, NANS] = torch.where(bad, math.nan, merged[:, NANS])
                 rows.extend(block.rows)
                 parts.append(merged)
-        extras = self.extras
         self.reset()
         if not rows:
             # Nothing for this rank to write (replicated rows belong to another rank): the step's
             # scalars still go out, so that live sinks see the step advance. No transfer needed.
-            return StepPayload(
-                step=step,
-                rows=[],
-                partials=torch.zeros((0, NUM_PARTIALS), dtype=torch.float64),
-                extras=extras,
-            )
+            empty = torch.zeros((0, NUM_PARTIALS), dtype=torch.float64)
+            return StepPayload(step=step, rows=(), partials=empty, scalars=scalars)
         device = parts[0].device
         partials = torch.cat([p.to(device) for p in parts])
         host, ready = transfer_to_host(partials, self.transfers)
-        return StepPayload(step=step, rows=rows, partials=host, ready=ready, extras=extras)
+        return StepPayload(step=step, rows=tuple(rows), partials=host, ready=ready, scalars=scalars)
 
     def reset(self) -> None:
         self._rows = []
         self._parts = []
         self._sharded = {}
         self._seen = {}
-        self.extras = {}
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

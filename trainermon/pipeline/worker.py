@@ -1,4 +1,5 @@
-"""Background worker: finalises statistics and feeds the exporters off the training thread.
+"""Background worker: hands each submitted step to the deriver, its observers and the exporters, off the
+training thread. Transport only: what a step becomes is `derive.Deriver`'s job.
 
 Steps are handed over in batches. `submit` only appends to a list; the worker wakes every
 `interval_s` (config `write_interval_s`; or when the list is half full, or for a flush) and writes
@@ -21,16 +22,14 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-import numpy as np
-
-from .failsafe import FaultLog
-from .records import StatBatch, StepPayload
-from .stats import NANS, SUMSQ, finalize
+from trainermon.collect.records import StatBatch, StepPayload
+from trainermon.config.schema import MonitorConfig
+from trainermon.failsafe import FaultLog
 
 logger = logging.getLogger("trainermon")
 _STOP = object()
-#: How often the worker writes what is waiting, in seconds (the config's default `write_interval_s`).
-WRITE_INTERVAL_S = 0.5
+
+WRITE_INTERVAL_S = MonitorConfig.write_interval_s  # the config default
 
 
 class _Swap(NamedTuple):
@@ -44,12 +43,15 @@ class BackgroundWorker:
         self,
         exporters: Sequence,
         faults: FaultLog,
+        derive: Callable[[StepPayload], StatBatch],
         queue_size: int = 64,
         observers: Sequence[Callable[[StatBatch], None]] = (),
         interval_s: float = WRITE_INTERVAL_S,
     ) -> None:
+        """`observers` are fixed here, before the thread starts (they run on it, after `derive`)."""
         self.exporters = list(exporters)
-        self.observers = list(observers)
+        self.observers = tuple(observers)
+        self.derive = derive
         self.faults = faults
         self.dropped_rows = 0
         self.written_batches = 0
@@ -156,7 +158,7 @@ class BackgroundWorker:
             self.exporters, self._disabled = item.exporters, set()
             return True
         try:
-            batch = self._finalize(item)
+            batch = self.derive(item)
         except Exception as exc:  # noqa: BLE001
             self.faults.record("worker finalize", exc)
             return True
@@ -168,28 +170,6 @@ class BackgroundWorker:
         self._export(batch)
         self.written_batches += 1
         return True
-
-    def _finalize(self, payload: StepPayload) -> StatBatch:
-        if payload.ready is not None:
-            payload.ready.synchronize()
-        partials = payload.partials.numpy()
-        rows = payload.rows
-        dropped = np.isnan(partials[:, NANS])  # rows a rank could not compute (see StepCollector.finish)
-        if dropped.any():
-            keep = np.flatnonzero(~dropped)
-            partials = partials[keep]
-            rows = [rows[i] for i in keep]
-        numel = np.fromiter((r.numel for r in rows), dtype=np.float64, count=len(rows))
-        values = finalize(partials, numel)
-        extras = {k: float(v) for k, v in payload.extras.items()}
-        # Global gradient norm from the per-parameter sums of squares (exact across shards, since each
-        # row is already the full parameter's merged statistic).
-        reduced = [i for i, r in enumerate(rows) if r.family == "grad_reduced"]
-        if reduced:
-            extras["global_grad_norm"] = float(np.sqrt(np.sum(partials[reduced, SUMSQ])))
-        extras["dropped_rows"] = float(self.dropped_rows)
-        extras["monitor_faults"] = float(self.faults.total)
-        return StatBatch(step=payload.step, rows=rows, values=values, extras=extras)
 
     def _export(self, batch: StatBatch) -> None:
         for i, exporter in enumerate(self.exporters):

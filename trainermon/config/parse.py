@@ -1,22 +1,22 @@
-"""The monitor's configuration: msprobe's keys with msprobe's meaning, validated in one place.
-
-`parse_config` is the only function that turns user input into a `MonitorConfig`; every check lives
-here, and every error names the key, the bad value and what is allowed.
-"""
+"""Validation: `parse_config` is the only function that turns user input into a `MonitorConfig`
+(`schema`); every check lives here, and every error names the key, the bad value and what is allowed.
+Defaults come from the schema's dataclasses only."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from trainermon.stats.table import OPS, TRAILING_OPS, VALUE_STATS
+
+from .schema import AlertConfig, MonitorConfig, ParquetConfig, PrometheusConfig
+
 logger = logging.getLogger("trainermon")
 
-#: Statistics a user may ask for, in the order msprobe documents them plus trainermon's additions.
-SUPPORTED_OPS = ("norm", "min", "max", "mean", "zeros", "nans", "infs", "numel", "shape", "dtype")
 #: msprobe ops that trainermon accepts but does not compute (warned and dropped).
 IGNORED_MSPROBE_OPS = ("id",)
 SUPPORTED_FORMATS = ("csv", "parquet", "prometheus")
@@ -34,82 +34,14 @@ UNSUPPORTED_WHEN_ON = {
     "append_output": "appending to an earlier msprobe output directory is not supported",
 }
 #: Keys that are accepted and ignored with no effect on trainermon (kept for drop-in compatibility).
-INERT_KEYS = ("sa_order", "heatmap_visualizer")
+INERT_KEYS = ("sa_order", "heatmap_visualizer", "csv")
 MAX_NDIGITS = 17
+PARQUET_COMPRESSIONS = ("zstd", "snappy", "gzip", "lz4", "none")
+_DEFAULT = MonitorConfig()
 
 
 class ConfigError(ValueError):
     """A configuration value is invalid. The message names the key, the value and what is allowed."""
-
-
-@dataclass(frozen=True)
-class AlertConfig:
-    """msprobe's `alert` section plus `escalate_steps`: after an anomaly outside the activations, collect
-    every module's activations for this many steps (0: off)."""
-
-    rules: tuple[dict, ...] = ()
-    dump: bool = False
-    escalate_steps: int = 0
-
-
-@dataclass(frozen=True)
-class MonitorConfig:
-    """Validated monitor configuration. Field names are msprobe's config keys."""
-
-    targets: dict[str, dict] = field(default_factory=dict)
-    module_ranks: tuple[int, ...] = ()
-    start_step: int = 0
-    step_interval: int = 1
-    collect_times: int = 100_000_000
-    print_struct: bool = False
-    xy_distribution: bool = False
-    all_xy: bool = False
-    forward_only: bool = False
-    backward_only: bool = False
-    wg_distribution: bool = False
-    monitor_mbs_grad: bool = False
-    mv_distribution: bool = False
-    param_distribution: bool = False
-    cc_distribution: dict = field(default_factory=dict)
-    alert: AlertConfig = field(default_factory=AlertConfig)
-    ops: tuple[str, ...] = ("norm", "shape", "dtype")
-    eps: float = 1e-8
-    ndigits: int = 6
-    format: tuple[str, ...] = ("csv",)
-    step_count_per_record: int = 1
-    dynamic_on: bool = False
-    stack_info: bool = False
-    squash_name: bool = False
-    # trainermon's own keys
-    queue_size: int = 64
-    write_interval_s: float = 0.5  # how often the worker writes what is waiting; 0 = after every step
-    dynamic_watch: str = "inotify"  # how the config file is watched in dynamic mode: inotify or polling
-    csv: dict = field(default_factory=dict)
-    parquet: dict = field(default_factory=dict)
-    prometheus: dict = field(default_factory=dict)
-
-    # ---- derived views -------------------------------------------------------------------------
-    @property
-    def stat_ops(self) -> tuple[str, ...]:
-        """Ops in output-column order (shape and dtype last, as msprobe writes them)."""
-        return self.ops
-
-    @property
-    def wants_nonfinite(self) -> bool:
-        """NaN/Inf counting is on: min/max/norm/mean are then computed over finite values only."""
-        return "nans" in self.ops or "infs" in self.ops
-
-    @property
-    def wants_zeros(self) -> bool:
-        return "zeros" in self.ops
-
-    @property
-    def collects_actv(self) -> bool:
-        return (self.xy_distribution or self.all_xy or self.print_struct) and not self.backward_only
-
-    @property
-    def collects_actv_grad(self) -> bool:
-        return (self.xy_distribution or self.all_xy) and not self.forward_only and not self.print_struct
 
 
 def _type_name(value: Any) -> str:
@@ -123,15 +55,16 @@ def _fail(key: str, value: Any, allowed: str) -> ConfigError:
     return ConfigError(f"config key '{key}': got {shown} ({_type_name(value)}); allowed: {allowed}")
 
 
-def _bool(raw: dict, key: str, default: bool) -> bool:
-    value = raw.get(key, default)
+def _bool(raw: dict, key: str) -> bool:
+    value = raw[key] if key in raw else getattr(_DEFAULT, key)
     if not isinstance(value, bool):
         raise _fail(key, value, "true or false")
     return value
 
 
-def _int(raw: dict, key: str, default: int, lo: int, hi: int) -> int:
-    value = raw.get(key, default)
+def _int(raw: dict, key: str, lo: int, hi: int, default: int | None = None) -> int:
+    """An integer in [lo, hi]; the default is the schema's (`default` for keys of a section)."""
+    value = raw[key] if key in raw else getattr(_DEFAULT, key) if default is None else default
     # msprobe configs sometimes carry 1e8 as a float literal; accept integral floats.
     if isinstance(value, float) and value.is_integer() and lo <= value <= hi:
         value = int(value)
@@ -142,15 +75,15 @@ def _int(raw: dict, key: str, default: int, lo: int, hi: int) -> int:
     return value
 
 
-def _seconds(raw: dict, key: str, default: float, hi: float) -> float:
-    value = raw.get(key, default)
+def _seconds(raw: dict, key: str, hi: float) -> float:
+    value = raw[key] if key in raw else getattr(_DEFAULT, key)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= hi:
         raise _fail(key, value, f"a number of seconds in [0, {hi:g}]")
     return float(value)
 
 
-def _choice(raw: dict, key: str, default: str, allowed: tuple[str, ...]) -> str:
-    value = raw.get(key, default)
+def _choice(raw: dict, key: str, allowed: tuple[str, ...]) -> str:
+    value = raw[key] if key in raw else getattr(_DEFAULT, key)
     if value not in allowed:
         raise _fail(key, value, f"one of {list(allowed)}")
     return value
@@ -168,19 +101,19 @@ def _dict(raw: dict, key: str) -> dict:
 def _ops(raw: dict) -> tuple[str, ...]:
     value = raw.get("ops", [])
     if not isinstance(value, list) or not all(isinstance(op, str) for op in value):
-        raise _fail("ops", value, f"a list of strings from {list(SUPPORTED_OPS)}")
+        raise _fail("ops", value, f"a list of strings from {list(OPS)}")
     ops: list[str] = []
     for op in value:
         if op in IGNORED_MSPROBE_OPS:
             logger.warning("trainermon: op '%s' (msprobe call id) is not computed and is ignored", op)
             continue
-        if op not in SUPPORTED_OPS:
-            raise _fail("ops", op, f"each op one of {list(SUPPORTED_OPS)}")
+        if op not in OPS:
+            raise _fail("ops", op, f"each op one of {list(OPS)}")
         if op not in ops:
             ops.append(op)
-    if not [op for op in ops if op not in ("shape", "dtype")]:
+    if not [op for op in ops if op not in TRAILING_OPS]:
         ops.insert(0, "norm")  # msprobe's default when no statistic is given
-    for tail in ("shape", "dtype"):  # msprobe always appends these two columns
+    for tail in TRAILING_OPS:  # msprobe always appends these two columns
         if tail in ops:
             ops.remove(tail)
         ops.append(tail)
@@ -230,7 +163,7 @@ def _module_ranks(raw: dict) -> tuple[int, ...]:
 
 
 def _alert(raw: dict) -> AlertConfig:
-    from .anomaly import parse_rules
+    from trainermon.pipeline.anomaly import parse_rules
 
     value = _dict(raw, "alert")
     rules = value.get("rules", [])
@@ -242,11 +175,15 @@ def _alert(raw: dict) -> AlertConfig:
         parse_rules(rules)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    dump = value.get("dump", False)
+    defaults = _DEFAULT.alert
+    dump = value.get("dump", defaults.dump)
     if not isinstance(dump, bool):
         raise _fail("alert.dump", dump, "true or false")
     escalate = _int(
-        {"alert.escalate_steps": value.get("escalate_steps", 0)}, "alert.escalate_steps", 0, 0, 10**6
+        {"alert.escalate_steps": value.get("escalate_steps", defaults.escalate_steps)},
+        "alert.escalate_steps",
+        0,
+        10**6,
     )
     return AlertConfig(rules=tuple(rules), dump=dump, escalate_steps=escalate)
 
@@ -260,38 +197,14 @@ def _cc(raw: dict) -> dict:
     return value
 
 
-#: Statistics that the Parquet and Prometheus sinks carry as numbers (shape and dtype are metadata).
-NUMERIC_STATS = ("norm", "mean", "min", "max", "zeros", "nans", "infs")
-PARQUET_COMPRESSIONS = ("zstd", "snappy", "gzip", "lz4", "none")
-#: Defaults of the `parquet` section. A part file is completed every `steps_per_part` collected steps,
-#: or when a family buffers `rows_per_part` rows, or `seconds_per_part` after the first buffered row.
-PARQUET_DEFAULTS: dict[str, Any] = {
-    "dir": None,  # dataset root under MONITOR_OUTPUT_DIR (relative, no '..'); None = "parquet"
-    "steps_per_part": 1000,
-    "rows_per_part": 250_000,
-    "seconds_per_part": 300.0,
-    "compression": "zstd",
-    "compression_level": None,
-}
-#: Defaults of the `prometheus` section.
-PROMETHEUS_DEFAULTS: dict[str, Any] = {
-    "host": "127.0.0.1",
-    "port": 0,  # 0: the OS picks a free port; > 0: base port, the endpoint listens on port + LOCAL_RANK
-    "advertise_host": None,  # host name written into the file_sd target; None = host (or FQDN if 0.0.0.0)
-    "sd_dir": "prometheus_sd",  # file_sd target files, relative to MONITOR_OUTPUT_DIR; null = none
-    "per_parameter": False,
-    "stats": None,  # None = the numeric ops of the config
-    "families": None,  # None = every family
-    "max_series": 10_000,
-}
-
-
-def _section(raw: dict, key: str, defaults: dict[str, Any]) -> dict[str, Any]:
+def _section(raw: dict, key: str, defaults: Any) -> dict[str, Any]:
+    """The `key` section merged over the defaults of its dataclass; unknown sub-keys are refused."""
     value = _dict(raw, key)
+    names = [f.name for f in fields(defaults)]
     for sub in value:
-        if sub not in defaults:
-            raise _fail(f"{key}.{sub}", value[sub], f"a key of the '{key}' section: {sorted(defaults)}")
-    return {**defaults, **value}
+        if sub not in names:
+            raise _fail(f"{key}.{sub}", value[sub], f"a key of the '{key}' section: {sorted(names)}")
+    return {**{n: getattr(defaults, n) for n in names}, **value}
 
 
 def _opt_str(section: str, values: dict, key: str) -> None:
@@ -329,14 +242,14 @@ def _choices(section: str, values: dict, key: str, allowed: tuple[str, ...]) -> 
     for item in value:
         if item not in allowed:
             raise _fail(f"{section}.{key}", item, f"each one of {list(allowed)}")
-    values[key] = list(dict.fromkeys(value))
+    values[key] = tuple(dict.fromkeys(value))
 
 
-def _parquet(raw: dict) -> dict[str, Any]:
-    values = _section(raw, "parquet", PARQUET_DEFAULTS)
+def _parquet(raw: dict) -> ParquetConfig:
+    values = _section(raw, "parquet", _DEFAULT.parquet)
     _relative_path("parquet", values, "dir")
     for key in ("steps_per_part", "rows_per_part"):
-        values[key] = _int({f"parquet.{key}": values[key]}, f"parquet.{key}", 1, 1, 10**9)
+        values[key] = _int({f"parquet.{key}": values[key]}, f"parquet.{key}", 1, 10**9)
     seconds = values["seconds_per_part"]
     if seconds is not None and (
         isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0
@@ -347,26 +260,26 @@ def _parquet(raw: dict) -> dict[str, Any]:
     level = values["compression_level"]
     if level is not None and (isinstance(level, bool) or not isinstance(level, int)):
         raise _fail("parquet.compression_level", level, "null or an integer (codec-specific range)")
-    return values
+    return ParquetConfig(**values)
 
 
-def _prometheus(raw: dict) -> dict[str, Any]:
-    from .records import FAMILIES
+def _prometheus(raw: dict) -> PrometheusConfig:
+    from trainermon.collect.records import FAMILIES
 
-    values = _section(raw, "prometheus", PROMETHEUS_DEFAULTS)
+    values = _section(raw, "prometheus", _DEFAULT.prometheus)
     if not isinstance(values["host"], str) or not values["host"]:
         raise _fail("prometheus.host", values["host"], "an address to bind, e.g. '127.0.0.1' or '0.0.0.0'")
-    values["port"] = _int({"prometheus.port": values["port"]}, "prometheus.port", 0, 0, 65535)
+    values["port"] = _int({"prometheus.port": values["port"]}, "prometheus.port", 0, 65535)
     _opt_str("prometheus", values, "advertise_host")
     _relative_path("prometheus", values, "sd_dir")
     if not isinstance(values["per_parameter"], bool):
         raise _fail("prometheus.per_parameter", values["per_parameter"], "true or false")
-    _choices("prometheus", values, "stats", NUMERIC_STATS)
+    _choices("prometheus", values, "stats", VALUE_STATS)
     _choices("prometheus", values, "families", FAMILIES)
     values["max_series"] = _int(
-        {"prometheus.max_series": values["max_series"]}, "prometheus.max_series", 1, 1, 10**7
+        {"prometheus.max_series": values["max_series"]}, "prometheus.max_series", 1, 10**7
     )
-    return values
+    return PrometheusConfig(**values)
 
 
 def parse_config(raw: Any, source: str = "<dict>") -> MonitorConfig:
@@ -385,49 +298,46 @@ def parse_config(raw: Any, source: str = "<dict>") -> MonitorConfig:
         if raw.get(key):
             raise _fail(key, raw[key], f"false or absent ({why})")
 
-    forward_only = _bool(raw, "forward_only", False)
-    backward_only = _bool(raw, "backward_only", False)
+    forward_only = _bool(raw, "forward_only")
+    backward_only = _bool(raw, "backward_only")
     if forward_only and backward_only:
         raise ConfigError(
             "config keys 'forward_only' and 'backward_only' are both true; allowed: at most one"
         )
-    eps = raw.get("eps", 1e-8)
+    eps = raw.get("eps", _DEFAULT.eps)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 < eps < 1):
         raise _fail("eps", eps, "a number in (0, 1)")
-    ndigits = raw.get("ndigits", 6)
-    if ndigits is None:
-        ndigits = 6
-    ndigits = _int({"ndigits": ndigits}, "ndigits", 6, 1, MAX_NDIGITS)
+    ndigits = raw.get("ndigits") if raw.get("ndigits") is not None else _DEFAULT.ndigits
+    ndigits = _int({"ndigits": ndigits}, "ndigits", 1, MAX_NDIGITS)
 
     return MonitorConfig(
         targets=_targets(raw),
         module_ranks=_module_ranks(raw),
-        start_step=_int(raw, "start_step", 0, 0, 2**62),
-        step_interval=_int(raw, "step_interval", 1, 1, 2**62),
-        collect_times=_int(raw, "collect_times", 100_000_000, 0, 2**62),
-        print_struct=_bool(raw, "print_struct", False),
-        xy_distribution=_bool(raw, "xy_distribution", False),
-        all_xy=_bool(raw, "all_xy", False),
+        start_step=_int(raw, "start_step", 0, 2**62),
+        step_interval=_int(raw, "step_interval", 1, 2**62),
+        collect_times=_int(raw, "collect_times", 0, 2**62),
+        print_struct=_bool(raw, "print_struct"),
+        xy_distribution=_bool(raw, "xy_distribution"),
+        all_xy=_bool(raw, "all_xy"),
         forward_only=forward_only,
         backward_only=backward_only,
-        wg_distribution=_bool(raw, "wg_distribution", False),
-        monitor_mbs_grad=_bool(raw, "monitor_mbs_grad", False),
-        mv_distribution=_bool(raw, "mv_distribution", False),
-        param_distribution=_bool(raw, "param_distribution", False),
+        wg_distribution=_bool(raw, "wg_distribution"),
+        monitor_mbs_grad=_bool(raw, "monitor_mbs_grad"),
+        mv_distribution=_bool(raw, "mv_distribution"),
+        param_distribution=_bool(raw, "param_distribution"),
         cc_distribution=_cc(raw),
         alert=_alert(raw),
         ops=_ops(raw),
         eps=float(eps),
         ndigits=ndigits,
         format=_formats(raw),
-        step_count_per_record=_int(raw, "step_count_per_record", 1, 1, 1_000_000),
-        dynamic_on=_bool(raw, "dynamic_on", False),
-        stack_info=_bool(raw, "stack_info", False),
-        squash_name=_bool(raw, "squash_name", False),
-        queue_size=_int(raw, "queue_size", 64, 1, 100_000),
-        write_interval_s=_seconds(raw, "write_interval_s", 0.5, 60.0),
-        dynamic_watch=_choice(raw, "dynamic_watch", "inotify", ("inotify", "polling")),
-        csv=_dict(raw, "csv"),
+        step_count_per_record=_int(raw, "step_count_per_record", 1, 1_000_000),
+        dynamic_on=_bool(raw, "dynamic_on"),
+        stack_info=_bool(raw, "stack_info"),
+        squash_name=_bool(raw, "squash_name"),
+        queue_size=_int(raw, "queue_size", 1, 100_000),
+        write_interval_s=_seconds(raw, "write_interval_s", 60.0),
+        dynamic_watch=_choice(raw, "dynamic_watch", ("inotify", "polling")),
         parquet=_parquet(raw),
         prometheus=_prometheus(raw),
     )

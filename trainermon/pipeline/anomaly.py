@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .records import StatBatch
+from trainermon.collect.records import StatBatch
 
 logger = logging.getLogger("trainermon")
 
@@ -146,11 +146,13 @@ class AnomalyDetector:
         out_dir: str,
         rank: int,
         pp_stage: int = 0,
+        dump: bool = True,
         log_limit_per_step: int = 3,
     ) -> None:
         self.rules = rules
         self.rank = rank
         self.pp_stage = pp_stage
+        self.dump = dump  # msprobe's alert.dump: write each anomaly to the record file
         self.path = os.path.join(out_dir, "anomaly_detected", f"anomaly_rank{rank}.jsonl")
         self.counts: Counter[str] = Counter()
         self.log_limit = log_limit_per_step
@@ -160,18 +162,22 @@ class AnomalyDetector:
         self.on_anomaly: list = []  # callbacks(step, anomalies) — escalation hooks in
 
     # ---- per step ------------------------------------------------------------------------------
-    def __call__(self, batch: StatBatch) -> None:
+    def totals(self) -> dict[str, int]:
+        """Anomalies found so far, by rule (every configured rule, 0 included)."""
+        return {rule.name: self.counts[rule.name] for rule in self.rules} | dict(self.counts)
+
+    def check(self, batch: StatBatch) -> list[Anomaly]:
+        """Apply the rules to one step; record, log and report what they find."""
         found: list[Anomaly] = []
         now = time.time()
         for rule in self.rules:
             found += getattr(self, f"_{rule.name}")(batch, rule.args, now)
         for name, count in Counter(a.rule for a in found).items():
             self.counts[name] += count
-        for rule in RULE_NAMES:
-            batch.extras[f"anomalies_total.{rule}"] = float(self.counts[rule])
         if not found:
-            return
-        self._write(found)
+            return found
+        if self.dump:
+            self._write(found)
         for a in found[: self.log_limit]:
             logger.warning(
                 "trainermon: %s at step %d: %s %s %s=%g (baseline %s) on rank %d",
@@ -190,6 +196,24 @@ class AnomalyDetector:
             )
         for callback in self.on_anomaly:
             callback(batch.step, found)
+        return found
+
+    # ---- checkpoint ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The history the rules compare against, so that a resumed job keeps its baselines."""
+        return {
+            "counts": dict(self.counts),
+            "avg": dict(self._avg),
+            "rolling": {k: (r.values.maxlen, list(r.values)) for k, r in self._rolling.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.counts = Counter(state.get("counts", {}))
+        self._avg = dict(state.get("avg", {}))
+        self._rolling = {}
+        for key, (maxlen, values) in state.get("rolling", {}).items():
+            roll = self._rolling[key] = _Rolling(maxlen)
+            roll.values.extend(values)
 
     def _make(
         self, batch: StatBatch, i: int, stat: str, value: float, baseline: float | None, rule: str, now: float
@@ -275,7 +299,7 @@ class AnomalyDetector:
                         out.append(self._make(batch, i, stat, value, None, "AnomalyNan", now))
                 elif threshold is not None and abs(value) > float(threshold):
                     out.append(self._make(batch, i, stat, value, float(threshold), "AnomalyNan", now))
-        norm = batch.extras.get(GLOBAL_NORM)
+        norm = batch.derived.global_grad_norm
         if norm is not None and not math.isfinite(norm):
             out.append(self._global(batch, norm, None, "AnomalyNan", now))
         return out
@@ -286,7 +310,7 @@ class AnomalyDetector:
         z = float(args.get("z", 6.0))
         min_rel = float(args.get("min_rel", 0.1))
         out = []
-        norm = batch.extras.get(GLOBAL_NORM)
+        norm = batch.derived.global_grad_norm
         if norm is not None:
             roll = self._rolling.setdefault(("global",), _Rolling(window))
             baseline = roll.check_then_add(norm, warmup, z, min_rel)

@@ -1,7 +1,10 @@
-"""What flows from the training thread to the background worker and on to the exporters."""
+"""What flows from the training thread to the background worker and on to the exporters.
+
+A submitted `StepPayload` is immutable (frozen, tuples): the worker reads it while training goes on."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -40,22 +43,45 @@ class RowMeta(NamedTuple):
     shard: str = ""
 
 
-@dataclass
+@dataclass(frozen=True)
+class StepScalars:
+    """Per-step values known on the training thread, beside the rows. A value may still be a 0-d device
+    tensor (a loss scale on the GPU): the worker reads it, never the training thread."""
+
+    loss_scale: float | torch.Tensor | None = None
+    optimizer_grad_norm: float | None = None  # the framework optimizer's own norm (Megatron's step())
+    update_skipped: bool | None = None  # the optimizer skipped its update (loss-scale overflow)
+    monitor_time_ms: float = 0.0  # the monitor's own time on the training thread this step
+
+
+@dataclass(frozen=True)
 class StepPayload:
     """A step's statistics on their way to the worker: partials still to be finalised."""
 
     step: int
-    rows: list[RowMeta]
+    rows: tuple[RowMeta, ...]
     partials: torch.Tensor  # host tensor [len(rows), NUM_PARTIALS], maybe still being copied
     ready: Any = None  # an event to wait on before reading `partials` (accelerators), else None
-    extras: dict[str, float] = field(default_factory=dict)
+    scalars: StepScalars = field(default_factory=StepScalars)
 
 
-@dataclass
+@dataclass(frozen=True)
+class Derived:
+    """What the worker derives from a step and from the run so far."""
+
+    global_grad_norm: float | None = None  # sqrt of the sum of grad_reduced norm^2 over the written rows
+    loss_scale: float | None = None
+    dropped_rows: int = 0  # cumulative: rows dropped because the queue was full
+    monitor_faults: int = 0  # cumulative: failures inside the monitor (caught)
+    anomalies_total: Mapping[str, int] = field(default_factory=dict)  # cumulative, by rule
+
+
+@dataclass(frozen=True)
 class StatBatch:
     """A step's finalised statistics, as exporters see them: rows plus one column per statistic."""
 
     step: int
-    rows: list[RowMeta]
+    rows: tuple[RowMeta, ...] | list[RowMeta]
     values: dict[str, np.ndarray]
-    extras: dict[str, float] = field(default_factory=dict)
+    scalars: StepScalars = field(default_factory=StepScalars)
+    derived: Derived = field(default_factory=Derived)

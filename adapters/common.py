@@ -1,0 +1,165 @@
+"""What every adapter needs, written once: unwrapping, per-step "seen" sets, handle groups, optimizer
+hooks, optimizer-state lookup, and fail-open hooks."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from trainermon.collect.records import StepScalars
+from trainermon.failsafe import FaultLog
+
+from .base import StepEvents
+
+logger = logging.getLogger("trainermon")
+
+#: Attributes through which wrappers hold the module they wrap: torch.compile, FSDP1, activation
+#: checkpointing (`module` is not among them: it is a common name for a real submodule).
+WRAPPED_ATTRS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+def wrapper_types() -> tuple[type, ...]:
+    """torch's wrapper classes that exist in this build (torch.compile, DDP, checkpoint wrapper)."""
+    types: list[type] = []
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+
+        types.append(OptimizedModule)
+    except Exception:  # noqa: BLE001 - optional in builds without dynamo
+        pass
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+
+        types.append(DistributedDataParallel)
+    except Exception:  # noqa: BLE001 - optional in builds without torch.distributed
+        pass
+    try:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+
+        types.append(ActivationWrapper)
+    except Exception:  # noqa: BLE001
+        pass
+    return tuple(types)
+
+
+def unwrap(module: torch.nn.Module, extra: tuple[type, ...] = ()) -> torch.nn.Module:
+    """The model inside any number of wrappers: torch's (`WRAPPED_ATTRS`, DDP's `.module`) and `extra`
+    types, which hold theirs as `.module` (Megatron's DDP and Float16Module)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp_like = (DistributedDataParallel, *extra)
+    while True:
+        inner = next((module._modules[a] for a in WRAPPED_ATTRS if module._modules.get(a) is not None), None)
+        if inner is None and ddp_like and isinstance(module, ddp_like):
+            inner = getattr(module, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            return module
+        module = inner
+
+
+def is_wrapper(module: torch.nn.Module, extra: tuple[type, ...] = ()) -> bool:
+    return unwrap(module, extra) is not module
+
+
+class Handles:
+    """Several removable handles behind one `remove()`; more can be added later (lazy registration)."""
+
+    def __init__(self, items: Iterable[Any] = ()) -> None:
+        self.items: list[Any] = list(items)
+
+    def remove(self) -> None:
+        for handle in self.items:
+            handle.remove()
+        self.items.clear()
+
+
+class Restore:
+    """Undoes an instance-level patch: removes `obj.<name>` so the class attribute shows again."""
+
+    def __init__(self, obj: Any, name: str, patched: Any) -> None:
+        self.obj, self.name, self.patched = obj, name, patched
+
+    def remove(self) -> None:
+        if self.obj.__dict__.get(self.name) is self.patched:
+            del self.obj.__dict__[self.name]
+
+
+class OncePerStep:
+    """Parameter indices already reported this step; warns once per run when a framework reduces the same
+    gradients twice in a step (gradient accumulation without its no-sync mode)."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.seen: set[int] = set()
+        self._warned = False
+
+    def fresh(self, indices: Iterable[int]) -> list[int]:
+        """The indices not reported yet this step (and marks them reported)."""
+        indices = list(indices)
+        new = [i for i in indices if i not in self.seen]
+        if len(new) < len(indices) and not self._warned:
+            self._warned = True
+            logger.warning(
+                "trainermon: %s reduced gradients more than once in one step (gradient accumulation "
+                "without its no-sync mode); grad_unreduced records the first reduce only",
+                self.what,
+            )
+        self.seen.update(new)
+        return new
+
+    def clear(self) -> None:
+        self.seen.clear()
+
+
+def guarded(faults: FaultLog, where: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` that never raises into the caller (a hook inside backward or forward): a failure is recorded
+    in `faults` (logged once, counted) and None returned."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - the whole point: never break the training step
+            faults.record(where, exc)
+            return None
+
+    return call
+
+
+def hook_optimizer_step(optimizer: Any, events: StepEvents) -> list[Any]:
+    """Fire `events` around this optimizer instance's `step()`: torch's step hooks where the optimizer
+    has them, else a wrapper of this instance's `step` (a framework optimizer)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [
+            optimizer.register_step_pre_hook(lambda *_: events.pre()),
+            optimizer.register_step_post_hook(lambda *_: events.post(StepScalars())),
+        ]
+    if callable(getattr(optimizer, "step", None)):
+        original = optimizer.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            events.pre()
+            out = original(*args, **kwargs)
+            events.post(StepScalars())
+            return out
+
+        optimizer.step = step
+        return [Restore(optimizer, "step", step)]
+    raise TypeError(f"trainermon: optimizer {type(optimizer).__name__} has no step() to hook")
+
+
+def state_value(optimizer: Any, param: torch.Tensor, key: str) -> torch.Tensor | None:
+    """`optimizer.state[param][key]` when it is a tensor, else None."""
+    state = getattr(optimizer, "state", None)
+    if state is None or param not in state:
+        return None
+    value = state[param].get(key)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def optimizer_has_key(optimizer: Any, params: Sequence[torch.Tensor], key: str) -> bool:
+    """Whether any parameter has state `key`: decided the same way on every rank (each holds state for
+    some piece of the model), so that sharded rows line up for the packed reduction."""
+    return any(state_value(optimizer, p, key) is not None for p in params)

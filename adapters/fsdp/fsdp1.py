@@ -1,0 +1,353 @@
+"""FSDP1 (`FullyShardedDataParallel`), checked on torch 2.13.
+
+- grad_unreduced: a post-accumulate-grad hook on each FlatParameter. Autograd runs it inside the
+  AccumulateGrad node, before FSDP's own post-backward hook (a node post-hook) reduce-scatters, so
+  `.grad` is this rank's unsharded flat gradient, accumulated over `no_sync()` micro-batches. It is split
+  into the original parameters with the flat parameter's layout.
+- grad_reduced, exp_avg/exp_avg_sq, param: the local flat shard. `_shard_param_infos` says which slice of
+  the shard belongs to which original parameter; with `use_orig_params=True` the original parameters
+  (and their `.grad` and optimizer state) already are those 1-D slices.
+- Everything private FSDP1 exposes is read once, in `_fsdp1_unit`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trainermon.collect.placement import LOCAL, Placement, Replicated, Sharded, TensorPiece
+from trainermon.names import clean_name
+
+from ..base import GRAD_REDUCED, GRAD_UNREDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
+from ..common import (
+    OncePerStep,
+    guarded,
+    hook_optimizer_step,
+    optimizer_has_key,
+    state_value,
+    unwrap,
+    wrapper_types,
+)
+from . import fsdp_imported
+
+logger = logging.getLogger("trainermon")
+
+
+def _module_order(chunks: Sequence[torch.nn.Module]) -> dict[int, int]:
+    order: dict[int, int] = {}
+    for chunk in chunks:
+        for m in chunk.modules():
+            order.setdefault(id(m), len(order))
+    return order
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """One original parameter inside an FSDP1 FlatParameter."""
+
+    flat: torch.nn.Parameter
+    owner: torch.nn.Module  # the module the original parameter belongs to
+    fqn: str  # relative to the FSDP unit's wrapped module
+    shape: torch.Size
+    unsharded_offset: int  # in the unsharded flat gradient (alignment padding included)
+    numel: int
+    shard_offset: int | None  # in the local flat shard; None when this rank holds none of it
+    shard_numel: int
+    orig: torch.nn.Parameter | None  # the original Parameter (use_orig_params=True), else None
+
+
+@dataclass
+class _Fsdp1Unit:
+    fsdp: torch.nn.Module
+    flat: torch.nn.Parameter
+    slots: list[_Slot]
+    sharded: bool
+    use_orig_params: bool
+    syncs_gradients: Callable[[], bool]
+
+
+def _fsdp1_unit(fsdp: torch.nn.Module) -> _Fsdp1Unit | None:
+    """Everything the adapter reads from FSDP1's private state, in one place.
+
+    FSDP1 has no public API for where an original parameter lives in its FlatParameter; these attributes
+    are stable from torch 2.1 to 2.13. Returns None for a unit that manages no parameters.
+    """
+    handle = getattr(fsdp, "_handle", None)
+    if handle is None:
+        return None
+    flat = handle.flat_param
+    needed = ("_fqns", "_shapes", "_numels", "_numels_with_padding", "_is_padding_mask", "_shard_param_infos")
+    missing = [a for a in needed if not hasattr(flat, a)]
+    if missing or not hasattr(handle, "_use_orig_params") or not hasattr(fsdp, "_sync_gradients"):
+        raise RuntimeError(
+            f"trainermon: FSDP1 in torch {torch.__version__} lacks the FlatParameter layout attributes "
+            f"{missing or ['_use_orig_params/_sync_gradients']}; the FSDP adapter is tested with torch 2.13"
+        )
+    use_orig = bool(handle._use_orig_params)
+    origs = list(flat._params) if use_orig and flat._params is not None else [None] * len(flat._fqns)
+    owners = [info.module for info in flat._param_infos]
+    offsets: list[int] = []
+    position = 0
+    for numel, is_pad in zip(flat._numels_with_padding, flat._is_padding_mask):
+        if not is_pad:
+            offsets.append(position)
+        position += numel
+    slots = []
+    for i, fqn in enumerate(flat._fqns):
+        info = flat._shard_param_infos[i]
+        slots.append(
+            _Slot(
+                flat=flat,
+                owner=owners[i],
+                fqn=fqn,
+                shape=torch.Size(flat._shapes[i]),
+                unsharded_offset=offsets[i],
+                numel=int(flat._numels[i]),
+                shard_offset=int(info.offset_in_shard) if info.in_shard else None,
+                shard_numel=int(info.numel_in_shard) if info.in_shard else 0,
+                orig=origs[i],
+            )
+        )
+    return _Fsdp1Unit(
+        fsdp=fsdp,
+        flat=flat,
+        slots=slots,
+        sharded=bool(handle.uses_sharded_strategy),
+        use_orig_params=use_orig,
+        syncs_gradients=lambda: bool(fsdp._sync_gradients),
+    )
+
+
+def _fsdp1_class() -> type | None:
+    if not fsdp_imported():
+        return None
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel
+
+
+class Fsdp1Adapter(Adapter):
+    """FSDP1 with `use_orig_params` True or False, any sharding strategy (NO_SHARD counts as replicated)."""
+
+    name = "fsdp1"
+
+    def __init__(self, chunks: Sequence[torch.nn.Module], optimizer: Any, context: AdapterContext) -> None:
+        super().__init__(chunks, optimizer, context)
+        fsdp_cls = _fsdp1_class()
+        assert fsdp_cls is not None
+        self._fsdp_cls = fsdp_cls
+        self._wrappers = (fsdp_cls, *wrapper_types())
+        self._roots = [unwrap(c) for c in self.chunks]
+        self._units: list[_Fsdp1Unit] = []
+        self._unit_names: list[tuple[int, str]] = []  # (vpp_stage, cleaned name of the wrapped module)
+        for vpp_stage, chunk in enumerate(self.chunks):
+            for name, module in chunk.named_modules():
+                if isinstance(module, fsdp_cls):
+                    unit = _fsdp1_unit(module)
+                    if unit is not None:
+                        self._units.append(unit)
+                        self._unit_names.append((vpp_stage, clean_name(name)))
+        self._params: list[MonitoredParam] | None = None
+        self._slot_of: dict[int, _Slot | None] = {}  # index -> slot (None: a plain, unsharded param)
+        self._placement_of: dict[int, Placement] = {}
+        self._tapped = False
+        self._seen = OncePerStep("FSDP")
+
+    @classmethod
+    def detect(cls, chunks: Sequence[torch.nn.Module], optimizer: Any) -> bool:
+        fsdp_cls = _fsdp1_class()
+        return fsdp_cls is not None and any(isinstance(m, fsdp_cls) for c in chunks for m in c.modules())
+
+    def roots(self) -> list[torch.nn.Module]:
+        return self._roots
+
+    def is_wrapper_module(self, module: torch.nn.Module) -> bool:
+        return isinstance(module, self._wrappers)
+
+    def attach_step(self, events: Any) -> list[Any]:
+        return [] if self.optimizer is None else hook_optimizer_step(self.optimizer, events)
+
+    def parameters(self) -> list[MonitoredParam]:
+        if self._params is not None:
+            return self._params
+        order = _module_order(self._roots)
+        found: list[tuple[tuple[int, int], int, str, torch.nn.Parameter, _Slot | None, Placement]] = []
+        covered: set[int] = set()
+        for unit, (vpp_stage, prefix) in zip(self._units, self._unit_names):
+            covered.add(id(unit.flat))
+            group = unit.fsdp.process_group
+            placement: Placement = Sharded(group) if unit.sharded else Replicated(group)
+            for k, slot in enumerate(unit.slots):
+                if slot.orig is not None:
+                    covered.add(id(slot.orig))
+                name = clean_name(f"{prefix}.{slot.fqn}" if prefix else slot.fqn)
+                param = slot.orig if slot.orig is not None else slot.flat
+                key = (order.get(id(slot.owner), len(order)), k)
+                found.append((key, vpp_stage, name, param, slot, placement))
+        # Parameters outside every FSDP unit (a partly wrapped model) are neither sharded nor reduced.
+        for vpp_stage, chunk in enumerate(self.chunks):
+            for name, p in chunk.named_parameters():
+                if id(p) in covered or not p.requires_grad:
+                    continue
+                owner = chunk.get_submodule(name.rpartition(".")[0])
+                found.append(
+                    ((order.get(id(owner), len(order)), 0), vpp_stage, clean_name(name), p, None, LOCAL)
+                )
+        found.sort(key=lambda item: (item[1], item[0]))
+        out: list[MonitoredParam] = []
+        for _, vpp_stage, name, param, slot, placement in found:
+            index = len(out)
+            out.append(MonitoredParam(index, vpp_stage, name, param))
+            self._slot_of[index] = slot
+            self._placement_of[index] = placement
+        self._params = out
+        return out
+
+    def _slots_by_flat(self) -> dict[int, list[tuple[int, _Slot]]]:
+        by_flat: dict[int, list[tuple[int, _Slot]]] = {}
+        for mp in self.parameters():
+            slot = self._slot_of[mp.index]
+            if slot is not None:
+                by_flat.setdefault(id(slot.flat), []).append((mp.index, slot))
+        return by_flat
+
+    @staticmethod
+    def _split_unsharded(flat_grad: torch.Tensor, entries: list[tuple[int, _Slot]]) -> list[torch.Tensor]:
+        return [
+            flat_grad[s.unsharded_offset : s.unsharded_offset + s.numel].view(s.shape) for _, s in entries
+        ]
+
+    # ---- pre-reduce taps ---------------------------------------------------------------------
+    def install_grad_taps(self, taps: GradTaps) -> list[Any]:
+        handles = []
+        by_flat = self._slots_by_flat()
+        for unit in self._units:
+            entries = by_flat.get(id(unit.flat))
+            if entries:
+                tap = guarded(self.context.faults, "FSDP1 gradient tap", self._make_tap(unit, entries, taps))
+                handles.append(unit.flat.register_post_accumulate_grad_hook(tap))
+        self._tapped = True
+        return handles
+
+    @property
+    def taps_report_unreduced(self) -> bool:
+        return self._tapped
+
+    def _make_tap(self, unit: _Fsdp1Unit, entries: list[tuple[int, _Slot]], taps: GradTaps):
+        def tap(flat: torch.Tensor) -> None:
+            # Under no_sync() FSDP keeps accumulating; the gradient is reported once, at the backward
+            # that reduce-scatters it.
+            if not taps.active or flat.grad is None or not unit.syncs_gradients():
+                return
+            fresh = set(self._seen.fresh(i for i, _ in entries))
+            chosen = [(i, s) for i, s in entries if i in fresh]
+            if chosen:
+                taps.on_unreduced([i for i, _ in chosen], self._split_unsharded(flat.grad, chosen))
+
+        return tap
+
+    def new_step(self) -> None:
+        self._seen.clear()
+
+    def _unreduced_at_step(self, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
+        # No taps installed (wg_distribution off at attach): only unwrapped parameters can be read here.
+        return [
+            TensorPiece.whole(mp.param.grad, LOCAL)
+            if self._slot_of[mp.index] is None and mp.param.grad is not None
+            else None
+            for mp in params
+        ]
+
+    def install_microbatch_taps(self, params: Sequence[MonitoredParam], taps: GradTaps) -> list[Any]:
+        # A tensor hook on the FlatParameter sees each backward's own unsharded gradient, before it is
+        # accumulated into `.grad`.
+        wanted = {mp.index for mp in params}
+        handles = []
+        for entries in self._slots_by_flat().values():
+            entries = [(i, s) for i, s in entries if i in wanted]
+            if not entries:
+                continue
+
+            def hook(grad: torch.Tensor, entries: list[tuple[int, _Slot]] = entries) -> None:
+                for (index, _), g in zip(entries, self._split_unsharded(grad, entries)):
+                    taps.on_microbatch(index, g)
+
+            handles.append(entries[0][1].flat.register_hook(guarded(self.context.faults, "FSDP1 tap", hook)))
+        for mp in params:
+            if self._slot_of[mp.index] is None:
+
+                def plain_hook(grad: torch.Tensor, index: int = mp.index) -> None:
+                    taps.on_microbatch(index, grad)
+
+                handles.append(mp.param.register_hook(plain_hook))
+        return handles
+
+    # ---- optimizer-side tensors --------------------------------------------------------------
+    def _piece(self, mp: MonitoredParam, flat_source: torch.Tensor | None, orig_source: Any) -> TensorPiece:
+        """This rank's piece of parameter `mp`: its slice of a flat shard tensor, or (use_orig_params)
+        the tensor that already is that slice."""
+        slot = self._slot_of[mp.index]
+        assert slot is not None
+        placement = self._placement_of[mp.index]
+        local: torch.Tensor | None = None
+        if slot.shard_offset is not None and slot.shard_numel > 0:
+            if isinstance(orig_source, torch.Tensor):
+                local = orig_source
+            elif flat_source is not None:
+                local = flat_source[slot.shard_offset : slot.shard_offset + slot.shard_numel]
+            if local is not None and not isinstance(placement, Sharded):
+                local = local.view(slot.shape)
+        dtype = local.dtype if local is not None else slot.flat.dtype
+        return TensorPiece(local, placement, tuple(slot.shape), dtype)
+
+    def read(self, kind: str, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
+        if kind == GRAD_REDUCED:
+            return self._reduced_grads(params)
+        if kind == GRAD_UNREDUCED:
+            return self._unreduced_at_step(params)
+        if kind == PARAM:
+            return self._param_values(params)
+        return self._optimizer_state(params, kind)
+
+    def _reduced_grads(self, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
+        out: list[TensorPiece | None] = []
+        for mp in params:
+            slot = self._slot_of[mp.index]
+            if slot is None:
+                out.append(None if mp.param.grad is None else TensorPiece.whole(mp.param.grad, LOCAL))
+            elif slot.flat.grad is None and (slot.orig is None or slot.orig.grad is None):
+                out.append(None)  # no gradient in this unit on any rank this step
+            else:
+                orig_grad = slot.orig.grad if slot.orig is not None else None
+                out.append(self._piece(mp, slot.flat.grad, orig_grad))
+        return out
+
+    def _optimizer_state(self, params: Sequence[MonitoredParam], key: str) -> list[TensorPiece | None]:
+        if not optimizer_has_key(self.optimizer, [mp.param for mp in self.parameters()], key):
+            return [None] * len(params)
+        out: list[TensorPiece | None] = []
+        for mp in params:
+            slot = self._slot_of[mp.index]
+            value = state_value(self.optimizer, mp.param, key)
+            if slot is None:
+                out.append(None if value is None else TensorPiece.whole(value, LOCAL))
+            elif slot.orig is not None:
+                out.append(self._piece(mp, None, value))
+            else:
+                out.append(self._piece(mp, value, None))
+        return out
+
+    def _param_values(self, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
+        out: list[TensorPiece | None] = []
+        for mp in params:
+            slot = self._slot_of[mp.index]
+            if slot is None:
+                out.append(TensorPiece.whole(mp.param.detach(), LOCAL))
+            else:
+                orig = slot.orig.detach() if slot.orig is not None else None
+                out.append(self._piece(mp, slot.flat.detach(), orig))
+        return out

@@ -1,0 +1,282 @@
+"""FSDP2 (`fully_shard`), with or without a MixedPrecisionPolicy, checked on torch 2.13.
+
+- grad_unreduced: FSDP2 unshards in a forward pre-hook that it prepends; a forward pre-hook of ours,
+  registered after `fully_shard`, then finds the unsharded plain Parameters on the module and puts a
+  post-accumulate-grad hook on each (once per object). It fires before FSDP2's post-backward
+  reduce-scatter. Whether this backward reduces (`set_requires_gradient_sync`) and the gradient
+  accumulated in the reduce dtype over earlier micro-batches are private: read in `_fsdp2_unit`.
+- grad_reduced, exp_avg/exp_avg_sq, param: DTensors; `.to_local()` is this rank's `Shard` piece.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trainermon.collect.placement import LOCAL, Placement, Replicated, Sharded, TensorPiece
+from trainermon.names import clean_name
+
+from ..base import GRAD_REDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
+from ..common import (
+    Handles,
+    OncePerStep,
+    guarded,
+    hook_optimizer_step,
+    optimizer_has_key,
+    state_value,
+    unwrap,
+    wrapper_types,
+)
+from . import fsdp_imported
+
+logger = logging.getLogger("trainermon")
+
+
+@dataclass
+class _Fsdp2Unit:
+    reduces_gradients: Callable[[], bool]
+    accumulated_grad: Callable[[torch.Tensor], torch.Tensor | None]
+
+
+def _fsdp2_unit(module: torch.nn.Module) -> _Fsdp2Unit:
+    """The two facts FSDP2 keeps private, read in one place.
+
+    - whether the coming post-backward reduce-scatters (`set_requires_gradient_sync` has no getter);
+    - the gradient accumulated over earlier micro-batches in the reduce dtype (with a mixed-precision
+      policy whose reduce dtype differs from the param dtype, FSDP2 moves it off `.grad`).
+    """
+    get_state = getattr(module, "_get_fsdp_state", None)
+    state = get_state() if callable(get_state) else None
+    if state is None or not hasattr(state, "_fsdp_param_group"):
+        raise RuntimeError(
+            f"trainermon: FSDP2 in torch {torch.__version__} has no '_get_fsdp_state()._fsdp_param_group' "
+            f"on {type(module).__name__}; the FSDP adapter is tested with torch 2.13"
+        )
+
+    def group() -> Any:
+        return state._fsdp_param_group
+
+    def reduces_gradients() -> bool:
+        g = group()
+        return True if g is None else bool(g.reduce_grads)
+
+    def accumulated_grad(unsharded_param: torch.Tensor) -> torch.Tensor | None:
+        g = group()
+        for fsdp_param in [] if g is None else g.fsdp_params:
+            if getattr(fsdp_param, "_unsharded_param", None) is unsharded_param:
+                return fsdp_param.unsharded_accumulated_grad
+        return None
+
+    return _Fsdp2Unit(reduces_gradients, accumulated_grad)
+
+
+def _fsdp2_module_class() -> type | None:
+    if not fsdp_imported():
+        return None
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return None
+    return FSDPModule
+
+
+def _dtensor_placement(p: torch.Tensor) -> Placement:
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(p, DTensor):
+        return LOCAL
+    mesh = p.device_mesh
+    shard_dims = [d for d, pl in enumerate(p.placements) if isinstance(pl, Shard)]
+    if len(shard_dims) == 1:
+        # HSDP (Replicate, Shard): the shard group holds the whole tensor, replicas hold copies.
+        return Sharded(mesh.get_group(shard_dims[0]))
+    if not shard_dims:
+        return Replicated(mesh.get_group(0) if mesh.ndim == 1 else None)
+    raise NotImplementedError(f"trainermon: DTensor placements {p.placements} (several sharded mesh dims)")
+
+
+class Fsdp2Adapter(Adapter):
+    """FSDP2 (`fully_shard`), with or without a MixedPrecisionPolicy."""
+
+    name = "fsdp2"
+
+    def __init__(self, chunks: Sequence[torch.nn.Module], optimizer: Any, context: AdapterContext) -> None:
+        super().__init__(chunks, optimizer, context)
+        module_cls = _fsdp2_module_class()
+        assert module_cls is not None
+        self._module_cls = module_cls
+        self._wrappers = wrapper_types()
+        self._roots = [unwrap(c) for c in self.chunks]
+        self._params: list[MonitoredParam] | None = None
+        self._placement_of: dict[int, Placement] = {}
+        # FSDP module -> [(index, owner module, attribute)] for the parameters it shards.
+        self._managed: list[tuple[torch.nn.Module, list[tuple[int, torch.nn.Module, str]]]] = []
+        self._hooked: dict[int, Any] = {}  # id(unsharded param) -> (param, handle)
+        self._seen = OncePerStep("FSDP2")
+
+    @classmethod
+    def detect(cls, chunks: Sequence[torch.nn.Module], optimizer: Any) -> bool:
+        module_cls = _fsdp2_module_class()
+        return module_cls is not None and any(isinstance(m, module_cls) for c in chunks for m in c.modules())
+
+    def roots(self) -> list[torch.nn.Module]:
+        return self._roots
+
+    def is_wrapper_module(self, module: torch.nn.Module) -> bool:
+        return bool(self._wrappers) and isinstance(module, self._wrappers)
+
+    def attach_step(self, events: Any) -> list[Any]:
+        return [] if self.optimizer is None else hook_optimizer_step(self.optimizer, events)
+
+    def parameters(self) -> list[MonitoredParam]:
+        if self._params is not None:
+            return self._params
+        out: list[MonitoredParam] = []
+        index_of: dict[int, int] = {}
+        for vpp_stage, root in enumerate(self._roots):
+            for name, p in root.named_parameters():
+                if p.requires_grad:
+                    index_of[id(p)] = len(out)
+                    self._placement_of[len(out)] = _dtensor_placement(p)
+                    out.append(MonitoredParam(len(out), vpp_stage, clean_name(name), p))
+        # Each parameter belongs to its nearest enclosing fully_shard-ed module.
+        for root in self._roots:
+            self._collect_managed(root, None, index_of)
+        self._params = out
+        return out
+
+    def _collect_managed(
+        self, module: torch.nn.Module, fsdp_owner: list | None, index_of: dict[int, int]
+    ) -> None:
+        if isinstance(module, self._module_cls):
+            fsdp_owner = []
+            self._managed.append((module, fsdp_owner))
+        if fsdp_owner is not None:
+            for attr, p in module._parameters.items():
+                if p is not None and id(p) in index_of:
+                    fsdp_owner.append((index_of[id(p)], module, attr))
+        for child in module.children():
+            self._collect_managed(child, fsdp_owner, index_of)
+
+    # ---- pre-reduce taps ---------------------------------------------------------------------
+    def install_grad_taps(self, taps: GradTaps) -> list[Any]:
+        from torch.distributed.tensor import DTensor
+
+        self.parameters()
+        handles = []
+        for fsdp_module, managed in self._managed:
+            if not managed:
+                continue
+            unit = _fsdp2_unit(fsdp_module)
+
+            def pre_hook(_module: torch.nn.Module, _args: Any, managed=managed, unit=unit) -> None:
+                # Runs after FSDP2's own (prepended) pre-forward hook has unsharded the parameters.
+                if not taps.active or not torch.is_grad_enabled():
+                    return
+                for index, owner, attr in managed:
+                    p = owner._parameters.get(attr)
+                    if p is None or isinstance(p, DTensor) or id(p) in self._hooked:
+                        continue
+                    handle = p.register_post_accumulate_grad_hook(self._make_tap(index, unit, taps))
+                    self._hooked[id(p)] = (p, handle)
+
+            handles.append(
+                fsdp_module.register_forward_pre_hook(guarded(self.context.faults, "FSDP2 tap", pre_hook))
+            )
+        return handles
+
+    @property
+    def taps_report_unreduced(self) -> bool:
+        return True
+
+    def _make_tap(self, index: int, unit: _Fsdp2Unit, taps: GradTaps):
+        def tap(p: torch.Tensor) -> None:
+            if not taps.active or p.grad is None:
+                return
+            if not unit.reduces_gradients():
+                return  # accumulating without sync: reported at the backward that reduces
+            if not self._seen.fresh([index]):
+                return
+            grad = p.grad
+            earlier = unit.accumulated_grad(p)
+            if earlier is not None:
+                grad = earlier + grad  # what FSDP2 is about to reduce-scatter (transient)
+            taps.on_unreduced([index], [grad])
+
+        return guarded(self.context.faults, "FSDP2 gradient tap", tap)
+
+    def new_step(self) -> None:
+        self._seen.clear()
+
+    def install_microbatch_taps(self, params: Sequence[MonitoredParam], taps: GradTaps) -> list[Any]:
+        # Each micro-batch's own gradient: a tensor hook on the unsharded parameter (fires before it is
+        # accumulated into `.grad`), registered once per step and object in a forward pre-hook.
+        from torch.distributed.tensor import DTensor
+
+        self.parameters()
+        wanted = {mp.index for mp in params}
+        group = Handles()
+        hooked: set[int] = set()
+        for fsdp_module, managed in self._managed:
+            mine = [m for m in managed if m[0] in wanted]
+            if not mine:
+                continue
+
+            def pre_hook(_module: torch.nn.Module, _args: Any, mine=mine) -> None:
+                if not torch.is_grad_enabled():
+                    return
+                for index, owner, attr in mine:
+                    p = owner._parameters.get(attr)
+                    if p is None or isinstance(p, DTensor) or id(p) in hooked:
+                        continue
+                    hooked.add(id(p))
+                    group.items.append(p.register_hook(lambda g, index=index: taps.on_microbatch(index, g)))
+
+            hook = guarded(self.context.faults, "FSDP2 tap", pre_hook)
+            group.items.append(fsdp_module.register_forward_pre_hook(hook))
+        return [group]
+
+    # ---- optimizer-side tensors --------------------------------------------------------------
+    def _piece(self, mp: MonitoredParam, value: torch.Tensor | None) -> TensorPiece | None:
+        if value is None:
+            return None
+        placement = self._placement_of[mp.index]
+        with torch.no_grad():
+            local = value.to_local() if hasattr(value, "to_local") else value
+        if isinstance(placement, Sharded) and local.numel() == 0:
+            local = None  # this rank holds no elements of the parameter
+        return TensorPiece(local, placement, tuple(mp.param.shape), value.dtype)
+
+    def read(self, kind: str, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
+        if kind == GRAD_REDUCED:
+            return [self._piece(mp, mp.param.grad) for mp in params]
+        if kind == PARAM:
+            return [self._piece(mp, mp.param.detach()) for mp in params]
+        return self._optimizer_state(params, kind)
+
+    def _optimizer_state(self, params: Sequence[MonitoredParam], key: str) -> list[TensorPiece | None]:
+        if not optimizer_has_key(self.optimizer, [mp.param for mp in self.parameters()], key):
+            return [None] * len(params)
+        out: list[TensorPiece | None] = []
+        for mp in params:
+            value = state_value(self.optimizer, mp.param, key)
+            piece = self._piece(mp, value)
+            if piece is None and not isinstance(self._placement_of[mp.index], Sharded):
+                out.append(None)
+            elif piece is None:
+                # Keep the row on every rank so the packed reduction lines up.
+                out.append(
+                    TensorPiece(None, self._placement_of[mp.index], tuple(mp.param.shape), mp.param.dtype)
+                )
+            else:
+                out.append(piece)
+        return out
+
+    def close(self) -> None:
+        for _p, handle in self._hooked.values():
+            handle.remove()
+        self._hooked.clear()

@@ -1,0 +1,275 @@
+"""Prometheus exporter: one HTTP endpoint per rank (`server`), updated only from the background worker.
+
+Endpoint: `http://{host}:{port}/metrics`, host 127.0.0.1 by default. Port: `prometheus.port` plus
+LOCAL_RANK when the port is set, or a free port chosen by the OS when it is 0 (the default). The
+address is logged and written to `{run_dir}/prometheus.json`, and a file_sd target file is written to
+`{MONITOR_OUTPUT_DIR}/{sd_dir}/rank{R}-{run_id}.json` (removed again on close).
+
+Series (every one labelled with `rank`):
+
+    trainermon_info{run_id, version}                                    1
+    trainermon_global_grad_norm                                         L2 norm of all reduced gradients
+    trainermon_last_step, trainermon_last_step_timestamp_seconds         last collected step, when written
+    trainermon_steps_collected_total
+    trainermon_monitor_step_seconds                                     monitor time on the training thread
+    trainermon_monitor_time_seconds_total                               the same, summed
+    trainermon_layer_stat{family, layer, stat}                          per-layer aggregate of the last step
+    trainermon_param_stat{family, layer, name, stat}                    per tensor (prometheus.per_parameter)
+    trainermon_nonfinite_steps_total                                    collected steps with any NaN/Inf
+    trainermon_anomalies_total{rule}                                    anomalies by rule
+    trainermon_dropped_records_total, trainermon_monitor_faults_total
+    trainermon_exporter_errors_total{exporter}, trainermon_series_dropped_total
+
+Per-layer aggregation of the rows of one layer (all of its tensors and micro-batches) follows each
+statistic's rule in the statistics table (`stats.table.combine`): norm is the L2 norm of their
+concatenation, sqrt(sum norm^2); mean and zeros are element-weighted; min and max are the extremes;
+nans and infs are sums.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+import numpy as np
+
+from trainermon.collect.records import StatBatch
+from trainermon.stats.table import VALUE_STATS, combine
+
+from ..base import Exporter, RunInfo
+from . import server as http
+from .metrics import Metrics, layer_of
+
+logger = logging.getLogger("trainermon")
+
+
+def aggregate(groups: np.ndarray, count: int, values: dict[str, np.ndarray], stats: tuple[str, ...]) -> dict:
+    """Rows combined into `count` groups by the statistics table's rules (`stats.table.combine`)."""
+    return combine(groups, count, values, stats)
+
+
+class PrometheusExporter(Exporter):
+    def open(self, run: RunInfo) -> None:
+        try:
+            import prometheus_client as pc
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "the prometheus format needs prometheus_client: pip install 'trainermon[prometheus]'"
+            ) from exc
+        self._pc = pc
+        section = run.config.prometheus
+        self.run = run
+        self.rank = str(run.rank)
+        self.per_parameter = section.per_parameter
+        numeric_ops = tuple(s for s in VALUE_STATS if s in run.config.ops)
+        self.stats = tuple(section.stats or numeric_ops or ("norm",))
+        self.families = set(section.families) if section.families else None
+        self.max_series = section.max_series
+        self.series = 0
+        self._errors = None
+        self._last_dropped = 0
+        self._last_faults = 0
+        self._group_cache: dict[tuple[str, int, str], tuple[str, str]] = {}
+        self._children: dict[tuple, Any] = {}
+        self._over_budget_logged = False
+        rules = [r["rule_name"] for r in run.config.alert.rules if isinstance(r.get("rule_name"), str)]
+        self.m = Metrics(pc, self.rank, run.run_id, self.per_parameter, rules, list(run.config.format))
+
+        host = section.host
+        local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+        port = section.port + local_rank if section.port > 0 else 0
+        self.sd_path: str | None = None
+        # Binding fails here (port taken, bad address): the sink is disabled with one error and training
+        # goes on.
+        self.server: http.MetricsServer | None = http.start(host, port, self, self._render())
+        self.host = host
+        self.port = self.server.server_address[1]
+        self.discovery_error: OSError | None = None
+        try:
+            self._write_discovery(run, host)
+        except OSError as exc:
+            # The endpoint does not need its discovery files (an unwritable or full output directory):
+            # it keeps serving; the failure is logged once and counted as an error of this sink.
+            self.discovery_error = exc
+            logger.error(
+                "trainermon: could not write the Prometheus discovery files of rank %d (%s: %s); the "
+                "endpoint is still served at http://%s:%d/metrics",
+                run.rank,
+                type(exc).__name__,
+                exc,
+                host,
+                self.port,
+            )
+        except Exception:
+            self._stop_server()
+            raise
+        logger.info(
+            "trainermon: Prometheus metrics of rank %d at http://%s:%d/metrics", run.rank, host, self.port
+        )
+
+    def _write_discovery(self, run: RunInfo, host: str) -> None:
+        section = run.config.prometheus
+        advertise = section.advertise_host or (socket.getfqdn() if host in ("0.0.0.0", "::", "") else host)
+        target = f"{advertise}:{self.port}"
+        os.makedirs(run.run_dir, exist_ok=True)
+        info = {
+            "url": f"http://{target}/metrics",
+            "host": host,
+            "port": self.port,
+            "rank": run.rank,
+            "run_id": run.run_id,
+        }
+        http.atomic_json(os.path.join(run.run_dir, "prometheus.json"), info)
+        if section.sd_dir:
+            directory = os.path.normpath(os.path.join(run.output_root, section.sd_dir))
+            top = os.path.normpath(run.output_root)
+            if os.path.commonpath([directory, top]) != top:  # the config refuses these; checked again
+                raise ValueError(
+                    f"prometheus.sd_dir {section.sd_dir!r} is outside MONITOR_OUTPUT_DIR {top!r}"
+                )
+            os.makedirs(directory, exist_ok=True)
+            self.sd_path = os.path.join(directory, f"rank{run.rank}-{run.run_id}.json")
+            http.atomic_json(self.sd_path, [{"targets": [target], "labels": {"run_id": run.run_id}}])
+
+    def attach_error_counts(self, errors: Any, formats: list[str]) -> None:
+        """Called by build_exporters: the shared per-sink failure counts to export."""
+        self._errors = errors
+        if self.discovery_error is not None:
+            errors.add(getattr(self, "format_name", "prometheus"))
+        self._sync_errors()
+        self._publish()
+
+    # ---- worker thread ------------------------------------------------------------------------
+    def write(self, batch: StatBatch) -> None:
+        m, rank, derived = self.m, self.rank, batch.derived
+        m.step.labels(rank).set(batch.step)
+        m.step_ts.labels(rank).set(time.time())
+        m.steps.labels(rank).inc()
+        if derived.global_grad_norm is not None:
+            m.global_norm.labels(rank).set(derived.global_grad_norm)
+        seconds = batch.scalars.monitor_time_ms / 1e3
+        m.time.labels(rank).set(seconds)
+        m.time_total.labels(rank).inc(max(seconds, 0.0))
+        self._counter_to(m.dropped, derived.dropped_rows, "_last_dropped")
+        self._counter_to(m.faults, derived.monitor_faults, "_last_faults")
+        for rule, total in derived.anomalies_total.items():
+            child = self._child(m.anomalies, (rank, rule))
+            if child is not None and total > child._value.get():
+                child.inc(total - child._value.get())
+        if batch.rows:
+            self._update_stats(batch)
+        self._sync_errors()
+        self._publish()
+
+    def _publish(self) -> None:
+        server = self.server
+        if server is not None and server.owner is self:  # a successor may own the endpoint now
+            server.page = self._render()
+
+    def _counter_to(self, counter: Any, total: int, attr: str) -> None:
+        """Advance a counter to a cumulative total reported by the core."""
+        delta = total - getattr(self, attr)
+        if delta > 0:
+            counter.labels(self.rank).inc(delta)
+            setattr(self, attr, total)
+
+    def _sync_errors(self) -> None:
+        if self._errors is None:
+            return
+        for fmt, count in self._errors.snapshot().items():
+            child = self.m.exporter_errors.labels(self.rank, fmt)
+            delta = count - child._value.get()
+            if delta > 0:
+                child.inc(delta)
+
+    def _child(self, metric: Any, labels: tuple) -> Any:
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            if self.series >= self.max_series:
+                return None
+            child = metric.labels(*labels)
+            self._children[key] = child
+            self.series += 1
+        return child
+
+    def _update_stats(self, batch: StatBatch) -> None:
+        rows = batch.rows
+        keep = [i for i, r in enumerate(rows) if self.families is None or r.family in self.families]
+        values = batch.values
+        nonfinite = any(stat in values and np.any(values[stat] > 0) for stat in ("nans", "infs"))
+        if "norm" in values and not np.all(np.isfinite(values["norm"])):
+            nonfinite = True
+        if nonfinite:
+            self.m.nonfinite.labels(self.rank).inc()
+        if not keep:
+            return
+        idx = np.asarray(keep, dtype=np.int64)
+        sub = {k: np.asarray(v)[idx] for k, v in values.items()}
+        sub_rows = [rows[i] for i in keep]
+        self._export_groups(self.m.layer, sub_rows, sub, per_parameter=False)
+        if self.m.param is not None:
+            self._export_groups(self.m.param, sub_rows, sub, per_parameter=True)
+
+    def _export_groups(self, metric: Any, rows: list, values: dict, per_parameter: bool) -> None:
+        index: dict[tuple, int] = {}
+        labels: list[tuple] = []
+        groups = np.empty(len(rows), dtype=np.int64)
+        cache = self._group_cache
+        for i, r in enumerate(rows):
+            ck = (r.family, r.vpp_stage, r.name)
+            hit = cache.get(ck)
+            if hit is None:
+                shown = f"{r.vpp_stage}:{r.name}" if r.vpp_stage else r.name
+                hit = cache[ck] = (layer_of(r.name, r.vpp_stage), shown)
+            layer, shown = hit
+            key = (r.family, layer, shown) if per_parameter else (r.family, layer)
+            g = index.get(key)
+            if g is None:
+                g = index[key] = len(labels)
+                labels.append(key)
+            groups[i] = g
+        stats = tuple(s for s in self.stats if s in values)
+        combined = aggregate(groups, len(labels), values, stats)
+        dropped = 0
+        for stat in stats:
+            column = combined[stat]
+            for g, key in enumerate(labels):
+                child = self._child(metric, (self.rank, *key, stat))
+                if child is None:
+                    dropped += 1
+                    continue
+                child.set(float(column[g]))
+        if dropped:
+            self.m.series_dropped.labels(self.rank).inc(dropped)
+            if not self._over_budget_logged:
+                self._over_budget_logged = True
+                logger.warning(
+                    "trainermon: prometheus.max_series=%d reached on rank %s; further series are not "
+                    "exported (counted in trainermon_series_dropped_total)",
+                    self.max_series,
+                    self.rank,
+                )
+
+    def _render(self) -> bytes:
+        return self._pc.generate_latest(self.m.registry)
+
+    # ---- shutdown -----------------------------------------------------------------------------
+    def _stop_server(self) -> None:
+        server = getattr(self, "server", None)
+        if server is None:
+            return
+        self.server = None
+        http.stop(server, self, self.host, self.port)
+
+    def close(self) -> None:
+        self._stop_server()
+        if self.sd_path is not None:
+            try:
+                os.unlink(self.sd_path)  # the target is gone: Prometheus stops scraping it
+            except FileNotFoundError:
+                pass
+            self.sd_path = None

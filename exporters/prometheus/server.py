@@ -1,0 +1,137 @@
+"""The HTTP side of the Prometheus sink: one endpoint per rank that serves a pre-rendered page.
+
+The worker renders the exposition text once per collected step and swaps it in (`server.page`); the
+HTTP threads only hand out that page (one reference read, no lock shared with the worker), so a scrape
+costs microseconds of interpreter time and never waits for, or on behalf of, training.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+logger = logging.getLogger("trainermon")
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: Servers of this process by (host, port). A sink reopened with a fixed port while the old one is still
+#: open (a dynamic config change opens the new sinks before closing the old ones) takes the server over.
+LIVE: dict[tuple[str, int], MetricsServer] = {}
+LIVE_LOCK = threading.Lock()
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: MetricsServer
+    timeout = 10  # a stuck client cannot hold a server thread forever
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        if self.path.split("?", 1)[0] not in ("/metrics", "/"):
+            self.send_error(404)
+            return
+        body = self.server.page  # one atomic reference read; the worker swaps whole pages
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - silence per-request logs
+        pass
+
+
+class MetricsServer(ThreadingHTTPServer):
+    """One thread per connection (daemon: never holds up interpreter exit), each one tracked, so that
+    `close_connections` can end them all, even one waiting on a client that never sends its request."""
+
+    daemon_threads = True
+    request_queue_size = 256  # dozens of concurrent scrapers must not overflow the listen backlog
+    page: bytes = b""
+    owner: object = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._active: dict[threading.Thread, socket.socket] = {}
+        self._active_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        thread = threading.Thread(
+            target=self._serve_one, args=(request, client_address), name="trainermon-prometheus-request"
+        )
+        thread.daemon = True
+        with self._active_lock:
+            self._active[thread] = request
+        thread.start()
+
+    def _serve_one(self, request: Any, client_address: Any) -> None:
+        try:
+            self.process_request_thread(request, client_address)
+        finally:
+            with self._active_lock:
+                self._active.pop(threading.current_thread(), None)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A scraper that disconnects mid-response (or a connection ended by close) is not an error
+        # worth a traceback on the job's stderr.
+        logger.debug("trainermon: Prometheus request from %s failed", client_address, exc_info=True)
+
+    def close_connections(self, timeout: float = 2.0) -> None:
+        """End every open connection and join its thread (after `shutdown()`: no new ones come)."""
+        with self._active_lock:
+            active = dict(self._active)
+        for request in active.values():
+            try:
+                request.shutdown(socket.SHUT_RDWR)  # a handler blocked reading its request returns now
+            except OSError:
+                pass
+        end = time.monotonic() + timeout
+        for thread in active:
+            thread.join(max(0.0, end - time.monotonic()))
+
+
+def start(host: str, port: int, owner: Any, page: bytes) -> MetricsServer:
+    """The endpoint at (host, port), owned by `owner`: a live one of this process with a fixed port is
+    taken over, else a new server thread starts. Binding errors (port taken) propagate to the caller."""
+    with LIVE_LOCK:
+        server = LIVE.get((host, port)) if port else None
+        if server is None:
+            server = MetricsServer((host, port), Handler)
+            thread = threading.Thread(
+                target=server.serve_forever, kwargs={"poll_interval": 0.1}, name="trainermon-prometheus"
+            )
+            thread.daemon = True
+            thread.start()
+            LIVE[(host, server.server_address[1])] = server
+        server.owner = owner
+        server.page = page
+    return server
+
+
+def stop(server: MetricsServer, owner: Any, host: str, port: int) -> None:
+    """Shut the endpoint down, unless a newer sink of this process owns it now."""
+    with LIVE_LOCK:
+        if server.owner is not owner:
+            return
+        LIVE.pop((host, port), None)
+    server.shutdown()
+    server.server_close()
+    server.close_connections()
+
+
+def atomic_json(path: str, body: Any) -> None:
+    directory, name = os.path.split(path)
+    tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")  # not matched by a *.json file_sd glob
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(body, fh)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)  # a failed write (disk full) leaves no temporary file behind
+        except OSError:
+            pass
+        raise

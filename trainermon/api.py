@@ -1,0 +1,153 @@
+"""TrainerMon: msprobe's public object, a thin façade over the step loop (`runtime.loop.StepLoop`)."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .collect.records import StatBatch
+from .config import ConfigError, MonitorConfig, load_config, read_env
+from .failsafe import FaultLog
+from .runtime.loop import StepLoop
+from .runtime.probes.side_outputs import PrintStructDone
+
+logger = logging.getLogger("trainermon")
+
+
+class TrainerMon:
+    """msprobe-compatible training monitor.
+
+    >>> monitor = TrainerMon("monitor_config.json")
+    >>> monitor.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
+
+    Construction reads and validates the config (raises `ConfigError` on bad input) and the environment
+    (`MONITOR_OUTPUT_DIR`, `DYNAMIC_MONITOR`); nothing else in the monitor ever raises into training.
+    """
+
+    def __init__(
+        self,
+        config_file_path: str | os.PathLike,
+        process_group: Any = None,
+        params_have_main_grad: bool | None = None,
+        opt_ty: str | None = None,
+    ) -> None:
+        if opt_ty is not None:
+            logger.info("trainermon: opt_ty=%r is ignored; the optimizer is detected from the object", opt_ty)
+        if params_have_main_grad is not None:
+            logger.debug(
+                "trainermon: params_have_main_grad is detected from the parameters; the value is unused"
+            )
+        self.config_file_path = str(config_file_path)
+        self.loop = StepLoop(load_config(config_file_path), read_env(), self.config_file_path, process_group)
+        self.grad_acc_steps = 1
+        ref = weakref.ref(self)
+        atexit.register(lambda: (m := ref()) is not None and m.close())
+
+    def set_monitor(
+        self,
+        model: torch.nn.Module | Sequence[torch.nn.Module],
+        grad_acc_steps: int = 1,
+        optimizer: Any = None,
+        dp_group: Any = None,
+        tp_group: Any = None,
+        start_iteration: int = 0,
+    ) -> None:
+        """Attach to `model` (a module or a list of model chunks, vpp_stage = index) and `optimizer`.
+
+        Hooks the optimizer's step (per instance) and the adapter's always-on taps, opens this rank's
+        output and starts the background worker. Collective in dynamic mode (the config broadcast group).
+        Raises only for invalid arguments."""
+        from trainermon.adapters import AdapterContext, select_adapter
+
+        if self.loop.adapter is not None:
+            raise RuntimeError("trainermon: set_monitor() was already called on this monitor")
+        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        if not chunks or not all(isinstance(c, torch.nn.Module) for c in chunks):
+            raise TypeError("trainermon: set_monitor(model=...) needs a torch.nn.Module or a list of them")
+        for key, value, low in (
+            ("grad_acc_steps", grad_acc_steps, 1),
+            ("start_iteration", start_iteration, 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                kind = "a positive" if low else "a non-negative"
+                raise ValueError(f"trainermon: {key} must be {kind} integer, got {value!r}")
+        context = AdapterContext(
+            dp_group, tp_group, self.loop.process_group, grad_acc_steps, self.loop.faults
+        )
+        adapter = select_adapter(chunks, optimizer, context)
+        self.grad_acc_steps = context.grad_acc_steps  # the framework's own count where it has one
+        self.loop.attach(adapter, start_iteration)
+        logger.info(
+            "trainermon: attached (%s adapter, %d parameters); output in %s",
+            adapter.name,
+            len(self.loop.selection.params),
+            self.run_dir,
+        )
+
+    def step(self) -> None:
+        """Mark the end of a training step by hand, for loops whose optimizer cannot be hooked.
+
+        Collects the optimizer-side families from the current gradients, state and parameters, then ends
+        the step. Ignored (with one warning) when the optimizer's own step advances the monitor."""
+        if self.loop.hooked:
+            if not getattr(self, "_warned_manual_step", False):
+                self._warned_manual_step = True
+                logger.warning("trainermon: step() ignored: the optimizer's own step hooks advance the step")
+            return
+        self.loop.manual_step()
+
+    def flush(self, timeout: float | None = 60.0) -> None:
+        """Wait until every step handed to the worker is written by the exporters."""
+        if self.loop.worker is not None:
+            self.loop.worker.flush(timeout)
+
+    def close(self) -> None:
+        """Flush every collected step to the exporters and stop the worker. Idempotent."""
+        self.loop.close()
+
+    def state_dict(self) -> dict:
+        """The monitoring position to save with a checkpoint: the step, the schedule's count of collected
+        steps, the dynamic state, escalation, and the anomaly rules' history. Waits until the worker has
+        processed every submitted step (like `flush`), so that the rules' history is complete."""
+        self.flush()
+        return self.loop.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a saved `state_dict` (before or after `set_monitor`; collective in dynamic mode
+        when after). The step counter continues from the saved step."""
+        self.loop.load_state_dict(state)
+
+    # ---- read-only views -------------------------------------------------------------------------
+    @property
+    def run_dir(self) -> str:
+        return self.loop.outputs.run_dir
+
+    @property
+    def config(self) -> MonitorConfig:
+        return self.loop.config
+
+    @property
+    def current_step(self) -> int:
+        return self.loop.step
+
+    @property
+    def faults(self) -> FaultLog:
+        return self.loop.faults
+
+    @property
+    def last_batch(self) -> StatBatch | None:
+        """The last step the worker finalised (tests and interactive use)."""
+        return self.loop.last_batch
+
+    @property
+    def dropped_rows(self) -> int:
+        return 0 if self.loop.worker is None else self.loop.worker.dropped_rows
+
+
+__all__ = ["ConfigError", "PrintStructDone", "TrainerMon"]

@@ -1,0 +1,18 @@
+"""Configuration: typed sections (`schema`, the only defaults), validation (`parse`), the environment
+(`env`)."""
+
+from .env import Env, read_env
+from .parse import ConfigError, load_config, parse_config
+from .schema import AlertConfig, MonitorConfig, ParquetConfig, PrometheusConfig
+
+__all__ = [
+    "AlertConfig",
+    "ConfigError",
+    "Env",
+    "MonitorConfig",
+    "ParquetConfig",
+    "PrometheusConfig",
+    "load_config",
+    "parse_config",
+    "read_env",
+]

@@ -1,0 +1,108 @@
+"""The monitor's configuration as typed, frozen sections: msprobe's keys with msprobe's meaning, plus
+trainermon's own. These dataclasses hold the only defaults; `parse.parse_config` is the only way user input
+becomes one of them (every check is there)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainermon.stats.table import needs_nonfinite, needs_zeros
+
+
+@dataclass(frozen=True)
+class AlertConfig:
+    """msprobe's `alert` section plus `escalate_steps`: after an anomaly outside the activations, collect
+    every module's activations for this many steps (0: off). `dump` writes each anomaly to
+    `anomaly_detected/anomaly_rank{R}.jsonl` (msprobe's meaning); anomalies are logged and counted either
+    way."""
+
+    rules: tuple[dict, ...] = ()
+    dump: bool = False
+    escalate_steps: int = 0
+
+
+@dataclass(frozen=True)
+class ParquetConfig:
+    """A part file is completed every `steps_per_part` collected steps, or when a family buffers
+    `rows_per_part` rows, or `seconds_per_part` after the first buffered row (None: no time limit)."""
+
+    dir: str | None = None  # dataset root under MONITOR_OUTPUT_DIR (relative, no '..'); None = "parquet"
+    steps_per_part: int = 1000
+    rows_per_part: int = 250_000
+    seconds_per_part: float | None = 300.0
+    compression: str = "zstd"
+    compression_level: int | None = None
+
+
+@dataclass(frozen=True)
+class PrometheusConfig:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: the OS picks a free port; > 0: base port, the endpoint listens on port + LOCAL_RANK
+    advertise_host: str | None = None  # host in the file_sd target; None = host (or FQDN if 0.0.0.0)
+    sd_dir: str | None = "prometheus_sd"  # file_sd target files, relative to MONITOR_OUTPUT_DIR; None = none
+    per_parameter: bool = False
+    stats: tuple[str, ...] | None = None  # None = the numeric ops of the config
+    families: tuple[str, ...] | None = None  # None = every family
+    max_series: int = 10_000
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """Validated monitor configuration. Field names are msprobe's config keys (and trainermon's own)."""
+
+    targets: dict[str, dict] = field(default_factory=dict)
+    module_ranks: tuple[int, ...] = ()
+    start_step: int = 0
+    step_interval: int = 1
+    collect_times: int = 100_000_000
+    print_struct: bool = False
+    xy_distribution: bool = False
+    all_xy: bool = False
+    forward_only: bool = False
+    backward_only: bool = False
+    wg_distribution: bool = False
+    monitor_mbs_grad: bool = False
+    mv_distribution: bool = False
+    param_distribution: bool = False
+    cc_distribution: dict = field(default_factory=dict)
+    alert: AlertConfig = field(default_factory=AlertConfig)
+    ops: tuple[str, ...] = ("norm", "shape", "dtype")
+    eps: float = 1e-8
+    ndigits: int = 6
+    format: tuple[str, ...] = ("csv",)
+    step_count_per_record: int = 1
+    dynamic_on: bool = False
+    stack_info: bool = False
+    squash_name: bool = False
+    # trainermon's own keys
+    queue_size: int = 64
+    write_interval_s: float = 0.5  # how often the worker writes what is waiting; 0 = after every step
+    dynamic_watch: str = "inotify"  # how the config file is watched in dynamic mode: inotify or polling
+    parquet: ParquetConfig = field(default_factory=ParquetConfig)
+    prometheus: PrometheusConfig = field(default_factory=PrometheusConfig)
+
+    # ---- derived views -------------------------------------------------------------------------
+    @property
+    def wants_nonfinite(self) -> bool:
+        """NaN/Inf counting is on: min/max/norm/mean are then computed over finite values only."""
+        return needs_nonfinite(self.ops)
+
+    @property
+    def wants_zeros(self) -> bool:
+        return needs_zeros(self.ops)
+
+    @property
+    def collects_actv(self) -> bool:
+        # print_struct records the structure instead (and stops the run after the first step)
+        return (self.xy_distribution or self.all_xy) and not self.backward_only and not self.print_struct
+
+    @property
+    def collects_actv_grad(self) -> bool:
+        return (self.xy_distribution or self.all_xy) and not self.forward_only and not self.print_struct
+
+    @property
+    def collects_optimizer_side(self) -> bool:
+        return self.wg_distribution or self.mv_distribution or self.param_distribution
+
+    #: Keys whose change gives new output columns or sinks (a reloaded config opens a new run directory).
+    OUTPUT_KEYS = ("ops", "format", "step_count_per_record", "ndigits", "parquet", "prometheus")

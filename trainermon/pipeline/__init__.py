@@ -1,0 +1,2 @@
+"""Off the training thread: the background worker (transport), what a step becomes (`derive`), and the
+anomaly rules."""

@@ -1,0 +1,53 @@
+"""From a submitted step to the batch exporters see: finalise the partials, derive the step's values
+(global gradient norm, loss scale), and run the anomaly rules. Runs on the worker thread only."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import numpy as np
+
+from trainermon.collect.records import Derived, StatBatch, StepPayload
+from trainermon.failsafe import FaultLog
+from trainermon.stats import NANS, SUMSQ, finalize
+
+from .anomaly import AnomalyDetector
+
+
+class Deriver:
+    """`deriver(payload) -> StatBatch`. `dropped` reports the worker's cumulative dropped-row count."""
+
+    def __init__(self, faults: FaultLog, detector: AnomalyDetector | None = None) -> None:
+        self.faults = faults
+        self.detector = detector
+        self.dropped: Callable[[], int] = lambda: 0
+
+    def __call__(self, payload: StepPayload) -> StatBatch:
+        if payload.ready is not None:
+            payload.ready.synchronize()
+        partials = payload.partials.numpy()
+        rows = payload.rows
+        dropped = np.isnan(partials[:, NANS])  # rows a rank could not compute (StepCollector.finish)
+        if dropped.any():
+            keep = np.flatnonzero(~dropped)
+            partials = partials[keep]
+            rows = tuple(rows[i] for i in keep)
+        numel = np.fromiter((r.numel for r in rows), dtype=np.float64, count=len(rows))
+        values = finalize(partials, numel)
+        # Global gradient norm from the per-parameter sums of squares (exact across shards, since each
+        # written row is already the full parameter's merged statistic).
+        reduced = [i for i, r in enumerate(rows) if r.family == "grad_reduced"]
+        norm = float(np.sqrt(np.sum(partials[reduced, SUMSQ]))) if reduced else None
+        scale = payload.scalars.loss_scale
+        derived = Derived(
+            global_grad_norm=norm,
+            loss_scale=None if scale is None else float(scale),
+            dropped_rows=self.dropped(),
+            monitor_faults=self.faults.total,
+        )
+        batch = StatBatch(payload.step, rows, values, payload.scalars, derived)
+        if self.detector is not None:
+            self.detector.check(batch)
+            batch = replace(batch, derived=replace(derived, anomalies_total=self.detector.totals()))
+        return batch

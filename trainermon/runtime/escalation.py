@@ -1,0 +1,30 @@
+"""Escalation: after an anomaly outside the activations, collect every module's activations for
+`alert.escalate_steps` steps. The anomaly is found on the worker thread; it only leaves a request here,
+which the step loop applies at its next step boundary (so every hook of a step sees one decision)."""
+
+from __future__ import annotations
+
+import collections
+
+
+class Escalation:
+    def __init__(self) -> None:
+        self._requests: collections.deque[int] = collections.deque()  # appends/pops are atomic
+        self.until = -1  # last step of the current escalation
+
+    def request(self, steps: int) -> None:
+        """Worker thread: escalate for `steps` steps from the next step boundary on."""
+        if steps > 0:
+            self._requests.append(steps)
+
+    def active_at(self, step: int) -> bool:
+        """Step boundary (training thread): apply waiting requests; True while `step` is escalated."""
+        while self._requests:
+            self.until = max(self.until, step + self._requests.popleft() - 1)
+        return step <= self.until
+
+    def state_dict(self) -> dict:
+        return {"until": self.until}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.until = int(state.get("until", -1))

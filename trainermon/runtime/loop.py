@@ -1,0 +1,381 @@
+"""The step loop: the only owner of step state, and the only caller of collectives.
+
+Lifecycle of one step (step = optimizer step, from `start_iteration`):
+
+    begin        poll the dynamic config (one small broadcast when distributed), plan the step
+                 (`plan.plan_step`), apply escalation, `probe.begin(plan)`: hooks are armed only on
+                 collected steps
+    forward /    activation hooks and gradient taps add rows to the collector (`record`, `record_local`)
+    backward
+    pre          the adapter's `events.pre()`: reduced gradients ready, update not run: `probe.pre_optim`
+    post         the adapter's `events.post(scalars)`: `probe.post_optim`, then, on a collected step, one
+                 packed reduction per process group and one device-to-host copy (`StepCollector.finish`),
+                 the immutable payload to the worker, `probe.end`; then the next step's begin
+
+Every probe call is fail-open: an error is logged once, counted in `faults`, and training continues.
+Costs per step that is not collected: one flag check per hook that is always installed, the control poll
+(dynamic mode), and the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from trainermon.collect.collector import StepCollector
+from trainermon.collect.records import StatBatch, StepScalars
+from trainermon.collect.transfer import TransferCounter
+from trainermon.config import Env, MonitorConfig
+from trainermon.failsafe import FaultLog
+from trainermon.pipeline.derive import Deriver
+from trainermon.pipeline.worker import BackgroundWorker
+from trainermon.stats.engine import EngineOptions, StatsEngine
+
+from .control import DynamicControl
+from .escalation import Escalation
+from .outputs import Outputs
+from .plan import Schedule, StepPlan, plan_step
+from .selection import ParamSelection, select_params
+
+logger = logging.getLogger("trainermon")
+STATE_VERSION = 1
+
+
+def engine_options(config: MonitorConfig) -> EngineOptions:
+    return EngineOptions(
+        nonfinite=config.wants_nonfinite, zeros_eps=config.eps if config.wants_zeros else None
+    )
+
+
+def dist_info() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class StepLoop:
+    def __init__(self, config: MonitorConfig, env: Env, config_path: str, process_group: Any = None) -> None:
+        self.config = config
+        self.env = env
+        self.process_group = process_group
+        self.faults = FaultLog()
+        self.rank, self.world_size = dist_info()
+        self.engine = StatsEngine(engine_options(config))
+        self.transfers = TransferCounter()
+        self.collector = StepCollector(self.engine, self.transfers, self.faults)
+        self.schedule = Schedule(config)
+        self.escalation = Escalation()
+        self.outputs = Outputs(env, self.rank, self.world_size, self.faults)
+        self.control = (
+            DynamicControl(config_path, config, polling=config.dynamic_watch == "polling")
+            if env.dynamic
+            else None
+        )
+        self.step = 0
+        self.plan = StepPlan(step=0)
+        self.adapter: Any = None
+        self.worker: BackgroundWorker | None = None
+        self.detector: Any = None
+        self.selection = ParamSelection()
+        self.probes: list[Any] = []
+        self.hooked = False  # the adapter fires the step events (else the user calls step())
+        self.last_batch: StatBatch | None = None
+        self.own_time_total_s = 0.0  # the monitor's time on the training thread, summed
+        self._step_mark = 0.0
+        self._depth = 0
+        self._entered = 0.0
+        self._lock = threading.Lock()
+        self._handles: list[Any] = []
+        self._subscribers: list[Callable[[MonitorConfig], None]] = []
+        self._pending_state: dict | None = None
+        self.closed = False
+
+    # ==== attaching ================================================================================
+    def attach(self, adapter: Any, start_iteration: int) -> None:
+        """Wire the probes, the worker and the adapter's step events; begin the first step."""
+        from .probes import ActivationProbe, GradientProbe, OptimizerProbe, SideOutputsProbe
+
+        self.adapter = adapter
+        self.step = start_iteration
+        self.detector = self._make_detector()
+        deriver = Deriver(self.faults, self.detector)
+        self.worker = BackgroundWorker(
+            self.outputs.open(self.config),
+            self.faults,
+            deriver,
+            self.config.queue_size,
+            observers=(self._observe,),
+            interval_s=self.config.write_interval_s,
+        )
+        deriver.dropped = lambda: self.worker.dropped_rows
+        self.probes = [
+            ActivationProbe(self),
+            GradientProbe(self),
+            OptimizerProbe(self),
+            SideOutputsProbe(self),
+        ]
+        self.subscribe(self._reselect)
+        for probe in self.probes:
+            self.subscribe(probe.configure)
+        self._publish(self.config)
+        for probe in self.probes:
+            self._handles += probe.attach()
+        if self.control is not None:
+            self.control.attach(self.process_group)  # collective across ranks
+        step_handles = adapter.attach_step(_Events(self))
+        self.hooked = bool(step_handles)
+        self._handles += step_handles
+        if self._pending_state is not None:
+            self._restore(self._pending_state)
+        self._begin()
+
+    def subscribe(self, fn: Callable[[MonitorConfig], None]) -> None:
+        """`fn(config)` runs now-and-then: at attach and at every config reload (the one reload path)."""
+        self._subscribers.append(fn)
+
+    def _reselect(self, config: MonitorConfig) -> None:
+        self.selection = select_params(self.adapter, config)
+
+    def _publish(self, config: MonitorConfig) -> None:
+        self.config = config
+        for fn in self._subscribers:
+            fn(config)
+
+    def _make_detector(self) -> Any:
+        from trainermon.pipeline.anomaly import AnomalyDetector, parse_rules
+
+        rules = parse_rules(self.config.alert.rules)
+        pp_stage = 0
+        if self.process_group is not None:
+            import torch.distributed as dist
+
+            pp_stage = dist.get_group_rank(self.process_group, self.rank)
+        # Always built (with no rules it finds nothing): a reload may add rules and keeps its history.
+        detector = AnomalyDetector(rules, self.outputs.root, self.rank, pp_stage, self.config.alert.dump)
+        detector.on_anomaly.append(self._escalate)
+        return detector
+
+    def _escalate(self, step: int, anomalies: list) -> None:
+        """Worker thread: an anomaly outside the activations asks for every module's activations."""
+        if any(a.family not in ("actv", "actv_grad") for a in anomalies):
+            self.escalation.request(self.config.alert.escalate_steps)
+
+    def _observe(self, batch: StatBatch) -> None:
+        self.last_batch = batch  # worker thread
+
+    # ==== rows (called by probes, from hooks) ========================================================
+    def record(self, family: str, entries: list, also_as: str | None = None) -> None:
+        """Rows for (vpp_stage, name, micro_step, TensorPiece) entries (see `StepCollector.add`)."""
+        self._enter()
+        try:
+            with self._lock:
+                self.collector.add(family, entries, also_as=also_as)
+        finally:
+            self._exit()
+
+    def record_local(
+        self, family: str, vpp_stage: int, labels: list, micro: int | None, tensors: Any
+    ) -> None:
+        """Rows for this rank's own tensors seen by a hook (see `StepCollector.add_local`)."""
+        self._enter()
+        try:
+            with self._lock:
+                self.collector.add_local(family, vpp_stage, labels, micro, tensors)
+        finally:
+            self._exit()
+
+    # ==== the step events ===========================================================================
+    def on_pre_optim(self) -> None:
+        if not self.plan.scheduled:
+            return
+        self._enter()
+        try:
+            self._each("pre_optim", "optimizer pre-step")
+        finally:
+            self._exit()
+
+    def on_post_optim(self, scalars: StepScalars) -> None:
+        self._enter()
+        try:
+            try:
+                if self.plan.scheduled:
+                    self._each("post_optim", "optimizer post-step")
+                if self.plan.collecting:
+                    self._end_collected(scalars)
+            except Exception as exc:  # noqa: BLE001 - PrintStructDone is no Exception: it propagates
+                self.faults.record("optimizer post-step", exc)
+                self.collector.reset()
+            self.step += 1
+            try:
+                self._begin()
+            except Exception as exc:  # noqa: BLE001
+                self.faults.record("begin step", exc)
+                self.plan = StepPlan(step=self.step)
+        finally:
+            self._exit()
+
+    def manual_step(self) -> None:
+        """The step boundary for loops whose optimizer is not hooked (`TrainerMon.step()`)."""
+        self.on_pre_optim()
+        self.on_post_optim(StepScalars())
+
+    def _each(self, method: str, where: str) -> None:
+        for probe in self.probes:
+            try:
+                getattr(probe, method)(self.plan)
+            except Exception as exc:  # noqa: BLE001
+                self.faults.record(where, exc)
+
+    def _begin(self) -> None:
+        if self.control is not None:
+            try:
+                new = self.control.poll()
+            except Exception as exc:  # noqa: BLE001
+                self.faults.record("dynamic control", exc)
+                new = None
+            if new is not None:
+                self._reload(new)
+        config = self.config
+        scheduled = (self.control is None or config.dynamic_on) and self.schedule.wants(self.step)
+        self.plan = plan_step(config, self.step, scheduled, self.escalation.active_at(self.step))
+        self._step_mark = self._time_now()
+        if self.adapter is not None:
+            self.adapter.new_step()
+        for probe in self.probes:
+            probe.begin(self.plan)
+
+    def _end_collected(self, scalars: StepScalars) -> None:
+        plan = self.plan
+        if plan.scheduled:
+            self.schedule.mark_collected()
+        payload = self.collector.finish(plan.step, scalars)
+        own_ms = (self._time_now() - self._step_mark) * 1e3
+        payload = dataclasses.replace(
+            payload, scalars=dataclasses.replace(payload.scalars, monitor_time_ms=own_ms)
+        )
+        if self.worker is not None:
+            self.worker.submit(payload)  # immutable from here on
+        for probe in self.probes:
+            probe.end(plan)
+        if self.control is not None and self.config.dynamic_on and self.schedule.exhausted:
+            # The last collection of this switch-on is done: off in the file (rank 0 writes it) and, on
+            # every rank at this same step, in memory, without waiting for the watcher to see the write.
+            self.control.switch_off_in_file()
+            self.config = dataclasses.replace(self.config, dynamic_on=False)
+
+    def _reload(self, config: MonitorConfig) -> None:
+        """Dynamic mode: a new config from the watched file, applied on every rank at this same step."""
+        old = self.config
+        self.engine.options = engine_options(config)
+        self.schedule = Schedule(config)  # a new config restarts the collection count
+        self.detector.rules = _rules(config)
+        self.detector.dump = config.alert.dump
+        self._publish(config)
+        if self.worker is not None:
+            self.worker.set_interval(config.write_interval_s)
+            if any(getattr(old, k) != getattr(config, k) for k in MonitorConfig.OUTPUT_KEYS):
+                self.worker.replace_exporters(self.outputs.renew(config))  # new columns or sinks
+        logger.info(
+            "trainermon: config reloaded at step %d: dynamic_on=%s, collect_times=%d",
+            self.step,
+            config.dynamic_on,
+            config.collect_times,
+        )
+
+    # ==== own time ====================================================================================
+    def _enter(self) -> None:
+        if self._depth == 0:
+            self._entered = time.perf_counter()
+        self._depth += 1
+
+    def _exit(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self.own_time_total_s += time.perf_counter() - self._entered
+
+    def _time_now(self) -> float:
+        """The running own-time total, including the call in progress."""
+        if self._depth:
+            return self.own_time_total_s + (time.perf_counter() - self._entered)
+        return self.own_time_total_s
+
+    # ==== checkpoint ===================================================================================
+    def state_dict(self) -> dict:
+        return {
+            "version": STATE_VERSION,
+            "step": self.step,
+            "schedule_collected": self.schedule.collected,
+            "dynamic_on": self.config.dynamic_on,
+            "escalation": self.escalation.state_dict(),
+            "detector": self.detector.state_dict() if self.detector is not None else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"trainermon: state version {state.get('version')!r}; allowed: {STATE_VERSION}")
+        if self.adapter is None:
+            self._pending_state = state  # applied when set_monitor attaches
+            return
+        self._restore(state)
+        for probe in self.probes:  # the current step's plan came from the state before the load
+            probe.begin(StepPlan(step=self.step))
+        self.collector.reset()
+        self._begin()
+
+    def _restore(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.schedule.collected = int(state["schedule_collected"])
+        if self.control is not None and bool(state.get("dynamic_on")) != self.config.dynamic_on:
+            self.config = dataclasses.replace(self.config, dynamic_on=bool(state["dynamic_on"]))
+        self.escalation.load_state_dict(state.get("escalation", {}))
+        if self.detector is not None and state.get("detector") is not None:
+            self.detector.load_state_dict(state["detector"])
+        self._pending_state = None
+
+    # ==== shutdown =====================================================================================
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for probe in self.probes:
+            try:
+                probe.close()
+            except Exception as exc:  # noqa: BLE001
+                self.faults.record("probe close", exc)
+        if self.control is not None:
+            self.control.close()
+        for handle in self._handles:
+            try:
+                handle.remove()
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
+        self._handles.clear()
+        if self.adapter is not None:
+            try:
+                self.adapter.close()
+            except Exception as exc:  # noqa: BLE001
+                self.faults.record("adapter close", exc)
+        if self.worker is not None:
+            self.worker.close()
+        if self.detector is not None:
+            self.detector.close()
+
+
+class _Events:
+    """The loop's step events as the adapter sees them (`adapters.base.StepEvents`)."""
+
+    def __init__(self, loop: StepLoop) -> None:
+        self.pre = loop.on_pre_optim
+        self.post = loop.on_post_optim
+
+
+def _rules(config: MonitorConfig) -> list:
+    from trainermon.pipeline.anomaly import parse_rules
+
+    return parse_rules(config.alert.rules)

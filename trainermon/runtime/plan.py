@@ -1,0 +1,69 @@
+"""What a step collects: a pure function of the config, the step and the schedule's position.
+
+Steps are optimizer steps, counted from `start_iteration`. Collected steps are start_step, start_step +
+step_interval, ... until collect_times steps have been collected (msprobe's definition); in dynamic mode
+only while `dynamic_on` is true. After an anomaly, escalation adds every module's activations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainermon.config import MonitorConfig
+
+
+class Schedule:
+    """Which steps the configured families are collected at; it counts the collections made."""
+
+    def __init__(self, config: MonitorConfig, collected: int = 0) -> None:
+        self.start_step = config.start_step
+        self.step_interval = config.step_interval
+        self.collect_times = config.collect_times
+        self.collected = collected
+
+    def wants(self, step: int) -> bool:
+        if self.collected >= self.collect_times or step < self.start_step:
+            return False
+        return (step - self.start_step) % self.step_interval == 0
+
+    def mark_collected(self) -> None:
+        self.collected += 1
+
+    @property
+    def exhausted(self) -> bool:
+        return self.collected >= self.collect_times
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The families and hooks of one step. `scheduled`: the configured families; `escalating`: every
+    module's activations because of a recent anomaly."""
+
+    step: int
+    scheduled: bool = False
+    escalating: bool = False
+    actv: bool = False
+    actv_grad: bool = False
+    grads: bool = False  # wg_distribution: grad_unreduced and grad_reduced
+    microbatch_grads: bool = False  # monitor_mbs_grad: each micro-batch's own grad_unreduced
+    moments: bool = False  # mv_distribution
+    params: bool = False  # param_distribution
+
+    @property
+    def collecting(self) -> bool:
+        """Anything is collected: this step ends with a hand-off to the worker."""
+        return self.scheduled or self.escalating
+
+
+def plan_step(config: MonitorConfig, step: int, scheduled: bool, escalating: bool) -> StepPlan:
+    """The plan of `step`, given whether the schedule wants it and whether escalation is on."""
+    return StepPlan(
+        step=step,
+        scheduled=scheduled,
+        escalating=escalating,
+        actv=(scheduled and config.collects_actv) or escalating,
+        actv_grad=(scheduled and config.collects_actv_grad) or escalating,
+        grads=scheduled and config.wg_distribution,
+        microbatch_grads=scheduled and config.wg_distribution and config.monitor_mbs_grad,
+        moments=scheduled and config.mv_distribution,
+        params=scheduled and config.param_distribution,
+    )

@@ -1,0 +1,19 @@
+"""Probes: the parts of the step loop that see tensors. Each has named lifecycle hooks, all called
+fail-open by the loop:
+
+    attach()            once, at set_monitor: install what stays installed (returns removable handles)
+    configure(config)   at attach and at every config reload
+    begin(plan)         at every step boundary: arm or disarm hooks for this step's plan
+    pre_optim(plan)     collected steps: reduced gradients ready, the update not run yet
+    post_optim(plan)    collected steps: the update done
+    end(plan)           collected steps, after the hand-off to the worker
+    close()
+"""
+
+from .activations import ActivationProbe
+from .base import Probe
+from .gradients import GradientProbe
+from .optimizer import OptimizerProbe
+from .side_outputs import SideOutputsProbe
+
+__all__ = ["ActivationProbe", "GradientProbe", "OptimizerProbe", "Probe", "SideOutputsProbe"]

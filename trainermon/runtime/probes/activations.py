@@ -1,0 +1,188 @@
+"""actv and actv_grad: module hooks, armed only on collected steps.
+
+- actv: a forward hook records each selected module's floating-point inputs and outputs (msprobe's names:
+  `name.input`, `name.output`, `name.output_0`, ... for several).
+- actv_grad: a forward pre-hook gives the module views of its inputs, so that a hook on each view sees
+  exactly the gradient that flows into this module (not the sum over every consumer of the tensor); the
+  forward hook hooks each output. A parameter returned as an output (Megatron's skip_bias_add bias) is
+  replaced by a view of it for this call: a hook on the parameter would fire for every later backward.
+- A forward recomputed during backward (activation checkpointing) is not counted twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trainermon.config import MonitorConfig
+
+from ..plan import StepPlan
+from ..selection import select_modules
+from .base import Probe
+
+
+def is_activation(t: Any) -> bool:
+    """Activations are floating point, complex or quantized tensors (the engine reads or refuses them,
+    never silently); integer tensors (token ids, masks) are not activations."""
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex() or t.is_quantized)
+
+
+def activations_in(obj: Any) -> list[torch.Tensor]:
+    """Top-level activation tensors of a module's inputs or outputs (tensor, tuple/list, dict values)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj] if is_activation(obj) else []
+    if isinstance(obj, (tuple, list)):
+        return [t for t in obj if is_activation(t)]
+    if isinstance(obj, dict):
+        return [t for t in obj.values() if is_activation(t)]
+    return []
+
+
+def io_names(base: str, count: int) -> list[str]:
+    return [base] if count == 1 else [f"{base}_{i}" for i in range(count)]
+
+
+def replace_tensors(obj: Any, by_id: dict[int, torch.Tensor]) -> Any:
+    """`obj` (a tensor, tuple, list or dict of them) with the tensors whose id is in `by_id` replaced."""
+    if isinstance(obj, torch.Tensor):
+        return by_id.get(id(obj), obj)
+    if type(obj) in (tuple, list):
+        return type(obj)(by_id.get(id(t), t) if isinstance(t, torch.Tensor) else t for t in obj)
+    if isinstance(obj, dict):
+        return {k: by_id.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in obj.items()}
+    return obj
+
+
+def in_backward() -> bool:
+    """A forward recomputed inside backward (activation checkpointing)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class ActivationProbe(Probe):
+    def __init__(self, loop: Any) -> None:
+        super().__init__(loop)
+        self.modules: list[tuple[int, str, torch.nn.Module]] = []
+        self._every: list | None = None  # every module, built on first escalation
+        self._handles: list[Any] = []
+        self._calls: dict[int, int] = {}  # module id -> forward calls this step (the micro_step)
+        self._actv = self._actv_grad = False
+
+    def configure(self, config: MonitorConfig) -> None:
+        self._every = None
+        self.modules = []
+        if not (config.collects_actv or config.collects_actv_grad):
+            return
+        if config.module_ranks and self.loop.rank not in config.module_ranks:
+            return
+        self.modules = select_modules(self.loop.adapter, config, every=config.all_xy or not config.targets)
+
+    def begin(self, plan: StepPlan) -> None:
+        self._remove()
+        self._calls.clear()
+        self._actv, self._actv_grad = plan.actv, plan.actv_grad
+        if not (plan.actv or plan.actv_grad):
+            return
+        modules = self.modules
+        if plan.escalating:
+            if self._every is None:
+                self._every = select_modules(self.loop.adapter, self.loop.config, every=True)
+            modules = self._every
+        for vpp_stage, name, module in modules:
+            if plan.actv_grad:
+                self._handles.append(
+                    module.register_forward_pre_hook(self._pre_hook(vpp_stage, name), with_kwargs=True)
+                )
+            self._handles.append(
+                module.register_forward_hook(self._fwd_hook(vpp_stage, name), with_kwargs=True)
+            )
+
+    def close(self) -> None:
+        self._remove()
+
+    def _remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # ---- hooks ---------------------------------------------------------------------------------
+    def _pre_hook(self, vpp_stage: int, name: str):
+        loop = self.loop
+
+        def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
+            try:
+                if in_backward() or not torch.is_grad_enabled():
+                    return None
+                micro = self._calls.get(id(module), 0)
+                keys = [i for i, a in enumerate(args) if is_activation(a)]
+                keys += [k for k, v in kwargs.items() if is_activation(v)]
+                labels = io_names(f"{name}.input_grad", len(keys))
+                new_args, new_kwargs = list(args), dict(kwargs)
+                # One view per distinct tensor: a module called as attn(h, h, h) must still see the same
+                # object three times (nn.MultiheadAttention takes its packed self-attention path only
+                # when query is key is value; distinct views cost an extra projection and ~4% memory).
+                views: dict[int, tuple[torch.Tensor, list[str]]] = {}
+                for key, label in zip(keys, labels):
+                    holder = new_args if isinstance(key, int) else new_kwargs
+                    tensor = holder[key]
+                    if tensor.requires_grad:
+                        if id(tensor) not in views:
+                            views[id(tensor)] = (tensor.view_as(tensor), [])
+                        view, view_labels = views[id(tensor)]
+                        view_labels.append(label)
+                        holder[key] = view
+                for view, view_labels in views.values():
+                    view.register_hook(self._grad_hook(vpp_stage, view_labels, micro))
+                return tuple(new_args), new_kwargs
+            except Exception as exc:  # noqa: BLE001
+                loop.faults.record("forward pre-hook", exc)
+                return None
+
+        return pre_hook
+
+    def _fwd_hook(self, vpp_stage: int, name: str):
+        loop = self.loop
+
+        def fwd_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            try:
+                if in_backward():
+                    return None  # recomputed forward inside backward: already counted
+                key = id(module)
+                micro = self._calls.get(key, 0)
+                self._calls[key] = micro + 1
+                outputs = activations_in(output)
+                if self._actv:
+                    inputs = activations_in(args) + activations_in(kwargs)
+                    if inputs or outputs:
+                        labels = io_names(f"{name}.input", len(inputs)) + io_names(
+                            f"{name}.output", len(outputs)
+                        )
+                        loop.record_local("actv", vpp_stage, labels, micro, inputs + outputs)
+                if self._actv_grad and torch.is_grad_enabled():
+                    leaves: dict[int, torch.Tensor] = {}
+                    for label, t in zip(io_names(f"{name}.output_grad", len(outputs)), outputs):
+                        if t.requires_grad:
+                            if t.is_leaf:  # a parameter as an output: hook this call's view of it
+                                view = leaves[id(t)] = t.view_as(t)
+                                t = view
+                            t.register_hook(self._grad_hook(vpp_stage, [label], micro))
+                    if leaves:
+                        return replace_tensors(output, leaves)
+            except Exception as exc:  # noqa: BLE001
+                loop.faults.record("forward hook", exc)
+            return None
+
+        return fwd_hook
+
+    def _grad_hook(self, vpp_stage: int, labels: list[str], micro: int):
+        """One row per label (one tensor passed as several inputs: one row each, computed once)."""
+        loop = self.loop
+
+        def grad_hook(grad: torch.Tensor) -> None:
+            try:
+                if loop.plan.collecting and grad is not None:
+                    loop.record_local("actv_grad", vpp_stage, labels, micro, (grad,) * len(labels))
+            except Exception as exc:  # noqa: BLE001
+                loop.faults.record("activation-gradient hook", exc)
+
+        return grad_hook
