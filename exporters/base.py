@@ -19,6 +19,7 @@ class RunInfo:
     world_size: int
     run_id: str
     config: MonitorConfig
+    local_rank: int = 0  # LOCAL_RANK (the Prometheus port offset), read once with the environment
 
 
 class Exporter(ABC):

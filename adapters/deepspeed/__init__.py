@@ -35,9 +35,7 @@ DeepSpeed is imported only once the user has imported it.
 
 from __future__ import annotations
 
-import gc
 import logging
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,63 +48,9 @@ from trainermon.names import clean_name
 
 from ..base import GRAD_REDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
 from ..common import Restore, guarded
+from .engine import find_engine
 
 logger = logging.getLogger("trainermon")
-
-
-# ==== finding the engine =========================================================================
-def _deepspeed_loaded() -> bool:
-    # Only a program that imported DeepSpeed can hand us its objects; everyone else never imports it.
-    return "deepspeed" in sys.modules
-
-
-def _engine_type() -> type | None:
-    try:
-        from deepspeed.runtime.engine import DeepSpeedEngine
-    except Exception:  # noqa: BLE001 - a broken DeepSpeed install must not break other adapters
-        return None
-    return DeepSpeedEngine
-
-
-def _optimizer_chain(optimizer: Any) -> list[Any]:
-    """The optimizer and what it wraps: Accelerate's DeepSpeedOptimizerWrapper -> ZeRO optimizer ->
-    basic torch optimizer (each holds the next as `.optimizer`)."""
-    chain: list[Any] = []
-    while optimizer is not None and all(optimizer is not o for o in chain) and len(chain) < 8:
-        chain.append(optimizer)
-        optimizer = getattr(optimizer, "optimizer", None)
-    return chain
-
-
-def find_engine(chunks: Sequence[Any], optimizer: Any) -> Any | None:
-    """The DeepSpeedEngine behind a model (the engine or `engine.module`) and/or an optimizer (the
-    engine, `engine.optimizer`, a wrapper of it, or the basic optimizer)."""
-    if not _deepspeed_loaded():
-        return None
-    engine_type = _engine_type()
-    if engine_type is None:
-        return None
-    for chunk in chunks:
-        if isinstance(chunk, engine_type):
-            return chunk
-    chain = _optimizer_chain(optimizer)
-    for obj in chain:
-        if isinstance(obj, engine_type):
-            return obj
-        inner = getattr(obj, "engine", None)  # Accelerate's DeepSpeedEngineWrapper
-        if isinstance(inner, engine_type):
-            return inner
-    # engine.module and engine.optimizer hold no reference back to the engine: look for it once, at
-    # set_monitor time, among live objects (a linear scan, no stack walks, not on any hot path).
-    wanted_modules = {id(c) for c in chunks}
-    wanted_opts = {id(o) for o in chain}
-    for obj in gc.get_objects():
-        # type(), not isinstance(): some lazy module proxies warn when asked for __class__.
-        if issubclass(type(obj), engine_type):
-            opts = (getattr(obj, "optimizer", None), getattr(obj, "basic_optimizer", None))
-            if id(obj.module) in wanted_modules or any(o is not None and id(o) in wanted_opts for o in opts):
-                return obj
-    return None
 
 
 # ==== per-kind access to the optimizer-side tensors ==============================================

@@ -79,8 +79,7 @@ class PrometheusExporter(Exporter):
         self.m = Metrics(pc, self.rank, run.run_id, self.per_parameter, rules, list(run.config.format))
 
         host = section.host
-        local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
-        port = section.port + local_rank if section.port > 0 else 0
+        port = section.port + run.local_rank if section.port > 0 else 0
         self.sd_path: str | None = None
         # Binding fails here (port taken, bad address): the sink is disabled with one error and training
         # goes on.

@@ -16,6 +16,7 @@ class Outputs:
 
     def __init__(self, env: Env, rank: int, world_size: int, faults: FaultLog) -> None:
         self.root = env.output_dir
+        self.local_rank = env.local_rank
         self.rank = rank
         self.world_size = world_size
         self.faults = faults
@@ -33,7 +34,9 @@ class Outputs:
         """The configured sinks, opened; one that cannot open is left out, counted and logged."""
         from trainermon.exporters import RunInfo, build_exporters
 
-        run = RunInfo(self.run_dir, self.root, self.rank, self.world_size, self.run_id, config)
+        run = RunInfo(
+            self.run_dir, self.root, self.rank, self.world_size, self.run_id, config, self.local_rank
+        )
         try:
             return build_exporters(run, faults=self.faults)
         except Exception as exc:  # noqa: BLE001 - a sink that cannot open must not stop training
