@@ -1,4 +1,4 @@
-"""DeepSpeed: the engine with ZeRO stages 0, 1, 2 and 3 (checked on deepspeed 0.19.8; shared/FRAMEWORKS.md).
+"""DeepSpeed: the engine with ZeRO stages 0, 1, 2 and 3 (checked on deepspeed 0.19.8 on CPU with gloo).
 
 What is hooked
 - The step: the engine's `_take_model_step` (it runs once per real optimizer step, at the accumulation
