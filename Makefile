@@ -17,7 +17,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml setup.py trainermon/stat
 SHELL := /bin/bash
 #: The engine's tests, run again under each CPU capability torch dispatches to and with the native kernel
 #: off: the accuracy contract must hold on every x86 host (AVX2 or AVX-512), not only this one.
-ENGINE_TESTS := tests/test_stats.py tests/test_engine_accuracy.py tests/test_fused.py
+ENGINE_TESTS := tests/unit/test_stats.py tests/unit/test_engine_accuracy.py tests/unit/test_fused.py
 
 .PHONY: venv demo test test-variants lint bench clean
 

@@ -1,7 +1,7 @@
 """The statistics engine: partial statistics (see `partials`) of batches of tensors, on their device.
 
 Accuracy contract, on every path and device, for any data, length (up to 1e9 elements), layout, grouping
-and order (tests/test_engine_accuracy.py checks it on adversarial inputs). With u = 2^-24:
+and order (tests/unit/test_engine_accuracy.py checks it on adversarial inputs). With u = 2^-24:
 
 - float32, bf16 and fp16 tensors: the sum of squares within 16u (9.6e-7) relative, so `norm` within 4.8e-7
   relative; the sum within 16u x sum|x|, so `mean` within 9.6e-7 x rms of the exact mean (rms = norm /

@@ -16,7 +16,7 @@ from torch import nn
 from trainermon import TrainerMon
 from trainermon.stats import EngineOptions, StatsEngine, finalize
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class _Net(nn.Module):
@@ -88,8 +88,7 @@ def test_one_transfer_per_collected_step_and_none_otherwise(tmp_path, monkeypatc
         monitor.close()
 
 
-def test_idle_dynamic_monitor_never_computes_or_transfers(tmp_path, monkeypatch):
-    monkeypatch.setenv("DYNAMIC_MONITOR", "true")
+def test_idle_dynamic_monitor_never_computes_or_transfers(tmp_path, dynamic_mode, monkeypatch):
     monitor, model, optimizer = _monitor(tmp_path, monkeypatch, dynamic_on=False)
     try:
         for _ in range(3):

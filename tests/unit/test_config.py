@@ -110,6 +110,6 @@ def test_constructor_raises_config_error(tmp_path):
 def test_example_config_at_repo_root_is_valid():
     import pathlib
 
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     cfg = load_config(root / "monitor_config.json")
     assert cfg.wg_distribution

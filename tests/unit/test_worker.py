@@ -145,14 +145,12 @@ def test_close_writes_what_is_waiting():
     assert not worker.submit(payload(3))  # closed: refused, nothing raised
 
 
-def test_monitor_takes_the_interval_from_its_config_and_a_reload(tmp_path, monkeypatch):
+def test_monitor_takes_the_interval_from_its_config_and_a_reload(tmp_path, out_dir, static_mode):
     from torch import nn
 
     from tests.helpers import read_family, write_config
     from trainermon import TrainerMon, parse_config
 
-    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
-    monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
     cfg = write_config(tmp_path / "cfg.json", wg_distribution=True, ops=["norm"], write_interval_s=60)
     torch.manual_seed(0)
     model = nn.Linear(4, 2)

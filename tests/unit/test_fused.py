@@ -225,8 +225,9 @@ def test_rows_rejects_what_the_kernel_cannot_read():
         assert fused.supports(t) is (type(t) is torch.nn.Parameter), type(t)
 
 
-HARNESS = os.path.join(os.path.dirname(__file__), "native", "kernel_check.c")
-KERNEL = os.path.join(os.path.dirname(os.path.dirname(__file__)), "trainermon", "stats", "_fused.c")
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/ (this file is in tests/unit/)
+HARNESS = os.path.join(TESTS, "native", "kernel_check.c")
+KERNEL = os.path.join(os.path.dirname(TESTS), "trainermon", "stats", "_fused.c")
 
 
 @pytest.mark.parametrize("arch", ["native", "aarch64"])

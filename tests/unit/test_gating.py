@@ -102,8 +102,7 @@ def test_module_ranks(tmp_path, monkeypatch, ranks, hooked):
     assert read_family(monitor.run_dir, "grad_reduced")  # module_ranks limits module hooks only
 
 
-def test_hooks_are_removed_on_steps_not_collected(tmp_path, monkeypatch):
-    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+def test_hooks_are_removed_on_steps_not_collected(tmp_path, out_dir):
     path = write_config(tmp_path / "cfg.json", xy_distribution=True, start_step=1, collect_times=1)
     model = nn.Sequential(nn.Linear(4, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -119,8 +118,7 @@ def test_hooks_are_removed_on_steps_not_collected(tmp_path, monkeypatch):
     assert counts == [0, 2, 0]  # installed for the collected step only
 
 
-def test_second_optimizer_does_not_advance_the_step(tmp_path, monkeypatch):
-    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+def test_second_optimizer_does_not_advance_the_step(tmp_path, out_dir):
     path = write_config(tmp_path / "cfg.json", wg_distribution=True)
     model, other = nn.Linear(2, 2), nn.Linear(2, 2)
     opt, other_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(other.parameters(), lr=0.1)
@@ -136,8 +134,7 @@ def test_second_optimizer_does_not_advance_the_step(tmp_path, monkeypatch):
     assert _steps(read_family(monitor.run_dir, "grad_reduced")) == [0, 1]
 
 
-def test_manual_step_without_optimizer(tmp_path, monkeypatch):
-    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+def test_manual_step_without_optimizer(tmp_path, out_dir):
     path = write_config(tmp_path / "cfg.json", wg_distribution=True, param_distribution=True)
     model = nn.Linear(3, 1)
     monitor = TrainerMon(path)
@@ -155,8 +152,7 @@ def test_manual_step_without_optimizer(tmp_path, monkeypatch):
     assert norms == pytest.approx({"weight": 3**0.5, "bias": 1.0})  # input ones(3): dW = ones(1, 3), db = 1
 
 
-def test_vpp_chunks_get_their_stage(tmp_path, monkeypatch):
-    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+def test_vpp_chunks_get_their_stage(tmp_path, out_dir):
     path = write_config(tmp_path / "cfg.json", wg_distribution=True, xy_distribution=True, forward_only=True)
     chunks = [nn.Sequential(nn.Linear(2, 2)), nn.Sequential(nn.Linear(2, 2))]
     opt = torch.optim.SGD([p for c in chunks for p in c.parameters()], lr=0.1)

@@ -26,7 +26,7 @@ from trainermon.collect.records import RowMeta, StatBatch
 from trainermon.exporters import RunInfo
 from trainermon.exporters.parquet import ParquetExporter
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FULL_OPS = ["norm", "min", "max", "mean", "zeros", "nans", "infs", "numel"]
 
 

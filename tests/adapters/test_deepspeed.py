@@ -308,7 +308,7 @@ def test_deepspeed_matrix(tmp_path: Path) -> None:
 
 
 def test_deepspeed_example_runs(tmp_path: Path) -> None:
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = tmp_path / "out"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(root)}
     proc = subprocess.run(

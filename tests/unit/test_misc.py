@@ -18,8 +18,7 @@ from trainermon import _device as device_mod
 from trainermon.names import clean_name, squash_name, unique_names
 
 
-def test_print_struct_writes_structure_then_stops(tmp_path, monkeypatch):
-    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+def test_print_struct_writes_structure_then_stops(tmp_path, out_dir):
     cfg = write_config(tmp_path / "cfg.json", print_struct=True)
     model = nn.Sequential(nn.Linear(3, 5), nn.ReLU())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -38,8 +37,7 @@ def test_print_struct_writes_structure_then_stops(tmp_path, monkeypatch):
     assert set(struct) == {"0", "1"}
 
 
-def test_stack_info_written_once_per_module(tmp_path, monkeypatch):
-    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+def test_stack_info_written_once_per_module(tmp_path, out_dir):
     cfg = write_config(tmp_path / "cfg.json", xy_distribution=True, stack_info=True)
     model = nn.Sequential(nn.Linear(3, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -68,8 +66,7 @@ def test_names():
     assert unique_names(["a", "a"], ["a", "a"]) == ["a", "a#1"]
 
 
-def test_wrapper_prefixes_removed_for_compiled_models(tmp_path, monkeypatch):
-    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+def test_wrapper_prefixes_removed_for_compiled_models(tmp_path, out_dir):
     cfg = write_config(tmp_path / "cfg.json", wg_distribution=True)
     inner = nn.Sequential(nn.Linear(2, 2))
     wrapped = torch.compile(inner, backend="eager")
@@ -122,8 +119,7 @@ class Checkpointed(nn.Module):
         return self.head(checkpoint(self.inner, x, use_reentrant=False))
 
 
-def test_recomputed_forward_is_not_counted_twice(tmp_path, monkeypatch):
-    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+def test_recomputed_forward_is_not_counted_twice(tmp_path, out_dir):
     cfg = write_config(tmp_path / "cfg.json", xy_distribution=True, ops=["norm"])
     torch.manual_seed(0)
     model = Checkpointed()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -22,10 +21,11 @@ import pytest
 import torch
 from torch import nn
 
+from tests.distributed import free_port
 from trainermon import TrainerMon
 from trainermon.demo import TinyGPT, synthetic_batch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RULES = os.path.join(REPO, "deploy", "prometheus", "trainermon_alerts.yml")
 RULES_TEST = os.path.join(REPO, "deploy", "prometheus", "trainermon_alerts_test.yml")
 DASHBOARD = os.path.join(REPO, "deploy", "grafana", "trainermon_dashboard.json")
@@ -52,12 +52,6 @@ def ensure_prometheus() -> tuple[str, str]:
     if prometheus is None or promtool is None:
         pytest.fail("apt-get installed 'prometheus' but the prometheus/promtool binaries are not on PATH")
     return prometheus, promtool
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def api(base: str, path: str, **params) -> dict:
@@ -126,7 +120,7 @@ class Trainer(threading.Thread):
             self.error = exc
 
 
-def test_prometheus_end_to_end(tmp_path, monkeypatch):
+def test_prometheus_end_to_end(tmp_path, out_dir):
     prometheus, promtool = ensure_prometheus()
     started = time.monotonic()
 
@@ -135,8 +129,7 @@ def test_prometheus_end_to_end(tmp_path, monkeypatch):
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=os.path.dirname(RULES))
         assert done.returncode == 0 and "SUCCESS" in done.stdout, done.stdout + done.stderr
 
-    out = tmp_path / "out"
-    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(out))
+    out = out_dir
     cfg = {
         "xy_distribution": True,
         "wg_distribution": True,

@@ -346,7 +346,7 @@ def test_fsdp_families_match_references(
 
 
 def test_example_script_runs(tmp_path: Path) -> None:
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, str(root / "examples" / "fsdp_train.py"), "--steps", "2", "--out", str(out)],

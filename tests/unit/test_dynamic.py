@@ -68,10 +68,8 @@ def _edit(path: str, **changes) -> Callable[[TrainerMon], None]:
 
 
 @pytest.fixture
-def dyn(tmp_path, monkeypatch):
-    monkeypatch.setenv("DYNAMIC_MONITOR", "true")
-    out = tmp_path / "out"
-    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(out))
+def dyn(tmp_path, out_dir, dynamic_mode):
+    out = out_dir
 
     def make(**keys) -> str:
         path = tmp_path / "monitor_config.json"
@@ -81,9 +79,7 @@ def dyn(tmp_path, monkeypatch):
     return make, str(out)
 
 
-def test_static_mode_ignores_edits(tmp_path, monkeypatch):
-    monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
-    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+def test_static_mode_ignores_edits(tmp_path, static_mode, out_dir):
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps({**BASE, "collect_times": 2}))
 

@@ -97,8 +97,7 @@ def _monitored_run(model: nn.Module, batches, config_path: str) -> TrainerMon:
 
 
 @pytest.mark.parametrize("mbs", [False, True], ids=["step-grads", "micro-batch-grads"])
-def test_every_family_matches_reference(tmp_path, monkeypatch, mbs):
-    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+def test_every_family_matches_reference(tmp_path, out_dir, mbs):
     cfg = write_config(
         tmp_path / "cfg.json",
         xy_distribution=True,
@@ -130,8 +129,7 @@ def test_every_family_matches_reference(tmp_path, monkeypatch, mbs):
         torch.testing.assert_close(p, q)
 
 
-def test_csv_layout_is_msprobes(tmp_path, monkeypatch):
-    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+def test_csv_layout_is_msprobes(tmp_path, out_dir):
     cfg = write_config(tmp_path / "cfg.json", xy_distribution=True, wg_distribution=True, ops=["min", "norm"])
     torch.manual_seed(0)
     monitor = _monitored_run(Net(), _batches(), cfg)

@@ -128,11 +128,10 @@ class SelfAttention(nn.Module):
         return self.attn(h, h, h, need_weights=False)[0]
 
 
-def test_one_tensor_passed_as_several_inputs_stays_one_object(tmp_path, monkeypatch):
+def test_one_tensor_passed_as_several_inputs_stays_one_object(tmp_path, out_dir):
     """attn(h, h, h) must still receive one object: nn.MultiheadAttention takes its packed self-attention
     path only when query is key is value, and the input-gradient taps must not change the model's code
     path. Each of the three input labels reports the gradient that flows into the module through h."""
-    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
     cfg = write_config(tmp_path / "c.json", xy_distribution=True, all_xy=True, ops=["norm", "min", "max"])
     torch.manual_seed(0)
     model = SelfAttention()
@@ -245,7 +244,7 @@ def test_the_same_live_tensor_is_still_reduced_once():
     assert first == second
 
 
-def test_a_parameter_returned_as_an_output_gets_one_gradient_row_per_call(tmp_path, monkeypatch):
+def test_a_parameter_returned_as_an_output_gets_one_gradient_row_per_call(tmp_path, out_dir):
     """Megatron's skip_bias_add returns the bias Parameter itself as an output. A hook on the Parameter
     would fire for every later backward (every micro-batch's gradient under the same row) and would never
     be removed; the monitor hooks a view of it for each call instead."""
@@ -268,7 +267,6 @@ def test_a_parameter_returned_as_an_output_gets_one_gradient_row_per_call(tmp_pa
             out, bias = self.lin(x)
             return (out + bias).sum()
 
-    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
     cfg = write_config(tmp_path / "c.json", xy_distribution=True, all_xy=True, ops=["norm"], ndigits=12)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -34,7 +34,7 @@ if importlib.util.find_spec("megatron") is None:  # the workers import it; this 
 
 OPS = ("norm", "mean", "min", "max")
 FAMILIES = ("grad_unreduced", "grad_reduced", "exp_avg", "exp_avg_sq", "param_origin", "param_updated")
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LR, CLIP, STEPS = 0.01, 0.05, 3
 CASES = [
     # fp32 model, FP32Optimizer inside a ChainedOptimizer, no overlap.
