@@ -179,15 +179,19 @@ def _norms(collector) -> list[float]:
     return payload.partials[:, 0].sqrt().tolist()
 
 
-def _same_address(size: int, address: int, tries: int = 200) -> torch.Tensor:
-    """A fresh tensor that the allocator placed at `address` (freed memory reused, as in training)."""
-    keep = []
-    for _ in range(tries):
-        t = torch.empty(size)
-        if t.data_ptr() == address:
-            return t
-        keep.append(t)  # hold it, so the next allocation tries another block
-    pytest.skip(f"the allocator did not reuse the freed block in {tries} allocations")
+@pytest.fixture
+def addresses_collide(monkeypatch):
+    """The worst case of memory reuse, made deterministic: the cache key loses the storage object's and
+    the data's addresses, so any later tensor of the same size, shape, layout and version looks like the
+    one computed before (what the allocator does when it hands freed memory and a freed storage object
+    back at the same addresses; waiting for it to happen made these tests skip in half the runs)."""
+    real = collector_module._value_key
+
+    def without_addresses(t):
+        key = real(t)
+        return None if key is None else (key[1],) + key[3:]
+
+    monkeypatch.setattr(collector_module, "_value_key", without_addresses)
 
 
 def test_memory_replaced_through_data_is_not_reused():
@@ -205,28 +209,26 @@ def test_memory_replaced_through_data_is_not_reused():
     assert _norms(collector) == pytest.approx([math.sqrt(32), 3 * math.sqrt(32)])
 
 
-def test_storage_released_with_resize_is_not_reused():
+def test_storage_released_with_resize_is_not_reused(addresses_collide):
     first = torch.empty(1024)
     first.fill_(1.0)
-    address = first.data_ptr()
     collector = _collector()
     collector.add_local("actv", 0, ["a.output"], 0, [first])
     first.untyped_storage().resize_(0)  # FSDP's way to free memory; `first` stays alive
-    second = _same_address(1024, address)
+    second = torch.empty(1024)
     second.fill_(2.0)  # the same version count as `first` had
     assert second._version == first._version
     collector.add_local("actv", 0, ["b.input"], 0, [second])
     assert _norms(collector) == pytest.approx([32.0, 64.0])
 
 
-def test_memory_of_a_dead_tensor_is_not_reused():
+def test_memory_of_a_dead_tensor_is_not_reused(addresses_collide):
     first = torch.empty(1024)
     first.fill_(1.0)
-    address = first.data_ptr()
     collector = _collector()
     collector.add_local("actv", 0, ["a.output"], 0, [first])
     del first
-    second = _same_address(1024, address)
+    second = torch.empty(1024)
     second.fill_(2.0)
     collector.add_local("actv", 0, ["b.input"], 0, [second])
     assert _norms(collector) == pytest.approx([32.0, 64.0])
