@@ -35,8 +35,11 @@ GRAD_REDUCED, GRAD_UNREDUCED, PARAM = "grad_reduced", "grad_unreduced", "param"
 class MonitoredParam:
     index: int  # position in the adapter's parameter list; the key used by taps
     vpp_stage: int
-    name: str  # the user's name, wrapper segments removed
+    name: str  # the single-process model's name, wrapper segments removed
     param: torch.nn.Parameter
+    #: This rank's copy is a piece of the full parameter (a tensor-parallel shard): how its own rows
+    #: (pre-reduce gradients) label it, e.g. `Shard(0)[tp=1/2]`.
+    local_shard: str = ""
 
 
 @dataclass
@@ -89,6 +92,27 @@ class Adapter(ABC):
     @abstractmethod
     def roots(self) -> list[torch.nn.Module]:
         """The unwrapped model chunks; module names are relative to these (vpp_stage = index)."""
+
+    def global_name(self, vpp_stage: int, name: str) -> str:
+        """The name a single-process model gives the module `name` of chunk `vpp_stage` (pipeline stages
+        renumber their layers, expert parallelism its experts). Parameters come named already."""
+        return name
+
+    def coordinates(self) -> dict[str, list[int]]:
+        """This rank's place in the parallel layout, {"tp": [rank, size], ...}; empty when unknown."""
+        return {}
+
+    def activation_shards(self, module: torch.nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Labels for the module's activation inputs and outputs (by position) that are pieces of a
+        larger tensor on this rank (a column-parallel layer's output), e.g. `Shard(-1)[tp=1/2]`."""
+        return (), ()
+
+    @property
+    def splits_model(self) -> bool:
+        """The model's tensors are spread over ranks that write different ones (pipeline stages, tensor
+        or expert parallelism): the global gradient norm sums every rank's written rows (one extra
+        one-element all-reduce per step that collects gradients)."""
+        return False
 
     def is_wrapper_module(self, module: torch.nn.Module) -> bool:
         """Modules that only wrap another one (not reported as layers)."""

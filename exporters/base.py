@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from trainermon.collect.records import StatBatch
 from trainermon.config import MonitorConfig
@@ -20,6 +20,11 @@ class RunInfo:
     run_id: str
     config: MonitorConfig
     local_rank: int = 0  # LOCAL_RANK (the Prometheus port offset), read once with the environment
+    #: This rank's place in the parallel layout, {"tp": [rank, size], "pp": ..., "dp": ..., "ep": ...}
+    #: (empty when the adapter knows none): which piece a per-rank row (activations, pre-reduce
+    #: gradients) comes from. Written with the run (CSV: `layout.json` in the run directory; Parquet: the
+    #: run metadata).
+    coords: dict = field(default_factory=dict)
 
 
 class Exporter(ABC):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import os
 
 import numpy as np
@@ -71,6 +72,9 @@ class CsvExporter(Exporter):
         self.ndigits = run.config.ndigits
         self.per_record = run.config.step_count_per_record
         os.makedirs(self.run_dir, exist_ok=True)
+        if run.coords:  # which piece of the parallel layout this rank's own rows come from
+            with open(os.path.join(self.run_dir, "layout.json"), "w", encoding="utf-8") as fh:
+                json.dump({"rank": run.rank, "world_size": run.world_size, **run.coords}, fh, sort_keys=True)
 
     def header(self, with_micro_step: bool) -> list[str]:
         head = ["vpp_stage", "name", "step"] + (["micro_step"] if with_micro_step else [])

@@ -286,6 +286,7 @@ class ParquetExporter(Exporter):
                     "rank": run.rank,
                     "world_size": run.world_size,
                     "run_dir": run.run_dir,
+                    "coords": run.coords,
                     "host": socket.gethostname(),
                     "pid": os.getpid(),
                     "torchelastic_run_id": os.environ.get("TORCHELASTIC_RUN_ID"),

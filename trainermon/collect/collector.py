@@ -2,8 +2,9 @@
 
 Lifecycle per collected step: `add(...)` any number of times from hooks (each call computes partials of
 its tensors on their device, no host sync), then `finish(step)` once at the step boundary: sharded rows
-are merged in one packed reduction per process group, every row is concatenated, and the result goes to
-the host in the step's single device-to-host copy (`transfer_to_host`).
+are merged with one packed reduction per process group (a row sharded over several groups takes part in
+each of theirs), every row is concatenated, and the result goes to the host in the step's single
+device-to-host copy (`transfer_to_host`).
 """
 
 from __future__ import annotations
@@ -17,21 +18,34 @@ from typing import Any
 import torch
 
 from trainermon.failsafe import FaultLog
-from trainermon.stats import NANS, NUM_PARTIALS, StatsEngine, Unreadable, empty_partials, reduce_across
+from trainermon.stats import (
+    NANS,
+    NUM_PARTIALS,
+    SUMSQ,
+    StatsEngine,
+    Unreadable,
+    empty_partials,
+    reduce_across,
+)
 from trainermon.stats.kinds import local_view
 
-from .placement import Local, Sharded, TensorPiece, writes_rows
+from .placement import Local, Placement, Sharded, TensorPiece, takes_part, writes_rows
 from .records import RowMeta, StepPayload, StepScalars
 from .transfer import TransferCounter, transfer_to_host
 
 
 @dataclass
-class _ShardedBlock:
-    group: Any
-    writes: bool
+class _ShardedRows:
+    """The step's rows that are merged across ranks at `finish`, in the order they were added (the same
+    on every rank of a group, since every rank adds its piece of each sharded tensor)."""
+
     rows: list[RowMeta] = field(default_factory=list)
+    order: list[int] = field(default_factory=list)  # each row's position among all of the step's rows
+    over: list[tuple[int, ...]] = field(default_factory=list)  # ids of the groups each row merges over
+    writes: list[bool] = field(default_factory=list)
     parts: list[torch.Tensor] = field(default_factory=list)
     flags: list[float] = field(default_factory=list)  # 1: a rank could not compute its piece of the row
+    groups: dict[int, Any] = field(default_factory=dict)  # id -> group, every group named by a row
 
 
 class StepCollector:
@@ -42,15 +56,17 @@ class StepCollector:
         self.transfers = transfers
         self.faults = faults
         self._rows: list[RowMeta] = []
+        self._order: list[int] = []  # each row's position in the order rows were added
+        self._next = 0
         self._parts: list[torch.Tensor] = []
-        self._sharded: dict[int, _ShardedBlock] = {}
-        self._writes: dict[tuple[type, int], bool] = {}
+        self._sharded = _ShardedRows()
+        self._roles: dict[tuple, tuple[bool, bool]] = {}  # placement -> (takes part, writes)
         #: Tensors already computed this step, by what their values are (see `_value_key`), so that one
         #: activation seen as a module's output and as the next module's input is reduced once.
         self._seen: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
 
     def __len__(self) -> int:
-        return len(self._rows) + sum(len(b.rows) for b in self._sharded.values())
+        return len(self._rows) + len(self._sharded.rows)
 
     def add(
         self,
@@ -66,9 +82,10 @@ class StepCollector:
         not sharded through its placement is this rank's local piece: a row of its own, labelled with
         the piece (exact full-tensor values of DTensors need their placement in the adapter).
         """
-        local_rows: list[RowMeta] = []
+        local_rows: list[tuple[RowMeta, int]] = []
         local_tensors: list[torch.Tensor] = []
-        pending: list[tuple[_ShardedBlock, int, torch.Tensor]] = []
+        pending: list[tuple[int, torch.Tensor]] = []  # (index into the sharded rows, this rank's piece)
+        sharded = self._sharded
         for vpp_stage, name, micro_step, piece in entries:
             placement = piece.placement
             kind = type(placement)
@@ -76,29 +93,39 @@ class StepCollector:
             shape = piece.full_shape
             if shard and kind is not Sharded:
                 kind, shape = Local, tuple(tensor.shape)
-            elif kind is not Local and kind is not Sharded and not self._writes_rows(placement):
-                continue  # replicated: another rank of the group writes it
+            elif kind is Local:
+                shard = piece.shard
+                if shard and tensor is not None:
+                    shape = tuple(tensor.shape)  # a labelled piece of a larger tensor: its own shape
+            takes, writes = (True, True) if kind is Local else self._roles_of(placement)
+            if kind is not Sharded and not writes:
+                continue  # a copy: another rank computes and writes the same values
             meta = RowMeta(family, vpp_stage, name, micro_step, shape, piece.dtype, math.prod(shape), shard)
+            seq = self._next
+            self._next += 1
             if kind is Sharded:
-                block = self._sharded.get(id(placement.group))
-                if block is None:
-                    block = _ShardedBlock(placement.group, writes_rows(placement))
-                    self._sharded[id(placement.group)] = block
-                block.rows.append(meta)
-                block.parts.append(empty_partials(1, _device_hint(entries)))
-                block.flags.append(0.0)
-                if tensor is not None and tensor.numel() > 0:
-                    pending.append((block, len(block.parts) - 1, tensor))
+                sharded.rows.append(meta)
+                sharded.order.append(seq)
+                sharded.over.append(tuple(id(g) for g in placement.over))
+                for g in placement.over:
+                    sharded.groups.setdefault(id(g), g)
+                sharded.writes.append(writes)
+                sharded.parts.append(empty_partials(1, _device_hint(entries)))
+                sharded.flags.append(0.0)
+                # A rank off coordinate 0 of a replicated group still adds the (empty) row: every rank
+                # then sees the groups in the same order, which the merge relies on (see `_merge`).
+                if takes and tensor is not None and tensor.numel() > 0:
+                    pending.append((len(sharded.parts) - 1, tensor))
                 continue
             assert tensor is not None
-            local_rows.append(meta)
+            local_rows.append((meta, seq))
             local_tensors.append(tensor)
         if pending:
-            computed, skipped = self.engine.compute_rows([t for *_, t in pending])
-            for row, (block, index, _) in enumerate(pending):
-                block.parts[index] = computed[row : row + 1]
+            computed, skipped = self.engine.compute_rows([t for _, t in pending])
+            for row, (index, _) in enumerate(pending):
+                sharded.parts[index] = computed[row : row + 1]
                 if row in skipped:
-                    block.flags[index] = 1.0  # no rank writes a row that one rank could not compute
+                    sharded.flags[index] = 1.0  # no rank writes a row that one rank could not compute
                     self._skip(family, skipped[row])
         if local_tensors:
             for device_rows, device_tensors in _by_device(local_rows, local_tensors):
@@ -109,16 +136,25 @@ class StepCollector:
                         self._skip(family, why)
                     device_rows = [device_rows[i] for i in keep]
                     partials = partials[keep]
-                self._rows.extend(device_rows)
+                self._rows.extend(r for r, _ in device_rows)
+                self._order.extend(seq for _, seq in device_rows)
                 self._parts.append(partials)
                 if also_as is not None:
-                    self._rows.extend(r._replace(family=also_as) for r in device_rows)
+                    self._rows.extend(r._replace(family=also_as) for r, _ in device_rows)
+                    self._order.extend(seq for _, seq in device_rows)
                     self._parts.append(partials)
 
     def add_local(
-        self, family: str, vpp_stage: int, labels: Sequence[str], micro_step: int | None, tensors: Sequence
+        self,
+        family: str,
+        vpp_stage: int,
+        labels: Sequence[str],
+        micro_step: int | None,
+        tensors: Sequence,
+        shards: Sequence[str] = (),
     ) -> None:
-        """Rows for this rank's own tensors seen by a hook (activations and their gradients).
+        """Rows for this rank's own tensors seen by a hook (activations and their gradients). `shards`
+        labels tensors that are pieces of a larger one (by position; a DTensor labels itself).
 
         A tensor whose values were already reduced this step (the same memory, unmodified: a module's
         output that is the next module's input, or a view of it) reuses that row instead of computing
@@ -129,11 +165,11 @@ class StepCollector:
         new_keys: list[tuple | None] = []
         slots: list[tuple[int, torch.Tensor | None]] = []  # (index into new_tensors, or -1 with a row)
         in_call: dict[tuple, int] = {}  # one tensor passed twice in this call (attn(h, h, h)): once
-        shards: list[str] = []
+        labels_of: list[str] = []
         values: list[torch.Tensor] = []
-        for t in tensors:
+        for i, t in enumerate(tensors):
             t, shard = local_view(t)
-            shards.append(shard)
+            labels_of.append(shard or (shards[i] if i < len(shards) else ""))
             values.append(t)
             key = _value_key(t)
             hit = seen.get(key) if key is not None else None
@@ -170,10 +206,12 @@ class StepCollector:
                 continue  # unreadable: skipped and counted above
             self._rows.append(
                 RowMeta(
-                    family, vpp_stage, labels[i], micro_step, tuple(t.shape), t.dtype, t.numel(), shards[i]
+                    family, vpp_stage, labels[i], micro_step, tuple(t.shape), t.dtype, t.numel(), labels_of[i]
                 )
             )
             self._parts.append(row)
+            self._order.append(self._next)
+            self._next += 1
             if index >= 0 and new_keys[index] is not None:
                 seen[new_keys[index]] = (weakref.ref(t), row)
 
@@ -181,33 +219,43 @@ class StepCollector:
         if self.faults is not None:
             self.faults.record(f"unreadable tensor ({why.kind})", why, f"its {family} row is skipped")
 
-    def _writes_rows(self, placement: Any) -> bool:
-        key = (type(placement), id(placement.group))
-        writes = self._writes.get(key)
-        if writes is None:
-            writes = self._writes[key] = writes_rows(placement)
-        return writes
+    def _roles_of(self, placement: Placement) -> tuple[bool, bool]:
+        key = (type(placement), *map(id, placement.over), None, *map(id, placement.replicated))
+        roles = self._roles.get(key)
+        if roles is None:
+            roles = self._roles[key] = (takes_part(placement), writes_rows(placement))
+        return roles
 
-    def finish(self, step: int, scalars: StepScalars) -> StepPayload:
+    def finish(self, step: int, scalars: StepScalars, job_grad_norm: bool = False) -> StepPayload:
         """Merge sharded rows (collectives on their groups), then move everything to the host at once.
 
         Collective: every rank of each sharded group must call this at the same step, with the same
-        sharded rows. A rank with no rows to write gets a payload with no rows and no transfer.
+        sharded rows. Cost: two all-reduces per distinct group of the step's sharded rows, whatever mix
+        of groups the rows use, in the order the groups first appear in the rows' placements.
+        `job_grad_norm`: also sum the written `grad_reduced` rows' squares over every rank of the job (one
+        more one-element all-reduce on the default group; every rank must pass it at the same step), for
+        a model split over ranks (pipeline stages, tensor-parallel shards), where no rank writes all of
+        it. A rank with no rows to write and no job norm gets a payload with no rows and no transfer.
         """
         rows = list(self._rows)
         parts = list(self._parts)
-        for block in self._sharded.values():
-            local = torch.cat(block.parts)
-            flags = torch.tensor(block.flags, dtype=local.dtype).to(local.device, non_blocking=True)
-            merged, bad = reduce_across(local, block.group, flags)
-            if block.writes:
-                # A row that some rank could not compute is marked (a NaN count, which no data can give)
-                # and dropped by the worker: deciding here would read the flags back, a device sync.
-                merged[:, NANS] = torch.where(bad, math.nan, merged[:, NANS])
-                rows.extend(block.rows)
-                parts.append(merged)
+        merged_rows, merged, merged_order = self._merge()
+        permutation = None
+        if merged is not None:
+            if rows:  # back to the order rows were added (model order), whatever was merged
+                order = self._order + merged_order
+                permutation = sorted(range(len(order)), key=order.__getitem__)
+            rows.extend(merged_rows)
+            parts.append(merged)
         self.reset()
-        if not rows:
+        if permutation is not None and permutation != list(range(len(permutation))):
+            device = parts[0].device
+            table = torch.cat([p.to(device) for p in parts])
+            parts = [table[torch.tensor(permutation, device=device)]]
+            rows = [rows[i] for i in permutation]
+        if job_grad_norm:
+            parts.append(_job_grad_sumsq(rows, parts))
+        if not parts:
             # Nothing for this rank to write (replicated rows belong to another rank): the step's
             # scalars still go out, so that live sinks see the step advance. No transfer needed.
             empty = torch.zeros((0, NUM_PARTIALS), dtype=torch.float64)
@@ -215,12 +263,56 @@ class StepCollector:
         device = parts[0].device
         partials = torch.cat([p.to(device) for p in parts])
         host, ready = transfer_to_host(partials, self.transfers)
-        return StepPayload(step=step, rows=tuple(rows), partials=host, ready=ready, scalars=scalars)
+        sumsq = None
+        if job_grad_norm:
+            host, sumsq = host[:-1], host[-1, SUMSQ]
+        return StepPayload(
+            step=step, rows=tuple(rows), partials=host, ready=ready, scalars=scalars, job_grad_sumsq=sumsq
+        )
+
+    def _merge(self) -> tuple[list[RowMeta], torch.Tensor | None, list[int]]:
+        """Merge the sharded rows over each of their groups; return this rank's rows to write, their
+        partials and their positions among the step's rows."""
+        sharded = self._sharded
+        if not sharded.rows:
+            return [], None, []
+        local = torch.cat(sharded.parts)
+        flags = torch.tensor(sharded.flags, dtype=local.dtype).to(local.device, non_blocking=True)
+        # One dimension at a time, groups in first-appearance order. Ranks that meet in a group must have
+        # merged the same dimensions before, else pieces are lost or counted twice; the order is the
+        # same on every rank because every rank adds the same sharded rows in the same order and
+        # placements list their groups by mesh dimension. (Ordering groups by their global ranks
+        # fails: on a 2 x 2 mesh rank 2 would merge dp first while rank 3 merges tp first.)
+        for gid in sharded.groups:
+            members = [i for i, over in enumerate(sharded.over) if gid in over]
+            if len(members) == len(sharded.rows):
+                local, bad = reduce_across(local, sharded.groups[gid], flags)
+                flags = bad.to(local.dtype)
+            else:
+                index = torch.tensor(members, device=local.device)
+                part, bad = reduce_across(local[index], sharded.groups[gid], flags[index])
+                local[index] = part
+                flags[index] = bad.to(local.dtype)
+        if all(sharded.writes):
+            out, rows, order = local, sharded.rows, sharded.order
+        elif not any(sharded.writes):
+            return [], None, []
+        else:
+            keep = [i for i, w in enumerate(sharded.writes) if w]
+            index = torch.tensor(keep, device=local.device)
+            out, flags, rows = local[index], flags[index], [sharded.rows[i] for i in keep]
+            order = [sharded.order[i] for i in keep]
+        # A row that some rank could not compute is marked (a NaN count, which no data can give) and
+        # dropped by the worker: deciding here would read the flags back, a device sync.
+        out[:, NANS] = torch.where(flags > 0, math.nan, out[:, NANS])
+        return rows, out, order
 
     def reset(self) -> None:
         self._rows = []
+        self._order = []
+        self._next = 0
         self._parts = []
-        self._sharded = {}
+        self._sharded = _ShardedRows()
         self._seen = {}
 
 
@@ -264,6 +356,24 @@ def _still_holds(hit: tuple[weakref.ref, torch.Tensor], key: tuple) -> bool:
     return computed is not None and _value_key(computed) == key
 
 
+def _job_grad_sumsq(rows: list[RowMeta], parts: list[torch.Tensor]) -> torch.Tensor:
+    """One partials row whose SUMSQ is the sum of norm^2 over every rank's written grad_reduced rows."""
+    device = parts[0].device if parts else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    if rows:
+        table = torch.cat([p.to(device) for p in parts])
+        mine = [i for i, r in enumerate(rows) if r.family == "grad_reduced"]
+        if mine:
+            total = table[torch.tensor(mine, device=device), SUMSQ].sum()
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    out = empty_partials(1, device)
+    out[0, SUMSQ] = total
+    return out
+
+
 def _device_hint(entries: Sequence[tuple[int, str, int | None, TensorPiece]]) -> torch.device:
     for *_, piece in entries:
         if piece.tensor is not None:
@@ -271,8 +381,8 @@ def _device_hint(entries: Sequence[tuple[int, str, int | None, TensorPiece]]) ->
     return torch.device("cpu")
 
 
-def _by_device(rows: list[RowMeta], tensors: list[torch.Tensor]):
-    devices: dict[torch.device, tuple[list[RowMeta], list[torch.Tensor]]] = {}
+def _by_device(rows: list, tensors: list[torch.Tensor]):
+    devices: dict[torch.device, tuple[list, list[torch.Tensor]]] = {}
     for row, t in zip(rows, tensors):
         bucket = devices.setdefault(t.device, ([], []))
         bucket[0].append(row)

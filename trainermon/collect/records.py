@@ -63,13 +63,17 @@ class StepPayload:
     partials: torch.Tensor  # host tensor [len(rows), NUM_PARTIALS], maybe still being copied
     ready: Any = None  # an event to wait on before reading `partials` (accelerators), else None
     scalars: StepScalars = field(default_factory=StepScalars)
+    #: Sum of norm^2 of the grad_reduced rows written by every rank of the job (a host 0-d tensor read
+    #: after `ready`), where the model is split over ranks; None: this rank's own rows are the model.
+    job_grad_sumsq: Any = None
 
 
 @dataclass(frozen=True)
 class Derived:
     """What the worker derives from a step and from the run so far."""
 
-    global_grad_norm: float | None = None  # sqrt of the sum of grad_reduced norm^2 over the written rows
+    #: sqrt of the sum of grad_reduced norm^2 over the written rows (of the whole job where it is split)
+    global_grad_norm: float | None = None
     loss_scale: float | None = None
     dropped_rows: int = 0  # cumulative: rows dropped because the queue was full
     monitor_faults: int = 0  # cumulative: failures inside the monitor (caught)

@@ -39,6 +39,8 @@ class Deriver:
         # written row is already the full parameter's merged statistic).
         reduced = [i for i, r in enumerate(rows) if r.family == "grad_reduced"]
         norm = float(np.sqrt(np.sum(partials[reduced, SUMSQ]))) if reduced else None
+        if payload.job_grad_sumsq is not None:  # a model split over ranks: every rank's written rows
+            norm = float(np.sqrt(max(float(payload.job_grad_sumsq), 0.0)))
         scale = payload.scalars.loss_scale
         derived = Derived(
             global_grad_norm=norm,

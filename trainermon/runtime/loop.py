@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from trainermon.collect.collector import StepCollector
@@ -103,6 +103,7 @@ class StepLoop:
 
         self.adapter = adapter
         self.step = start_iteration
+        self.outputs.coords = adapter.coordinates()
         self.detector = self._make_detector()
         deriver = Deriver(self.faults, self.detector)
         self.worker = BackgroundWorker(
@@ -180,13 +181,19 @@ class StepLoop:
             self._exit()
 
     def record_local(
-        self, family: str, vpp_stage: int, labels: list, micro: int | None, tensors: Any
+        self,
+        family: str,
+        vpp_stage: int,
+        labels: list,
+        micro: int | None,
+        tensors: Any,
+        shards: Sequence[str] = (),
     ) -> None:
         """Rows for this rank's own tensors seen by a hook (see `StepCollector.add_local`)."""
         self._enter()
         try:
             with self._lock:
-                self.collector.add_local(family, vpp_stage, labels, micro, tensors)
+                self.collector.add_local(family, vpp_stage, labels, micro, tensors, shards)
         finally:
             self._exit()
 
@@ -254,7 +261,8 @@ class StepLoop:
         plan = self.plan
         if plan.scheduled:
             self.schedule.mark_collected()
-        payload = self.collector.finish(plan.step, scalars)
+        job_norm = plan.grads and self.adapter is not None and self.adapter.splits_model
+        payload = self.collector.finish(plan.step, scalars, job_grad_norm=job_norm)
         own_ms = (self._time_now() - self._step_mark) * 1e3
         payload = dataclasses.replace(
             payload, scalars=dataclasses.replace(payload.scalars, monitor_time_ms=own_ms)

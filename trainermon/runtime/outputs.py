@@ -20,6 +20,7 @@ class Outputs:
         self.rank = rank
         self.world_size = world_size
         self.faults = faults
+        self.coords: dict = {}  # the rank's place in the parallel layout, set by the loop at attach
         self.run_dir = self._new_dir()
 
     def _new_dir(self) -> str:
@@ -35,7 +36,14 @@ class Outputs:
         from trainermon.exporters import RunInfo, build_exporters
 
         run = RunInfo(
-            self.run_dir, self.root, self.rank, self.world_size, self.run_id, config, self.local_rank
+            self.run_dir,
+            self.root,
+            self.rank,
+            self.world_size,
+            self.run_id,
+            config,
+            self.local_rank,
+            self.coords,
         )
         try:
             return build_exporters(run, faults=self.faults)

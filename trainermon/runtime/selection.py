@@ -54,8 +54,10 @@ def select_modules(adapter, config: MonitorConfig, every: bool) -> list[tuple[in
         for name, module in root.named_modules():
             if not name or id(module) in seen or adapter.is_wrapper_module(module):
                 continue
-            name = clean_name(name)
-            if every or name in config.targets or f"{vpp_stage}:{name}" in config.targets:
+            local = clean_name(name)
+            name = adapter.global_name(vpp_stage, local)
+            named = (name, local, f"{vpp_stage}:{name}", f"{vpp_stage}:{local}")
+            if every or any(n in config.targets for n in named):
                 seen.add(id(module))
                 out.append((vpp_stage, squash_name(name) if config.squash_name else name, module))
     return out

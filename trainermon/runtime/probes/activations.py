@@ -54,6 +54,10 @@ def replace_tensors(obj: Any, by_id: dict[int, torch.Tensor]) -> Any:
     return obj
 
 
+def _padded(pieces: tuple[str, ...], count: int) -> list[str]:
+    return [pieces[i] if i < len(pieces) else "" for i in range(count)]
+
+
 def in_backward() -> bool:
     """A forward recomputed inside backward (activation checkpointing)."""
     return torch._C._current_graph_task_id() != -1
@@ -66,6 +70,7 @@ class ActivationProbe(Probe):
         self._every: list | None = None  # every module, built on first escalation
         self._handles: list[Any] = []
         self._calls: dict[int, int] = {}  # module id -> forward calls this step (the micro_step)
+        self._shards: dict[int, tuple[tuple[str, ...], tuple[str, ...]]] = {}  # module id -> piece labels
         self._actv = self._actv_grad = False
 
     def configure(self, config: MonitorConfig) -> None:
@@ -88,7 +93,10 @@ class ActivationProbe(Probe):
             if self._every is None:
                 self._every = select_modules(self.loop.adapter, self.loop.config, every=True)
             modules = self._every
+        adapter = self.loop.adapter
         for vpp_stage, name, module in modules:
+            if id(module) not in self._shards:
+                self._shards[id(module)] = adapter.activation_shards(module)
             if plan.actv_grad:
                 self._handles.append(
                     module.register_forward_pre_hook(self._pre_hook(vpp_stage, name), with_kwargs=True)
@@ -117,22 +125,24 @@ class ActivationProbe(Probe):
                 keys = [i for i, a in enumerate(args) if is_activation(a)]
                 keys += [k for k, v in kwargs.items() if is_activation(v)]
                 labels = io_names(f"{name}.input_grad", len(keys))
+                pieces = self._shards.get(id(module), ((), ()))[0]
                 new_args, new_kwargs = list(args), dict(kwargs)
                 # One view per distinct tensor: a module called as attn(h, h, h) must still see the same
                 # object three times (nn.MultiheadAttention takes its packed self-attention path only
                 # when query is key is value; distinct views cost an extra projection and ~4% memory).
-                views: dict[int, tuple[torch.Tensor, list[str]]] = {}
-                for key, label in zip(keys, labels):
+                views: dict[int, tuple[torch.Tensor, list[str], str]] = {}
+                for position, (key, label) in enumerate(zip(keys, labels)):
                     holder = new_args if isinstance(key, int) else new_kwargs
                     tensor = holder[key]
                     if tensor.requires_grad:
                         if id(tensor) not in views:
-                            views[id(tensor)] = (tensor.view_as(tensor), [])
-                        view, view_labels = views[id(tensor)]
+                            piece = pieces[position] if position < len(pieces) else ""
+                            views[id(tensor)] = (tensor.view_as(tensor), [], piece)
+                        view, view_labels, _ = views[id(tensor)]
                         view_labels.append(label)
                         holder[key] = view
-                for view, view_labels in views.values():
-                    view.register_hook(self._grad_hook(vpp_stage, view_labels, micro))
+                for view, view_labels, piece in views.values():
+                    view.register_hook(self._grad_hook(vpp_stage, view_labels, micro, piece))
                 return tuple(new_args), new_kwargs
             except Exception as exc:  # noqa: BLE001
                 loop.faults.record("forward pre-hook", exc)
@@ -151,21 +161,24 @@ class ActivationProbe(Probe):
                 micro = self._calls.get(key, 0)
                 self._calls[key] = micro + 1
                 outputs = activations_in(output)
+                in_pieces, out_pieces = self._shards.get(key, ((), ()))
                 if self._actv:
                     inputs = activations_in(args) + activations_in(kwargs)
                     if inputs or outputs:
                         labels = io_names(f"{name}.input", len(inputs)) + io_names(
                             f"{name}.output", len(outputs)
                         )
-                        loop.record_local("actv", vpp_stage, labels, micro, inputs + outputs)
+                        pieces = _padded(in_pieces, len(inputs)) + _padded(out_pieces, len(outputs))
+                        loop.record_local("actv", vpp_stage, labels, micro, inputs + outputs, pieces)
                 if self._actv_grad and torch.is_grad_enabled():
                     leaves: dict[int, torch.Tensor] = {}
-                    for label, t in zip(io_names(f"{name}.output_grad", len(outputs)), outputs):
+                    out_labels = io_names(f"{name}.output_grad", len(outputs))
+                    for label, t, piece in zip(out_labels, outputs, _padded(out_pieces, len(outputs))):
                         if t.requires_grad:
                             if t.is_leaf:  # a parameter as an output: hook this call's view of it
                                 view = leaves[id(t)] = t.view_as(t)
                                 t = view
-                            t.register_hook(self._grad_hook(vpp_stage, [label], micro))
+                            t.register_hook(self._grad_hook(vpp_stage, [label], micro, piece))
                     if leaves:
                         return replace_tensors(output, leaves)
             except Exception as exc:  # noqa: BLE001
@@ -174,14 +187,16 @@ class ActivationProbe(Probe):
 
         return fwd_hook
 
-    def _grad_hook(self, vpp_stage: int, labels: list[str], micro: int):
-        """One row per label (one tensor passed as several inputs: one row each, computed once)."""
+    def _grad_hook(self, vpp_stage: int, labels: list[str], micro: int, piece: str = ""):
+        """One row per label (one tensor passed as several inputs: one row each, computed once). The
+        gradient of a piece of a tensor is the same piece of its gradient: `piece` labels both."""
         loop = self.loop
 
         def grad_hook(grad: torch.Tensor) -> None:
             try:
                 if loop.plan.collecting and grad is not None:
-                    loop.record_local("actv_grad", vpp_stage, labels, micro, (grad,) * len(labels))
+                    n = len(labels)
+                    loop.record_local("actv_grad", vpp_stage, labels, micro, (grad,) * n, (piece,) * n)
             except Exception as exc:  # noqa: BLE001
                 loop.faults.record("activation-gradient hook", exc)
 

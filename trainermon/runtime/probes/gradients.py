@@ -33,6 +33,11 @@ def _same_pieces(a: list, b: list) -> bool:
     )
 
 
+def _own(grad: torch.Tensor, shard: str) -> TensorPiece:
+    """This rank's own gradient, labelled when the rank holds a piece of the parameter."""
+    return TensorPiece(grad, LOCAL, tuple(grad.shape), grad.dtype, shard)
+
+
 class GradientProbe(Probe):
     def __init__(self, loop: Any) -> None:
         super().__init__(loop)
@@ -91,7 +96,7 @@ class GradientProbe(Probe):
                 pos = sel.position.get(index)
                 if pos is not None:
                     mp = sel.params[pos]
-                    entries.append((mp.vpp_stage, sel.names[pos], None, TensorPiece.whole(grad, LOCAL)))
+                    entries.append((mp.vpp_stage, sel.names[pos], None, _own(grad, mp.local_shard)))
             if entries:
                 loop.record("grad_unreduced", entries)
         except Exception as exc:  # noqa: BLE001
@@ -107,8 +112,6 @@ class GradientProbe(Probe):
             micro = self._microbatch.get(index, 0)
             self._microbatch[index] = micro + 1
             mp = sel.params[pos]
-            loop.record(
-                "grad_unreduced", [(mp.vpp_stage, sel.names[pos], micro, TensorPiece.whole(grad, LOCAL))]
-            )
+            loop.record("grad_unreduced", [(mp.vpp_stage, sel.names[pos], micro, _own(grad, mp.local_shard))])
         except Exception as exc:  # noqa: BLE001
             loop.faults.record("micro-batch gradient tap", exc)

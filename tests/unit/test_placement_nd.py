@@ -1,0 +1,143 @@
+"""N-D placements in the core (collect/placement.py + StepCollector), on a 2 x 2 gloo mesh of 4 ranks.
+
+Mesh: rank = 2 * dp + tp. Tensors are split over tensor parallel (tp), over data parallel (dp), over both,
+copied over one or both, in one step, mixed in the order adapters add them. Every rank adds its piece; the
+test then checks, against statistics of the full tensors computed here in float64:
+
+- each row's values and full shape, written by exactly one rank (the one at coordinate 0 of every group);
+- exactly two all-reduces per distinct group per step (one packed reduction), none for replicated rows;
+- the job-wide gradient sum of squares (`job_grad_norm`) on every rank.
+
+The rows are sharded over several groups, so the collector merges one mesh dimension at a time; ranks
+that meet in a group must have merged the same dimensions before. Two orders that break this were
+tried: groups sorted by their global ranks (rank 2's dp group (0, 2) sorts before its tp group (2, 3),
+rank 3's does not), and first appearance on ranks that skip the rows of a copy they do not write
+(ranks 1 and 3 skip `dp_only`, so they would see tp first and count pieces twice).
+"""
+
+from __future__ import annotations
+
+import math
+
+from tests.distributed import run_ranks
+
+FULL_SHAPES = {"both": (8, 6), "tp_only": (4, 5), "dp_only": (9,), "tp_dp_copy": (6, 2), "copy": (3, 3)}
+
+
+def _full(name: str):
+    import torch
+
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    return torch.randn(FULL_SHAPES[name], generator=gen, dtype=torch.float64).float()
+
+
+def _mesh_rank(rank: int, world: int) -> dict:
+    import numpy as np
+    import torch.distributed as dist
+
+    from trainermon.collect.collector import StepCollector, TransferCounter
+    from trainermon.collect.placement import Replicated, Sharded, TensorPiece
+    from trainermon.collect.records import StepScalars
+    from trainermon.stats import EngineOptions, StatsEngine, finalize
+
+    dp, tp = divmod(rank, 2)
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    tp_group, dp_group = tp_groups[dp], dp_groups[tp]
+
+    calls: list[tuple] = []
+    real = dist.all_reduce
+
+    def counting(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        calls.append(tuple(dist.get_process_group_ranks(group)) if group is not None else ("world",))
+        return real(tensor, op=op, group=group, async_op=async_op)
+
+    dist.all_reduce = counting
+    try:
+        collector = StepCollector(StatsEngine(EngineOptions(nonfinite=True)), TransferCounter())
+        entries = []
+        # dp-only first on purpose: the first-appearance order is dp before tp for this family...
+        full = _full("dp_only")
+        piece = full.flatten().chunk(2)[dp]
+        entries.append(
+            (
+                0,
+                "dp_only",
+                None,
+                TensorPiece(piece, Sharded(dp_group, replicated=(tp_group,)), (9,), full.dtype),
+            )
+        )
+        collector.add("grad_reduced", entries)
+        # ...and rows over (tp, dp) come after it; the merge order stays per mesh dimension because
+        # the placements name (tp, dp) in that order and dp first appeared as a lone group before.
+        entries = []
+        full = _full("both")
+        tp_piece = full.chunk(2, dim=0)[tp]  # tensor parallel along dim 0
+        dp_piece = tp_piece.flatten().tensor_split([7])[dp]  # an uneven distributed-optimizer split
+        entries.append(
+            (0, "both", None, TensorPiece(dp_piece, Sharded(tp_group, dp_group), (8, 6), full.dtype))
+        )
+        full = _full("tp_only")
+        entries.append(
+            (
+                0,
+                "tp_only",
+                None,
+                TensorPiece(
+                    full.chunk(2, dim=1)[tp], Sharded(tp_group, replicated=(dp_group,)), (4, 5), full.dtype
+                ),
+            )
+        )
+        full = _full("tp_dp_copy")
+        entries.append(
+            (0, "tp_dp_copy", None, TensorPiece(full, Replicated(dp_group, tp_group), (6, 2), full.dtype))
+        )
+        collector.add("grad_reduced", entries)
+        full = _full("copy")
+        collector.add(
+            "param_updated", [(0, "copy", None, TensorPiece(full, Replicated(None), (3, 3), full.dtype))]
+        )
+        calls.clear()
+        payload = collector.finish(0, StepScalars(), job_grad_norm=True)
+    finally:
+        dist.all_reduce = real
+    numel = np.array([r.numel for r in payload.rows], dtype=np.float64)
+    values = finalize(payload.partials.numpy(), numel)
+    rows = {
+        (r.family, r.name): {"shape": list(r.shape), **{k: float(v[i]) for k, v in values.items()}}
+        for i, r in enumerate(payload.rows)
+    }
+    return {"rows": rows, "calls": calls, "job_sumsq": float(payload.job_grad_sumsq)}
+
+
+def test_nd_placements_merge_exactly_and_write_once() -> None:
+    results = run_ranks(_mesh_rank, world_size=4)
+    writers: dict[tuple, list[int]] = {}
+    for rank, res in enumerate(results):
+        for key in res["rows"]:
+            writers.setdefault(key, []).append(rank)
+    assert writers == {
+        ("grad_reduced", "dp_only"): [0],
+        ("grad_reduced", "both"): [0],
+        ("grad_reduced", "tp_only"): [0],
+        ("grad_reduced", "tp_dp_copy"): [0],
+        ("param_updated", "copy"): [0],
+    }
+    for (_family, name), got in results[0]["rows"].items():
+        x = _full(name).double()
+        assert got["shape"] == list(FULL_SHAPES[name])
+        # the engine's documented accuracy (README): norm 5e-7 relative, mean 1e-6 x rms; a lost or
+        # doubled piece is off by percents
+        rms = float(x.pow(2).mean().sqrt())
+        assert math.isclose(got["norm"], float(x.norm()), rel_tol=5e-7), (name, got["norm"], float(x.norm()))
+        assert abs(got["mean"] - float(x.mean())) <= 1e-6 * rms, (name, got["mean"], float(x.mean()))
+        assert got["min"] == float(x.min()) and got["max"] == float(x.max()), name
+    # one packed reduction (2 all-reduces) per distinct group, then the job norm's one on the world
+    for rank, res in enumerate(results):
+        dp, tp = divmod(rank, 2)
+        tp_ranks, dp_ranks = (2 * dp, 2 * dp + 1), (tp, tp + 2)
+        assert res["calls"] == [dp_ranks, dp_ranks, tp_ranks, tp_ranks, ("world",)], (rank, res["calls"])
+        grad_sumsq = sum(
+            float(_full(n).double().pow(2).sum()) for n in ("dp_only", "both", "tp_only", "tp_dp_copy")
+        )
+        assert math.isclose(res["job_sumsq"], grad_sumsq, rel_tol=1e-6), (rank, res["job_sumsq"], grad_sumsq)
