@@ -79,3 +79,12 @@ def install() -> None:
 
     mrandom._get_cuda_rng_state = _cpu_rng_get
     mrandom._set_cuda_rng_state = _cpu_rng_set
+
+
+def install_moe() -> None:
+    """MoE on CPU: megatron-core 0.16.1's `moe_utils` reads `te_general_gemm` in the router's forward
+    but defines it only when Transformer Engine imports (a NameError without it); define it as absent."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None

@@ -9,9 +9,10 @@ Used inside spawned rank processes (`tests.distributed.run_ranks`):
         loss, grad_norm = train_step(model, optimizer, layout, step)
 
 The model: 4 layers, hidden 32, 4 heads, vocabulary 64, sequence 16, local layer spec (no Transformer
-Engine), `use_cpu_initialization`, `gradient_accumulation_fusion=False`; 2 micro-batches of 2 sequences
-per step; the data depend on the step and the data-parallel rank only, so every layout of the same seed
-sees the same samples.
+Engine), `gradient_accumulation_fusion=False`. Every layout trains the same model on the same data: each
+parameter starts from values drawn from its single-process name (`deterministic_init`, this rank's
+tensor-parallel piece of them), and each step's global batch is GLOBAL_MICRO micro-batches of 2
+sequences, split over the data-parallel replicas.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ from typing import Any
 
 import torch
 
-SEQ, VOCAB, MBS, MICRO = 16, 64, 2, 2
+SEQ, VOCAB, MBS = 16, 64, 2
+#: Micro-batches per step over all data-parallel replicas: each replica runs GLOBAL_MICRO / dp of them, so
+#: every layout of the same seed trains on the same global batch.
+GLOBAL_MICRO = 4
 LAYERS, HIDDEN, HEADS = 4, 32, 4
 
 
@@ -38,6 +42,7 @@ class Layout:
     overlap: bool = False  # overlap_grad_reduce
     experts: int | None = None  # MoE: number of experts (top-2 routing)
     deallocate: bool = True  # deallocate_pipeline_outputs, as Megatron-LM's training loop sets it
+    clip: float = 1.0  # clip_grad (a huge value keeps the norm computed and the gradients untouched)
     extra: dict = field(default_factory=dict)  # more TransformerConfig keys
 
 
@@ -45,6 +50,8 @@ def init_parallel(layout: Layout) -> None:
     from tests import megatron_cpu_shim
 
     megatron_cpu_shim.install()
+    if layout.experts:
+        megatron_cpu_shim.install_moe()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -85,8 +92,11 @@ def transformer_config(layout: Layout) -> Any:
             num_moe_experts=layout.experts,
             moe_router_topk=2,
             expert_model_parallel_size=layout.ep,
-            moe_token_dispatcher_type="alltoall",
+            moe_token_dispatcher_type="allgather",
             moe_aux_loss_coeff=0.0,
+            # megatron-core 0.16.1's expert MLP adds its bias in place into a view returned by a custom
+            # autograd Function, which autograd refuses; linear biases off keeps MoE runnable
+            add_bias_linear=False,
         )
     keys.update(layout.extra)
     return TransformerConfig(**keys)
@@ -104,6 +114,8 @@ def build_chunks(layout: Layout) -> list[Any]:
     chunks = []
     for vp in range(layout.vpp or 1):
         vp_stage = vp if layout.vpp else None
+        if layout.sp:
+            spec = _sequence_parallel_block(spec, config, vp_stage)
         chunks.append(
             GPTModel(
                 config=config,
@@ -116,6 +128,38 @@ def build_chunks(layout: Layout) -> list[Any]:
             )
         )
     return chunks
+
+
+class SequenceParallelNorm(torch.nn.LayerNorm):
+    """TEST-ONLY: torch's LayerNorm marked the way Megatron's fused norms mark their parameters under
+    sequence parallelism (`finalize_model_grads` then all-reduces their gradients over the tensor-parallel
+    group). Megatron's own torch norm refuses sequence parallelism, and Apex / Transformer Engine, whose
+    norms accept it, do not install on this CPU machine."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__(hidden_size, eps=eps)
+        for p in self.parameters():
+            p.sequence_parallel = config.sequence_parallel
+
+
+def _sequence_parallel_block(layer_spec: Any, config: Any, vp_stage: int | None) -> Any:
+    """The block spec for this chunk with every layernorm replaced by `SequenceParallelNorm`."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    if isinstance(layer_spec, TransformerBlockSubmodules):
+        layer_spec = layer_spec.layer_specs[0]
+    sub = dataclasses.replace(
+        layer_spec.submodules, input_layernorm=SequenceParallelNorm, pre_mlp_layernorm=SequenceParallelNorm
+    )
+    layer = ModuleSpec(module=layer_spec.module, params=layer_spec.params, submodules=sub)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=SequenceParallelNorm)
 
 
 def wrap(chunks: list[Any], layout: Layout) -> tuple[list[Any], Any]:
@@ -141,25 +185,80 @@ def wrap(chunks: list[Any], layout: Layout) -> tuple[list[Any], Any]:
         lr=1e-3,
         bf16=layout.bf16,
         use_distributed_optimizer=layout.dist_opt,
-        clip_grad=1.0,
+        clip_grad=layout.clip,
     )
     return model, get_megatron_optimizer(opt_config, model)
 
 
 def setup(layout: Layout) -> tuple[list[Any], Any]:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():  # another layout ran before in this process
+        parallel_state.destroy_model_parallel()
     init_parallel(layout)
     torch.manual_seed(0)
-    return wrap(build_chunks(layout), layout)
+    chunks = build_chunks(layout)
+    deterministic_init(chunks)
+    return wrap(chunks, layout)
+
+
+def deterministic_init(chunks: list[Any]) -> None:
+    """Every parameter from values drawn from its single-process name (norm weights 1, biases 0, the
+    rest N(0, 0.02)): this rank's tensor-parallel piece of the full tensor. Megatron's own initialisation
+    draws from one RNG stream per rank, so a pipeline stage would start from other values than the same
+    layer of a single-stage model."""
+    import zlib
+
+    from megatron.core import parallel_state
+
+    for vpp_stage, chunk in enumerate(chunks):
+        for local_name, p in chunk.named_parameters():
+            name = single_process_name(chunk, vpp_stage, local_name)
+            full_shape = list(p.shape)
+            split = getattr(p, "tensor_model_parallel", False)
+            if split:
+                expert = not getattr(p, "allreduce", True)
+                tp_size = (
+                    parallel_state.get_expert_tensor_parallel_world_size()
+                    if expert
+                    else parallel_state.get_tensor_model_parallel_world_size()
+                )
+                tp_rank = (
+                    parallel_state.get_expert_tensor_parallel_rank()
+                    if expert
+                    else parallel_state.get_tensor_model_parallel_rank()
+                )
+                full_shape[p.partition_dim] *= tp_size
+            if name.endswith("bias"):
+                full = torch.zeros(full_shape)
+            elif "norm" in name:
+                full = torch.ones(full_shape)
+            else:
+                gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                full = torch.randn(full_shape, generator=gen) * 0.02
+            if split:
+                full = full.chunk(tp_size, dim=p.partition_dim)[tp_rank]
+            with torch.no_grad():
+                p.copy_(full)
+
+
+def micro_count() -> int:
+    """Micro-batches per step on this rank's data-parallel replica."""
+    from megatron.core import parallel_state
+
+    return GLOBAL_MICRO // parallel_state.get_data_parallel_world_size()
 
 
 def micro_batches(step: int) -> list[dict[str, torch.Tensor]]:
-    """This step's micro-batches for this rank's data-parallel replica (same on its TP/PP/EP peers)."""
+    """This step's micro-batches for this rank's data-parallel replica (same on its TP/PP/EP peers): its
+    slice of the step's global batch."""
     from megatron.core import parallel_state
 
-    dp_rank = parallel_state.get_data_parallel_rank()
-    gen = torch.Generator().manual_seed(1000 * step + dp_rank)
+    count = micro_count()
+    first = parallel_state.get_data_parallel_rank() * count
     out = []
-    for _ in range(MICRO):
+    for index in range(first, first + count):
+        gen = torch.Generator().manual_seed(1000 * step + index)
         tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=gen)
         out.append(
             {
@@ -188,7 +287,8 @@ def _loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict]:
 
 
 def train_step(model: list[Any], optimizer: Any, layout: Layout, step: int) -> tuple[float | None, float]:
-    """One step with Megatron's schedule: zero, forward/backward over MICRO micro-batches, finalize, step.
+    """One step with Megatron's schedule: zero, forward/backward over this replica's micro-batches,
+    finalize, step.
     Returns (the last stage's mean loss or None, the optimizer's grad norm)."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -204,7 +304,7 @@ def train_step(model: list[Any], optimizer: Any, layout: Layout, step: int) -> t
         forward_step_func=_forward_step,
         data_iterator=iterators,
         model=model if len(model) > 1 else model[0],
-        num_microbatches=MICRO,
+        num_microbatches=micro_count(),
         seq_length=SEQ,
         micro_batch_size=MBS,
         decoder_seq_length=SEQ,
@@ -213,3 +313,112 @@ def train_step(model: list[Any], optimizer: Any, layout: Layout, step: int) -> t
     _, grad_norm, _ = optimizer.step()
     loss = float(torch.stack([d["loss"] for d in losses]).mean()) if losses else None
     return loss, float(grad_norm)
+
+
+# ---- TEST-ONLY references: the single-process model's names and full tensors, gathered by the test ----
+
+
+def single_process_name(chunk: Any, vpp_stage: int, local_name: str) -> str:
+    """The name a TP=1, PP=1, EP=1 model gives `local_name` of this rank's chunk, from Megatron's own
+    offsets (`get_transformer_layer_offset`, the expert-parallel rank), not from the module attributes
+    the monitor reads."""
+    import re
+
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    offset = get_transformer_layer_offset(
+        chunk.config, vp_stage=vpp_stage if chunk.config.virtual_pipeline_model_parallel_size else None
+    )
+    name = re.sub(r"\blayers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) + offset}.", local_name, count=1)
+    if chunk.config.num_moe_experts:
+        per_rank = chunk.config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
+        first = parallel_state.get_expert_model_parallel_rank() * per_rank
+        name = re.sub(r"local_experts\.(\d+)\.", lambda m: f"local_experts.{int(m.group(1)) + first}.", name)
+    return name
+
+
+def _leaf_of(optimizer: Any, p: Any) -> tuple[Any, Any, Any]:
+    """(leaf optimizer, master tensor or None, (start, end) of the master in the flattened param or None)."""
+    from megatron.core.optimizer import ChainedOptimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    leaves = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    for leaf in leaves:
+        if isinstance(leaf, DistributedOptimizer):
+            for models, shards in (
+                (leaf.model_float16_groups, leaf.shard_fp32_from_float16_groups),
+                (leaf.model_fp32_groups, leaf.shard_fp32_groups),
+            ):
+                for mg, sg in zip(models, shards):
+                    for q, shard in zip(mg, sg):
+                        if q is p:
+                            r = leaf._get_model_param_range_map(p)["param"]
+                            return leaf, shard, (r.start, r.end)
+            if any(p in b.param_index_map for b in leaf.buffers):
+                return leaf, None, (0, 0)  # this rank owns no element of p
+        elif hasattr(leaf, "fp32_from_float16_groups"):
+            for mg, fg in zip(leaf.float16_groups, leaf.fp32_from_float16_groups):
+                for q, main in zip(mg, fg):
+                    if q is p:
+                        return leaf, main, None
+            for g in leaf.fp32_from_fp32_groups:
+                if any(q is p for q in g):
+                    return leaf, p, None
+        elif any(q is p for g in leaf.optimizer.param_groups for q in g["params"]):
+            return leaf, p, None
+    raise AssertionError("parameter not found in the optimizer")
+
+
+def full_optimizer_tensors(model: list[Any], optimizer: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """{single-process name: {"grad", "exp_avg", "exp_avg_sq", "param"}} as full fp32 tensors, gathered by
+    the test with all_gather_object: distributed-optimizer shards over the optimizer's data-parallel
+    group (placed by their range in the flattened parameter), then tensor-parallel pieces along
+    `partition_dim` over the (expert-)tensor-parallel group. Collective over the whole job: every rank
+    must call it at the same point. Skips `shared` parameters (Megatron's norm skips them too)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for vpp_stage, chunk in enumerate(model):
+        root = chunk.module.module if hasattr(chunk.module, "module") else chunk.module
+        for local_name, p in root.named_parameters():
+            leaf, master, span = _leaf_of(optimizer, p)
+            state = leaf.optimizer.state.get(master, {}) if master is not None else {}
+            grad = None if master is None else (master.grad if master.grad is not None else p.main_grad)
+            values = {
+                "grad": grad,
+                "exp_avg": state.get("exp_avg"),
+                "exp_avg_sq": state.get("exp_avg_sq"),
+                "param": None if master is None else master.data,
+            }
+            values = {
+                k: (None if v is None else v.detach().float().reshape(-1).clone()) for k, v in values.items()
+            }
+            if isinstance(leaf, DistributedOptimizer):
+                pieces = [None] * leaf.data_parallel_group.size()
+                dist.all_gather_object(pieces, (span, values), group=leaf.data_parallel_group)
+                full = {}
+                for key in values:
+                    flat = torch.zeros(p.numel())
+                    for (start, end), got in pieces:
+                        if end > start:
+                            flat[start:end] = got[key]
+                    full[key] = flat
+                values = full
+            values = {k: v.reshape(p.shape) for k, v in values.items()}
+            if getattr(p, "tensor_model_parallel", False):
+                expert = not getattr(p, "allreduce", True)
+                group = (
+                    parallel_state.get_expert_tensor_parallel_group()
+                    if expert
+                    else parallel_state.get_tensor_model_parallel_group()
+                )
+                if group.size() > 1:
+                    pieces = [None] * group.size()
+                    dist.all_gather_object(pieces, values, group=group)
+                    values = {k: torch.cat([v[k] for v in pieces], dim=p.partition_dim) for k in values}
+            if not getattr(p, "shared", False):
+                out[single_process_name(root, vpp_stage, local_name)] = values
+    return out

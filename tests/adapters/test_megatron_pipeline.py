@@ -61,15 +61,14 @@ class Recorder:
     def attach(self, chunks: list[Any]) -> None:
         import torch
 
-        from trainermon.names import clean_name
+        from tests.megatron_gpt import single_process_name
 
         for vpp, chunk in enumerate(chunks):
-            for name, module in chunk.named_modules():
-                if not name or name == "module" or type(module).__name__ in ("Float16Module",):
+            root = chunk.module  # the GPTModel inside Megatron's DDP
+            for name, module in root.named_modules():
+                if not name:
                     continue
-                name = clean_name(name[len("module.") :] if name.startswith("module.") else name)
-                if name.startswith("module."):
-                    name = name[len("module.") :]
+                name = single_process_name(root, vpp, name + ".")[:-1]  # global layer numbers
                 module.register_forward_pre_hook(self._pre(vpp, name), with_kwargs=True)
                 module.register_forward_hook(self._fwd(vpp, name), with_kwargs=True)
         self._torch = torch

@@ -23,11 +23,17 @@ Where each family is read:
   reduction (a rank that owns no elements of a parameter contributes an empty row). Nothing is gathered.
 - step scalars: `loss_scale` (read before `prepare_grads` updates a dynamic scaler) and what the
   optimizer's own `step()` returns: its grad norm and whether it skipped the update.
-- Replicated values are written by the first rank of the parameter's data-parallel group (expert
-  parameters use their own expert-data-parallel group, as Megatron's buffers do). Parameters duplicated
-  across tensor-parallel ranks (not `tensor_model_parallel`) are written for the optimizer-side families
-  only on tensor-parallel rank 0, and parameters marked `shared` (a tied embedding's second copy on the
-  last pipeline stage) are skipped there, exactly as Megatron leaves them out of its grad norm.
+- Parallel layouts (`layout.py`): a tensor-parallel parameter's optimizer-side values are pieces split
+  over the tensor-parallel group (and the data-parallel group under the distributed optimizer), merged
+  into the full parameter's statistics with its full shape; other parameters are copies over the
+  tensor-parallel group. Expert parameters use the expert-tensor- and expert-data-parallel groups, as
+  Megatron's buffers do. Exactly one rank writes each parameter. Parameters marked `shared` (a tied
+  embedding's second copy on the last pipeline stage) are skipped, as Megatron leaves them out of its
+  grad norm. Names are the single-process model's: global layer numbers on every pipeline stage and
+  virtual chunk, global expert indices. A rank's own pre-reduce gradient of a tensor-parallel parameter
+  is labelled with its shard (`Shard(0)[tp=1/2]`).
+- The global gradient norm sums the written rows of every rank (the model is split over ranks), so it
+  equals what Megatron's `step()` returns.
 
 Megatron is imported only when a Megatron object is handed in (`detect` checks `sys.modules` first).
 """
@@ -37,17 +43,18 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from trainermon.collect.placement import LOCAL, Placement, Replicated, Sharded, TensorPiece
+from trainermon.collect.placement import LOCAL, Placement, Sharded, TensorPiece
 from trainermon.collect.records import StepScalars
 from trainermon.names import clean_name
 
-from .base import GRAD_REDUCED, GRAD_UNREDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
-from .common import Restore, guarded, hook_optimizer_step, unwrap
+from ..base import GRAD_REDUCED, GRAD_UNREDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
+from ..common import Restore, guarded, hook_optimizer_step, unwrap
+from .layout import MegatronLayout, global_renames, rename
+from .optimizer import Slot, build_slots
 
 logger = logging.getLogger("trainermon")
 
@@ -72,26 +79,6 @@ def _is_megatron_optimizer(optimizer: Any) -> bool:
     return isinstance(optimizer, MegatronOptimizer)
 
 
-def _leaf_optimizers(optimizer: Any) -> list[Any]:
-    """The Megatron optimizers inside a (possibly nested) ChainedOptimizer, or the optimizer itself."""
-    from megatron.core.optimizer import ChainedOptimizer
-
-    if isinstance(optimizer, ChainedOptimizer):
-        return [leaf for inner in optimizer.chained_optimizers for leaf in _leaf_optimizers(inner)]
-    return [optimizer]
-
-
-@dataclass(frozen=True)
-class _Slot:
-    """Where the optimizer keeps one model parameter: its fp32 master (the full tensor, or this rank's
-    shard, or None when this rank owns no element) and the torch optimizer whose state it keys."""
-
-    master: torch.Tensor | None
-    inner: Any  # torch.optim.Optimizer holding the state
-    placement: Placement
-    full_shape: tuple[int, ...]
-
-
 class MegatronAdapter(Adapter):
     name = "megatron"
 
@@ -101,9 +88,10 @@ class MegatronAdapter(Adapter):
 
         self._ddps = [c for c in self.chunks if isinstance(c, DistributedDataParallel)]
         self._roots = [unwrap(c, _wrapper_types()) for c in self.chunks]
+        self.layout = MegatronLayout.read()
+        self._renames = [global_renames(root) for root in self._roots]
         self._params: list[MonitoredParam] | None = None
-        self._slots: dict[int, _Slot] | None = None
-        self._duplicate: dict[int, bool] = {}
+        self._slots: dict[int, Slot] | None = None
         self._param_dp_group: dict[int, Any] = {}
         for ddp in self._ddps:
             for buffer in list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", [])):
@@ -112,6 +100,9 @@ class MegatronAdapter(Adapter):
         self.dp_group = context.dp_group
         if self.dp_group is None and self._ddps:
             self.dp_group = getattr(self._ddps[0], "dp_cp_group", None)
+        if self.dp_group is None:
+            self.dp_group = self.layout.dp.group
+        self._warn_missing_chunks()
         self._tapped: list[Any] = []  # bucket groups whose start_grad_sync is wrapped
         self._seen_groups: set[int] = set()
         self._loss_scale: Any = None
@@ -137,6 +128,19 @@ class MegatronAdapter(Adapter):
     def is_wrapper_module(self, module: torch.nn.Module) -> bool:
         return isinstance(module, _wrapper_types()) or unwrap(module) is not module
 
+    def global_name(self, vpp_stage: int, name: str) -> str:
+        return rename(name, self._renames[vpp_stage])
+
+    @property
+    def splits_model(self) -> bool:
+        return self.layout.splits_model
+
+    def coordinates(self) -> dict[str, list[int]]:
+        return self.layout.coordinates()
+
+    def activation_shards(self, module: torch.nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        return self.layout.activation_shards(module)
+
     def parameters(self) -> list[MonitoredParam]:
         if self._params is None:
             out: list[MonitoredParam] = []
@@ -145,9 +149,22 @@ class MegatronAdapter(Adapter):
                 for name, p in root.named_parameters():
                     if p.requires_grad and id(p) not in seen:
                         seen.add(id(p))
-                        out.append(MonitoredParam(len(out), vpp_stage, clean_name(name), p))
+                        name = self.global_name(vpp_stage, clean_name(name))
+                        label = self.layout.shard_label(p)
+                        out.append(MonitoredParam(len(out), vpp_stage, name, p, label))
             self._params = out
         return self._params
+
+    def _warn_missing_chunks(self) -> None:
+        """msprobe's documented insertion passes `model[0]` only: say what is not monitored."""
+        expected = self.layout.vpp_size
+        if expected > 1 and len(self._roots) < expected:
+            logger.warning(
+                "trainermon: %d of this stage's %d virtual-pipeline chunks were given to set_monitor; the "
+                "layers of the others are not monitored (pass the whole model list to monitor them)",
+                len(self._roots),
+                expected,
+            )
 
     # ---- the step ------------------------------------------------------------------------------
     def attach_step(self, events: Any) -> list[Any]:
@@ -208,80 +225,21 @@ class MegatronAdapter(Adapter):
         return StepScalars(loss_scale=scale, optimizer_grad_norm=norm, update_skipped=skipped)
 
     # ---- where the optimizer keeps each parameter -----------------------------------------------
-    def _replica(self, p: torch.Tensor) -> Replicated:
-        return Replicated(self._param_dp_group.get(id(p), self.dp_group))
+    def _replica(self, p: torch.Tensor) -> Placement:
+        return self.layout.placement(p, self._param_dp_group.get(id(p), self.dp_group), dp_sharded=False)
 
-    def _build_slots(self) -> dict[int, _Slot]:
-        from megatron.core.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
-        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    def _build_slots(self) -> dict[int, Slot]:
+        return build_slots(self.optimizer, self.layout, self._replica)
 
-        slots: dict[int, _Slot] = {}
-        leaves = _leaf_optimizers(self.optimizer) if self.optimizer is not None else []
-        for leaf in leaves:
-            inner = getattr(leaf, "optimizer", None)
-            if getattr(leaf, "is_stub_optimizer", False) or inner is None:
-                continue
-            if isinstance(leaf, DistributedOptimizer):
-                group = Sharded(leaf.data_parallel_group)
-                owned: dict[int, torch.Tensor] = {}
-                for models, shards in (
-                    (leaf.model_float16_groups, leaf.shard_fp32_from_float16_groups),
-                    (leaf.model_fp32_groups, leaf.shard_fp32_groups),
-                ):
-                    for model_group, shard_group in zip(models, shards):
-                        for p, shard in zip(model_group, shard_group):
-                            owned[id(p)] = shard
-                # Every parameter of the optimizer's buffers gets a row on every rank (collective order).
-                for buffer in leaf.buffers:
-                    for p in buffer.param_index_map:
-                        slots[id(p)] = _Slot(owned.get(id(p)), inner, group, tuple(p.shape))
-            elif isinstance(leaf, Float16OptimizerWithFloat16Params):
-                for model_group, main_group in zip(leaf.float16_groups, leaf.fp32_from_float16_groups):
-                    for p, main in zip(model_group, main_group):
-                        slots[id(p)] = _Slot(main, inner, self._replica(p), tuple(p.shape))
-                for group in leaf.fp32_from_fp32_groups:
-                    for p in group:
-                        slots[id(p)] = _Slot(p, inner, self._replica(p), tuple(p.shape))
-            elif isinstance(leaf, FP32Optimizer):
-                for group in inner.param_groups:
-                    for p in group["params"]:
-                        slots[id(p)] = _Slot(p, inner, self._replica(p), tuple(p.shape))
-            else:
-                logger.warning(
-                    "trainermon: unknown Megatron optimizer %s; its tensors are skipped", type(leaf)
-                )
-        return slots
-
-    def _slot(self, mp: MonitoredParam) -> _Slot | None:
+    def _slot(self, mp: MonitoredParam) -> Slot | None:
         if self._slots is None:
             self._slots = self._build_slots()
-            self._duplicate = {mp.index: self._is_duplicate(mp.param) for mp in self.parameters()}
-        if self._duplicate.get(mp.index, False):
-            return None
+        if getattr(mp.param, "shared", False):
+            return None  # a tied copy (the last stage's embedding): the first stage writes it
         return self._slots.get(id(mp.param))
 
-    def _is_duplicate(self, p: torch.Tensor) -> bool:
-        """Written by another rank already: a TP-replicated copy on TP rank > 0, or a `shared` copy."""
-        if getattr(p, "shared", False):
-            return True
-        if getattr(p, "tensor_model_parallel", False):
-            return False
-        import torch.distributed as dist
-
-        tp_group = self.context.tp_group
-        if tp_group is not None and dist.is_initialized():
-            return dist.get_rank(group=tp_group) != 0
-        try:
-            from megatron.core import parallel_state
-
-            if parallel_state.model_parallel_is_initialized():
-                return parallel_state.get_tensor_model_parallel_rank() != 0
-        except Exception:  # noqa: BLE001 - no parallel state: no tensor parallelism
-            pass
-        return False
-
     def _pieces(
-        self, params: Sequence[MonitoredParam], read: Callable[[_Slot, MonitoredParam], torch.Tensor | None]
+        self, params: Sequence[MonitoredParam], read: Callable[[Slot, MonitoredParam], torch.Tensor | None]
     ) -> list[TensorPiece | None]:
         out: list[TensorPiece | None] = []
         for mp in params:
@@ -301,16 +259,17 @@ class MegatronAdapter(Adapter):
         return out
 
     def _fallback(
-        self, mp: MonitoredParam, read: Callable[[_Slot, MonitoredParam], torch.Tensor | None]
+        self, mp: MonitoredParam, read: Callable[[Slot, MonitoredParam], torch.Tensor | None]
     ) -> TensorPiece | None:
         """No optimizer was given (the user calls monitor.step()): read the model parameter itself."""
-        if self.optimizer is not None or self._is_duplicate(mp.param):
+        if self.optimizer is not None or getattr(mp.param, "shared", False):
             return None
-        tensor = read(_Slot(mp.param, None, self._replica(mp.param), tuple(mp.param.shape)), mp)
-        return None if tensor is None else TensorPiece.whole(tensor, self._replica(mp.param))
+        slot = Slot(mp.param, None, self._replica(mp.param), self.layout.full_shape(mp.param))
+        tensor = read(slot, mp)
+        return None if tensor is None else TensorPiece(tensor, slot.placement, slot.full_shape, tensor.dtype)
 
     @staticmethod
-    def _grad_of(slot: _Slot, mp: MonitoredParam) -> torch.Tensor | None:
+    def _grad_of(slot: Slot, mp: MonitoredParam) -> torch.Tensor | None:
         master = slot.master
         assert master is not None
         grad = master.grad
@@ -330,7 +289,7 @@ class MegatronAdapter(Adapter):
                 params, lambda slot, mp: slot.master.data if slot.master is not None else None
             )
 
-        def read_state(slot: _Slot, mp: MonitoredParam) -> torch.Tensor | None:
+        def read_state(slot: Slot, mp: MonitoredParam) -> torch.Tensor | None:
             if slot.inner is None:
                 return None
             value = slot.inner.state.get(slot.master, {}).get(kind)
@@ -382,11 +341,12 @@ class MegatronAdapter(Adapter):
     def _unreduced_at_step(self, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
         # No Megatron DDP: nothing is reduced, so the local gradient is the one the optimizer sees.
         out: list[TensorPiece | None] = []
-        for piece in self.read(GRAD_REDUCED, params):
-            if piece is None or piece.tensor is None or isinstance(piece.placement, Sharded):
+        for mp, piece in zip(params, self.read(GRAD_REDUCED, params)):
+            if piece is None or piece.tensor is None:
                 out.append(None)
-            else:
-                out.append(TensorPiece(piece.tensor, LOCAL, piece.full_shape, piece.dtype))
+            else:  # this rank's own gradient (its tensor-parallel piece, labelled)
+                tensor = piece.tensor
+                out.append(TensorPiece(tensor, LOCAL, tuple(tensor.shape), piece.dtype, mp.local_shard))
         return out
 
     def new_step(self) -> None:

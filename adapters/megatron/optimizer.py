@@ -1,0 +1,85 @@
+"""Where Megatron-Core's optimizers keep each model parameter (checked against megatron-core 0.16.1).
+
+FP32Optimizer: the model parameter itself (its `.grad` is `main_grad`). Float16OptimizerWithFloat16Params:
+the full fp32 master copy. DistributedOptimizer: this rank's 1-D fp32 shard of the master, which covers
+`_get_model_param_range_map(p)["param"]` of the flattened parameter (None where the rank owns no
+element). A ChainedOptimizer (dense and expert parameters) is searched leaf by leaf.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trainermon.collect.placement import Placement
+
+from .layout import MegatronLayout
+
+logger = logging.getLogger("trainermon")
+
+
+def leaf_optimizers(optimizer: Any) -> list[Any]:
+    """The Megatron optimizers inside a (possibly nested) ChainedOptimizer, or the optimizer itself."""
+    from megatron.core.optimizer import ChainedOptimizer
+
+    if isinstance(optimizer, ChainedOptimizer):
+        return [leaf for inner in optimizer.chained_optimizers for leaf in leaf_optimizers(inner)]
+    return [optimizer]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where the optimizer keeps one model parameter: its fp32 master (the full tensor, or this rank's
+    shard, or None when this rank owns no element) and the torch optimizer whose state it keys."""
+
+    master: torch.Tensor | None
+    inner: Any  # torch.optim.Optimizer holding the state
+    placement: Placement
+    full_shape: tuple[int, ...]
+
+
+def build_slots(
+    optimizer: Any, layout: MegatronLayout, replica: Callable[[torch.Tensor], Placement]
+) -> dict[int, Slot]:
+    """Where the optimizer keeps each model parameter (by id), for every leaf optimizer."""
+    from megatron.core.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    slots: dict[int, Slot] = {}
+    leaves = leaf_optimizers(optimizer) if optimizer is not None else []
+    for leaf in leaves:
+        inner = getattr(leaf, "optimizer", None)
+        if getattr(leaf, "is_stub_optimizer", False) or inner is None:
+            continue
+        if isinstance(leaf, DistributedOptimizer):
+            owned: dict[int, torch.Tensor] = {}
+            for models, shards in (
+                (leaf.model_float16_groups, leaf.shard_fp32_from_float16_groups),
+                (leaf.model_fp32_groups, leaf.shard_fp32_groups),
+            ):
+                for model_group, shard_group in zip(models, shards):
+                    for p, shard in zip(model_group, shard_group):
+                        owned[id(p)] = shard
+            # Every parameter of the optimizer's buffers gets a row on every rank (collective order).
+            for buffer in leaf.buffers:
+                for p in buffer.param_index_map:
+                    where = layout.placement(p, leaf.data_parallel_group, dp_sharded=True)
+                    slots[id(p)] = Slot(owned.get(id(p)), inner, where, layout.full_shape(p))
+        elif isinstance(leaf, Float16OptimizerWithFloat16Params):
+            for model_group, main_group in zip(leaf.float16_groups, leaf.fp32_from_float16_groups):
+                for p, main in zip(model_group, main_group):
+                    slots[id(p)] = Slot(main, inner, replica(p), layout.full_shape(p))
+            for group in leaf.fp32_from_fp32_groups:
+                for p in group:
+                    slots[id(p)] = Slot(p, inner, replica(p), layout.full_shape(p))
+        elif isinstance(leaf, FP32Optimizer):
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    slots[id(p)] = Slot(p, inner, replica(p), layout.full_shape(p))
+        else:
+            logger.warning("trainermon: unknown Megatron optimizer %s; its tensors are skipped", type(leaf))
+    return slots
