@@ -9,6 +9,10 @@
 - Each micro-batch's own gradient: a tensor hook on the leaf parameter, which autograd calls with the
   incoming gradient before it is accumulated into `.grad` (and before DDP sees it).
 - Without DDP there is no reduction: the pre-reduce gradient is `.grad` at the optimizer step.
+- Tensor parallelism without FSDP (`parallelize_module`): the parameters, their gradients and optimizer
+  states are DTensors, placed over their mesh by `adapters/dtensor.py` (full-parameter statistics, one
+  writer); a rank's own gradient piece is its pre-reduce row, labelled. The model's plain parameters are
+  then copies on every rank (the same data reaches every tensor-parallel rank), written once.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from trainermon.names import clean_name
 
 from .base import GRAD_REDUCED, GRAD_UNREDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
 from .common import OncePerStep, guarded, hook_optimizer_step, is_wrapper, state_value, unwrap
+from .dtensor import dtensor_piece, is_dtensor, local_piece, splits_over_ranks
 
 
 class TorchAdapter(Adapter):
@@ -39,6 +44,9 @@ class TorchAdapter(Adapter):
             dp_group = self._ddps[0].process_group
         self._replica = Replicated(dp_group) if (self._ddps or context.dp_group is not None) else LOCAL
         self._params: list[MonitoredParam] | None = None
+        self._tensor_parallel = splits_over_ranks([p for c in self._roots for p in c.parameters()])
+        if self._tensor_parallel and self._replica is LOCAL:
+            self._replica = Replicated(None)  # plain parameters beside DTensor ones: copies on every rank
         self._comm_hooked = False
         self._seen = OncePerStep("DDP")
 
@@ -48,6 +56,10 @@ class TorchAdapter(Adapter):
 
     def roots(self) -> list[torch.nn.Module]:
         return self._roots
+
+    @property
+    def splits_model(self) -> bool:
+        return self._tensor_parallel
 
     def is_wrapper_module(self, module: torch.nn.Module) -> bool:
         return is_wrapper(module)
@@ -108,14 +120,12 @@ class TorchAdapter(Adapter):
             taps.on_unreduced([i for i, _ in chosen], [g for _, g in chosen])
 
     def single_replica(self) -> bool:
-        return self._replica is LOCAL and not self._comm_hooked
+        return self._replica is LOCAL and not self._comm_hooked and not self._tensor_parallel
 
     # ---- reads --------------------------------------------------------------------------------
     def read(self, kind: str, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
         if kind == GRAD_UNREDUCED:
-            return [
-                None if mp.param.grad is None else TensorPiece.whole(mp.param.grad, LOCAL) for mp in params
-            ]
+            return [None if mp.param.grad is None else self._own(mp.param.grad) for mp in params]
         if kind == GRAD_REDUCED:
             return [self._piece(mp.param.grad) for mp in params]
         if kind == PARAM:
@@ -123,4 +133,10 @@ class TorchAdapter(Adapter):
         return [self._piece(state_value(self.optimizer, mp.param, kind)) for mp in params]
 
     def _piece(self, t: torch.Tensor | None) -> TensorPiece | None:
-        return None if t is None else TensorPiece.whole(t, self._replica)
+        if t is None:
+            return None
+        return dtensor_piece(t) if is_dtensor(t) else TensorPiece.whole(t, self._replica)
+
+    @staticmethod
+    def _own(grad: torch.Tensor) -> TensorPiece:
+        return local_piece(grad) if is_dtensor(grad) else TensorPiece.whole(grad, LOCAL)

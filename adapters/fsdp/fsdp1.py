@@ -180,7 +180,13 @@ class Fsdp1Adapter(Adapter):
         for unit, (vpp_stage, prefix) in zip(self._units, self._unit_names):
             covered.add(id(unit.flat))
             group = unit.fsdp.process_group
-            placement: Placement = Sharded(group) if unit.sharded else Replicated(group)
+            # HYBRID_SHARD / _HYBRID_SHARD_ZERO2: shards within `process_group`, replicas across
+            # `_inter_node_pg` (FSDP1's private name for the replica group, torch 2.13)
+            replicas = getattr(unit.fsdp, "_inter_node_pg", None)
+            copies = () if replicas is None else (replicas,)
+            placement: Placement = (
+                Sharded(group, replicated=copies) if unit.sharded else Replicated(group, *copies)
+            )
             for k, slot in enumerate(unit.slots):
                 if slot.orig is not None:
                     covered.add(id(slot.orig))

@@ -5,7 +5,11 @@
   post-accumulate-grad hook on each (once per object). It fires before FSDP2's post-backward
   reduce-scatter. Whether this backward reduces (`set_requires_gradient_sync`) and the gradient
   accumulated in the reduce dtype over earlier micro-batches are private: read in `_fsdp2_unit`.
-- grad_reduced, exp_avg/exp_avg_sq, param: DTensors; `.to_local()` is this rank's `Shard` piece.
+  With tensor parallelism (FSDP2 over a TP-parallelized model) the unsharded parameter is itself a
+  DTensor on the TP mesh: its gradient is this rank's TP piece, labelled.
+- grad_reduced, exp_avg/exp_avg_sq, param: DTensors, placed over their mesh by `adapters/dtensor.py`
+  (FSDP's `Shard`, TP's `Shard`, `_StridedShard` where FSDP shards a TP-sharded dimension again, HSDP's
+  `Replicate` dimension): full-parameter statistics, one writer per job.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any
 
 import torch
 
-from trainermon.collect.placement import LOCAL, Placement, Replicated, Sharded, TensorPiece
+from trainermon.collect.placement import LOCAL, Placement, Sharded, TensorPiece
 from trainermon.names import clean_name
 
 from ..base import GRAD_REDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
@@ -31,6 +35,7 @@ from ..common import (
     unwrap,
     wrapper_types,
 )
+from ..dtensor import dtensor_piece, is_dtensor, placement_of, splits_over_ranks
 from . import fsdp_imported
 
 logger = logging.getLogger("trainermon")
@@ -84,21 +89,6 @@ def _fsdp2_module_class() -> type | None:
     return FSDPModule
 
 
-def _dtensor_placement(p: torch.Tensor) -> Placement:
-    from torch.distributed.tensor import DTensor, Shard
-
-    if not isinstance(p, DTensor):
-        return LOCAL
-    mesh = p.device_mesh
-    shard_dims = [d for d, pl in enumerate(p.placements) if isinstance(pl, Shard)]
-    if len(shard_dims) == 1:
-        # HSDP (Replicate, Shard): the shard group holds the whole tensor, replicas hold copies.
-        return Sharded(mesh.get_group(shard_dims[0]))
-    if not shard_dims:
-        return Replicated(mesh.get_group(0) if mesh.ndim == 1 else None)
-    raise NotImplementedError(f"trainermon: DTensor placements {p.placements} (several sharded mesh dims)")
-
-
 class Fsdp2Adapter(Adapter):
     """FSDP2 (`fully_shard`), with or without a MixedPrecisionPolicy."""
 
@@ -126,6 +116,10 @@ class Fsdp2Adapter(Adapter):
     def roots(self) -> list[torch.nn.Module]:
         return self._roots
 
+    @property
+    def splits_model(self) -> bool:
+        return splits_over_ranks([mp.param for mp in self.parameters()])
+
     def is_wrapper_module(self, module: torch.nn.Module) -> bool:
         return bool(self._wrappers) and isinstance(module, self._wrappers)
 
@@ -141,7 +135,7 @@ class Fsdp2Adapter(Adapter):
             for name, p in root.named_parameters():
                 if p.requires_grad:
                     index_of[id(p)] = len(out)
-                    self._placement_of[len(out)] = _dtensor_placement(p)
+                    self._placement_of[len(out)] = placement_of(p) if is_dtensor(p) else LOCAL
                     out.append(MonitoredParam(len(out), vpp_stage, clean_name(name), p))
         # Each parameter belongs to its nearest enclosing fully_shard-ed module.
         for root in self._roots:
@@ -164,7 +158,6 @@ class Fsdp2Adapter(Adapter):
 
     # ---- pre-reduce taps ---------------------------------------------------------------------
     def install_grad_taps(self, taps: GradTaps) -> list[Any]:
-        from torch.distributed.tensor import DTensor
 
         self.parameters()
         handles = []
@@ -179,7 +172,8 @@ class Fsdp2Adapter(Adapter):
                     return
                 for index, owner, attr in managed:
                     p = owner._parameters.get(attr)
-                    if p is None or isinstance(p, DTensor) or id(p) in self._hooked:
+                    # the sharded parameter itself (FSDP2 has not unsharded it): nothing to tap
+                    if p is None or p is self._params[index].param or id(p) in self._hooked:
                         continue
                     handle = p.register_post_accumulate_grad_hook(self._make_tap(index, unit, taps))
                     self._hooked[id(p)] = (p, handle)
@@ -215,7 +209,6 @@ class Fsdp2Adapter(Adapter):
     def install_microbatch_taps(self, params: Sequence[MonitoredParam], taps: GradTaps) -> list[Any]:
         # Each micro-batch's own gradient: a tensor hook on the unsharded parameter (fires before it is
         # accumulated into `.grad`), registered once per step and object in a forward pre-hook.
-        from torch.distributed.tensor import DTensor
 
         self.parameters()
         wanted = {mp.index for mp in params}
@@ -231,7 +224,7 @@ class Fsdp2Adapter(Adapter):
                     return
                 for index, owner, attr in mine:
                     p = owner._parameters.get(attr)
-                    if p is None or isinstance(p, DTensor) or id(p) in hooked:
+                    if p is None or p is self._params[index].param or id(p) in hooked:
                         continue
                     hooked.add(id(p))
                     group.items.append(p.register_hook(lambda g, index=index: taps.on_microbatch(index, g)))
@@ -244,12 +237,9 @@ class Fsdp2Adapter(Adapter):
     def _piece(self, mp: MonitoredParam, value: torch.Tensor | None) -> TensorPiece | None:
         if value is None:
             return None
-        placement = self._placement_of[mp.index]
-        with torch.no_grad():
-            local = value.to_local() if hasattr(value, "to_local") else value
-        if isinstance(placement, Sharded) and local.numel() == 0:
-            local = None  # this rank holds no elements of the parameter
-        return TensorPiece(local, placement, tuple(mp.param.shape), value.dtype)
+        if is_dtensor(value):
+            return dtensor_piece(value)
+        return TensorPiece(value, self._placement_of[mp.index], tuple(mp.param.shape), value.dtype)
 
     def read(self, kind: str, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
         if kind == GRAD_REDUCED:

@@ -285,36 +285,51 @@ def _tp_rank(rank: int, world_size: int, out_dir: str) -> dict:
     for step in range(STEPS):
         x = torch.full((2, 4), float(step + 1)) * torch.arange(1.0, 5.0)
         model(x).pow(2).mean().backward()
-        grads[step] = {n: ref_stats(p.grad.to_local()) for n, p in model.named_parameters()}
+        grads[step] = {
+            n: (ref_stats(p.grad.to_local()), ref_stats(p.grad.full_tensor()))
+            for n, p in model.named_parameters()
+        }
         opt.step()
         opt.zero_grad()
     monitor.close()
-    local = {n: (ref_stats(p.to_local()), list(p.to_local().shape)) for n, p in model.named_parameters()}
+    full = {n: (ref_stats(p.full_tensor()), list(p.shape)) for n, p in model.named_parameters()}
     return {
         "run_dir": monitor.run_dir,
         "faults": dict(monitor.faults.counts),
         "grads": grads,
-        "params": local,
+        "params": full,
     }
 
 
 def test_tensor_parallel_without_fsdp_survives_and_labels_local_rows(tmp_path):
-    """The ColwiseParallel case that killed the process with SIGSEGV: every family on, two ranks."""
+    """The ColwiseParallel case that killed the process with SIGSEGV: every family on, two ranks. Each
+    rank's own gradient piece is its grad_unreduced row, labelled; the optimizer-side rows are the full
+    parameters' statistics with their full shapes, written once (by rank 0)."""
     results = run_ranks(_tp_rank, world_size=2, out_dir=str(tmp_path))
     for rank, res in enumerate(results):
         assert res["faults"] == {}, res["faults"]
+        own = keyed(read_family(res["run_dir"], "grad_unreduced"))
         grads = keyed(read_family(res["run_dir"], "grad_reduced"))
         params = keyed(read_family(res["run_dir"], "param_updated"))
         for name, label in (("w1.weight", "Shard(0)"), ("w2.weight", "Shard(1)"), ("w1.bias", "Shard(0)")):
             for step in range(STEPS):
-                row = grads[(name, step, None)]
+                local_ref, full_ref = res["grads"][step][name]
+                row = own[(name, step, None)]
                 assert row["shard"] == f"{label}[tp={rank}/2]", row
-                assert float(row["norm"]) == pytest.approx(res["grads"][step][name]["norm"], rel=1e-6)
-            ref, shape = res["params"][name]
-            row = params[(name, STEPS - 1, None)]
-            assert json_shape(row) == shape and float(row["max"]) == pytest.approx(ref["max"], rel=1e-6)
-        # w2's bias is replicated (Replicate): the whole tensor on each rank, no label.
-        assert grads[("w2.bias", 0, None)]["shard"] == ""
+                assert float(row["norm"]) == pytest.approx(local_ref["norm"], rel=1e-6)
+                if rank == 0:
+                    row = grads[(name, step, None)]
+                    assert row["shard"] == "" and float(row["norm"]) == pytest.approx(
+                        full_ref["norm"], rel=1e-6
+                    )
+                else:
+                    assert (name, step, None) not in grads
+            if rank == 0:
+                ref, shape = res["params"][name]
+                row = params[(name, STEPS - 1, None)]
+                assert json_shape(row) == shape and float(row["max"]) == pytest.approx(ref["max"], rel=1e-6)
+        # w2's bias is replicated (Replicate): the whole tensor, written once, no label.
+        assert ((("w2.bias", 0, None) in grads) == (rank == 0)) and own[("w2.bias", 0, None)]["shard"] == ""
         actv = keyed(read_family(res["run_dir"], "actv"))
         labels = [actv[(f"emit.output_{i}", 0, 0)]["shard"] for i in range(3)]
         assert labels == [f"Shard(0)[tp={rank}/2]", "", f"Partial(sum)[tp={rank}/2]"], labels
