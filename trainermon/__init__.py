@@ -7,6 +7,7 @@ from .config import ConfigError, MonitorConfig, load_config, parse_config
 if TYPE_CHECKING:
     from .api import PrintStructDone, TrainerMon
     from .loader import load
+    from .seed import seed_all
 
 __version__ = "0.1.0"
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "load",
     "load_config",
     "parse_config",
+    "seed_all",
 ]
 
 
@@ -27,6 +29,10 @@ def __getattr__(name: str):
         from . import api
 
         return getattr(api, name)
+    if name == "seed_all":
+        from .seed import seed_all
+
+        return seed_all
     if name == "load":
         from .loader import load
 
