@@ -43,6 +43,10 @@ def _make(fmt: str) -> Exporter:
         from .prometheus import PrometheusExporter
 
         return PrometheusExporter()
+    if fmt == "tensorboard":
+        from .tensorboard import TensorBoardExporter
+
+        return TensorBoardExporter()
     raise ValueError(f"no exporter for format {fmt!r}")  # config validation lets through known formats
 
 

@@ -28,9 +28,13 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from .convert import convert
+    from .convert import convert, to_tensorboard
 
     try:
+        if args.to == "tensorboard":
+            dirs = to_tensorboard(args.csv_dir, args.out)
+            print(f"wrote TensorBoard event files for {len(dirs)} rank directories to {args.out}")
+            return 0
         parts = convert(args.csv_dir, args.out, rows_per_part=args.rows_per_part)
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -312,11 +316,18 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--json", default=None, help="output file (default DIR/anomaly_analysis.json)")
     an.set_defaults(func=_cmd_anomalies)
     conv = sub.add_parser(
-        "convert", help="convert CSV output (trainermon's or msprobe's) into the Parquet dataset layout"
+        "convert",
+        help="convert CSV output (trainermon's or msprobe's) into the Parquet dataset layout or TensorBoard",
     )
     conv.add_argument("csv_dir", help="a MONITOR_OUTPUT_DIR with rank directories, or one rank directory")
     conv.add_argument("out", help="dataset root to write (family=.../rank=.../part-*.parquet)")
     conv.add_argument("--rows-per-part", type=int, default=1_000_000)
+    conv.add_argument(
+        "--to",
+        choices=("parquet", "tensorboard"),
+        default="parquet",
+        help="output: a Parquet dataset (default) or TensorBoard event files with msprobe's tags",
+    )
     conv.set_defaults(func=_cmd_convert)
     ana = sub.add_parser(
         "analyze",

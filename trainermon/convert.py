@@ -1,4 +1,6 @@
-"""`trainermon convert CSV_DIR OUT`: CSV output (trainermon's or msprobe's) into the Parquet layout.
+"""`trainermon convert CSV_DIR OUT [--to parquet|tensorboard]`: CSV output (trainermon's or msprobe's)
+into the Parquet layout, or into TensorBoard event files with msprobe's tags (one directory per rank
+directory, as the TensorBoard sink writes them).
 
 Input: a directory holding rank directories (`{time}-rank{R}-{id}/`, the layout both tools write) or
 one such directory. Every `{family}_{first}-{last}.csv` in them is read. Columns are taken by header
@@ -103,6 +105,53 @@ def convert(
                     buffer, seq = ColumnBuffer(), seq + 1
             if buffer.rows:
                 written.append(_write(out, family, rank, run_id, seq, buffer, csv_dir, compression))
+    return written
+
+
+def to_tensorboard(csv_dir: str | os.PathLike, out: str | os.PathLike) -> list[str]:
+    """Write every CSV file under `csv_dir` as TensorBoard scalars under `out/{rank directory}`, tagged as
+    the TensorBoard sink tags them; return the directories written. Needs the tensorboard package."""
+    from trainermon.exporters.tensorboard import tag_prefix
+
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:
+        raise ValueError(
+            "trainermon convert --to tensorboard needs the tensorboard package: "
+            "pip install 'trainermon[tensorboard]'"
+        ) from exc
+    csv_dir, out = os.fspath(csv_dir), os.fspath(out)
+    groups = find_csv_files(csv_dir) if os.path.isdir(csv_dir) else {}
+    if not groups:
+        raise FileNotFoundError(
+            f"trainermon convert: no '{{family}}_{{first}}-{{last}}.csv' files under {csv_dir!r}"
+        )
+    written = []
+    for directory, files in sorted(groups.items()):
+        rank, _run_id = _rank_and_run(directory)
+        target = os.path.join(out, os.path.basename(os.path.normpath(directory)))
+        writer = SummaryWriter(log_dir=target)
+        try:
+            for family, path in files:
+                rows = _read_csv(path)
+                if not rows:
+                    continue
+                columns = _columns(rows, "")
+                stats = [s for s in STATS if columns.get(s) is not None]
+                for i, r in enumerate(rows):
+                    micro = int(columns["micro_step"][i])
+                    prefix = tag_prefix(
+                        family,
+                        columns["vpp_stage"][i],
+                        columns["name"][i],
+                        None if micro < 0 else micro,
+                        rank,
+                    )
+                    for stat in stats:
+                        writer.add_scalar(f"{prefix}_{stat}", _number(r[stat]), int(r["step"]))
+        finally:
+            writer.close()
+        written.append(target)
     return written
 
 

@@ -53,9 +53,9 @@ def _reference_run(model: nn.Module, batches, mbs: bool = False) -> dict[tuple, 
 
         def bwd(mod, grad_in, grad_out, name=mod_name):
             s, m = state["step"], state["micro"]
-            ref[("actv_grad", f"{name}.output_grad", s, m)] = ref_stats(grad_out[0])
+            ref[("actv_grad", f"{name}.output", s, m)] = ref_stats(grad_out[0])
             if grad_in[0] is not None:
-                ref[("actv_grad", f"{name}.input_grad", s, m)] = ref_stats(grad_in[0])
+                ref[("actv_grad", f"{name}.input", s, m)] = ref_stats(grad_in[0])
 
         module.register_forward_hook(fwd)
         module.register_full_backward_hook(bwd)

@@ -282,6 +282,12 @@ def _example_case(rank: int, world: int, out_root: str) -> dict:
         rows = read_family(monitor.run_dir, family)
         counts[family] = len(rows)
         for r in rows:
+            if r["shape"] == "[]" and r["dtype"] == "None":
+                # msprobe's NaN row for an output element that is not a tensor: Megatron's linear
+                # layers return (output, None) without skip_bias_add
+                assert family == "actv" and r["name"].endswith("output_1"), r
+                assert all(math.isnan(float(r[op])) for op in ("norm", "min", "max", "mean")), r
+                continue
             for op in ("norm", "min", "max", "mean"):
                 assert math.isfinite(float(r[op])), (family, r["name"], op)
     names = {r["name"] for r in read_family(monitor.run_dir, "grad_unreduced")}

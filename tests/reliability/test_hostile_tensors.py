@@ -112,13 +112,14 @@ class Reference:
 
     def _pre(self, name):
         def hook(module, args):
-            floats = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+            # msprobe's numbering: over every tensor argument; rows only for floating-point ones
+            tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+            labels = (
+                [f"{name}.input"] if len(tensors) == 1 else [f"{name}.input_{j}" for j in range(len(tensors))]
+            )
             args = list(args)
-            labels = [f"{name}.input_grad"]
-            if len(floats) > 1:
-                labels = [f"{name}.input_grad_{j}" for j in range(len(floats))]
-            for i, label in zip(floats, labels):
-                if args[i].requires_grad:
+            for i, label in zip(tensors, labels):
+                if args[i].is_floating_point() and args[i].requires_grad:
                     args[i] = args[i].view_as(args[i])
                     args[i].register_hook(lambda g, label=label: self._keep("actv_grad", label, g))
             return tuple(args)
@@ -127,15 +128,16 @@ class Reference:
 
     def _fwd(self, name):
         def hook(module, args, out):
-            ins = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
-            outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o.is_floating_point()]
+            ins = [a for a in args if isinstance(a, torch.Tensor)]
+            outs = list(out) if isinstance(out, tuple) else [out]
             for base, group in ((f"{name}.input", ins), (f"{name}.output", outs)):
                 for i, t in enumerate(group):
                     label = base if len(group) == 1 else f"{base}_{i}"
+                    if not t.is_floating_point():
+                        continue
                     self._keep("actv", label, t)
                     if base.endswith("output") and t.requires_grad:
-                        grad_label = label.replace(".output", ".output_grad")
-                        t.register_hook(lambda g, gl=grad_label: self._keep("actv_grad", gl, g))
+                        t.register_hook(lambda g, gl=label: self._keep("actv_grad", gl, g))
 
         return hook
 

@@ -90,7 +90,7 @@ def test_backward_only_and_targets(tmp_path, monkeypatch):
         wg_distribution=True,
     )
     assert read_family(monitor.run_dir, "actv") == []
-    assert {r["name"] for r in read_family(monitor.run_dir, "actv_grad")} == {"2.input_grad", "2.output_grad"}
+    assert {r["name"] for r in read_family(monitor.run_dir, "actv_grad")} == {"2.input", "2.output"}
     # targets are parameter-name prefixes for the weight families
     assert {r["name"] for r in read_family(monitor.run_dir, "grad_reduced")} == {"2.weight", "2.bias"}
 

@@ -56,7 +56,9 @@ def test_rm_dropout_keeps_every_value(restore_determinism):
     seed_all(1, rm_dropout=True)
     seed_all(1, rm_dropout=True)  # twice: still one wrapper
     assert torch.equal(torch.nn.Dropout(0.5).train()(x), x)
-    assert torch.equal(torch.nn.functional.dropout2d(torch.ones(2, 3, 4, 5), 0.9, True), torch.ones(2, 3, 4, 5))
+    assert torch.equal(
+        torch.nn.functional.dropout2d(torch.ones(2, 3, 4, 5), 0.9, True), torch.ones(2, 3, 4, 5)
+    )
 
 
 @pytest.mark.parametrize(

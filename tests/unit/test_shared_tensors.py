@@ -158,7 +158,7 @@ def test_one_tensor_passed_as_several_inputs_stays_one_object(tmp_path, out_dir)
     rows = {r["name"]: r for r in read_family(monitor.run_dir, "actv_grad")}
     want = h_grads[0].double()  # h has one consumer (attn), so its gradient is attn's input gradient
     for i in range(3):
-        row = rows[f"attn.input_grad_{i}"]
+        row = rows[f"attn.input_{i}"]
         assert float(row["norm"]) == pytest.approx(float(want.norm()), rel=1e-5)
         assert float(row["min"]) == pytest.approx(float(want.min()), rel=1e-5)
         assert float(row["max"]) == pytest.approx(float(want.max()), rel=1e-5)
@@ -283,5 +283,5 @@ def test_a_parameter_returned_as_an_output_gets_one_gradient_row_per_call(tmp_pa
     rows = keyed(read_family(monitor.run_dir, "actv_grad"))
     for step in range(3):
         for micro in range(2):
-            assert float(rows[("lin.output_grad_1", step, micro)]["norm"]) == pytest.approx(6.0)
+            assert float(rows[("lin.output_1", step, micro)]["norm"]) == pytest.approx(6.0)
     assert not model.lin.bias._backward_hooks  # nothing left on the Parameter

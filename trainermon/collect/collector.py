@@ -215,6 +215,17 @@ class StepCollector:
             if index >= 0 and new_keys[index] is not None:
                 seen[new_keys[index]] = (weakref.ref(t), row)
 
+    def add_missing(self, family: str, vpp_stage: int, labels: Sequence[str], micro_step: int | None) -> None:
+        """Rows for elements that are not tensors (a None in a module's output tuple): msprobe writes them
+        as NaN statistics, and so do these (no elements, norm NaN)."""
+        for label in labels:
+            row = empty_partials(1)
+            row[0, SUMSQ] = math.nan
+            self._rows.append(RowMeta(family, vpp_stage, label, micro_step, (), None, 0))
+            self._parts.append(row)
+            self._order.append(self._next)
+            self._next += 1
+
     def _skip(self, family: str, why: Unreadable) -> None:
         if self.faults is not None:
             self.faults.record(f"unreadable tensor ({why.kind})", why, f"its {family} row is skipped")

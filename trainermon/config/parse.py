@@ -19,10 +19,9 @@ logger = logging.getLogger("trainermon")
 
 #: msprobe ops that trainermon accepts but does not compute (warned and dropped).
 IGNORED_MSPROBE_OPS = ("id",)
-SUPPORTED_FORMATS = ("csv", "parquet", "prometheus")
+SUPPORTED_FORMATS = ("csv", "parquet", "prometheus", "tensorboard")
 #: Formats that exist in msprobe or in trainermon's plan but are not available in this build.
 UNAVAILABLE_FORMATS = {
-    "tensorboard": "trainermon does not write TensorBoard event files; use csv",
     "api": "msprobe's in-memory 'api' format is not supported; use csv",
 }
 #: msprobe keys for features trainermon does not have. Accepted when falsy, refused when switched on.

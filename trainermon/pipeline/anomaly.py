@@ -320,6 +320,8 @@ class AnomalyDetector:
         if column is not None:
             for i, value in enumerate(column):
                 row = batch.rows[i]
+                if row.numel == 0:
+                    continue  # no values (a None output's row)
                 key = (row.family, row.vpp_stage, row.name, row.micro_step)
                 roll = self._rolling.get(key)
                 if roll is None:

@@ -197,6 +197,11 @@ class StepLoop:
         finally:
             self._exit()
 
+    def record_missing(self, family: str, vpp_stage: int, labels: list, micro: int | None) -> None:
+        """NaN rows for module outputs that are not tensors (see `StepCollector.add_missing`)."""
+        with self._lock:
+            self.collector.add_missing(family, vpp_stage, labels, micro)
+
     # ==== the step events ===========================================================================
     def on_pre_optim(self) -> None:
         if not self.plan.scheduled:

@@ -1,7 +1,14 @@
 """actv and actv_grad: module hooks, armed only on collected steps.
 
-- actv: a forward hook records each selected module's floating-point inputs and outputs (msprobe's names:
-  `name.input`, `name.output`, `name.output_0`, ... for several).
+- actv: a forward hook records each selected module's floating-point inputs and outputs, named as msprobe
+  names them: inputs are numbered over the tensor arguments (positional, then keyword), outputs over the
+  elements of a tuple or list output (`name.output_0`, `name.output_1`; one element or a tensor:
+  `name.output`); an element that is not a tensor (None) gets a NaN row, as msprobe writes it. Integer
+  tensors (token ids, masks) keep their number but get no row. A dict output's tensor values are
+  numbered in order (msprobe writes none).
+- actv_grad rows carry the same names as the tensors' actv rows (`name.input`, `name.output_1`, in the
+  actv_grad files), numbered as msprobe's backward hook numbers them: inputs over the positional tensor
+  arguments; a keyword argument's gradient is `name.input_{keyword}` (msprobe writes none).
 - actv_grad: a forward pre-hook gives the module views of its inputs, so that a hook on each view sees
   exactly the gradient that flows into this module (not the sum over every consumer of the tensor); the
   forward hook hooks each output. A parameter returned as an output (Megatron's skip_bias_add bias) is
@@ -41,6 +48,25 @@ def activations_in(obj: Any) -> list[torch.Tensor]:
 
 def io_names(base: str, count: int) -> list[str]:
     return [base] if count == 1 else [f"{base}_{i}" for i in range(count)]
+
+
+def input_slots(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """A module's tensor arguments, positional then keyword: what msprobe numbers as inputs."""
+    return [a for a in args if isinstance(a, torch.Tensor)] + [
+        v for v in kwargs.values() if isinstance(v, torch.Tensor)
+    ]
+
+
+def output_slots(output: Any) -> list[Any]:
+    """A module's outputs as msprobe numbers them: a tuple's or list's elements by position (None
+    included), a tensor alone; a dict's activation values (ours only)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return list(output)
+    if isinstance(output, dict):
+        return [v for v in output.values() if is_activation(v)]
+    return []
 
 
 def replace_tensors(obj: Any, by_id: dict[int, torch.Tensor]) -> Any:
@@ -122,9 +148,14 @@ class ActivationProbe(Probe):
                 if in_backward() or not torch.is_grad_enabled():
                     return None
                 micro = self._calls.get(id(module), 0)
-                keys = [i for i, a in enumerate(args) if is_activation(a)]
-                keys += [k for k, v in kwargs.items() if is_activation(v)]
-                labels = io_names(f"{name}.input_grad", len(keys))
+                positional = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+                numbered = dict(zip(positional, io_names(f"{name}.input", len(positional))))
+                keys = [i for i in positional if is_activation(args[i])]
+                labels = [numbered[i] for i in keys]
+                for k, v in kwargs.items():
+                    if is_activation(v):
+                        keys.append(k)
+                        labels.append(f"{name}.input_{k}")
                 pieces = self._shards.get(id(module), ((), ()))[0]
                 new_args, new_kwargs = list(args), dict(kwargs)
                 # One view per distinct tensor: a module called as attn(h, h, h) must still see the same
@@ -160,21 +191,30 @@ class ActivationProbe(Probe):
                 key = id(module)
                 micro = self._calls.get(key, 0)
                 self._calls[key] = micro + 1
-                outputs = activations_in(output)
+                outputs = output_slots(output)
+                out_labels = io_names(f"{name}.output", len(outputs))
                 in_pieces, out_pieces = self._shards.get(key, ((), ()))
+                out_pieces = _padded(out_pieces, len(outputs))
                 if self._actv:
-                    inputs = activations_in(args) + activations_in(kwargs)
-                    if inputs or outputs:
-                        labels = io_names(f"{name}.input", len(inputs)) + io_names(
-                            f"{name}.output", len(outputs)
-                        )
-                        pieces = _padded(in_pieces, len(inputs)) + _padded(out_pieces, len(outputs))
-                        loop.record_local("actv", vpp_stage, labels, micro, inputs + outputs, pieces)
+                    inputs = input_slots(args, kwargs)
+                    in_labels = io_names(f"{name}.input", len(inputs))
+                    tensors, labels, pieces = [], [], []
+                    for label, t, piece in zip(
+                        in_labels + out_labels, inputs + outputs, _padded(in_pieces, len(inputs)) + out_pieces
+                    ):
+                        if is_activation(t):
+                            tensors.append(t)
+                            labels.append(label)
+                            pieces.append(piece)
+                    if tensors:
+                        loop.record_local("actv", vpp_stage, labels, micro, tensors, pieces)
+                    missing = [lb for lb, t in zip(out_labels, outputs) if not isinstance(t, torch.Tensor)]
+                    if missing:  # None in an output tuple: msprobe's NaN row
+                        loop.record_missing("actv", vpp_stage, missing, micro)
                 if self._actv_grad and torch.is_grad_enabled():
                     leaves: dict[int, torch.Tensor] = {}
-                    out_labels = io_names(f"{name}.output_grad", len(outputs))
-                    for label, t, piece in zip(out_labels, outputs, _padded(out_pieces, len(outputs))):
-                        if t.requires_grad:
+                    for label, t, piece in zip(out_labels, outputs, out_pieces):
+                        if is_activation(t) and t.requires_grad:
                             if t.is_leaf:  # a parameter as an output: hook this call's view of it
                                 view = leaves[id(t)] = t.view_as(t)
                                 t = view

@@ -1,0 +1,74 @@
+"""TensorBoard event files with msprobe's tags (`"format": "tensorboard"`), so that TensorBoard workflows
+and dashboards built on msprobe's output keep working.
+
+One `SummaryWriter` per rank directory (the run directory, as msprobe), written on the background worker.
+Tags, as msprobe writes them: `{vpp_stage}:{name}[:{micro_step}]/rank{R}/{kind}_{statistic}` with kind
+`pre_grad` (grad_unreduced), `post_grad` (grad_reduced), `param_origin`, `param_updated`, `exp_avg`,
+`exp_avg_sq`, `actv`, `actv_grad`; e.g. `0:layers.0.weight/rank0/post_grad_norm`. trainermon's own
+step values are their own scalars: `trainermon/global_grad_norm`, `trainermon/loss_scale`. Needs the
+`tensorboard` package (`pip install 'trainermon[tensorboard]'`); without it the sink does not open, with
+one error, and the other sinks go on.
+"""
+
+from __future__ import annotations
+
+import math
+
+from trainermon.collect.records import StatBatch
+from trainermon.stats.table import VALUE_STATS
+
+from .base import Exporter, RunInfo
+
+#: trainermon's family -> msprobe's tag kind
+KIND = {
+    "grad_unreduced": "pre_grad",
+    "grad_reduced": "post_grad",
+    "param_origin": "param_origin",
+    "param_updated": "param_updated",
+    "exp_avg": "exp_avg",
+    "exp_avg_sq": "exp_avg_sq",
+    "actv": "actv",
+    "actv_grad": "actv_grad",
+}
+
+
+def tag_prefix(family: str, vpp_stage: int, name: str, micro_step: int | None, rank: int) -> str:
+    """msprobe's tag of a row, without the `_{statistic}` suffix."""
+    key = f"{vpp_stage}:{name}" if micro_step is None else f"{vpp_stage}:{name}:{micro_step}"
+    return f"{key}/rank{rank}/{KIND.get(family, family)}"
+
+
+class TensorBoardExporter(Exporter):
+    def open(self, run: RunInfo) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise RuntimeError(
+                "format 'tensorboard' needs the tensorboard package: pip install 'trainermon[tensorboard]'"
+            ) from exc
+        self.rank = run.rank
+        self.ops = [op for op in run.config.ops if op in VALUE_STATS or op == "numel"]
+        self.writer = SummaryWriter(log_dir=run.run_dir)
+        self._prefixes: dict[tuple, str] = {}
+
+    def write(self, batch: StatBatch) -> None:
+        add, step = self.writer.add_scalar, batch.step
+        columns = [(op, batch.values[op]) for op in self.ops if op in batch.values]
+        for i, row in enumerate(batch.rows):
+            key = (row.family, row.vpp_stage, row.name, row.micro_step)
+            prefix = self._prefixes.get(key)
+            if prefix is None:
+                prefix = self._prefixes[key] = tag_prefix(*key, self.rank)
+            for op, column in columns:
+                add(f"{prefix}_{op}", float(column[i]), step)
+        derived = batch.derived
+        if derived.global_grad_norm is not None and math.isfinite(derived.global_grad_norm):
+            add("trainermon/global_grad_norm", derived.global_grad_norm, step)
+        if derived.loss_scale is not None:
+            add("trainermon/loss_scale", derived.loss_scale, step)
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
