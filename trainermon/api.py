@@ -50,20 +50,24 @@ class TrainerMon:
         atexit.register(lambda: (m := ref()) is not None and m.close())
 
     def set_monitor(
-        self,
-        model: torch.nn.Module | Sequence[torch.nn.Module],
-        grad_acc_steps: int = 1,
-        optimizer: Any = None,
-        dp_group: Any = None,
-        tp_group: Any = None,
-        start_iteration: int = 0,
+        self, model: torch.nn.Module | Sequence[torch.nn.Module], *args: Any, **kwargs: Any
     ) -> None:
         """Attach to `model` (a module or a list of model chunks, vpp_stage = index) and `optimizer`.
 
         Hooks the optimizer's step (per instance) and the adapter's always-on taps, opens this rank's
         output and starts the background worker. Collective in dynamic mode (the config broadcast group).
-        Raises only for invalid arguments."""
+        Raises only for invalid arguments.
+
+        Arguments: `grad_acc_steps=1, optimizer=None, dp_group=None, tp_group=None,
+        start_iteration=0`, by keyword or in one of msprobe's two positional orders: the older
+        `(model, grad_acc_steps, optimizer, dp_group, tp_group, start_iteration)` and msprobe 26's
+        `(model, optimizer, grad_acc_steps, tp_group, dp_group, start_iteration)`, told apart by
+        whether the second argument is an integer."""
         from trainermon.adapters import AdapterContext, select_adapter
+
+        bound = bind_set_monitor_args(args, kwargs)
+        grad_acc_steps, optimizer = bound["grad_acc_steps"], bound["optimizer"]
+        dp_group, tp_group, start_iteration = bound["dp_group"], bound["tp_group"], bound["start_iteration"]
 
         if self.loop.adapter is not None:
             raise RuntimeError("trainermon: set_monitor() was already called on this monitor")
@@ -151,3 +155,33 @@ class TrainerMon:
 
 
 __all__ = ["ConfigError", "PrintStructDone", "TrainerMon"]
+
+
+_OLD_ORDER = ("grad_acc_steps", "optimizer", "dp_group", "tp_group", "start_iteration")
+_MSPROBE_26_ORDER = ("optimizer", "grad_acc_steps", "tp_group", "dp_group", "start_iteration")
+
+
+def bind_set_monitor_args(args: tuple, kwargs: dict) -> dict[str, Any]:
+    """`set_monitor`'s arguments after `model`, by name (see `TrainerMon.set_monitor`)."""
+    first = args[0] if args else None
+    old = isinstance(first, int) and not isinstance(first, bool)
+    order = _OLD_ORDER if (old or not args) else _MSPROBE_26_ORDER
+    if len(args) > len(order):
+        raise TypeError(f"trainermon: set_monitor() takes at most {len(order) + 1} positional arguments")
+    bound: dict[str, Any] = {
+        "grad_acc_steps": 1,
+        "optimizer": None,
+        "dp_group": None,
+        "tp_group": None,
+        "start_iteration": 0,
+    }
+    bound.update(zip(order, args))
+    for key, value in kwargs.items():
+        if key not in bound:
+            raise TypeError(
+                f"trainermon: set_monitor() got an unexpected argument {key!r}; allowed: {list(bound)}"
+            )
+        if key in order[: len(args)]:
+            raise TypeError(f"trainermon: set_monitor() got {key!r} both by position and by name")
+        bound[key] = value
+    return bound

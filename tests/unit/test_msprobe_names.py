@@ -81,3 +81,24 @@ def pyapprox(value: float):
     import pytest
 
     return pytest.approx(value, rel=1e-6)
+
+
+def test_msprobe_26_positional_order_is_understood(tmp_path, out_dir):
+    """msprobe 26.2's set_monitor(model, optimizer, grad_acc_steps) beside the older keyword form."""
+    cfg = write_config(tmp_path / "c.json", wg_distribution=True, xy_distribution=True, all_xy=True)
+    for call in ("positional", "keywords"):
+        model = nn.Sequential(nn.Linear(2, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        monitor = TrainerMon(cfg)
+        if call == "positional":
+            monitor.set_monitor(model, opt, 2)
+        else:
+            monitor.set_monitor(model, grad_acc_steps=2, optimizer=opt)
+        for micro in range(2):
+            model(torch.full((1, 2), float(micro + 1))).sum().backward()
+        opt.step()
+        monitor.close()
+        assert monitor.loop.hooked and monitor.grad_acc_steps == 2, call
+        micro_steps = {r["micro_step"] for r in read_family(monitor.run_dir, "actv")}
+        assert micro_steps == {"0", "1"}, (call, micro_steps)
+        assert read_family(monitor.run_dir, "grad_reduced"), call
