@@ -33,12 +33,21 @@ CASES = (
     "fsdp2-tp",
     "fsdp2-tp-colwise",
     "tp-only",
+    "tp-dp-replicate",
     "fsdp2-tp-3d",
     "fsdp1-hybrid",
     "fsdp1-hybrid-zero2",
     "fsdp1-noshard",
 )
-DTENSOR_CASES = ("hsdp", "hsdp-bf16", "fsdp2-tp", "fsdp2-tp-colwise", "tp-only", "fsdp2-tp-3d")
+DTENSOR_CASES = (
+    "hsdp",
+    "hsdp-bf16",
+    "fsdp2-tp",
+    "fsdp2-tp-colwise",
+    "tp-only",
+    "tp-dp-replicate",
+    "fsdp2-tp-3d",
+)
 
 
 def _model():
@@ -113,6 +122,14 @@ def _build(case: str, rank: int):
         for layer in model.layers:
             parallelize_module(layer, mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
         return model, 0  # one replica: every rank the same data
+    if case == "tp-dp-replicate":
+        # 2 x 2 ("dp", "tp"): tensor parallelism on the "tp" sub-mesh, data parallelism by averaging the
+        # gradients over "dp" (`_average_over_dp`); the parameters never name "dp": they are copies there
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        for layer in model.layers:
+            parallelize_module(layer, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        model._dp_group = mesh["dp"].get_group()
+        return model, mesh["dp"].get_local_rank()
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
 
@@ -137,6 +154,19 @@ def _build(case: str, rank: int):
         use_orig_params=True,
         device_id=torch.device("cpu"),
     ), rank
+
+
+def _average_over_dp(model) -> None:
+    """The "tp-dp-replicate" case's data parallelism: every gradient averaged over the dp group."""
+    import torch.distributed as dist
+
+    group = getattr(model, "_dp_group", None)
+    if group is None:
+        return
+    for p in model.parameters():
+        local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        dist.all_reduce(local, group=group)
+        local.div_(dist.get_world_size(group))
 
 
 def _full(t):
@@ -199,6 +229,7 @@ def _train(case: str, rank: int, out_root: str | None) -> dict:
         optimizer.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
+        _average_over_dp(model)
         losses.append(loss.item())
         if monitor is None:
             optimizer.step()
