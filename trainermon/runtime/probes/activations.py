@@ -212,7 +212,6 @@ class ActivationProbe(Probe):
                     if missing:  # None in an output tuple: msprobe's NaN row
                         loop.record_missing("actv", vpp_stage, missing, micro)
                 if self._actv_grad and torch.is_grad_enabled():
-                    self._missing_grads(vpp_stage, name, micro, args, outputs, out_labels)
                     leaves: dict[int, torch.Tensor] = {}
                     for label, t, piece in zip(out_labels, outputs, out_pieces):
                         if is_activation(t) and t.requires_grad:
@@ -227,21 +226,6 @@ class ActivationProbe(Probe):
             return None
 
         return fwd_hook
-
-    def _missing_grads(
-        self, vpp_stage: int, name: str, micro: int, args: tuple, outputs: list, out_labels: list[str]
-    ) -> None:
-        """NaN actv_grad rows where msprobe's backward hook gets None: positional tensor inputs and outputs
-        that take no gradient (token ids, a None in an output tuple), when the module has a backward."""
-        if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in outputs):
-            return
-        positional = [a for a in args if isinstance(a, torch.Tensor)]
-        pairs = list(zip(io_names(f"{name}.input", len(positional)), positional)) + list(
-            zip(out_labels, outputs)
-        )
-        missing = [label for label, t in pairs if not (is_activation(t) and t.requires_grad)]
-        if missing:
-            self.loop.record_missing("actv_grad", vpp_stage, missing, micro)
 
     def _grad_hook(self, vpp_stage: int, labels: list[str], micro: int, piece: str = ""):
         """One row per label (one tensor passed as several inputs: one row each, computed once). The
