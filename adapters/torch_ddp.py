@@ -135,8 +135,12 @@ class TorchAdapter(Adapter):
     def _piece(self, t: torch.Tensor | None) -> TensorPiece | None:
         if t is None:
             return None
-        return dtensor_piece(t) if is_dtensor(t) else TensorPiece.whole(t, self._replica)
+        # DTensor values exist only in a tensor-parallel model: no type check per tensor otherwise
+        if self._tensor_parallel and is_dtensor(t):
+            return dtensor_piece(t)
+        return TensorPiece.whole(t, self._replica)
 
-    @staticmethod
-    def _own(grad: torch.Tensor) -> TensorPiece:
-        return local_piece(grad) if is_dtensor(grad) else TensorPiece.whole(grad, LOCAL)
+    def _own(self, grad: torch.Tensor) -> TensorPiece:
+        if self._tensor_parallel and is_dtensor(grad):
+            return local_piece(grad)
+        return TensorPiece.whole(grad, LOCAL)
