@@ -59,6 +59,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 TARGETS_PCT = {("idle", "a"): 0.2, ("idle", "b"): 0.2, ("wg", "a"): 1.0, ("wg", "b"): 5.0}
 TARGETS_PCT.update({("wg+mv+param", "a"): 3.0, ("all", "a"): 10.0})
+# Round two (issue 23): the many-module models, where per-module Python costs dominate.
+TARGETS_PCT.update({("wg+mv+param", "b"): 3.0, ("all", "b"): 15.0, ("all", "c"): 15.0})
 
 
 # ==== workloads ===================================================================================
@@ -86,9 +88,54 @@ class ManyTensorModel(nn.Module):
         return self.head(x)
 
 
+class Expert(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(nn.functional.gelu(self.fc1(x)))
+
+
+class MoELayer(nn.Module):
+    """A top-2 mixture-of-experts block routed as in HF Mixtral: a router, then each expert on its tokens."""
+
+    def __init__(self, d: int, experts: int, top_k: int = 2) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.router = nn.Linear(d, experts, bias=False)
+        self.experts = nn.ModuleList(Expert(d) for _ in range(experts))
+        self.top_k = top_k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        weights, chosen = torch.topk(self.router(h).softmax(dim=-1), self.top_k, dim=-1)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            if token.numel():
+                out.index_add_(0, token, expert(h[token]) * weights[token, slot, None])
+        return x + out
+
+
+class MoEModel(nn.Module):
+    """(c): 8 MoE layers x 16 experts, small d: the most modules per parameter a user monitors."""
+
+    def __init__(self, d: int = 64, layers: int = 8, experts: int = 16) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(MoELayer(d, experts) for _ in range(layers))
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
 @dataclass(frozen=True)
 class Workload:
-    key: str  # "a" or "b", as the issue names them
+    key: str  # "a", "b" or "c", as the issues name them
     title: str
     build: Callable[[], nn.Module]
     batch: Callable[[], tuple[torch.Tensor, torch.Tensor]]
@@ -123,6 +170,18 @@ def many_workload(d: int = 128, layers: int = 48, tokens: int = 512) -> Workload
 
     title = f"many-tensor: {layers} narrow layers d={d}, {tokens} tokens"
     return Workload("b", title, lambda: ManyTensorModel(d, layers), make_batch, loss)
+
+
+def moe_workload(d: int = 64, layers: int = 8, experts: int = 16, tokens: int = 512) -> Workload:
+    def make_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1)
+        return torch.randn(tokens, d, generator=g), torch.randn(tokens, 1, generator=g)
+
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(out, target)
+
+    title = f"MoE: {layers} layers x {experts} experts (top-2) d={d}, {tokens} tokens"
+    return Workload("c", title, lambda: MoEModel(d, layers, experts), make_batch, loss)
 
 
 # ==== arms ========================================================================================
@@ -494,8 +553,9 @@ def _workloads(quick: bool) -> dict[str, Workload]:
         return {
             "a": gpt_workload(d=128, layers=2, vocab=1024, seq=64, batch=4),
             "b": many_workload(d=64, layers=48, tokens=128),
+            "c": moe_workload(d=32, layers=2, experts=8, tokens=128),
         }
-    return {"a": gpt_workload(), "b": many_workload()}
+    return {"a": gpt_workload(), "b": many_workload(), "c": moe_workload()}
 
 
 @dataclass(frozen=True)
@@ -511,7 +571,13 @@ class Plan:
 #: Block counts. (a) steps take ~3.5 s on one core, so 8 blocks x 1 step per arm (plus one warm-up step)
 #: take its 9 arms about 6 minutes (4 blocks left a noise band of +-10 points); (b) steps take ~55 ms:
 #: 10 blocks x 5 steps per arm.
-FULL = Plan(blocks={"a": 8, "b": 10}, steps={"a": 1, "b": 5}, warmup=1, engine_reps=15, rss_steps=2)
+FULL = Plan(
+    blocks={"a": 8, "b": 10, "c": 10},
+    steps={"a": 1, "b": 5, "c": 5},
+    warmup=1,
+    engine_reps=15,
+    rss_steps=2,
+)
 QUICK = Plan(
     blocks={"a": 2, "b": 2}, steps={"a": 2, "b": 3}, warmup=1, engine_reps=5, rss_steps=0, idle_blocks=2
 )
@@ -678,7 +744,7 @@ def main(argv: list[str] | None = None) -> int:
         help="where to write the results (default: benchmarks/overhead_results.json for a full run, the "
         "run of record quoted in docs/PERFORMANCE.md; a temporary file for --quick)",
     )
-    parser.add_argument("--workloads", default="a,b", help="comma-separated subset of a,b")
+    parser.add_argument("--workloads", default="a,b,c", help="comma-separated subset of a,b,c")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--threads",
