@@ -13,7 +13,9 @@
   exactly the gradient that flows into this module (not the sum over every consumer of the tensor); the
   forward hook hooks each output. A parameter returned as an output (Megatron's skip_bias_add bias) is
   replaced by a view of it for this call: a hook on the parameter would fire for every later backward.
-- A forward recomputed during backward (activation checkpointing) is not counted twice.
+- A forward recomputed during backward (activation checkpointing) is not counted twice. Under reentrant
+  checkpointing the first forward runs without grad, so its outputs never see a gradient: the probe
+  remembers that forward's micro-step and hooks the recomputed tensors instead (no second actv row).
 """
 
 from __future__ import annotations
@@ -98,6 +100,9 @@ class ActivationProbe(Probe):
         self._calls: dict[int, int] = {}  # module id -> forward calls this step (the micro_step)
         self._shards: dict[int, tuple[tuple[str, ...], tuple[str, ...]]] = {}  # module id -> piece labels
         self._actv = self._actv_grad = False
+        # module id -> micro-steps of its forwards run without grad (reentrant checkpointing's first pass),
+        # waiting for their recompute in backward; last in, first recomputed
+        self._pending: dict[int, list[int]] = {}
 
     def configure(self, config: MonitorConfig) -> None:
         self._every = None
@@ -111,6 +116,7 @@ class ActivationProbe(Probe):
     def begin(self, plan: StepPlan) -> None:
         self._remove()
         self._calls.clear()
+        self._pending.clear()
         self._actv, self._actv_grad = plan.actv, plan.actv_grad
         if not (plan.actv or plan.actv_grad):
             return
@@ -145,9 +151,15 @@ class ActivationProbe(Probe):
 
         def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
             try:
-                if in_backward() or not torch.is_grad_enabled():
+                if not torch.is_grad_enabled():
                     return None
-                micro = self._calls.get(id(module), 0)
+                if in_backward():  # a recompute: hook it only if the first pass could not be hooked
+                    pending = self._pending.get(id(module))
+                    if not pending:
+                        return None
+                    micro = pending[-1]
+                else:
+                    micro = self._calls.get(id(module), 0)
                 positional = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
                 numbered = dict(zip(positional, io_names(f"{name}.input", len(positional))))
                 keys = [i for i in positional if is_activation(args[i])]
@@ -186,16 +198,23 @@ class ActivationProbe(Probe):
 
         def fwd_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
             try:
-                if in_backward():
-                    return None  # recomputed forward inside backward: already counted
                 key = id(module)
-                micro = self._calls.get(key, 0)
-                self._calls[key] = micro + 1
+                recompute = in_backward()
+                if recompute:  # recomputed forward inside backward: its actv row is already written
+                    pending = self._pending.get(key)
+                    if not pending or not torch.is_grad_enabled():
+                        return None
+                    micro = pending.pop()
+                else:
+                    micro = self._calls.get(key, 0)
+                    self._calls[key] = micro + 1
+                    if self._actv_grad and not torch.is_grad_enabled():
+                        self._pending.setdefault(key, []).append(micro)
                 outputs = output_slots(output)
                 out_labels = io_names(f"{name}.output", len(outputs))
                 in_pieces, out_pieces = self._shards.get(key, ((), ()))
                 out_pieces = _padded(out_pieces, len(outputs))
-                if self._actv:
+                if self._actv and not recompute:
                     inputs = input_slots(args, kwargs)
                     in_labels = io_names(f"{name}.input", len(inputs))
                     tensors, labels, pieces = [], [], []
