@@ -99,12 +99,14 @@ class ActivationProbe(Probe):
         self._handles: list[Any] = []
         self._calls: dict[int, int] = {}  # module id -> forward calls this step (the micro_step)
         self._shards: dict[int, tuple[tuple[str, ...], tuple[str, ...]]] = {}  # module id -> piece labels
-        self._actv = self._actv_grad = False
+        self._actv = self._actv_grad = self._wide = False
+        self._hooked: set[int] = set()  # ids of the modules whose hooks are installed
         # module id -> micro-steps of its forwards run without grad (reentrant checkpointing's first pass),
         # waiting for their recompute in backward; last in, first recomputed
         self._pending: dict[int, list[int]] = {}
 
     def configure(self, config: MonitorConfig) -> None:
+        self._remove()
         self._every = None
         self.modules = []
         if not (config.collects_actv or config.collects_actv_grad):
@@ -112,30 +114,53 @@ class ActivationProbe(Probe):
         if config.module_ranks and self.loop.rank not in config.module_ranks:
             return
         self.modules = select_modules(self.loop.adapter, config, every=config.all_xy or not config.targets)
+        # Installed now and kept: a model compiled later sees them (hooks added after compilation are not
+        # seen by its graphs), and they return at once on steps that are not collected.
+        self._install(self.modules, extra=False)
 
     def begin(self, plan: StepPlan) -> None:
-        self._remove()
         self._calls.clear()
         self._pending.clear()
         self._actv, self._actv_grad = plan.actv, plan.actv_grad
-        if not (plan.actv or plan.actv_grad):
-            return
-        modules = self.modules
-        if plan.escalating:
+        self._wide = plan.escalating and (plan.actv or plan.actv_grad)
+        if self._wide:
             if self._every is None:
                 self._every = select_modules(self.loop.adapter, self.loop.config, every=True)
-            modules = self._every
+            self._install(self._every, extra=True)
+
+    def _install(self, modules: list[tuple[int, str, torch.nn.Module]], extra: bool) -> None:
         adapter = self.loop.adapter
         for vpp_stage, name, module in modules:
-            if id(module) not in self._shards:
-                self._shards[id(module)] = adapter.activation_shards(module)
-            if plan.actv_grad:
-                self._handles.append(
-                    module.register_forward_pre_hook(self._pre_hook(vpp_stage, name), with_kwargs=True)
-                )
+            if id(module) in self._hooked:
+                continue
+            self._hooked.add(id(module))
+            self._shards[id(module)] = adapter.activation_shards(module)
             self._handles.append(
-                module.register_forward_hook(self._fwd_hook(vpp_stage, name), with_kwargs=True)
+                module.register_forward_pre_hook(
+                    self._gate(self._pre_hook(vpp_stage, name), extra), with_kwargs=True
+                )
             )
+            self._handles.append(
+                module.register_forward_hook(
+                    self._gate(self._fwd_hook(vpp_stage, name), extra), with_kwargs=True
+                )
+            )
+
+    def _gate(self, body: Any, extra: bool) -> Any:
+        """The hook kept installed: a flag test on steps that are not collected. Under torch.compile the
+        test is traced (dynamo guards on the flags: one recompile when collection first switches on, both
+        graphs cached after) and the body runs outside the graph (a graph break on collected steps only)."""
+        import torch.compiler  # not at module level: the core imports no framework machinery eagerly
+
+        body = torch.compiler.disable(body)
+        probe = self
+
+        def hook(*args: Any) -> Any:
+            if not (probe._actv or probe._actv_grad) or (extra and not probe._wide):
+                return None
+            return body(*args)
+
+        return hook
 
     def close(self) -> None:
         self._remove()
@@ -144,6 +169,7 @@ class ActivationProbe(Probe):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._hooked.clear()
 
     # ---- hooks ---------------------------------------------------------------------------------
     def _pre_hook(self, vpp_stage: int, name: str):
@@ -151,7 +177,7 @@ class ActivationProbe(Probe):
 
         def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
             try:
-                if not torch.is_grad_enabled():
+                if not self._actv_grad or not torch.is_grad_enabled():
                     return None
                 if in_backward():  # a recompute: hook it only if the first pass could not be hooked
                     pending = self._pending.get(id(module))
