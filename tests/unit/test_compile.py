@@ -69,3 +69,46 @@ def test_compiled_model_collects_late_steps(tmp_path, out_dir, config, first):
     assert len(set(graphs[:first])) == 1
     assert graphs[first] > graphs[first - 1]
     assert set(graphs[first + 1 :]) == {graphs[first]}, graphs
+
+
+def test_compiled_model_dynamic_switch_on_later(tmp_path, out_dir, dynamic_mode):
+    """DYNAMIC_MONITOR: collection switched on by a config edit after the model has compiled and run."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from tests.unit.test_dynamic import _wait_dirty
+    from trainermon.runtime.control import update_config_file
+
+    torch._dynamo.reset()
+    counters.clear()
+    path = tmp_path / "monitor_config.json"
+    path.write_text('{"xy_distribution": true, "ops": ["norm"], "dynamic_on": false, "collect_times": 100}')
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(str(path))
+    monitor.set_monitor(model, optimizer=opt)
+    compiled = torch.compile(model, backend="aot_eager")
+    outputs, graphs = [], []
+    for i in range(5):
+        if i == 2:
+            update_config_file(str(path), dynamic_on=True)
+            _wait_dirty(monitor)
+        out = compiled(torch.ones(3, 4) * (i + 1))
+        outputs.append(out.detach().clone())
+        out.square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        graphs.append(counters["stats"]["unique_graphs"])
+    monitor.close()
+    actv = keyed(read_family(monitor.run_dir, "actv"))
+    grads = keyed(read_family(monitor.run_dir, "actv_grad"))
+    steps = {step for _, step, _ in actv}
+    assert steps and min(steps) >= 2, steps
+    first = min(steps)
+    # the last Linear's output is the model's output: its actv row equals the compiled output's norm
+    row = actv[("2.output", first, 0)]
+    assert float(row["norm"]) == pytest.approx(float(outputs[first].double().norm()), rel=1e-5)
+    # and its gradient is d(sum out^2)/d out = 2 out
+    grad_row = grads[("2.output", first, 0)]
+    assert float(grad_row["norm"]) == pytest.approx(2 * float(outputs[first].double().norm()), rel=1e-5)
+    assert set(graphs[first + 1 :]) == {graphs[first]}, graphs

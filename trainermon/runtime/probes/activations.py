@@ -106,14 +106,16 @@ class ActivationProbe(Probe):
         self._pending: dict[int, list[int]] = {}
 
     def configure(self, config: MonitorConfig) -> None:
+        modules: list[tuple[int, str, torch.nn.Module]] = []
+        if (config.collects_actv or config.collects_actv_grad) and (
+            not config.module_ranks or self.loop.rank in config.module_ranks
+        ):
+            modules = select_modules(self.loop.adapter, config, every=config.all_xy or not config.targets)
+        if [(v, n, id(m)) for v, n, m in modules] == [(v, n, id(m)) for v, n, m in self.modules]:
+            return  # a reload that selects the same modules keeps the installed hooks (no churn)
         self._remove()
         self._every = None
-        self.modules = []
-        if not (config.collects_actv or config.collects_actv_grad):
-            return
-        if config.module_ranks and self.loop.rank not in config.module_ranks:
-            return
-        self.modules = select_modules(self.loop.adapter, config, every=config.all_xy or not config.targets)
+        self.modules = modules
         # Installed now and kept: a model compiled later sees them (hooks added after compilation are not
         # seen by its graphs), and they return at once on steps that are not collected.
         self._install(self.modules, extra=False)
