@@ -18,6 +18,18 @@ from trainermon import TrainerMon
 OPS = ("norm", "min", "max")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Dynamo's caches and counters are per process: leave none behind for later tests (the monitor warns
+    at set_monitor when graphs were compiled before it)."""
+    yield
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
@@ -112,3 +124,21 @@ def test_compiled_model_dynamic_switch_on_later(tmp_path, out_dir, dynamic_mode)
     grad_row = grads[("2.output", first, 0)]
     assert float(grad_row["norm"]) == pytest.approx(2 * float(outputs[first].double().norm()), rel=1e-5)
     assert set(graphs[first + 1 :]) == {graphs[first]}, graphs
+
+
+def test_compiled_before_set_monitor_warns(tmp_path, out_dir, caplog):
+    """A model compiled and run before set_monitor cannot see hooks added later: say so, never silently."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = _model()
+    compiled = torch.compile(model, backend="aot_eager")
+    compiled(torch.randn(3, 4)).sum().backward()
+    cfg = write_config(tmp_path / "c.json", xy_distribution=True, ops=["norm"])
+    monitor = TrainerMon(cfg)
+    with caplog.at_level("WARNING", logger="trainermon"):
+        monitor.set_monitor(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    monitor.close()
+    assert any(
+        "call set_monitor before the model's first compiled forward" in r.message for r in caplog.records
+    )

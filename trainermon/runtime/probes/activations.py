@@ -20,6 +20,8 @@
 
 from __future__ import annotations
 
+import logging
+import sys
 from typing import Any
 
 import torch
@@ -29,6 +31,15 @@ from trainermon.config import MonitorConfig
 from ..plan import StepPlan
 from ..selection import select_modules
 from .base import Probe
+
+logger = logging.getLogger("trainermon")
+
+
+def compiled_before() -> bool:
+    """Whether torch.compile has already compiled a graph in this process (dynamo only counts once it
+    is imported: no import here)."""
+    dynamo_utils = sys.modules.get("torch._dynamo.utils")
+    return dynamo_utils is not None and dynamo_utils.counters["stats"]["unique_graphs"] > 0
 
 
 def is_activation(t: Any) -> bool:
@@ -119,6 +130,12 @@ class ActivationProbe(Probe):
         # Installed now and kept: a model compiled later sees them (hooks added after compilation are not
         # seen by its graphs), and they return at once on steps that are not collected.
         self._install(self.modules, extra=False)
+        if modules and compiled_before():
+            logger.warning(
+                "trainermon: torch.compile has already compiled graphs in this process; a model compiled and"
+                " run before set_monitor does not see the activation hooks, so its actv/actv_grad stay empty:"
+                " call set_monitor before the model's first compiled forward"
+            )
 
     def begin(self, plan: StepPlan) -> None:
         self._calls.clear()
