@@ -102,20 +102,31 @@ def test_module_ranks(tmp_path, monkeypatch, ranks, hooked):
     assert read_family(monitor.run_dir, "grad_reduced")  # module_ranks limits module hooks only
 
 
-def test_hooks_are_removed_on_steps_not_collected(tmp_path, out_dir):
+def test_hooks_return_at_once_on_steps_not_collected(tmp_path, out_dir):
+    """The module hooks are installed once at set_monitor (so a model compiled later sees them) and do
+    nothing on steps that are not collected: no record, no gradient hook on any tensor."""
     path = write_config(tmp_path / "cfg.json", xy_distribution=True, start_step=1, collect_times=1)
     model = nn.Sequential(nn.Linear(4, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     monitor = TrainerMon(path)
     monitor.set_monitor(model, optimizer=opt)
     inner = model[0]
-    counts = []
+    counts, records, grad_hooked = [], [], []
+    original = monitor.loop.record_local
+    monitor.loop.record_local = lambda family, *a, **k: records.append(family) or original(family, *a, **k)
+    inner.register_forward_hook(
+        lambda m, a, out: grad_hooked.append(out._backward_hooks is not None) and None
+    )
     for _ in range(3):
         counts.append(len(inner._forward_hooks) + len(inner._forward_pre_hooks))
+        records.clear()
         model(torch.randn(2, 4)).sum().backward()
+        counts.append(bool(records))
         opt.step()
     monitor.close()
-    assert counts == [0, 2, 0]  # installed for the collected step only
+    assert counts == [3, False, 3, True, 3, False]  # installed throughout, active on the collected step only
+    assert grad_hooked == [False, True, False]
+    assert len(inner._forward_hooks) + len(inner._forward_pre_hooks) == 1  # close removes them
 
 
 def test_second_optimizer_does_not_advance_the_step(tmp_path, out_dir):

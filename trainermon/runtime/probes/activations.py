@@ -13,11 +13,15 @@
   exactly the gradient that flows into this module (not the sum over every consumer of the tensor); the
   forward hook hooks each output. A parameter returned as an output (Megatron's skip_bias_add bias) is
   replaced by a view of it for this call: a hook on the parameter would fire for every later backward.
-- A forward recomputed during backward (activation checkpointing) is not counted twice.
+- A forward recomputed during backward (activation checkpointing) is not counted twice. Under reentrant
+  checkpointing the first forward runs without grad, so its outputs never see a gradient: the probe
+  remembers that forward's micro-step and hooks the recomputed tensors instead (no second actv row).
 """
 
 from __future__ import annotations
 
+import logging
+import sys
 from typing import Any
 
 import torch
@@ -27,6 +31,15 @@ from trainermon.config import MonitorConfig
 from ..plan import StepPlan
 from ..selection import select_modules
 from .base import Probe
+
+logger = logging.getLogger("trainermon")
+
+
+def compiled_before() -> bool:
+    """Whether torch.compile has already compiled a graph in this process (dynamo only counts once it
+    is imported: no import here)."""
+    dynamo_utils = sys.modules.get("torch._dynamo.utils")
+    return dynamo_utils is not None and dynamo_utils.counters["stats"]["unique_graphs"] > 0
 
 
 def is_activation(t: Any) -> bool:
@@ -97,39 +110,76 @@ class ActivationProbe(Probe):
         self._handles: list[Any] = []
         self._calls: dict[int, int] = {}  # module id -> forward calls this step (the micro_step)
         self._shards: dict[int, tuple[tuple[str, ...], tuple[str, ...]]] = {}  # module id -> piece labels
-        self._actv = self._actv_grad = False
+        self._actv = self._actv_grad = self._wide = False
+        self._hooked: set[int] = set()  # ids of the modules whose hooks are installed
+        # module id -> micro-steps of its forwards run without grad (reentrant checkpointing's first pass),
+        # waiting for their recompute in backward; last in, first recomputed
+        self._pending: dict[int, list[int]] = {}
 
     def configure(self, config: MonitorConfig) -> None:
+        modules: list[tuple[int, str, torch.nn.Module]] = []
+        if (config.collects_actv or config.collects_actv_grad) and (
+            not config.module_ranks or self.loop.rank in config.module_ranks
+        ):
+            modules = select_modules(self.loop.adapter, config, every=config.all_xy or not config.targets)
+        if [(v, n, id(m)) for v, n, m in modules] == [(v, n, id(m)) for v, n, m in self.modules]:
+            return  # a reload that selects the same modules keeps the installed hooks (no churn)
+        self._remove()
         self._every = None
-        self.modules = []
-        if not (config.collects_actv or config.collects_actv_grad):
-            return
-        if config.module_ranks and self.loop.rank not in config.module_ranks:
-            return
-        self.modules = select_modules(self.loop.adapter, config, every=config.all_xy or not config.targets)
+        self.modules = modules
+        # Installed now and kept: a model compiled later sees them (hooks added after compilation are not
+        # seen by its graphs), and they return at once on steps that are not collected.
+        self._install(self.modules, extra=False)
+        if modules and compiled_before():
+            logger.warning(
+                "trainermon: torch.compile has already compiled graphs in this process; a model compiled and"
+                " run before set_monitor does not see the activation hooks, so its actv/actv_grad stay empty:"
+                " call set_monitor before the model's first compiled forward"
+            )
 
     def begin(self, plan: StepPlan) -> None:
-        self._remove()
         self._calls.clear()
+        self._pending.clear()
         self._actv, self._actv_grad = plan.actv, plan.actv_grad
-        if not (plan.actv or plan.actv_grad):
-            return
-        modules = self.modules
-        if plan.escalating:
+        self._wide = plan.escalating and (plan.actv or plan.actv_grad)
+        if self._wide:
             if self._every is None:
                 self._every = select_modules(self.loop.adapter, self.loop.config, every=True)
-            modules = self._every
+            self._install(self._every, extra=True)
+
+    def _install(self, modules: list[tuple[int, str, torch.nn.Module]], extra: bool) -> None:
         adapter = self.loop.adapter
         for vpp_stage, name, module in modules:
-            if id(module) not in self._shards:
-                self._shards[id(module)] = adapter.activation_shards(module)
-            if plan.actv_grad:
-                self._handles.append(
-                    module.register_forward_pre_hook(self._pre_hook(vpp_stage, name), with_kwargs=True)
-                )
+            if id(module) in self._hooked:
+                continue
+            self._hooked.add(id(module))
+            self._shards[id(module)] = adapter.activation_shards(module)
             self._handles.append(
-                module.register_forward_hook(self._fwd_hook(vpp_stage, name), with_kwargs=True)
+                module.register_forward_pre_hook(
+                    self._gate(self._pre_hook(vpp_stage, name), extra), with_kwargs=True
+                )
             )
+            self._handles.append(
+                module.register_forward_hook(
+                    self._gate(self._fwd_hook(vpp_stage, name), extra), with_kwargs=True
+                )
+            )
+
+    def _gate(self, body: Any, extra: bool) -> Any:
+        """The hook kept installed: a flag test on steps that are not collected. Under torch.compile the
+        test is traced (dynamo guards on the flags: one recompile when collection first switches on, both
+        graphs cached after) and the body runs outside the graph (a graph break on collected steps only)."""
+        import torch.compiler  # not at module level: the core imports no framework machinery eagerly
+
+        body = torch.compiler.disable(body)
+        probe = self
+
+        def hook(*args: Any) -> Any:
+            if not (probe._actv or probe._actv_grad) or (extra and not probe._wide):
+                return None
+            return body(*args)
+
+        return hook
 
     def close(self) -> None:
         self._remove()
@@ -138,6 +188,7 @@ class ActivationProbe(Probe):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._hooked.clear()
 
     # ---- hooks ---------------------------------------------------------------------------------
     def _pre_hook(self, vpp_stage: int, name: str):
@@ -145,9 +196,15 @@ class ActivationProbe(Probe):
 
         def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
             try:
-                if in_backward() or not torch.is_grad_enabled():
+                if not self._actv_grad or not torch.is_grad_enabled():
                     return None
-                micro = self._calls.get(id(module), 0)
+                if in_backward():  # a recompute: hook it only if the first pass could not be hooked
+                    pending = self._pending.get(id(module))
+                    if not pending:
+                        return None
+                    micro = pending[-1]
+                else:
+                    micro = self._calls.get(id(module), 0)
                 positional = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
                 numbered = dict(zip(positional, io_names(f"{name}.input", len(positional))))
                 keys = [i for i in positional if is_activation(args[i])]
@@ -186,16 +243,23 @@ class ActivationProbe(Probe):
 
         def fwd_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
             try:
-                if in_backward():
-                    return None  # recomputed forward inside backward: already counted
                 key = id(module)
-                micro = self._calls.get(key, 0)
-                self._calls[key] = micro + 1
+                recompute = in_backward()
+                if recompute:  # recomputed forward inside backward: its actv row is already written
+                    pending = self._pending.get(key)
+                    if not pending or not torch.is_grad_enabled():
+                        return None
+                    micro = pending.pop()
+                else:
+                    micro = self._calls.get(key, 0)
+                    self._calls[key] = micro + 1
+                    if self._actv_grad and not torch.is_grad_enabled():
+                        self._pending.setdefault(key, []).append(micro)
                 outputs = output_slots(output)
                 out_labels = io_names(f"{name}.output", len(outputs))
                 in_pieces, out_pieces = self._shards.get(key, ((), ()))
                 out_pieces = _padded(out_pieces, len(outputs))
-                if self._actv:
+                if self._actv and not recompute:
                     inputs = input_slots(args, kwargs)
                     in_labels = io_names(f"{name}.input", len(inputs))
                     tensors, labels, pieces = [], [], []

@@ -1,0 +1,144 @@
+"""actv and actv_grad under torch.compile when the first collected step comes after the first compiled
+forward. backend="aot_eager" (dynamo + AOT autograd, no inductor codegen) keeps the test fast on CPU; the
+hooks' placement in the graph is dynamo's doing, the same for every backend.
+
+The compiled and eager runs do the same float32 operations (aot_eager runs the traced aten ops eagerly),
+so values agree to float32 reduction rounding; rel 1e-5 is well above it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers import keyed, read_family, write_config
+from trainermon import TrainerMon
+
+OPS = ("norm", "min", "max")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Dynamo's caches and counters are per process: leave none behind for later tests (the monitor warns
+    at set_monitor when graphs were compiled before it)."""
+    yield
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _run(tmp_path, tag: str, compiled: bool, steps: int, **config) -> tuple[dict, dict, list[int]]:
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = write_config(tmp_path / f"{tag}.json", xy_distribution=True, ops=list(OPS), **config)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(model, optimizer=opt)
+    run = torch.compile(model, backend="aot_eager") if compiled else model
+    gen = torch.Generator().manual_seed(1)
+    graphs = []
+    for _ in range(steps):
+        run(torch.randn(3, 4, generator=gen)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        graphs.append(counters["stats"]["unique_graphs"])
+    monitor.close()
+    return (
+        keyed(read_family(monitor.run_dir, "actv")),
+        keyed(read_family(monitor.run_dir, "actv_grad")),
+        graphs,
+    )
+
+
+@pytest.mark.parametrize(
+    "config,first",
+    [({"start_step": 2}, 2), ({"step_interval": 2, "start_step": 1}, 1)],
+    ids=["start_step", "step_interval"],
+)
+def test_compiled_model_collects_late_steps(tmp_path, out_dir, config, first):
+    want_actv, want_grad, _ = _run(tmp_path, "eager", False, 6, **config)
+    got_actv, got_grad, graphs = _run(tmp_path, "compiled", True, 6, **config)
+    assert {step for _, step, _ in want_grad} >= {first}
+    for got, want in ((got_actv, want_actv), (got_grad, want_grad)):
+        assert set(got) == set(want) and want
+        for key, row in want.items():
+            for op in OPS:
+                assert float(got[key][op]) == pytest.approx(float(row[op]), rel=1e-5, abs=1e-7), (key, op)
+    # compiled once before the first collected step; the collected step's variant compiled once then
+    # (with graph breaks around the hooks); nothing compiled after it, collected or not
+    assert len(set(graphs[:first])) == 1
+    assert graphs[first] > graphs[first - 1]
+    assert set(graphs[first + 1 :]) == {graphs[first]}, graphs
+
+
+def test_compiled_model_dynamic_switch_on_later(tmp_path, out_dir, dynamic_mode):
+    """DYNAMIC_MONITOR: collection switched on by a config edit after the model has compiled and run."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from tests.unit.test_dynamic import _wait_dirty
+    from trainermon.runtime.control import update_config_file
+
+    torch._dynamo.reset()
+    counters.clear()
+    path = tmp_path / "monitor_config.json"
+    path.write_text('{"xy_distribution": true, "ops": ["norm"], "dynamic_on": false, "collect_times": 100}')
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(str(path))
+    monitor.set_monitor(model, optimizer=opt)
+    compiled = torch.compile(model, backend="aot_eager")
+    outputs, graphs = [], []
+    for i in range(5):
+        if i == 2:
+            update_config_file(str(path), dynamic_on=True)
+            _wait_dirty(monitor)
+        out = compiled(torch.ones(3, 4) * (i + 1))
+        outputs.append(out.detach().clone())
+        out.square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        graphs.append(counters["stats"]["unique_graphs"])
+    monitor.close()
+    actv = keyed(read_family(monitor.run_dir, "actv"))
+    grads = keyed(read_family(monitor.run_dir, "actv_grad"))
+    steps = {step for _, step, _ in actv}
+    assert steps and min(steps) >= 2, steps
+    first = min(steps)
+    # the last Linear's output is the model's output: its actv row equals the compiled output's norm
+    row = actv[("2.output", first, 0)]
+    assert float(row["norm"]) == pytest.approx(float(outputs[first].double().norm()), rel=1e-5)
+    # and its gradient is d(sum out^2)/d out = 2 out
+    grad_row = grads[("2.output", first, 0)]
+    assert float(grad_row["norm"]) == pytest.approx(2 * float(outputs[first].double().norm()), rel=1e-5)
+    assert set(graphs[first + 1 :]) == {graphs[first]}, graphs
+
+
+def test_compiled_before_set_monitor_warns(tmp_path, out_dir, caplog):
+    """A model compiled and run before set_monitor cannot see hooks added later: say so, never silently."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = _model()
+    compiled = torch.compile(model, backend="aot_eager")
+    compiled(torch.randn(3, 4)).sum().backward()
+    cfg = write_config(tmp_path / "c.json", xy_distribution=True, ops=["norm"])
+    monitor = TrainerMon(cfg)
+    with caplog.at_level("WARNING", logger="trainermon"):
+        monitor.set_monitor(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    monitor.close()
+    assert any(
+        "call set_monitor before the model's first compiled forward" in r.message for r in caplog.records
+    )
