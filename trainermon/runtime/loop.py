@@ -100,6 +100,7 @@ class StepLoop:
     def attach(self, adapter: Any, start_iteration: int) -> None:
         """Wire the probes, the worker and the adapter's step events; begin the first step."""
         from .probes import ActivationProbe, GradientProbe, OptimizerProbe, SideOutputsProbe
+        from .skips import SkippedStepProbe
 
         self.adapter = adapter
         self.step = start_iteration
@@ -120,6 +121,7 @@ class StepLoop:
             GradientProbe(self),
             OptimizerProbe(self),
             SideOutputsProbe(self),
+            SkippedStepProbe(self),
         ]
         self.subscribe(self._reselect)
         for probe in self.probes:

@@ -1,0 +1,103 @@
+"""An iteration whose update GradScaler skips (an overflow) is its own step, flagged, never merged.
+
+fp16 autocast on CPU with `torch.amp.GradScaler("cpu")`; iteration 2's loss is multiplied by Inf, so its
+gradients overflow and `scaler.step` does not call `optimizer.step()`. The step counter stays the loop's
+iteration counter (one step per `scaler.step` call).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers import assert_row_matches, keyed, read_family, ref_stats, write_config
+
+OPS = ("norm", "mean", "min", "max")
+ITERATIONS, OVERFLOW = 5, 2
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("zero_grad_first", [False, True], ids=["zero_grad_after_step", "zero_grad_first"])
+def test_gradscaler_overflow_is_its_own_flagged_step(tmp_path, monkeypatch, zero_grad_first):
+    import trainermon
+    from trainermon import TrainerMon
+
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    cfg = write_config(
+        tmp_path / "cfg.json",
+        xy_distribution=True,
+        wg_distribution=True,
+        param_distribution=True,
+        ops=list(OPS) + ["nans", "infs"],
+        ndigits=12,
+        format=["csv", "parquet"],
+    )
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(model, grad_acc_steps=1, optimizer=opt)
+
+    gen = torch.Generator().manual_seed(1)
+    seen: dict[int, dict[str, torch.Tensor]] = {}  # what the optimizer receives (unscaled)
+    before: dict[int, dict[str, torch.Tensor]] = {}
+    for it in range(ITERATIONS):
+        if zero_grad_first:
+            opt.zero_grad()
+        x = torch.randn(4, 8, generator=gen)
+        before[it] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().pow(2).mean()
+        if it == OVERFLOW:
+            loss = loss * math.inf
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)  # as for clipping: .grad is now what the optimizer would use
+        seen[it] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        scaler.step(opt)
+        scaler.update()
+        if not zero_grad_first:
+            opt.zero_grad()
+    if zero_grad_first:
+        opt.zero_grad()  # closes the last iteration, like the next iteration would
+    monitor.close()
+    assert monitor.faults.total == 0, dict(monitor.faults.counts)
+    assert scaler.get_scale() < 2.0**10  # the overflow really happened and was skipped
+    for n, _p in model.named_parameters():  # iteration 2 changed nothing: the update was skipped
+        torch.testing.assert_close(before[OVERFLOW + 1][n], before[OVERFLOW][n], rtol=0, atol=0)
+
+    # One step per iteration, each with exactly one micro-step of activations (nothing merged).
+    actv = keyed(read_family(monitor.run_dir, "actv"))
+    assert sorted({s for _, s, _ in actv}) == list(range(ITERATIONS))
+    assert {m for _, _, m in actv} == {0}
+    per_step = [sum(1 for _, s, _ in actv if s == it) for it in range(ITERATIONS)]
+    assert len(set(per_step)) == 1 and per_step[0] > 0, per_step
+    assert {s for _, s, _ in keyed(read_family(monitor.run_dir, "actv_grad"))} == set(range(ITERATIONS))
+
+    # The overflowing iteration's gradients are written, with their non-finite values counted.
+    reduced = keyed(read_family(monitor.run_dir, "grad_reduced"))
+    assert {s for _, s, _ in reduced} == set(range(ITERATIONS))
+    for (n, s, _m), row in reduced.items():
+        ref = ref_stats(seen[s][n])
+        if s == OVERFLOW:
+            assert float(row["nans"]) + float(row["infs"]) == ref["nans"] + ref["infs"] > 0, row
+        else:
+            assert_row_matches(row, ref, OPS)
+    # The flag: CSV's last column (1 on the skipped step, empty where no one said), Parquet's `skipped`.
+    assert {row["skipped"] for (_, s, _), row in reduced.items() if s == OVERFLOW} == {"1"}
+    assert {row["skipped"] for (_, s, _), row in reduced.items() if s != OVERFLOW} == {""}
+    assert list(reduced.values())[0].keys() and list(list(reduced.values())[0])[-1] == "skipped"
+    origin = keyed(read_family(monitor.run_dir, "param_origin"))
+    for (n, s, _m), row in origin.items():
+        assert_row_matches(row, ref_stats(before[s][n]), OPS)
+
+    table = trainermon.load(str(tmp_path / "out"), family="grad_reduced", as_pandas=True)
+    flags = table.groupby("step")["skipped"].agg(lambda v: set(v.tolist()))
+    assert flags[OVERFLOW] == {True}
+    assert all(True not in flags[s] for s in range(ITERATIONS) if s != OVERFLOW), flags
