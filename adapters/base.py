@@ -122,6 +122,12 @@ class Adapter(ABC):
     def parameters(self) -> list[MonitoredParam]:
         """Every trainable parameter, in model order, named as the user names it."""
 
+    def new_parameters(self) -> list[MonitoredParam]:
+        """Parameters that became trainable since `parameters()` was built (unfrozen, or given to the
+        optimizer with `add_param_group`), now appended to it with new indices; [] when none (the
+        default: adapters whose framework fixes its parameters at setup)."""
+        return []
+
     # ---- the step ------------------------------------------------------------------------------
     @abstractmethod
     def attach_step(self, events: StepEvents) -> list[Any]:

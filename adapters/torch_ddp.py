@@ -47,6 +47,7 @@ class TorchAdapter(Adapter):
             dp_group = self._ddps[0].process_group
         self._replica = Replicated(dp_group) if (self._ddps or context.dp_group is not None) else LOCAL
         self._params: list[MonitoredParam] | None = None
+        self._mark: tuple[int, int] = (0, 0)
         self._tensor_parallel = splits_over_ranks([p for c in self._roots for p in c.parameters()])
         if self._tensor_parallel and self._replica is LOCAL:
             self._replica = Replicated(None)  # plain parameters beside DTensor ones: copies on every rank
@@ -75,7 +76,32 @@ class TorchAdapter(Adapter):
                     if p.requires_grad:
                         out.append(MonitoredParam(len(out), vpp_stage, clean_name(name), p))
             self._params = out
+            self._mark = self._trainable_mark()
         return self._params
+
+    def _trainable_mark(self) -> tuple[int, int]:
+        """The count of trainable parameters and of the optimizer's: a cheap test (one pass over flags,
+        on collected steps only) before any rescan for parameters that became trainable."""
+        return (
+            sum(p.requires_grad for root in self._roots for p in root.parameters()),
+            sum(len(g["params"]) for g in getattr(self.optimizer, "param_groups", ())),
+        )
+
+    def new_parameters(self) -> list[MonitoredParam]:
+        known = self.parameters()
+        mark = self._trainable_mark()
+        if mark == self._mark:
+            return []
+        self._mark = mark
+        ids = {id(mp.param) for mp in known}
+        new: list[MonitoredParam] = []
+        for vpp_stage, root in enumerate(self._roots):
+            for name, p in root.named_parameters():
+                if p.requires_grad and id(p) not in ids:
+                    ids.add(id(p))
+                    new.append(MonitoredParam(len(known) + len(new), vpp_stage, clean_name(name), p))
+        known.extend(new)
+        return new
 
     def attach_step(self, events: Any) -> list[Any]:
         return [] if self.optimizer is None else hook_optimizer_step(self.optimizer, events)

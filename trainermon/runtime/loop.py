@@ -99,6 +99,7 @@ class StepLoop:
     # ==== attaching ================================================================================
     def attach(self, adapter: Any, start_iteration: int) -> None:
         """Wire the probes, the worker and the adapter's step events; begin the first step."""
+        from .growth import NewParamsProbe
         from .probes import ActivationProbe, GradientProbe, OptimizerProbe, SideOutputsProbe
         from .skips import SkippedStepProbe
 
@@ -117,6 +118,7 @@ class StepLoop:
         )
         deriver.dropped = lambda: self.worker.dropped_rows
         self.probes = [
+            NewParamsProbe(self),
             ActivationProbe(self),
             GradientProbe(self),
             OptimizerProbe(self),
