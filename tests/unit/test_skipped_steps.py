@@ -24,8 +24,9 @@ def _net() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
-@pytest.mark.parametrize("zero_grad_first", [False, True], ids=["zero_grad_after_step", "zero_grad_first"])
-def test_gradscaler_overflow_is_its_own_flagged_step(tmp_path, monkeypatch, zero_grad_first):
+@pytest.mark.parametrize("clear", ["optimizer_after_step", "optimizer_first", "model_after_step"])
+def test_gradscaler_overflow_is_its_own_flagged_step(tmp_path, monkeypatch, clear):
+    zero_grad_first = clear == "optimizer_first"
     import trainermon
     from trainermon import TrainerMon
 
@@ -62,8 +63,10 @@ def test_gradscaler_overflow_is_its_own_flagged_step(tmp_path, monkeypatch, zero
         seen[it] = {n: p.grad.clone() for n, p in model.named_parameters()}
         scaler.step(opt)
         scaler.update()
-        if not zero_grad_first:
+        if clear == "optimizer_after_step":
             opt.zero_grad()
+        elif clear == "model_after_step":
+            model.zero_grad()
     if zero_grad_first:
         opt.zero_grad()  # closes the last iteration, like the next iteration would
     monitor.close()

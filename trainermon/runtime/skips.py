@@ -29,6 +29,9 @@ from trainermon.collect.records import StepScalars
 from .plan import StepPlan
 from .probes.base import Probe
 
+#: Adapters whose step is a torch optimizer's, which GradScaler / ShardedGradScaler may skip.
+SCALER_ADAPTERS = ("torch", "fsdp1", "fsdp2")
+
 
 class _Restore:
     """Removes an instance-level `zero_grad` so that the class's shows again."""
@@ -49,7 +52,7 @@ class SkippedStepProbe(Probe):
     def attach(self) -> list[Any]:
         adapter = self.loop.adapter
         optimizer = getattr(adapter, "optimizer", None)
-        if not isinstance(optimizer, torch.optim.Optimizer):
+        if adapter.name not in SCALER_ADAPTERS or not isinstance(optimizer, torch.optim.Optimizer):
             return []  # framework optimizers report skips themselves; no optimizer: TrainerMon.step()
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         # Two parameters, in case one is unused in some iteration: one flag per backward, the whole
@@ -58,7 +61,9 @@ class SkippedStepProbe(Probe):
             p.register_post_accumulate_grad_hook(self._backward)
             for p in {id(q): q for q in (params[:1] + params[-1:])}.values()
         ]
-        handles += [self._patch(root) for root in adapter.roots()]
+        # The user may clear gradients through the wrapper (DDP, FSDP) or the model inside it.
+        modules = {id(m): m for m in (*adapter.chunks, *adapter.roots())}
+        handles += [self._patch(m) for m in modules.values()]
         handles.append(self._patch(optimizer))
         return handles
 
