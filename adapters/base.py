@@ -144,6 +144,10 @@ class Adapter(ABC):
         An adapter that installs none reads the pre-reduce gradient at the step (`read(GRAD_UNREDUCED)`)."""
         return []
 
+    def arm_grad_taps(self, active: bool) -> None:  # noqa: B027 - optional hook
+        """Called at every step boundary with whether this step collects the taps' gradients: an adapter
+        whose taps cost something per call installs them here, for those steps only."""
+
     @property
     def taps_report_unreduced(self) -> bool:
         """The taps report grad_unreduced (so it is not read at the step)."""

@@ -53,6 +53,10 @@ class TorchAdapter(Adapter):
             self._replica = Replicated(None)  # plain parameters beside DTensor ones: copies on every rank
         self._tapped = False
         self._seen = OncePerStep("DDP")
+        self._taps: GradTaps | None = None
+        self._report_tap: Any = None
+        self._syncing: list[tuple[Any, list]] = []  # (DDP, [reduces the latest forward's backward])
+        self._armed: list[Any] = []  # this step's post-accumulate-grad hooks
 
     @classmethod
     def detect(cls, chunks: Sequence[torch.nn.Module], optimizer: Any) -> bool:
@@ -113,9 +117,9 @@ class TorchAdapter(Adapter):
     def install_grad_taps(self, taps: GradTaps) -> list[Any]:
         if not self._ddps:
             return []
-        report = guarded(self.context.faults, "DDP gradient tap", self._report)
+        self._taps = taps
+        self._report_tap = guarded(self.context.faults, "DDP gradient tap", self._report)
         handles: list[Any] = []
-        by_id = {id(mp.param): mp for mp in self.parameters()}
         for ddp in self._ddps:
             syncing = [True]  # whether DDP reduces the backward of the latest forward
 
@@ -123,6 +127,21 @@ class TorchAdapter(Adapter):
                 syncing[0] = torch.is_grad_enabled() and module.require_backward_grad_sync
 
             handles.append(ddp.register_forward_pre_hook(remember))
+            self._syncing.append((ddp, syncing))
+        self._tapped = True
+        return handles
+
+    def arm_grad_taps(self, active: bool) -> None:
+        """The per-parameter hooks exist only on steps that collect them: a Python call per parameter
+        per backward is measurable on steps that collect nothing (docs/PERFORMANCE.md)."""
+        if not active or self._taps is None:
+            self._disarm()
+            return
+        if self._armed:
+            return
+        by_id = {id(mp.param): mp for mp in self.parameters()}
+        taps, report = self._taps, self._report_tap
+        for ddp, syncing in self._syncing:
             for p in ddp.module.parameters():
                 mp = by_id.get(id(p))
                 if mp is None:
@@ -132,9 +151,15 @@ class TorchAdapter(Adapter):
                     if taps.active and syncing[0]:
                         report(index, param.grad, taps)
 
-                handles.append(p.register_post_accumulate_grad_hook(tap))
-        self._tapped = True
-        return handles
+                self._armed.append(p.register_post_accumulate_grad_hook(tap))
+
+    def _disarm(self) -> None:
+        for handle in self._armed:
+            handle.remove()
+        self._armed.clear()
+
+    def close(self) -> None:
+        self._disarm()
 
     @property
     def taps_report_unreduced(self) -> bool:
