@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tests.helpers import assert_row_matches, keyed, read_family, ref_stats, write_config
+from tests.sinks.test_prometheus import scrape, url_of, value
 
 OPS = ("norm", "mean", "min", "max")
 ITERATIONS, OVERFLOW = 5, 2
@@ -38,7 +39,7 @@ def test_gradscaler_overflow_is_its_own_flagged_step(tmp_path, monkeypatch, clea
         param_distribution=True,
         ops=list(OPS) + ["nans", "infs"],
         ndigits=12,
-        format=["csv", "parquet"],
+        format=["csv", "parquet", "prometheus"],
     )
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -69,6 +70,10 @@ def test_gradscaler_overflow_is_its_own_flagged_step(tmp_path, monkeypatch, clea
             model.zero_grad()
     if zero_grad_first:
         opt.zero_grad()  # closes the last iteration, like the next iteration would
+    monitor.flush()
+    samples = scrape(url_of(monitor))
+    assert value(samples, "trainermon_skipped_steps_total") == 1
+    assert value(samples, "trainermon_steps_collected_total") == ITERATIONS
     monitor.close()
     assert monitor.faults.total == 0, dict(monitor.faults.counts)
     assert scaler.get_scale() < 2.0**10  # the overflow really happened and was skipped
