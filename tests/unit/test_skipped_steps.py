@@ -75,6 +75,7 @@ def test_gradscaler_overflow_is_its_own_flagged_step(tmp_path, monkeypatch, clea
     assert value(samples, "trainermon_skipped_steps_total") == 1
     assert value(samples, "trainermon_steps_collected_total") == ITERATIONS
     monitor.close()
+    assert "zero_grad" not in vars(opt) and "zero_grad" not in vars(model)  # close() undid the patches
     assert monitor.faults.total == 0, dict(monitor.faults.counts)
     assert scaler.get_scale() < 2.0**10  # the overflow really happened and was skipped
     for n, _p in model.named_parameters():  # iteration 2 changed nothing: the update was skipped

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from trainermon.adapters.common import Restore
 from trainermon.collect.records import StepScalars
 
 from .plan import StepPlan
@@ -31,17 +32,6 @@ from .probes.base import Probe
 
 #: Adapters whose step is a torch optimizer's, which GradScaler / ShardedGradScaler may skip.
 SCALER_ADAPTERS = ("torch", "fsdp1", "fsdp2")
-
-
-class _Restore:
-    """Removes an instance-level `zero_grad` so that the class's shows again."""
-
-    def __init__(self, obj: Any, patched: Any) -> None:
-        self.obj, self.patched = obj, patched
-
-    def remove(self) -> None:
-        if self.obj.__dict__.get("zero_grad") is self.patched:
-            del self.obj.__dict__["zero_grad"]
 
 
 class SkippedStepProbe(Probe):
@@ -73,7 +63,7 @@ class SkippedStepProbe(Probe):
     def _backward(self, param: Any) -> None:
         self.trained = True
 
-    def _patch(self, obj: Any) -> _Restore:
+    def _patch(self, obj: Any) -> Restore:
         original = obj.zero_grad
 
         def zero_grad(*args: Any, **kwargs: Any) -> Any:
@@ -82,7 +72,7 @@ class SkippedStepProbe(Probe):
             return original(*args, **kwargs)
 
         obj.zero_grad = zero_grad
-        return _Restore(obj, zero_grad)
+        return Restore(obj, "zero_grad", zero_grad)
 
     def _close_skipped(self) -> None:
         self.trained = False
