@@ -110,3 +110,68 @@ def test_gradscaler_overflow_is_its_own_flagged_step(tmp_path, monkeypatch, clea
     flags = table.groupby("step")["skipped"].agg(lambda v: set(v.tolist()))
     assert flags[OVERFLOW] == {True}
     assert all(True not in flags[s] for s in range(ITERATIONS) if s != OVERFLOW), flags
+
+
+def _ddp_scaler(rank: int, world: int, out_root: str) -> int:
+    import copy
+    import os
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from trainermon import TrainerMon
+
+    os.environ["MONITOR_OUTPUT_DIR"] = out_root
+    cfg = os.path.join(out_root, f"rank{rank}.json")
+    with open(cfg, "w") as fh:
+        fh.write(
+            '{"wg_distribution": true, "ops": ["norm", "mean", "min", "max", "nans", "infs"], "ndigits": 12}'
+        )
+    model = _net()
+    reference = copy.deepcopy(model)
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(ddp, grad_acc_steps=1, optimizer=opt)
+    gen = torch.Generator().manual_seed(10 + rank)
+    expected = {}
+    for it in range(ITERATIONS):
+        x = torch.randn(4, 8, generator=gen)
+        scale = scaler.get_scale()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = ddp(x).float().pow(2).mean()
+            ref_loss = reference(x).float().pow(2).mean()
+        if it == OVERFLOW and rank == 0:  # one rank overflows; the reduced gradients carry it to both
+            loss = loss * math.inf
+        scaler.scale(loss).backward()
+        (ref_loss * scale).backward()  # this rank's own gradient, scaled as autograd sees it in DDP
+        for n, p in reference.named_parameters():
+            expected[(n, it)] = ref_stats(p.grad)
+            p.grad = None
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        with torch.no_grad():  # follow the model (the skipped step leaves it as it was)
+            for p, q in zip(model.parameters(), reference.parameters()):
+                q.copy_(p)
+    monitor.close()
+    assert monitor.faults.total == 0, dict(monitor.faults.counts)
+    assert scaler.get_scale() < 2.0**10
+    rows = keyed(read_family(monitor.run_dir, "grad_unreduced"))
+    assert {s for _, s, _ in rows} == set(range(ITERATIONS))
+    for (n, s, _m), row in rows.items():
+        assert row["skipped"] == ("1" if s == OVERFLOW else "")
+        if s == OVERFLOW and rank == 0:
+            assert float(row["nans"]) + float(row["infs"]) > 0
+        else:  # the loss scale is in it: grad_unreduced is taken in backward, before unscaling
+            assert_row_matches(row, expected[(n, s)], OPS)
+    dist.barrier()
+    return len(rows)
+
+
+def test_gradscaler_overflow_under_ddp(tmp_path):
+    from tests.distributed import run_ranks
+
+    counts = run_ranks(_ddp_scaler, world_size=2, out_root=str(tmp_path))
+    assert counts[0] == counts[1] > 0
