@@ -122,6 +122,12 @@ class Adapter(ABC):
     def parameters(self) -> list[MonitoredParam]:
         """Every trainable parameter, in model order, named as the user names it."""
 
+    def new_parameters(self) -> list[MonitoredParam]:
+        """Parameters that became trainable since `parameters()` was built (unfrozen, or given to the
+        optimizer with `add_param_group`), now appended to it with new indices; [] when none (the
+        default: adapters whose framework fixes its parameters at setup)."""
+        return []
+
     # ---- the step ------------------------------------------------------------------------------
     @abstractmethod
     def attach_step(self, events: StepEvents) -> list[Any]:
@@ -137,6 +143,10 @@ class Adapter(ABC):
         """Install always-on pre-reduce taps that call `taps.on_unreduced` during backward. Returns handles.
         An adapter that installs none reads the pre-reduce gradient at the step (`read(GRAD_UNREDUCED)`)."""
         return []
+
+    def arm_grad_taps(self, active: bool) -> None:  # noqa: B027 - optional hook
+        """Called at every step boundary with whether this step collects the taps' gradients: an adapter
+        whose taps cost something per call installs them here, for those steps only."""
 
     @property
     def taps_report_unreduced(self) -> bool:

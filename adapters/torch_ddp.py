@@ -1,11 +1,14 @@
 """Plain PyTorch and torch DistributedDataParallel (checked on torch 2.13).
 
 - The step: torch's step pre/post hooks on the optimizer instance (or a wrapper of its `step()`).
-- Pre-reduce gradient under DDP: a DDP communication hook sees each bucket's local gradients before it
-  all-reduces them (then averages, as DDP's default does). `.grad` cannot be used for this: with
-  `gradient_as_bucket_view=True` DDP divides the bucket in place by the world size before the all-reduce,
-  so `.grad` is already scaled there. With gradient accumulation under `no_sync()` the bucket holds the
-  accumulated local gradient of the step.
+- Pre-reduce gradient under DDP: a post-accumulate-grad hook on each parameter, on the backward that
+  DDP reduces (its forward ran with gradient sync on, i.e. outside `no_sync()`). autograd runs it inside
+  the parameter's AccumulateGrad, before DDP's own hook on that node copies the gradient into its bucket
+  (or, with `gradient_as_bucket_view=True` and no communication hook, divides it in place by the world
+  size), so `.grad` is then the local gradient accumulated over the step's micro-batches. DDP's
+  communication-hook slot is left to the user: it takes one hook per model, and `fp16_compress_hook`,
+  `bf16_compress_hook` or PowerSGD registered before or after `set_monitor` work as without the monitor.
+  `.grad` read after backward cannot serve: by then DDP has reduced it (or scaled the bucket view).
 - Each micro-batch's own gradient: a tensor hook on the leaf parameter, which autograd calls with the
   incoming gradient before it is accumulated into `.grad` (and before DDP sees it).
 - Without DDP there is no reduction: the pre-reduce gradient is `.grad` at the optimizer step.
@@ -44,11 +47,16 @@ class TorchAdapter(Adapter):
             dp_group = self._ddps[0].process_group
         self._replica = Replicated(dp_group) if (self._ddps or context.dp_group is not None) else LOCAL
         self._params: list[MonitoredParam] | None = None
+        self._mark: tuple[int, int] = (0, 0)
         self._tensor_parallel = splits_over_ranks([p for c in self._roots for p in c.parameters()])
         if self._tensor_parallel and self._replica is LOCAL:
             self._replica = Replicated(None)  # plain parameters beside DTensor ones: copies on every rank
-        self._comm_hooked = False
+        self._tapped = False
         self._seen = OncePerStep("DDP")
+        self._taps: GradTaps | None = None
+        self._report_tap: Any = None
+        self._syncing: list[tuple[Any, list]] = []  # (DDP, [reduces the latest forward's backward])
+        self._armed: list[Any] = []  # this step's post-accumulate-grad hooks
 
     @classmethod
     def detect(cls, chunks: Sequence[torch.nn.Module], optimizer: Any) -> bool:
@@ -72,7 +80,32 @@ class TorchAdapter(Adapter):
                     if p.requires_grad:
                         out.append(MonitoredParam(len(out), vpp_stage, clean_name(name), p))
             self._params = out
+            self._mark = self._trainable_mark()
         return self._params
+
+    def _trainable_mark(self) -> tuple[int, int]:
+        """The count of trainable parameters and of the optimizer's: a cheap test (one pass over flags,
+        on collected steps only) before any rescan for parameters that became trainable."""
+        return (
+            sum(p.requires_grad for root in self._roots for p in root.parameters()),
+            sum(len(g["params"]) for g in getattr(self.optimizer, "param_groups", ())),
+        )
+
+    def new_parameters(self) -> list[MonitoredParam]:
+        known = self.parameters()
+        mark = self._trainable_mark()
+        if mark == self._mark:
+            return []
+        self._mark = mark
+        ids = {id(mp.param) for mp in known}
+        new: list[MonitoredParam] = []
+        for vpp_stage, root in enumerate(self._roots):
+            for name, p in root.named_parameters():
+                if p.requires_grad and id(p) not in ids:
+                    ids.add(id(p))
+                    new.append(MonitoredParam(len(known) + len(new), vpp_stage, clean_name(name), p))
+        known.extend(new)
+        return new
 
     def attach_step(self, events: Any) -> list[Any]:
         return [] if self.optimizer is None else hook_optimizer_step(self.optimizer, events)
@@ -84,43 +117,60 @@ class TorchAdapter(Adapter):
     def install_grad_taps(self, taps: GradTaps) -> list[Any]:
         if not self._ddps:
             return []
-        index_of = {id(mp.param): mp.index for mp in self.parameters()}
-        report = guarded(self.context.faults, "DDP gradient tap", self._report_bucket)
+        self._taps = taps
+        self._report_tap = guarded(self.context.faults, "DDP gradient tap", self._report)
+        handles: list[Any] = []
         for ddp in self._ddps:
-            self._register_comm_hook(ddp, taps, index_of, report)
-        self._comm_hooked = True
-        return []
+            syncing = [True]  # whether DDP reduces the backward of the latest forward
+
+            def remember(module: Any, args: Any, syncing: list = syncing) -> None:
+                syncing[0] = torch.is_grad_enabled() and module.require_backward_grad_sync
+
+            handles.append(ddp.register_forward_pre_hook(remember))
+            self._syncing.append((ddp, syncing))
+        self._tapped = True
+        return handles
+
+    def arm_grad_taps(self, active: bool) -> None:
+        """The per-parameter hooks exist only on steps that collect them: a Python call per parameter
+        per backward is measurable on steps that collect nothing (docs/PERFORMANCE.md)."""
+        if not active or self._taps is None:
+            self._disarm()
+            return
+        if self._armed:
+            return
+        by_id = {id(mp.param): mp for mp in self.parameters()}
+        taps, report = self._taps, self._report_tap
+        for ddp, syncing in self._syncing:
+            for p in ddp.module.parameters():
+                mp = by_id.get(id(p))
+                if mp is None:
+                    continue
+
+                def tap(param: torch.Tensor, index: int = mp.index, syncing: list = syncing) -> None:
+                    if taps.active and syncing[0]:
+                        report(index, param.grad, taps)
+
+                self._armed.append(p.register_post_accumulate_grad_hook(tap))
+
+    def _disarm(self) -> None:
+        for handle in self._armed:
+            handle.remove()
+        self._armed.clear()
+
+    def close(self) -> None:
+        self._disarm()
 
     @property
     def taps_report_unreduced(self) -> bool:
-        return self._comm_hooked
+        return self._tapped
 
-    def _register_comm_hook(self, ddp: Any, taps: GradTaps, index_of: dict[int, int], report: Any) -> None:
-        import torch.distributed as dist
-
-        group = ddp.process_group
-
-        # No annotations: DDP validates hook annotations against the real classes, and this module's
-        # postponed (string) annotations would fail that check.
-        def allreduce_with_tap(state, bucket):  # noqa: ANN001, ANN202
-            if taps.active:
-                report(bucket, taps, index_of)
-            tensor = bucket.buffer()
-            tensor.div_(dist.get_world_size(group))
-            work = dist.all_reduce(tensor, group=group, async_op=True)
-            return work.get_future().then(lambda fut: fut.value()[0])
-
-        ddp.register_comm_hook(None, allreduce_with_tap)
-
-    def _report_bucket(self, bucket: Any, taps: GradTaps, index_of: dict[int, int]) -> None:
-        pairs = [(index_of.get(id(p)), g) for p, g in zip(bucket.parameters(), bucket.gradients())]
-        fresh = set(self._seen.fresh(i for i, _ in pairs if i is not None))
-        chosen = [(i, g) for i, g in pairs if i in fresh]
-        if chosen:
-            taps.on_unreduced([i for i, _ in chosen], [g for _, g in chosen])
+    def _report(self, index: int, grad: torch.Tensor | None, taps: GradTaps) -> None:
+        if grad is not None and self._seen.fresh((index,)):
+            taps.on_unreduced((index,), (grad,))
 
     def single_replica(self) -> bool:
-        return self._replica is LOCAL and not self._comm_hooked and not self._tensor_parallel
+        return self._replica is LOCAL and not self._tapped and not self._tensor_parallel
 
     # ---- reads --------------------------------------------------------------------------------
     def read(self, kind: str, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:

@@ -1,10 +1,11 @@
 """CSV exporter in msprobe's layout, so existing scripts keep working.
 
 Files: `{run_dir}/{family}_{first}-{last}.csv`, where [first, last] is the step bucket of
-`step_count_per_record` steps. Columns: `vpp_stage,name,step[,micro_step],{ops...},shape,dtype,shard`
+`step_count_per_record` steps. Columns: `vpp_stage,name,step[,micro_step],{ops...},shape,dtype,shard,skipped`
 (micro_step for actv, actv_grad, and grad_unreduced with monitor_mbs_grad): msprobe's columns, then
 trainermon's `shard`, empty unless the rank's row holds only a piece of the tensor (a DTensor's local
-shard), so msprobe's readers, which select columns by name, keep working. Each family's rows of a step
+shard), and `skipped` (1: the step's optimizer update was skipped, 0: it ran, empty: not known), so
+msprobe's readers, which select columns by name, keep working. Each family's rows of a step
 go to the file in one unbuffered write, so a killed process leaves complete rows only, and a write that
 fails part-way (disk full) is cut back to the last complete row.
 """
@@ -78,7 +79,7 @@ class CsvExporter(Exporter):
 
     def header(self, with_micro_step: bool) -> list[str]:
         head = ["vpp_stage", "name", "step"] + (["micro_step"] if with_micro_step else [])
-        return head + list(self.ops) + ["shard"]
+        return head + list(self.ops) + ["shard", "skipped"]
 
     def write(self, batch: StatBatch) -> None:
         # Column-wise formatting (one C-level format per value, cached per-row text for name, shape and
@@ -128,6 +129,8 @@ class CsvExporter(Exporter):
             elif BY_NAME[op].kind is Kind.COUNT:
                 fields.append([str(int(v)) for v in batch.values[op][indices].tolist()])
         fields.append([_csv_field(r.shard) if r.shard else "" for r in rows])
+        skipped = batch.scalars.update_skipped  # the step's update was skipped: 1, done: 0, not known: empty
+        fields.append(["" if skipped is None else str(int(skipped))] * len(rows))
         return "".join(",".join(line) + "\n" for line in zip(*fields))
 
     def _head(self, row) -> str:

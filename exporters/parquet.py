@@ -43,6 +43,7 @@ FLOAT_STATS, COUNT_STATS = table.FLOAT_STATS, table.COUNT_STATS
 STATS = FLOAT_STATS + COUNT_STATS
 #: Columns of the tidy table as `trainermon.load` returns it, in order.
 COLUMNS = ("run_id", "vpp_stage", "name", "step", "micro_step") + STATS + ("numel", "shape", "dtype", "shard")
+COLUMNS += ("skipped",)
 PART_PREFIX = "part-"
 DATASET_MARKER = "_trainermon_dataset.json"
 POINTER_FILE = "parquet.json"  # in each rank's run directory: where its rows went
@@ -76,6 +77,8 @@ def file_schema():
         # Which piece of the tensor a rank's row holds where it holds only one (a DTensor's local shard);
         # null for whole tensors. Files written before this column read it as null.
         pa.field("shard", pa.string()),
+        # The step's optimizer update was skipped (loss-scale overflow); null where no one said.
+        pa.field("skipped", pa.bool_()),
     ]
     return pa.schema(fields)
 
@@ -322,6 +325,7 @@ class ParquetExporter(Exporter):
                 "shape": [list(r.shape) for r in rows],
                 "dtype": [str(r.dtype) for r in rows],
                 "shard": [r.shard or None for r in rows],
+                "skipped": [batch.scalars.update_skipped] * n,
             }
             for stat in STATS:
                 if stat in self.ops and stat in batch.values:

@@ -18,6 +18,7 @@ Series (every one labelled with `rank`):
     trainermon_nonfinite_steps_total                                    collected steps with any NaN/Inf
     trainermon_anomalies_total{rule}                                    anomalies by rule
     trainermon_dropped_records_total, trainermon_monitor_faults_total
+    trainermon_skipped_steps_total                                      collected steps with a skipped update
     trainermon_exporter_errors_total{exporter}, trainermon_series_dropped_total
 
 Per-layer aggregation of the rows of one layer (all of its tensors and micro-batches) follows each
@@ -147,6 +148,8 @@ class PrometheusExporter(Exporter):
         m.step.labels(rank).set(batch.step)
         m.step_ts.labels(rank).set(time.time())
         m.steps.labels(rank).inc()
+        if batch.scalars.update_skipped:
+            m.skipped.labels(rank).inc()
         if derived.global_grad_norm is not None:
             m.global_norm.labels(rank).set(derived.global_grad_norm)
         seconds = batch.scalars.monitor_time_ms / 1e3

@@ -59,6 +59,12 @@ class Metrics:
             registry=reg,
         )
         self.steps = pc.Counter("trainermon_steps_collected", "Collected steps exported", r, registry=reg)
+        self.skipped = pc.Counter(
+            "trainermon_skipped_steps",
+            "Collected steps whose optimizer update was skipped (loss-scale overflow)",
+            r,
+            registry=reg,
+        )
         self.time = pc.Gauge(
             "trainermon_monitor_step_seconds",
             "Time the monitor spent on the training thread in the last collected step",

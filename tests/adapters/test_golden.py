@@ -141,8 +141,9 @@ def test_csv_layout_is_msprobes(tmp_path, out_dir):
     )
     with open(os.path.join(monitor.run_dir, "actv_0-0.csv")) as fh:
         # msprobe's columns in msprobe's order, then trainermon's own (appended, so readers by name work)
-        assert fh.readline().strip() == "vpp_stage,name,step,micro_step,min,norm,shape,dtype,shard"
+        assert fh.readline().strip() == "vpp_stage,name,step,micro_step,min,norm,shape,dtype,shard,skipped"
     with open(os.path.join(monitor.run_dir, "grad_reduced_1-1.csv")) as fh:
-        assert fh.readline().strip() == "vpp_stage,name,step,min,norm,shape,dtype,shard"
+        assert fh.readline().strip() == "vpp_stage,name,step,min,norm,shape,dtype,shard,skipped"
         first = fh.readline().strip()
-    assert first.startswith("0,fc1.weight,1,") and first.endswith(',"[16, 6]",torch.float32,')
+    # shard and skipped are empty (a whole tensor, a torch step that ran)
+    assert first.startswith("0,fc1.weight,1,") and first.endswith(',"[16, 6]",torch.float32,,')

@@ -99,7 +99,9 @@ class StepLoop:
     # ==== attaching ================================================================================
     def attach(self, adapter: Any, start_iteration: int) -> None:
         """Wire the probes, the worker and the adapter's step events; begin the first step."""
+        from .growth import NewParamsProbe
         from .probes import ActivationProbe, GradientProbe, OptimizerProbe, SideOutputsProbe
+        from .skips import SkippedStepProbe
 
         self.adapter = adapter
         self.step = start_iteration
@@ -116,10 +118,12 @@ class StepLoop:
         )
         deriver.dropped = lambda: self.worker.dropped_rows
         self.probes = [
+            NewParamsProbe(self),
             ActivationProbe(self),
             GradientProbe(self),
             OptimizerProbe(self),
             SideOutputsProbe(self),
+            SkippedStepProbe(self),
         ]
         self.subscribe(self._reselect)
         for probe in self.probes:

@@ -57,6 +57,7 @@ class GradientProbe(Probe):
         self._step_handles.clear()
         self._microbatch.clear()
         self.taps.active = plan.grads and not plan.microbatch_grads
+        self.loop.adapter.arm_grad_taps(self.taps.active)
         if plan.microbatch_grads:
             self._step_handles += self.loop.adapter.install_microbatch_taps(
                 self.loop.selection.params, self.taps

@@ -1,0 +1,83 @@
+"""Iterations whose optimizer update was skipped (a loss scaler found Inf/NaN gradients).
+
+`torch.amp.GradScaler.step(optimizer)` does not call `optimizer.step()` when the gradients overflow, so
+the optimizer's step hooks never fire and, left alone, the monitor would merge that iteration into the
+next one. This probe closes such an iteration as its own step, flagged `update_skipped`, at the next
+`zero_grad()` of the optimizer or of a model root: a backward has reached the optimizer's parameters
+since the last step boundary (a post-accumulate-grad hook on its first and last parameter sets a flag),
+yet no optimizer step came. That is where every loop clears gradients before the
+next iteration, whether it calls `zero_grad()` right after `scaler.step`/`scaler.update` or at the top
+of the next iteration, and it needs neither the scaler object nor its private state.
+
+The step counter therefore stays the training loop's iteration counter: one step per `scaler.step()`
+call, whether or not it updated. The skipped step's activations, `actv_grad`, `grad_unreduced` (as seen
+in backward: multiplied by the loss scale, like `actv_grad`) and `grad_reduced` (read at the boundary:
+unscaled by `scaler.step`, with its Inf/NaN) are written; its parameters are unchanged.
+
+Megatron's and DeepSpeed's optimizers report a skip themselves (`update_skipped` from their step); this
+probe is for torch optimizers only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trainermon.adapters.common import Restore
+from trainermon.collect.records import StepScalars
+
+from .plan import StepPlan
+from .probes.base import Probe
+
+#: Adapters whose step is a torch optimizer's, which GradScaler / ShardedGradScaler may skip.
+SCALER_ADAPTERS = ("torch", "fsdp1", "fsdp2")
+
+
+class SkippedStepProbe(Probe):
+    def __init__(self, loop: Any) -> None:
+        super().__init__(loop)
+        self.trained = False  # a backward reached the optimizer's parameters since the last boundary
+
+    def attach(self) -> list[Any]:
+        adapter = self.loop.adapter
+        optimizer = getattr(adapter, "optimizer", None)
+        if adapter.name not in SCALER_ADAPTERS or not isinstance(optimizer, torch.optim.Optimizer):
+            return []  # framework optimizers report skips themselves; no optimizer: TrainerMon.step()
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        # Two parameters, in case one is unused in some iteration: one flag per backward, the whole
+        # cost on steps that are not collected.
+        handles = [
+            p.register_post_accumulate_grad_hook(self._backward)
+            for p in {id(q): q for q in (params[:1] + params[-1:])}.values()
+        ]
+        # The user may clear gradients through the wrapper (DDP, FSDP) or the model inside it.
+        modules = {id(m): m for m in (*adapter.chunks, *adapter.roots())}
+        handles += [self._patch(m) for m in modules.values()]
+        handles.append(self._patch(optimizer))
+        return handles
+
+    def begin(self, plan: StepPlan) -> None:
+        self.trained = False
+
+    def _backward(self, param: Any) -> None:
+        self.trained = True
+
+    def _patch(self, obj: Any) -> Restore:
+        original = obj.zero_grad
+
+        def zero_grad(*args: Any, **kwargs: Any) -> Any:
+            if self.trained and self.loop.hooked and not self.loop.closed:
+                self._close_skipped()
+            return original(*args, **kwargs)
+
+        obj.zero_grad = zero_grad
+        return Restore(obj, "zero_grad", zero_grad)
+
+    def _close_skipped(self) -> None:
+        self.trained = False
+        try:
+            self.loop.on_pre_optim()
+            self.loop.on_post_optim(StepScalars(update_skipped=True))
+        except Exception as exc:  # noqa: BLE001 - never into the training loop
+            self.loop.faults.record("skipped step", exc)
