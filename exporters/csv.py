@@ -2,7 +2,8 @@
 
 Files: `{run_dir}/{family}_{first}-{last}.csv`, where [first, last] is the step bucket of
 `step_count_per_record` steps. Columns: `vpp_stage,name,step[,micro_step],{ops...},shape,dtype,shard`
-(micro_step for actv, actv_grad, and grad_unreduced with monitor_mbs_grad): msprobe's columns, then
+(micro_step for actv, actv_grad, comm, and grad_unreduced with monitor_mbs_grad; `comm` rows end
+with `calls,bytes`): msprobe's columns, then
 trainermon's `shard`, empty unless the rank's row holds only a piece of the tensor (a DTensor's local
 shard), so msprobe's readers, which select columns by name, keep working. Each family's rows of a step
 go to the file in one unbuffered write, so a killed process leaves complete rows only, and a write that
@@ -22,6 +23,9 @@ from trainermon.collect.records import StatBatch
 from trainermon.stats.table import BY_NAME, Kind
 
 from .base import Exporter, RunInfo
+
+#: Trailing columns of `comm_*.csv`: the collective calls a row sums over and the bytes they moved.
+COMM_COLUMNS = ("calls", "bytes")
 
 
 def _csv_field(text: str) -> str:
@@ -128,6 +132,8 @@ class CsvExporter(Exporter):
             elif BY_NAME[op].kind is Kind.COUNT:
                 fields.append([str(int(v)) for v in batch.values[op][indices].tolist()])
         fields.append([_csv_field(r.shard) if r.shard else "" for r in rows])
+        if rows and rows[0].family == "comm":
+            fields += [[str(r.calls) for r in rows], [str(r.nbytes) for r in rows]]
         return "".join(",".join(line) + "\n" for line in zip(*fields))
 
     def _head(self, row) -> str:
@@ -158,7 +164,8 @@ class CsvExporter(Exporter):
         new = not os.path.exists(path)
         handle = _RowFile(path)
         if new:
-            handle.write(",".join(self.header(with_micro)) + "\n")
+            head = self.header(with_micro) + (list(COMM_COLUMNS) if family == "comm" else [])
+            handle.write(",".join(head) + "\n")
         self._files[family] = (first, handle)
         return handle
 

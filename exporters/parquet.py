@@ -42,7 +42,11 @@ SCHEMA_VERSION = 1
 FLOAT_STATS, COUNT_STATS = table.FLOAT_STATS, table.COUNT_STATS
 STATS = FLOAT_STATS + COUNT_STATS
 #: Columns of the tidy table as `trainermon.load` returns it, in order.
-COLUMNS = ("run_id", "vpp_stage", "name", "step", "micro_step") + STATS + ("numel", "shape", "dtype", "shard")
+COLUMNS = (
+    ("run_id", "vpp_stage", "name", "step", "micro_step")
+    + STATS
+    + ("numel", "shape", "dtype", "shard", "calls", "bytes")
+)
 PART_PREFIX = "part-"
 DATASET_MARKER = "_trainermon_dataset.json"
 POINTER_FILE = "parquet.json"  # in each rank's run directory: where its rows went
@@ -76,6 +80,9 @@ def file_schema():
         # Which piece of the tensor a rank's row holds where it holds only one (a DTensor's local shard);
         # null for whole tensors. Files written before this column read it as null.
         pa.field("shard", pa.string()),
+        # `comm` rows: the collective calls a row sums over and the bytes they moved (null elsewhere).
+        pa.field("calls", pa.int64()),
+        pa.field("bytes", pa.int64()),
     ]
     return pa.schema(fields)
 
@@ -322,6 +329,8 @@ class ParquetExporter(Exporter):
                 "shape": [list(r.shape) for r in rows],
                 "dtype": [str(r.dtype) for r in rows],
                 "shard": [r.shard or None for r in rows],
+                "calls": [r.calls if family == "comm" else None for r in rows],
+                "bytes": [r.nbytes if family == "comm" else None for r in rows],
             }
             for stat in STATS:
                 if stat in self.ops and stat in batch.values:

@@ -211,4 +211,6 @@ def _columns(rows: list[dict[str, str]], run_id: str) -> dict[str, Any]:
         columns["numel"] = [int(np.prod(s)) if s is not None else None for s in shapes]
     columns["dtype"] = [r.get("dtype") or None for r in rows]
     columns["shard"] = [r.get("shard") or None for r in rows]  # absent in msprobe's and older CSV
+    for key in ("calls", "bytes"):  # comm rows only
+        columns[key] = [int(r[key]) if r.get(key) else None for r in rows]
     return columns

@@ -99,7 +99,7 @@ class StepLoop:
     # ==== attaching ================================================================================
     def attach(self, adapter: Any, start_iteration: int) -> None:
         """Wire the probes, the worker and the adapter's step events; begin the first step."""
-        from .probes import ActivationProbe, GradientProbe, OptimizerProbe, SideOutputsProbe
+        from .probes import ActivationProbe, CommProbe, GradientProbe, OptimizerProbe, SideOutputsProbe
 
         self.adapter = adapter
         self.step = start_iteration
@@ -120,6 +120,7 @@ class StepLoop:
             GradientProbe(self),
             OptimizerProbe(self),
             SideOutputsProbe(self),
+            CommProbe(self),
         ]
         self.subscribe(self._reselect)
         for probe in self.probes:
