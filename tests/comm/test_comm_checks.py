@@ -110,8 +110,17 @@ def _checks_rank(rank: int, world: int, out_root: str) -> dict:
             anomalies = [json.loads(line) for line in fh if '"AnomalyComm"' in line]
     # cc_codeline: only the call site inside _codeline_target
     _, code_dir, _ = _train(
-        {**base, "cc_distribution": {"enable": True, "cc_codeline": [r"test_comm_checks\.py:\d+\(_codeline_target\)"]}},
-        rank, out_root, "codeline", 2,
+        {
+            **base,
+            "cc_distribution": {
+                "enable": True,
+                "cc_codeline": [r"test_comm_checks\.py:\d+\(_codeline_target\)"],
+            },
+        },
+        rank,
+        out_root,
+        "codeline",
+        2,
     )
     # cc_log_only: call sites listed, no statistics, training goes on to the last step
     _, log_dir, _ = _train(
@@ -159,7 +168,9 @@ def test_faults_flagged_at_op_step_rank_and_filters(tmp_path):
         # the records: AnomalyComm, the step, op and group in the name, the rank
         steps = sorted(a["step"] for a in res["anomalies"])
         assert steps == sorted(s for s, *_ in found)
-        assert all(a["family"] == "comm" and a["name"].startswith("all_reduce/world@") for a in res["anomalies"])
+        assert all(
+            a["family"] == "comm" and a["name"].startswith("all_reduce/world@") for a in res["anomalies"]
+        )
         assert all(a["ranks"] == [rank] for a in res["anomalies"])
         # statistics rows exist for every op of the step, and the checks cost no row
         names = {r["name"].split("@")[0] for r in res["fault_rows"] if r["step"] == "0"}

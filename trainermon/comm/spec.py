@@ -182,7 +182,13 @@ def _dist_specs() -> list[OpSpec]:
 
 def _funcol_specs() -> list[OpSpec]:
     one = _at(0, "self")
-    return [
+    extra = [
+        OpSpec("funcol.all_gather_single", "funcol", "all_gather_single", "funcol", one, _none,
+               _value(2, "group"), check="gather", functional=True),
+        OpSpec("funcol.reduce_scatter_single", "funcol", "reduce_scatter_single", "funcol", one, _none,
+               _value(3, "group"), _value(1, "reduceOp"), check="scatter", functional=True),
+    ]  # fmt: skip
+    return extra + [
         OpSpec(
             "funcol.all_reduce",
             "funcol",

@@ -1,0 +1,128 @@
+"""cc_distribution sees the collectives of DDP and FSDP2 themselves (2 gloo ranks, one launch): DDP's
+gradient all-reduces (through DDP's own default all-reduce hook, registered by the monitor) against the
+averaged gradients of an unwrapped reference fed every rank's known data; FSDP2's all-gathers against the
+full parameters, its reduce-scatters and DTensor's functional collectives present; the invariant checks
+silent on all of them."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+
+import torch
+from torch import nn
+
+from tests.distributed import run_ranks
+from tests.helpers import read_family
+
+OPS = ["norm", "mean", "min", "max"]
+
+
+def _cfg(out_root: str, tag: str, rank: int) -> str:
+    os.environ["MONITOR_OUTPUT_DIR"] = os.path.join(out_root, tag)
+    path = os.path.join(out_root, f"{tag}-{rank}.json")
+    with open(path, "w") as fh:
+        json.dump({"cc_distribution": {"enable": True}, "ops": OPS, "ndigits": 12}, fh)
+    return path
+
+
+def _x(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+
+
+def _ddp(rank: int, world: int, out_root: str) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from trainermon import TrainerMon
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 2))
+    reference = copy.deepcopy(model)
+    ddp = DDP(model, bucket_cap_mb=0.001)  # small buckets: several all-reduces per backward
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    monitor = TrainerMon(_cfg(out_root, "ddp", rank))
+    monitor.set_monitor(ddp, grad_acc_steps=1, optimizer=opt)
+    want = []
+    for step in range(2):
+        reference.load_state_dict(model.state_dict())
+        reference.zero_grad()
+        for r in range(world):  # the averaged gradient, from every rank's known data
+            (reference(_x(step, r)).pow(2).mean() / world).backward()
+        want.append(math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in reference.parameters())))
+        ddp(_x(step, rank)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    probe = monitor.loop.probes[-1]
+    monitor.close()
+    return {"rows": read_family(monitor.run_dir, "comm"), "want": want, "violations": len(probe.violations)}
+
+
+def _fsdp(rank: int, world: int, out_root: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from trainermon import TrainerMon
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    monitor = TrainerMon(_cfg(out_root, "fsdp", rank))
+    monitor.set_monitor(model, grad_acc_steps=1, optimizer=opt)
+    full_sumsq = []
+    for step in range(2):
+        # DTensor.full_tensor(): a functional all-gather, seen too (a call site of this file)
+        full_sumsq.append(
+            sum(float(p.detach().full_tensor().double().pow(2).sum()) for p in model.parameters())
+        )
+        model(_x(step, rank)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    probe = monitor.loop.probes[-1]
+    monitor.close()
+    return {
+        "rows": read_family(monitor.run_dir, "comm"),
+        "full_sumsq": full_sumsq,
+        "violations": len(probe.violations),
+        "unchecked": probe.unchecked,
+    }
+
+
+def _both(rank: int, world: int, out_root: str) -> dict:
+    return {"ddp": _ddp(rank, world, out_root), "fsdp": _fsdp(rank, world, out_root)}
+
+
+def test_ddp_and_fsdp2_collectives_seen(tmp_path):
+    results = run_ranks(_both, world_size=2, out_root=str(tmp_path))
+    for res in results:
+        ddp = res["ddp"]
+        assert ddp["violations"] == 0
+        calls = []
+        for step, want in enumerate(ddp["want"]):
+            rows = [
+                r
+                for r in ddp["rows"]
+                if r["step"] == str(step) and r["name"].startswith("all_reduce/world/output@")
+            ]
+            # DDP's hook runs inside backward(): the call site is the test's backward line
+            assert len(rows) == 1 and "test_comm_frameworks.py" in rows[0]["name"], [r["name"] for r in rows]
+            got = math.sqrt(sum(float(r["norm"]) ** 2 for r in rows))
+            # float32 gradients averaged over 2 ranks: relative error a few float32 ulps
+            assert abs(got - want) <= 1e-5 * want, (step, got, want)
+            calls.append(int(rows[0]["calls"]))
+        # one all-reduce per bucket (DDP rebuilds its small buckets after the first step)
+        assert calls[0] >= 1 and calls[1] >= 2, calls
+        fsdp = res["fsdp"]
+        assert fsdp["violations"] == 0 and fsdp["unchecked"] == 0
+        for step, sumsq in enumerate(fsdp["full_sumsq"]):
+            rows = [r for r in fsdp["rows"] if r["step"] == str(step)]
+            names = {r["name"].split("@")[0] for r in rows}
+            assert {"all_gather_single/world/output", "reduce_scatter_single/world/output"} <= names, names
+            assert "funcol.all_gather_single/world/output" in names, names  # DTensor.full_tensor()
+            gathers = [r for r in rows if r["name"].startswith("all_gather_single/world/output@")]
+            calls = sum(int(r["calls"]) for r in gathers)
+            got = sum(float(r["norm"]) ** 2 for r in gathers)
+            # every all-gather of the step gathers all parameters (padding is zeros)
+            assert abs(got - calls * sumsq) <= 1e-5 * calls * sumsq, (step, got, calls, sumsq)
