@@ -98,7 +98,7 @@ def _ops_rank(rank: int, world: int, out_root: str) -> dict:
                 "step_interval": 2,
                 "ops": list(OPS),
                 "ndigits": 12,
-                "format": ["csv", "parquet"],
+                "format": ["csv", "parquet", "prometheus"],
                 "alert": {"dump": True},
             },
             fh,
@@ -117,6 +117,14 @@ def _ops_rank(rank: int, world: int, out_root: str) -> dict:
         opt.zero_grad()
     probe = monitor.loop.probes[-1]
     violations = [(s, v.key.op, v.stat) for s, v in probe.violations]
+    monitor.flush()
+    from tests.sinks.test_prometheus import scrape, url_of
+
+    series = {
+        (dict(labels)["layer"], dict(labels)["stat"]): v
+        for (name, labels), v in scrape(url_of(monitor)).items()
+        if name == "trainermon_layer_stat" and dict(labels).get("family") == "comm"
+    }
     monitor.close()
     return {
         "patched": patched,
@@ -124,6 +132,7 @@ def _ops_rank(rank: int, world: int, out_root: str) -> dict:
         "violations": violations,
         "unchecked": probe.unchecked,
         "run_dir": monitor.loop.outputs.run_dir,
+        "series": series,
     }
 
 
@@ -191,6 +200,15 @@ def test_every_op_against_references(tmp_path):
         assert int(barrier["calls"]) == 1 and int(barrier["bytes"]) == 0
         assert not [r for r in rows if int(r["step"]) in (1, 3)]  # nothing on steps not collected
         assert all(r["micro_step"] == "0" for r in rows)
+        # Prometheus: one series per (op, group, input/output), call sites combined (norm: sqrt of the
+        # sum of squares), from the last collected step
+        series = res["series"]
+        last = [r for r in rows if r["step"] == "2"]
+        for layer in ("all_reduce/world/output", "broadcast/world/output", "all_gather/world/output"):
+            norms = [float(r["norm"]) for r in last if r["name"].startswith(layer + "@")]
+            assert math.isclose(series[(layer, "norm")], math.sqrt(sum(n * n for n in norms)), rel_tol=1e-9)
+            maxes = [float(r["max"]) for r in last if r["name"].startswith(layer + "@")]
+            assert series[(layer, "max")] == max(maxes)
     # Parquet family `comm` with the calls and bytes columns
     import pyarrow.dataset as ds
 
