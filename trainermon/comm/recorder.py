@@ -17,7 +17,7 @@ import torch
 
 from trainermon.collect.records import RowMeta
 from trainermon.config.schema import CommConfig
-from trainermon.stats.partials import ADDITIVE, MAX, MIN, merge
+from trainermon.stats.partials import ADDITIVE, MAX, MIN, empty_partials
 
 from .checks import CheckEntry, CheckKey
 from .groups import describe
@@ -232,13 +232,12 @@ class CommRecorder:
         with self.lock:
             old = self.sums.get(key)
             if stats is None:  # a call with no tensor (barrier): counted
-                from trainermon.stats.partials import empty_partials
-
                 stats = _Sum(empty_partials(1), 1, 0, 0, torch.float32, ())
             if old is None:
-                self.sums[key] = _Sum(stats.row, 1, stats.numel, stats.nbytes, stats.dtype, stats.shape)
+                row = stats.row.clone()  # owned: later calls merge into it in place
+                self.sums[key] = _Sum(row, 1, stats.numel, stats.nbytes, stats.dtype, stats.shape)
                 return
-            old.row = merge(old.row, stats.row.to(old.row.device))
+            _merge_into(old.row, stats.row)
             old.calls += 1
             old.numel += stats.numel
             old.nbytes += stats.nbytes
@@ -247,7 +246,10 @@ class CommRecorder:
         with self.lock:
             entry = self.check_entries.setdefault(key, CheckEntry(stats.dtype))
             row = getattr(entry, f"{side}_row")
-            setattr(entry, f"{side}_row", stats.row if row is None else merge(row, stats.row.to(row.device)))
+            if row is None:
+                setattr(entry, f"{side}_row", stats.row.clone())
+            else:
+                _merge_into(row, stats.row)
             setattr(entry, f"{side}_numel", getattr(entry, f"{side}_numel") + stats.numel)
 
     def rows(self) -> tuple[list[RowMeta], list[torch.Tensor]]:
@@ -261,6 +263,14 @@ class CommRecorder:
                 )
                 parts.append(s.row)
         return metas, parts
+
+
+def _merge_into(row: torch.Tensor, other: torch.Tensor) -> None:
+    """Partials of another piece merged into `row` in place (few kernels: it runs per call)."""
+    other = other.to(row.device)
+    row[:, ADDITIVE] += other[:, ADDITIVE]
+    torch.minimum(row[:, MIN], other[:, MIN], out=row[:, MIN])
+    torch.maximum(row[:, MAX], other[:, MAX], out=row[:, MAX])
 
 
 _BATCH_RECV = OpSpec("batch_irecv", "dist", "batch_isend_irecv", "batch_isend_irecv", list, list, list)
