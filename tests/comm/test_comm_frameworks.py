@@ -2,7 +2,7 @@
 gradient all-reduces (through DDP's own default all-reduce hook, registered by the monitor) against the
 averaged gradients of an unwrapped reference fed every rank's known data; FSDP2's all-gathers against the
 full parameters, its reduce-scatters and DTensor's functional collectives present; the invariant checks
-silent on all of them."""
+silent on all of them; a dynamic switch-off removes every patch at the next step."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import copy
 import json
 import math
 import os
+import time
 
 import torch
 from torch import nn
@@ -90,13 +91,60 @@ def _fsdp(rank: int, world: int, out_root: str) -> dict:
     }
 
 
+def _dynamic(rank: int, world: int, out_root: str) -> dict:
+    """Dynamic mode: collection switched off by an edit of the file; the patches go at the next step."""
+    import torch.distributed as dist
+
+    from trainermon import TrainerMon
+    from trainermon.runtime.control import update_config_file
+
+    os.environ["DYNAMIC_MONITOR"] = "true"
+    os.environ["MONITOR_OUTPUT_DIR"] = os.path.join(out_root, "dynamic")
+    path = os.path.join(out_root, "dynamic.json")
+    if rank == 0:
+        with open(path, "w") as fh:
+            json.dump({"cc_distribution": {"enable": True}, "dynamic_on": True, "ops": OPS}, fh)
+    dist.barrier()
+    original = dist.all_reduce
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(path)
+    monitor.set_monitor(model, grad_acc_steps=1, optimizer=opt)
+    patched = []
+    for step in range(5):
+        patched.append(dist.all_reduce is not original)
+        if step == 2 and rank == 0:
+            update_config_file(path, dynamic_on=False)
+            watcher = monitor.loop.control.watcher
+            for _ in range(500):
+                if watcher.dirty:
+                    break
+                time.sleep(0.01)
+        model(torch.ones(1, 3)).sum().backward()
+        dist.all_reduce(torch.ones(2))
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    del os.environ["DYNAMIC_MONITOR"]
+    steps = sorted({int(r["step"]) for r in read_family(monitor.run_dir, "comm")})
+    return {"patched": patched, "steps": steps, "restored": dist.all_reduce is original}
+
+
 def _both(rank: int, world: int, out_root: str) -> dict:
-    return {"ddp": _ddp(rank, world, out_root), "fsdp": _fsdp(rank, world, out_root)}
+    return {
+        "ddp": _ddp(rank, world, out_root),
+        "fsdp": _fsdp(rank, world, out_root),
+        "dynamic": _dynamic(rank, world, out_root),
+    }
 
 
 def test_ddp_and_fsdp2_collectives_seen(tmp_path):
     results = run_ranks(_both, world_size=2, out_root=str(tmp_path))
     for res in results:
+        dynamic = res["dynamic"]
+        # switched off during step 2: steps 0-2 collected (patched), 3 and 4 run the originals
+        assert dynamic["patched"] == [True, True, True, False, False], dynamic
+        assert dynamic["steps"] == [0, 1, 2] and dynamic["restored"], dynamic
         ddp = res["ddp"]
         assert ddp["violations"] == 0
         calls = []

@@ -191,7 +191,10 @@ class CommRecorder:
         left = 0
         for work, fn in self.pending:
             if work.is_completed():
-                fn()
+                try:
+                    fn()
+                except Exception as exc:  # noqa: BLE001
+                    self.fault("collective completion", exc)
             else:
                 left += 1
         self.pending = []

@@ -111,10 +111,10 @@ class CommProbe(Probe):
             self._write_sites()
             recorder.reset()
             return
-        rows, parts = recorder.rows()
-        checks = list(recorder.check_entries.items()) if recorder.config.check else []
-        recorder.reset()
-        if rows:
+        checks: list = []
+        try:
+            rows, parts = recorder.rows()
+            checks = list(recorder.check_entries.items()) if recorder.config.check else []
             collector = self.loop.collector
             with self.loop._lock:  # the collector's own lists: rows computed already, added as they are
                 for meta, row in zip(rows, parts):
@@ -122,6 +122,10 @@ class CommProbe(Probe):
                     collector._parts.append(row)
                     collector._order.append(collector._next)
                     collector._next += 1
+        except Exception as exc:  # noqa: BLE001 - the check below must still run: other ranks wait in it
+            self.loop.faults.record("comm rows", exc, "this step's comm rows are dropped")
+        finally:
+            recorder.reset()
         if recorder.config.check and self.loop.world_size > 1:
             self._check(plan.step, checks)
 
@@ -147,7 +151,12 @@ class CommProbe(Probe):
             self._warn_once(
                 "cap", "trainermon: %d collective keys in a step; the first 64 are checked", len(entries)
             )
-        table = pack(entries, self.loop.rank, self.loop.world_size, device)
+        try:
+            table = pack(entries, self.loop.rank, self.loop.world_size, device)
+        except Exception as exc:  # noqa: BLE001 - an empty block still joins the reduction
+            self.loop.faults.record("comm check", exc, "this step's checks are skipped on this rank")
+            entries = []
+            table = pack(entries, self.loop.rank, self.loop.world_size, device)
         dist.all_reduce(table)  # the step's one extra reduction (the wrappers are idle: loop._depth > 0)
         if device.type == "cpu":
             self._evaluate(step, table.numpy(), entries)
