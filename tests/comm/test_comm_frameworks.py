@@ -2,7 +2,9 @@
 gradient all-reduces (through DDP's own default all-reduce hook, registered by the monitor) against the
 averaged gradients of an unwrapped reference fed every rank's known data; FSDP2's all-gathers against the
 full parameters, its reduce-scatters and DTensor's functional collectives present; the invariant checks
-silent on all of them; a dynamic switch-off removes every patch at the next step."""
+silent on all of them; Megatron-Core's distributed optimizer (reduce-scatters and all-gathers issued in
+`_coalescing_manager` blocks through module-global aliases) likewise; a dynamic switch-off removes every
+patch at the next step."""
 
 from __future__ import annotations
 
@@ -130,17 +132,55 @@ def _dynamic(rank: int, world: int, out_root: str) -> dict:
     return {"patched": patched, "steps": steps, "restored": dist.all_reduce is original}
 
 
+def _megatron(rank: int, world: int, out_root: str) -> dict:
+    """Megatron-Core with the distributed optimizer (dp=2): its gradient reduce-scatters and parameter
+    all-gathers go through `dist_reduce_scatter_func` / `dist_all_gather_func`, module globals bound to
+    torch.distributed's functions at import, seen through the alias scan."""
+    from tests.megatron_gpt import Layout, setup, train_step
+    from trainermon import TrainerMon
+
+    layout = Layout(dist_opt=True)
+    model, optimizer = setup(layout)
+    monitor = TrainerMon(_cfg(out_root, "megatron", rank), params_have_main_grad=True)
+    monitor.set_monitor(model, grad_acc_steps=2, optimizer=optimizer)
+    sumsq = []
+    for step in range(2):
+        train_step(model, optimizer, layout, step)
+        sumsq.append(sum(float(p.detach().double().pow(2).sum()) for c in model for p in c.parameters()))
+    probe = monitor.loop.probes[-1]
+    monitor.close()
+    return {
+        "rows": read_family(monitor.run_dir, "comm"),
+        "sumsq": sumsq,
+        "violations": len(probe.violations),
+        "unchecked": probe.unchecked,
+    }
+
+
 def _both(rank: int, world: int, out_root: str) -> dict:
     return {
         "ddp": _ddp(rank, world, out_root),
         "fsdp": _fsdp(rank, world, out_root),
         "dynamic": _dynamic(rank, world, out_root),
+        "megatron": _megatron(rank, world, out_root),  # last: its CPU shim stays installed
     }
 
 
 def test_ddp_and_fsdp2_collectives_seen(tmp_path):
     results = run_ranks(_both, world_size=2, out_root=str(tmp_path))
     for res in results:
+        mega = res["megatron"]
+        assert mega["violations"] == 0 and mega["unchecked"] == 0
+        for step, sumsq in enumerate(mega["sumsq"]):
+            rows = [r for r in mega["rows"] if r["step"] == str(step)]
+            names = {r["name"].split("@")[0] for r in rows}
+            assert {"reduce_scatter_tensor/world/output", "all_gather_into_tensor/world/output"} <= names, (
+                names
+            )
+            gathers = [r for r in rows if r["name"].startswith("all_gather_into_tensor/world/output@")]
+            got = sum(float(r["norm"]) ** 2 for r in gathers)
+            # the step's parameter all-gather holds every updated parameter once (padding is zeros)
+            assert abs(got - sumsq) <= 1e-5 * sumsq, (step, got, sumsq, [r["name"] for r in gathers])
         dynamic = res["dynamic"]
         # switched off during step 2: steps 0-2 collected (patched), 3 and 4 run the originals
         assert dynamic["patched"] == [True, True, True, False, False], dynamic

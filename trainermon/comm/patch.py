@@ -3,13 +3,18 @@ is replaced by a wrapper while a collected step runs, and put back when the step
 a dynamic switch-off. A wrapper that finds its recorder idle (the monitor's own collectives, a nested
 call) calls the original at once.
 
-Code that imported a collective by name (`from torch.distributed import all_reduce`) before the patch
-keeps the original and is not seen."""
+Code that imported a collective by name (`from torch.distributed import all_reduce`, or Megatron's
+`dist_all_gather_func = torch.distributed.all_gather_into_tensor`) holds the original in a module global:
+the first install scans the modules already imported (outside torch and trainermon) once for such
+aliases, and each install patches the ones that still hold the original. Modules imported after that
+scan, and aliases held elsewhere (a class attribute, a closure), keep the original and are not seen."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -20,6 +25,9 @@ logger = logging.getLogger("trainermon")
 _inside = threading.local()  # a wrapper is running on this thread: nested collectives are its own
 
 
+COALESCING = "_coalescing_manager"
+
+
 class Recorder(Protocol):
     def active(self) -> bool: ...
     def before(self, spec: OpSpec, args: tuple, kwargs: dict) -> Any: ...
@@ -27,6 +35,7 @@ class Recorder(Protocol):
     def before_batch(self, ops: list) -> Any: ...
     def after_batch(self, ctx: Any, works: Any) -> None: ...
     def fault(self, where: str, exc: BaseException) -> None: ...
+    def coalesced_done(self, cm: Any, async_ops: bool) -> None: ...
 
 
 def _wrap(original: Any, spec: OpSpec, recorder: Recorder) -> Any:
@@ -81,11 +90,48 @@ def _wrap_batch(original: Any, recorder: Recorder) -> Any:
     return wrapper
 
 
+def find_aliases(originals: dict[int, Any]) -> list[tuple[Any, str, Any]]:
+    """(module, attribute, original) for every module global outside torch and trainermon that holds one
+    of `originals` (by identity). One pass over the imported modules."""
+    found = []
+    for name, module in list(sys.modules.items()):
+        if module is None or name in ("torch", "trainermon") or name.startswith(("torch.", "trainermon.")):
+            continue
+        try:
+            items = list(vars(module).items())
+        except TypeError:
+            continue
+        for attr, value in items:
+            if id(value) in originals and originals[id(value)] is value:
+                found.append((module, attr, value))
+    return found
+
+
+def _wrap_coalescing(original: Any, recorder: Recorder) -> Any:
+    """Inside `_coalescing_manager` a collective only queues its op; the data moves at the block's exit,
+    so the outputs of the calls queued in it are read there (or when its work completes)."""
+
+    @contextlib.contextmanager
+    @functools.wraps(original)
+    def wrapper(group: Any = None, device: Any = None, async_ops: bool = False):  # noqa: ANN202
+        with original(group, device, async_ops) as cm:
+            yield cm
+        if recorder.active():
+            try:
+                recorder.coalesced_done(cm, async_ops)
+            except Exception as exc:  # noqa: BLE001
+                recorder.fault("collective post-hook", exc)
+
+    wrapper.__trainermon_comm__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
 class Patches:
     """The installed wrappers and what they replaced."""
 
     def __init__(self) -> None:
         self._saved: list[tuple[Any, str, Any, Any]] = []  # (module, attr, original, wrapper)
+        self._aliases: list[tuple[Any, str, Any]] | None = None  # found at the first install
 
     @property
     def installed(self) -> bool:
@@ -99,12 +145,14 @@ class Patches:
         if self._saved:
             return
         modules = {"dist": dist, "funcol": funcol}
+        wrappers: dict[int, Any] = {}
         for spec in specs:
             module = modules[spec.module]
             original = getattr(module, spec.attr, None)
             if original is None:
                 continue
             wrapper = _wrap(original, spec, recorder)
+            wrappers[id(original)] = wrapper
             self._set(module, spec.attr, original, wrapper)
             if spec.attr in ("isend", "irecv") and getattr(c10d, spec.attr) is original:
                 # P2POp checks its op against c10d's own isend/irecv: the same wrapper there keeps
@@ -112,7 +160,22 @@ class Patches:
                 self._set(c10d, spec.attr, original, wrapper)
         if batch and getattr(dist, BATCH_P2P, None) is not None:
             original = getattr(dist, BATCH_P2P)
-            self._set(dist, BATCH_P2P, original, _wrap_batch(original, recorder))
+            wrappers[id(original)] = _wrap_batch(original, recorder)
+            self._set(dist, BATCH_P2P, original, wrappers[id(original)])
+        original = getattr(dist, COALESCING, None)
+        if original is not None:
+            wrappers[id(original)] = _wrap_coalescing(original, recorder)
+            self._set(dist, COALESCING, original, wrappers[id(original)])
+        originals = {id(orig): orig for _, _, orig, _ in self._saved}
+        if self._aliases is None:
+            self._aliases = find_aliases(originals)
+        for module, attr, original in self._aliases:
+            if id(original) in wrappers and getattr(module, attr, None) is original:
+                self._set(module, attr, original, wrappers[id(original)])
+
+    def forget_aliases(self) -> None:
+        """Scan again at the next install (a new config may watch other functions)."""
+        self._aliases = None
 
     def _set(self, module: Any, attr: str, original: Any, wrapper: Any) -> None:
         setattr(module, attr, wrapper)

@@ -71,6 +71,7 @@ class CommRecorder:
         self.unmatched: set[str] = set()  # sites seen that no cc_codeline pattern matched
         self.sites: Counter[tuple[str, str, str]] = Counter()  # cc_log_only: (op, group, site) -> calls
         self.pending: list[tuple[Any, Callable[[], None]]] = []  # works without a future
+        self.coalesced: list[_Call] = []  # queued in a _coalescing_manager block: read at its exit
         self.reset()
 
     def configure(self, config: CommConfig) -> None:
@@ -134,7 +135,9 @@ class CommRecorder:
         return _Call(spec, group, ranks, site, micro, outputs, check, self.generation)
 
     def after(self, call: _Call, result: Any) -> None:
-        if call.spec.functional:
+        if _coalescing():
+            self.coalesced.append(call)  # the op only queued: its data moves at the block's exit
+        elif call.spec.functional:
             waited = result.wait() if hasattr(result, "wait") else result
             call.outputs = [waited] if isinstance(waited, torch.Tensor) else []
             self._finish(call)
@@ -185,12 +188,24 @@ class CommRecorder:
 
         future.then(done)
 
+    def coalesced_done(self, cm: Any, async_ops: bool) -> None:
+        calls, self.coalesced = self.coalesced, []
+        works = [w for w in getattr(cm, "works", []) if w is not None] if async_ops else []
+        for call in calls:
+            if works:
+                self._when_done(works[-1], lambda call=call: self._finish(call))
+            else:
+                self._finish(call)
+
     def settle(self) -> int:
         """At the step's end: the outputs of completed works that had no future; returns how many works
         had not completed (their statistics are dropped)."""
         left = 0
+        for call in self.coalesced:  # a coalescing block whose exit was not seen: read now
+            self.pending.append((None, lambda call=call: self._finish(call)))
+        self.coalesced = []
         for work, fn in self.pending:
-            if work.is_completed():
+            if work is None or work.is_completed():
                 try:
                     fn()
                 except Exception as exc:  # noqa: BLE001
@@ -266,6 +281,13 @@ class CommRecorder:
                 )
                 parts.append(s.row)
         return metas, parts
+
+
+def _coalescing() -> bool:
+    """A `_coalescing_manager` block is open (on some group): calls queue their ops."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return bool(c10d._world.pg_coalesce_state)
 
 
 def _merge_into(row: torch.Tensor, other: torch.Tensor) -> None:

@@ -62,6 +62,7 @@ class CommProbe(Probe):
     def configure(self, config: MonitorConfig) -> None:
         cc = config.cc_distribution
         self._off()
+        self.patches.forget_aliases()
         self.enabled = cc.enable
         self.recorder.configure(cc)
         wanted = set(cc.ops) if cc.ops is not None else None
