@@ -4,6 +4,7 @@ Arms, each in its own 2-rank launch (two monitors in one process would share the
 torch.distributed), launches alternated off/on `--rounds` times so that load from other jobs falls on both:
 
     off        TrainerMon attached, cc_distribution disabled (DDP keeps its built-in C++ all-reduce)
+    off, DDP Python hook   the same, with DDP's default all-reduce hook registered (what `on` registers)
     on         TrainerMon with cc_distribution enabled, step_interval 2: even steps are collected
                ("on, collected": statistics of every collective, the packed check reduction, the rows)
                and odd steps are not ("on, idle": no patch installed; for DDP the default all-reduce
@@ -52,6 +53,10 @@ def _worker(
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(model, bucket_cap_mb=1)
+        if enabled == "hook":  # DDP's default all-reduce hook alone, as cc_distribution registers it
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            model.register_comm_hook(None, default_hooks.allreduce_hook)
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -64,7 +69,9 @@ def _worker(
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     cfg = os.path.join(tmp, f"cfg{rank}.json")
     with open(cfg, "w") as fh:
-        json.dump({"cc_distribution": {"enable": enabled}, "step_interval": 2, "ops": ["norm", "max"]}, fh)
+        json.dump(
+            {"cc_distribution": {"enable": enabled is True}, "step_interval": 2, "ops": ["norm", "max"]}, fh
+        )
     monitor = TrainerMon(cfg)
     monitor.set_monitor(model, grad_acc_steps=1, optimizer=opt)
     x = torch.randn(64, 512, generator=torch.Generator().manual_seed(rank))
@@ -93,7 +100,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(kind: str, enabled: bool, steps: int) -> list[float]:
+def _launch(kind: str, enabled: bool | str, steps: int) -> list[float]:
     for attempt in range(3):  # a rank that dies at teardown (gloo, loaded machine) after writing is fine
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "times.json")
@@ -124,8 +131,12 @@ def main() -> None:
     results = {}
     for kind in ("ddp", "fsdp2"):
         arms: dict[str, list[float]] = {"off": [], "on, idle": [], "on, collected": []}
+        if kind == "ddp":
+            arms["off, DDP Python hook"] = []
         for _ in range(args.rounds):
             arms["off"] += _launch(kind, False, args.steps)
+            if kind == "ddp":
+                arms["off, DDP Python hook"] += _launch(kind, "hook", args.steps)
             on = _launch(kind, True, args.steps)
             # timed steps start at step 2 (collected): even positions collected, odd idle
             arms["on, collected"] += on[0::2]
