@@ -146,7 +146,7 @@ class CommProbe(Probe):
         import torch.distributed as dist
 
         device = next((e.out_row.device for _, e in entries if e.out_row is not None), torch.device("cpu"))
-        if dist.get_backend() == "nccl" and device.type == "cpu":
+        if dist.get_backend() == "nccl" and device.type == "cpu":  # NCCL reduces device tensors only
             device = torch.device("cuda", torch.cuda.current_device())
         if len(entries) > 64:
             self._warn_once(
@@ -161,11 +161,10 @@ class CommProbe(Probe):
         dist.all_reduce(table)  # the step's one extra reduction (the wrappers are idle: loop._depth > 0)
         if device.type == "cpu":
             self._evaluate(step, table.numpy(), entries)
-        else:
-            host = table.to("cpu", non_blocking=True)
-            event = torch.cuda.Event() if device.type == "cuda" else None
-            if event is not None:
-                event.record()
+        else:  # the check's own small copy (counted): read at the next step boundary, never waited for
+            from trainermon.collect.transfer import transfer_to_host
+
+            host, event = transfer_to_host(table, self.loop.transfers)
             self._pending = (step, host, event, entries)
 
     def _settle_pending(self, wait: bool = False) -> None:
