@@ -64,6 +64,10 @@ def _collectives(rank: int, world: int, step: int) -> None:
     f = f + 0  # wait (AsyncCollectiveTensor)
 
 
+def _second_micro(step: int) -> None:
+    dist.all_reduce(torch.full((3,), float(step + 1)))
+
+
 def _expected(world: int, step: int) -> dict[str, torch.Tensor]:
     """What each op's rows hold, from the known tensors (rank 0's view, and rank 1's where it differs)."""
     ranks = range(world)
@@ -113,6 +117,8 @@ def _ops_rank(rank: int, world: int, out_root: str) -> dict:
         patched.append(dist.all_reduce is not original)
         model(torch.ones(1, 2)).sum().backward()
         _collectives(rank, world, step)
+        model(torch.ones(1, 2)).sum().backward()  # a second micro-batch
+        _second_micro(step)
         opt.step()
         opt.zero_grad()
     probe = monitor.loop.probes[-1]
@@ -199,7 +205,13 @@ def test_every_op_against_references(tmp_path):
         barrier = _row(rows, "barrier/world/calls", 0)
         assert int(barrier["calls"]) == 1 and int(barrier["bytes"]) == 0
         assert not [r for r in rows if int(r["step"]) in (1, 3)]  # nothing on steps not collected
-        assert all(r["micro_step"] == "0" for r in rows)
+        # micro_step: forwards of the model so far in the step (the second forward's call is micro 1)
+        second = [r for r in rows if "_second_micro" in r["name"] and "/output@" in r["name"]]
+        assert [(r["step"], r["micro_step"], float(r["max"])) for r in second] == [
+            ("0", "1", 1.0 * world),
+            ("2", "1", 3.0 * world),
+        ]
+        assert all(r["micro_step"] == ("1" if "_second_micro" in r["name"] else "0") for r in rows)
         # Prometheus: one series per (op, group, input/output), call sites combined (norm: sqrt of the
         # sum of squares), from the last collected step
         series = res["series"]
