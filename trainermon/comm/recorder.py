@@ -80,9 +80,10 @@ class CommRecorder:
         self._matches = {}
 
     def reset(self) -> None:
-        self.sums: dict[tuple, _Sum] = {}
-        self.check_entries: dict[CheckKey, CheckEntry] = {}
-        self.generation += 1
+        with self.lock:
+            self.sums: dict[tuple, _Sum] = {}
+            self.check_entries: dict[CheckKey, CheckEntry] = {}
+            self.generation += 1
 
     # ==== the wrappers' side ====================================================================
     def active(self) -> bool:
@@ -220,8 +221,8 @@ class CommRecorder:
             return  # completed after its step was written
         stats = self._stats(call.outputs) if call.outputs else None
         if call.check is not None and stats is not None:
-            self._add_check(call.check, stats, "out")
-        self._add((call.spec.name, call.group, call.site, "output", call.micro), stats)
+            self._add_check(call.check, stats, "out", call.generation)
+        self._add((call.spec.name, call.group, call.site, "output", call.micro), stats, call.generation)
 
     # ==== sums ====================================================================================
     def _stats(self, tensors: list[torch.Tensor]) -> _Sum | None:
@@ -246,8 +247,10 @@ class CommRecorder:
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         return _Sum(partials, 1, numel, nbytes, tensors[0].dtype, shape)
 
-    def _add(self, key: tuple, stats: _Sum | None) -> None:
+    def _add(self, key: tuple, stats: _Sum | None, generation: int | None = None) -> None:
         with self.lock:
+            if generation is not None and generation != self.generation:
+                return  # completed (on the backend's thread) while its step was being written
             old = self.sums.get(key)
             if stats is None:  # a call with no tensor (barrier): counted
                 stats = _Sum(empty_partials(1), 1, 0, 0, torch.float32, ())
@@ -260,8 +263,10 @@ class CommRecorder:
             old.numel += stats.numel
             old.nbytes += stats.nbytes
 
-    def _add_check(self, key: CheckKey, stats: _Sum, side: str) -> None:
+    def _add_check(self, key: CheckKey, stats: _Sum, side: str, generation: int | None = None) -> None:
         with self.lock:
+            if generation is not None and generation != self.generation:
+                return
             entry = self.check_entries.setdefault(key, CheckEntry(stats.dtype))
             row = getattr(entry, f"{side}_row")
             if row is None:
@@ -270,17 +275,20 @@ class CommRecorder:
                 _merge_into(row, stats.row)
             setattr(entry, f"{side}_numel", getattr(entry, f"{side}_numel") + stats.numel)
 
-    def rows(self) -> tuple[list[RowMeta], list[torch.Tensor]]:
-        """The step's `comm` rows, named `{op}/{group}/{input|output|calls}@{site}`."""
-        metas, parts = [], []
+    def take(self) -> tuple[list[RowMeta], list[torch.Tensor], list[tuple[CheckKey, CheckEntry]]]:
+        """The step's `comm` rows, named `{op}/{group}/{input|output|calls}@{site}`, and its check entries;
+        the sums start again (one lock: a completion on the backend's thread lands in one step or the
+        next, never half in each)."""
         with self.lock:
-            for (op, group, site, io, micro), s in self.sums.items():
-                name = f"{op}/{group}/{io}@{short(site)}"
-                metas.append(
-                    RowMeta(FAMILY, 0, name, micro, s.shape, s.dtype, s.numel, "", s.calls, s.nbytes)
-                )
-                parts.append(s.row)
-        return metas, parts
+            sums, checks = self.sums, list(self.check_entries.items())
+            self.sums, self.check_entries = {}, {}
+            self.generation += 1
+        metas, parts = [], []
+        for (op, group, site, io, micro), s in sums.items():
+            name = f"{op}/{group}/{io}@{short(site)}"
+            metas.append(RowMeta(FAMILY, 0, name, micro, s.shape, s.dtype, s.numel, "", s.calls, s.nbytes))
+            parts.append(s.row)
+        return metas, parts, checks
 
 
 def _coalescing() -> bool:

@@ -114,8 +114,8 @@ class CommProbe(Probe):
             return
         checks: list = []
         try:
-            rows, parts = recorder.rows()
-            checks = list(recorder.check_entries.items()) if recorder.config.check else []
+            rows, parts, entries = recorder.take()
+            checks = entries if recorder.config.check else []
             collector = self.loop.collector
             with self.loop._lock:  # the collector's own lists: rows computed already, added as they are
                 for meta, row in zip(rows, parts):
