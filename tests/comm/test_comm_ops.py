@@ -1,7 +1,8 @@
 """cc_distribution on real gloo collectives (2 ranks, one launch): every watched op with known tensors,
 statistics against references computed here from the same known tensors, calls and bytes, inputs with
 cc_pre_hook, async ops (rows when the work completes), functional collectives, patches present on
-collected steps only and gone after close(), and the invariant checks silent on correct collectives."""
+collected steps only and gone after close(), the invariant checks silent on correct collectives, and a
+cc_codeline that matches nothing warned about once."""
 
 from __future__ import annotations
 
@@ -133,6 +134,7 @@ def _ops_rank(rank: int, world: int, out_root: str) -> dict:
     }
     monitor.close()
     return {
+        "unmatched_warning": _unmatched_codeline(rank, out_root),
         "patched": patched,
         "restored": dist.all_reduce is original,
         "violations": violations,
@@ -140,6 +142,33 @@ def _ops_rank(rank: int, world: int, out_root: str) -> dict:
         "run_dir": monitor.loop.outputs.run_dir,
         "series": series,
     }
+
+
+def _unmatched_codeline(rank: int, out_root: str) -> list[str]:
+    """cc_codeline that matches no call site: warned once, naming the patterns and the sites seen."""
+    import logging
+
+    from trainermon import TrainerMon
+
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("trainermon").addHandler(handler)
+    os.environ["MONITOR_OUTPUT_DIR"] = os.path.join(out_root, "unmatched")
+    cfg = os.path.join(out_root, f"unmatched-{rank}.json")
+    with open(cfg, "w") as fh:
+        json.dump({"cc_distribution": {"enable": True, "cc_codeline": ["no_such_file"]}}, fh)
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(model, grad_acc_steps=1, optimizer=opt)
+    for _ in range(2):
+        model(torch.ones(1, 2)).sum().backward()
+        dist.all_reduce(torch.ones(2))
+        opt.step()
+    monitor.close()
+    logging.getLogger("trainermon").removeHandler(handler)
+    return [m for m in messages if "cc_codeline" in m]
 
 
 def _row(rows: list[dict], prefix: str, step: int) -> dict:
@@ -156,6 +185,10 @@ def test_every_op_against_references(tmp_path):
     world = 2
     results = run_ranks(_ops_rank, world_size=world, out_root=str(tmp_path))
     for rank, res in enumerate(results):
+        (warning,) = res["unmatched_warning"]  # once, though two steps saw the site
+        assert (
+            "no_such_file" in warning and "test_comm_ops.py" in warning and "_unmatched_codeline" in warning
+        )
         assert res["patched"] == [True, False, True, False], res["patched"]  # collected steps only
         assert res["restored"]
         assert res["violations"] == [], res["violations"]  # correct collectives: no false alarm
