@@ -2,7 +2,8 @@
 
 Files: `{run_dir}/{family}_{first}-{last}.csv`, where [first, last] is the step bucket of
 `step_count_per_record` steps. Columns: `vpp_stage,name,step[,micro_step],{ops...},shape,dtype,shard,skipped`
-(micro_step for actv, actv_grad, and grad_unreduced with monitor_mbs_grad): msprobe's columns, then
+(micro_step for actv, actv_grad, comm, and grad_unreduced with monitor_mbs_grad; `comm` rows end
+with `calls,bytes` after `skipped`): msprobe's columns, then
 trainermon's `shard`, empty unless the rank's row holds only a piece of the tensor (a DTensor's local
 shard), and `skipped` (1: the step's optimizer update was skipped, 0: it ran, empty: not known), so
 msprobe's readers, which select columns by name, keep working. Each family's rows of a step
@@ -23,6 +24,9 @@ from trainermon.collect.records import StatBatch
 from trainermon.stats.table import BY_NAME, Kind
 
 from .base import Exporter, RunInfo
+
+#: Trailing columns of `comm_*.csv`: the collective calls a row sums over and the bytes they moved.
+COMM_COLUMNS = ("calls", "bytes")
 
 
 def _csv_field(text: str) -> str:
@@ -131,6 +135,8 @@ class CsvExporter(Exporter):
         fields.append([_csv_field(r.shard) if r.shard else "" for r in rows])
         skipped = batch.scalars.update_skipped  # the step's update was skipped: 1, done: 0, not known: empty
         fields.append(["" if skipped is None else str(int(skipped))] * len(rows))
+        if rows and rows[0].family == "comm":
+            fields += [[str(r.calls) for r in rows], [str(r.nbytes) for r in rows]]
         return "".join(",".join(line) + "\n" for line in zip(*fields))
 
     def _head(self, row) -> str:
@@ -161,7 +167,8 @@ class CsvExporter(Exporter):
         new = not os.path.exists(path)
         handle = _RowFile(path)
         if new:
-            handle.write(",".join(self.header(with_micro)) + "\n")
+            head = self.header(with_micro) + (list(COMM_COLUMNS) if family == "comm" else [])
+            handle.write(",".join(head) + "\n")
         self._files[family] = (first, handle)
         return handle
 

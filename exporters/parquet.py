@@ -42,8 +42,11 @@ SCHEMA_VERSION = 1
 FLOAT_STATS, COUNT_STATS = table.FLOAT_STATS, table.COUNT_STATS
 STATS = FLOAT_STATS + COUNT_STATS
 #: Columns of the tidy table as `trainermon.load` returns it, in order.
-COLUMNS = ("run_id", "vpp_stage", "name", "step", "micro_step") + STATS + ("numel", "shape", "dtype", "shard")
-COLUMNS += ("skipped",)
+COLUMNS = (
+    ("run_id", "vpp_stage", "name", "step", "micro_step")
+    + STATS
+    + ("numel", "shape", "dtype", "shard", "skipped", "calls", "bytes")
+)
 PART_PREFIX = "part-"
 DATASET_MARKER = "_trainermon_dataset.json"
 POINTER_FILE = "parquet.json"  # in each rank's run directory: where its rows went
@@ -79,6 +82,9 @@ def file_schema():
         pa.field("shard", pa.string()),
         # The step's optimizer update was skipped (loss-scale overflow); null where no one said.
         pa.field("skipped", pa.bool_()),
+        # `comm` rows: the collective calls a row sums over and the bytes they moved (null elsewhere).
+        pa.field("calls", pa.int64()),
+        pa.field("bytes", pa.int64()),
     ]
     return pa.schema(fields)
 
@@ -326,6 +332,8 @@ class ParquetExporter(Exporter):
                 "dtype": [str(r.dtype) for r in rows],
                 "shard": [r.shard or None for r in rows],
                 "skipped": [batch.scalars.update_skipped] * n,
+                "calls": [r.calls if family == "comm" else None for r in rows],
+                "bytes": [r.nbytes if family == "comm" else None for r in rows],
             }
             for stat in STATS:
                 if stat in self.ops and stat in batch.values:

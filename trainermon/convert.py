@@ -212,4 +212,6 @@ def _columns(rows: list[dict[str, str]], run_id: str) -> dict[str, Any]:
     columns["dtype"] = [r.get("dtype") or None for r in rows]
     columns["shard"] = [r.get("shard") or None for r in rows]  # absent in msprobe's and older CSV
     columns["skipped"] = [{"1": True, "0": False}.get(r.get("skipped") or "") for r in rows]
+    for key in ("calls", "bytes"):  # comm rows only
+        columns[key] = [int(r[key]) if r.get(key) else None for r in rows]
     return columns

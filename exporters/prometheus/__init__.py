@@ -15,6 +15,7 @@ Series (every one labelled with `rank`):
     trainermon_monitor_time_seconds_total                               the same, summed
     trainermon_layer_stat{family, layer, stat}                          per-layer aggregate of the last step
     trainermon_param_stat{family, layer, name, stat}                    per tensor (prometheus.per_parameter)
+    (family `comm`: layer is "{op}/{group}/{input|output|calls}", the call sites of the op summed)
     trainermon_nonfinite_steps_total                                    collected steps with any NaN/Inf
     trainermon_anomalies_total{rule}                                    anomalies by rule
     trainermon_dropped_records_total, trainermon_monitor_faults_total
@@ -226,7 +227,9 @@ class PrometheusExporter(Exporter):
             hit = cache.get(ck)
             if hit is None:
                 shown = f"{r.vpp_stage}:{r.name}" if r.vpp_stage else r.name
-                hit = cache[ck] = (layer_of(r.name, r.vpp_stage), shown)
+                # comm rows: one series per op, group and input/output (call sites summed)
+                layer = r.name.partition("@")[0] if r.family == "comm" else layer_of(r.name, r.vpp_stage)
+                hit = cache[ck] = (layer, shown)
             layer, shown = hit
             key = (r.family, layer, shown) if per_parameter else (r.family, layer)
             g = index.get(key)

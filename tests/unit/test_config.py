@@ -33,7 +33,10 @@ BAD = [
     ("format", "api", "format"),
     ("step_count_per_record", 0, "step_count_per_record"),
     ("dynamic_on", "true", "dynamic_on"),
-    ("cc_distribution", {"enable": True}, "cc_distribution.enable"),
+    ("cc_distribution", {"enable": "yes"}, "cc_distribution.enable"),
+    ("cc_distribution", {"cc_codeline": ["("]}, "cc_distribution.cc_codeline"),
+    ("cc_distribution", {"ops": ["all_reduce", "gossip"]}, "cc_distribution.ops"),
+    ("cc_distribution", {"sometimes": True}, "cc_distribution.sometimes"),
     ("alert", {"rules": "AnomalyTurbulence"}, "alert.rules"),
     ("ur_distribution", True, "ur_distribution"),
     ("queue_size", 0, "queue_size"),
@@ -113,3 +116,24 @@ def test_example_config_at_repo_root_is_valid():
     root = pathlib.Path(__file__).resolve().parents[2]
     cfg = load_config(root / "monitor_config.json")
     assert cfg.wg_distribution
+
+
+def test_cc_distribution_keys():
+    from trainermon.config.schema import CommConfig
+
+    assert parse_config({}).cc_distribution == CommConfig()  # off by default
+    cc = parse_config(
+        {
+            "cc_distribution": {
+                "enable": True,
+                "cc_codeline": [r"train\.py:\d+"],
+                "cc_pre_hook": True,
+                "cc_log_only": True,
+                "ops": ["all_reduce", "funcol", "all_reduce"],
+                "check": False,
+            }
+        }
+    ).cc_distribution
+    assert cc == CommConfig(True, (r"train\.py:\d+",), True, True, ("all_reduce", "funcol"), False)
+    with pytest.raises(ConfigError, match=r"cc_distribution.ops.*'gossip'.*all_reduce"):
+        parse_config({"cc_distribution": {"ops": ["gossip"]}})

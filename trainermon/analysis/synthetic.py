@@ -107,6 +107,8 @@ def write_synthetic_dataset(
                 dtype_dict.take(pa.array(np.zeros(n, dtype=np.int64))),
                 pa.nulls(n, pa.string()),
                 pa.nulls(n, pa.bool_()),  # skipped: not known
+                pa.nulls(n, pa.int64()),  # calls: comm rows only
+                pa.nulls(n, pa.int64()),  # bytes: comm rows only
             ]
             meta = {
                 "trainermon.schema_version": str(SCHEMA_VERSION),

@@ -22,6 +22,7 @@ FAMILIES = (
     "exp_avg",
     "exp_avg_sq",
     "param_updated",
+    "comm",
 )
 #: Families whose rows carry a micro_step column (msprobe's layout), besides grad_unreduced with
 #: monitor_mbs_grad.
@@ -41,6 +42,9 @@ class RowMeta(NamedTuple):
     numel: int
     #: Where this rank's row holds only a piece of the tensor: which piece ("" = the whole tensor).
     shard: str = ""
+    #: `comm` rows: the collective calls this row sums over, and the bytes they moved on this rank.
+    calls: int = 0
+    nbytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 from trainermon.stats.table import OPS, TRAILING_OPS, VALUE_STATS
 
-from .schema import AlertConfig, MonitorConfig, ParquetConfig, PrometheusConfig
+from .schema import COMM_OPS, AlertConfig, CommConfig, MonitorConfig, ParquetConfig, PrometheusConfig
 
 logger = logging.getLogger("trainermon")
 
@@ -187,13 +187,26 @@ def _alert(raw: dict) -> AlertConfig:
     return AlertConfig(rules=tuple(rules), dump=dump, escalate_steps=escalate)
 
 
-def _cc(raw: dict) -> dict:
-    value = _dict(raw, "cc_distribution")
-    if value.get("enable", False):
-        raise _fail(
-            "cc_distribution.enable", True, "false (collective-communication monitoring is not supported yet)"
-        )
-    return value
+def _cc(raw: dict) -> CommConfig:
+    import re
+
+    values = _section(raw, "cc_distribution", _DEFAULT.cc_distribution)
+    for key in ("enable", "cc_pre_hook", "cc_log_only", "check"):
+        if not isinstance(values[key], bool):
+            raise _fail(f"cc_distribution.{key}", values[key], "true or false")
+    lines = values["cc_codeline"]
+    if not isinstance(lines, (list, tuple)) or not all(isinstance(v, str) and v for v in lines):
+        raise _fail("cc_distribution.cc_codeline", lines, "a list of regular expressions (strings)")
+    for pattern in lines:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise _fail(
+                "cc_distribution.cc_codeline", pattern, f"a valid regular expression ({exc})"
+            ) from None
+    values["cc_codeline"] = tuple(lines)
+    _choices("cc_distribution", values, "ops", COMM_OPS)
+    return CommConfig(**values)
 
 
 def _section(raw: dict, key: str, defaults: Any) -> dict[str, Any]:

@@ -46,6 +46,42 @@ class PrometheusConfig:
     max_series: int = 10_000
 
 
+#: Collectives `cc_distribution` can watch (trainermon's `cc_distribution.ops` picks among them).
+COMM_OPS = (
+    "all_reduce",
+    "reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "barrier",
+    "funcol",  # torch.distributed._functional_collectives (DTensor, torch.compile eager)
+)
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    """msprobe's `cc_distribution` section (`enable`, `cc_codeline`, `cc_pre_hook`, `cc_log_only`) plus
+    trainermon's `ops` (which collectives; None = all of COMM_OPS) and `check` (invariant checks of the
+    collectives, one extra small reduction per collected step). `cc_log_only` lists call sites and keeps
+    training (msprobe stops the run)."""
+
+    enable: bool = False
+    cc_codeline: tuple[str, ...] = ()  # regexes matched against "path:line" of the call site
+    cc_pre_hook: bool = False  # also the inputs' statistics
+    cc_log_only: bool = False
+    ops: tuple[str, ...] | None = None
+    check: bool = True
+
+
 @dataclass(frozen=True)
 class MonitorConfig:
     """Validated monitor configuration. Field names are msprobe's config keys (and trainermon's own)."""
@@ -64,7 +100,7 @@ class MonitorConfig:
     monitor_mbs_grad: bool = False
     mv_distribution: bool = False
     param_distribution: bool = False
-    cc_distribution: dict = field(default_factory=dict)
+    cc_distribution: CommConfig = field(default_factory=CommConfig)
     alert: AlertConfig = field(default_factory=AlertConfig)
     ops: tuple[str, ...] = ("norm", "shape", "dtype")
     eps: float = 1e-8

@@ -7,6 +7,8 @@ Rules (msprobe's config: `"alert": {"rules": [{"rule_name": ..., "args": {...}}]
 - `AnomalyNan` (msprobe, fixed): NaN or Inf anywhere in the tensor (from the `nans`/`infs` counts when
   they are collected, else from a non-finite statistic), or |value| above `threshold` when one is given.
   Counts are never compared with the magnitude threshold.
+- `AnomalyComm` (trainermon, with `cc_distribution`, no rule to configure): a collective's output broke
+  what the collective promises (see `trainermon.comm.checks`).
 - `AnomalySpike` (trainermon): log(norm) more than `z` robust deviations above the rolling median of the
   last `window` values, after `warmup` values; per (family, name) and for the global gradient norm.
 
@@ -59,6 +61,7 @@ class Anomaly:
     baseline: float | None
     rule: str
     time: float
+    ranks: tuple[int, ...] = ()  # AnomalyComm: the ranks whose collective output broke its invariant
 
 
 def sort_key(rec: dict) -> tuple:
@@ -160,6 +163,8 @@ class AnomalyDetector:
         self._rolling: dict[tuple, _Rolling] = {}
         self._fh: Any = None
         self.on_anomaly: list = []  # callbacks(step, anomalies) — escalation hooks in
+        #: Records found elsewhere (AnomalyComm, on the training thread), reported with the next check.
+        self.external: deque[Anomaly] = deque()
 
     # ---- per step ------------------------------------------------------------------------------
     def totals(self) -> dict[str, int]:
@@ -172,6 +177,8 @@ class AnomalyDetector:
         now = time.time()
         for rule in self.rules:
             found += getattr(self, f"_{rule.name}")(batch, rule.args, now)
+        while self.external:
+            found.append(self.external.popleft())
         for name, count in Counter(a.rule for a in found).items():
             self.counts[name] += count
         if not found:
@@ -341,6 +348,9 @@ class AnomalyDetector:
         self._fh.flush()
 
     def close(self) -> None:
+        if self.external and self.dump:
+            self._write(list(self.external))
+            self.external.clear()
         if self._fh is not None:
             self._fh.close()
             self._fh = None

@@ -100,7 +100,7 @@ class StepLoop:
     def attach(self, adapter: Any, start_iteration: int) -> None:
         """Wire the probes, the worker and the adapter's step events; begin the first step."""
         from .growth import NewParamsProbe
-        from .probes import ActivationProbe, GradientProbe, OptimizerProbe, SideOutputsProbe
+        from .probes import ActivationProbe, CommProbe, GradientProbe, OptimizerProbe, SideOutputsProbe
         from .skips import SkippedStepProbe
 
         self.adapter = adapter
@@ -124,6 +124,7 @@ class StepLoop:
             OptimizerProbe(self),
             SideOutputsProbe(self),
             SkippedStepProbe(self),
+            CommProbe(self),
         ]
         self.subscribe(self._reselect)
         for probe in self.probes:

@@ -12,8 +12,9 @@ fail-open by the loop:
 
 from .activations import ActivationProbe
 from .base import Probe
+from .comm import CommProbe
 from .gradients import GradientProbe
 from .optimizer import OptimizerProbe
 from .side_outputs import SideOutputsProbe
 
-__all__ = ["ActivationProbe", "GradientProbe", "OptimizerProbe", "Probe", "SideOutputsProbe"]
+__all__ = ["ActivationProbe", "CommProbe", "GradientProbe", "OptimizerProbe", "Probe", "SideOutputsProbe"]

@@ -1,0 +1,173 @@
+"""Invariant checks of the step's collectives, from the statistics the monitor already has.
+
+Each rank packs one line per checked (op, reduction, group, call site, source) into a table with one block
+per rank of the job ([world, MAX_CHECKS, FIELDS], zeros elsewhere); one all-reduce (sum) over the default
+group gives every rank every rank's lines: the step's single extra reduction. Each rank then checks its
+own outputs against the combination of its group's inputs:
+
+    all_reduce    sum: out_sum = sum_r in_sum_r;  avg: out_sum = sum_r in_sum_r / W;  max/min exactly
+    broadcast     out_sum and out_max equal the source's in_sum and in_max
+    all_gather    out_sum = sum_r in_sum_r;  out_max = max_r in_max_r;  out_min = min_r in_min_r
+    reduce_scatter   sum_r out_sum_r = sum_r in_sum_r (/ W for avg);  max_r out_max_r = max_r in_max_r
+                     (a rank holds one piece of the result: a violation names every rank of the group)
+
+Sums are compared within the rounding the reduction itself may make: a float reduction of W values per
+element is off by at most (W - 1) u sum|x| (u: the dtype's unit roundoff), and sum|x| <= sqrt(n sumsq), so
+the tolerance is (W + 1) u sum_r sqrt(n_r sumsq_r), plus the engine's own bound on each sum it compares
+(16 u' sum|x| for 16- and 32-bit floats, u' = 2^-24). Max and min are compared exactly. Calls of
+one key within a step are summed first: the invariants are linear (max: monotone), so they hold for the
+sums too."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from trainermon.stats.partials import MAX, MIN, SUM, SUMSQ, empty_partials
+
+MAX_CHECKS = 64
+FIELDS = ("key", "in_sum", "in_max", "in_min", "in_abs", "out_sum", "out_max", "out_min", "out_abs", "n")
+KEY, IN_SUM, IN_MAX, IN_MIN, IN_ABS, OUT_SUM, OUT_MAX, OUT_MIN, OUT_ABS, N = range(len(FIELDS))
+_UNIT = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24, torch.float64: 2.0**-53}
+#: The statistics engine's own bound on a sum: 16 u sum|x| for 16- and 32-bit floats, 1e-10 relative for
+#: float64 (trainermon.stats.engine), exact for integers.
+_ENGINE = {torch.float16: 16 * 2.0**-24, torch.bfloat16: 16 * 2.0**-24, torch.float32: 16 * 2.0**-24}
+
+
+@dataclass(frozen=True)
+class CheckKey:
+    check: str  # "reduce", "broadcast", "gather", "scatter"
+    op: str
+    redop: str
+    group: str
+    ranks: tuple[int, ...]
+    site: str
+    src: int | None
+
+    def code(self) -> float:
+        """A 48-bit number that names the key identically on every rank (exact in float64)."""
+        text = repr((self.check, self.op, self.redop, self.ranks, self.site, self.src))
+        return float(int.from_bytes(hashlib.blake2b(text.encode(), digest_size=6).digest(), "big") + 1)
+
+
+@dataclass
+class CheckEntry:
+    dtype: torch.dtype
+    in_row: torch.Tensor | None = None  # [1, NUM_PARTIALS] summed over the step's calls
+    out_row: torch.Tensor | None = None
+    in_numel: int = 0
+    out_numel: int = 0
+
+
+@dataclass(frozen=True)
+class Violation:
+    key: CheckKey
+    stat: str
+    got: float
+    expected: float
+    ranks: tuple[int, ...]
+
+
+def pack(
+    entries: list[tuple[CheckKey, CheckEntry]], rank: int, world: int, device: torch.device
+) -> torch.Tensor:
+    """This rank's block of the table (every other block zero): a few kernels for all lines at once."""
+    table = torch.zeros((world, MAX_CHECKS, len(FIELDS)), dtype=torch.float64, device=device)
+    entries = entries[:MAX_CHECKS]
+    if not entries:
+        return table
+    blank = empty_partials(1, device)
+    ins = torch.cat([blank if e.in_row is None else e.in_row.to(device) for _, e in entries])
+    outs = torch.cat([blank if e.out_row is None else e.out_row.to(device) for _, e in entries])
+    host = torch.tensor(
+        [
+            [key.code(), e.in_numel, e.out_numel, e.in_row is not None, e.out_row is not None]
+            for key, e in entries
+        ],
+        dtype=torch.float64,
+    ).to(device)
+    block = table[rank, : len(entries)]
+    block[:, KEY] = host[:, 0]
+    for side, (s_sum, s_max, s_min, s_abs), numel, present in (
+        (ins, (IN_SUM, IN_MAX, IN_MIN, IN_ABS), host[:, 1], host[:, 3]),
+        (outs, (OUT_SUM, OUT_MAX, OUT_MIN, OUT_ABS), host[:, 2], host[:, 4]),
+    ):
+        block[:, s_sum] = side[:, SUM] * present
+        block[:, s_max] = torch.where(present > 0, side[:, MAX], 0.0)
+        block[:, s_min] = torch.where(present > 0, side[:, MIN], 0.0)
+        block[:, s_abs] = torch.sqrt(side[:, SUMSQ] * numel) * present
+    block[:, N] = torch.maximum(host[:, 1], host[:, 2])
+    return table
+
+
+def evaluate(
+    table: np.ndarray, entries: list[tuple[CheckKey, CheckEntry]], rank: int
+) -> tuple[list[Violation], int]:
+    """Check this rank's entries against the gathered table; returns the violations and how many keys
+    could not be checked (a member of the group had no line for it: a call site that differs by rank)."""
+    found: list[Violation] = []
+    unchecked = 0
+    index = [{float(c): j for j, c in enumerate(table[r, :, KEY]) if c} for r in range(table.shape[0])]
+    for key, e in entries[:MAX_CHECKS]:
+        code = key.code()
+        mine = table[rank, index[rank][code]]
+        members = [r for r in key.ranks if code in index[r]]
+        if len(members) != len(key.ranks):
+            unchecked += 1
+            continue
+        lines = np.stack([table[r, index[r][code]] for r in members])
+        found += _check(key, e, mine, lines, rank)
+    return found, unchecked
+
+
+def _check(key: CheckKey, e: CheckEntry, mine: np.ndarray, lines: np.ndarray, rank: int) -> list[Violation]:
+    u = _UNIT.get(e.dtype, 0.0)
+    engine = _ENGINE.get(e.dtype, 1e-10 if e.dtype == torch.float64 else 0.0)
+    w = len(key.ranks)
+    abs_in = float(lines[:, IN_ABS].sum())
+    abs_out = float(lines[:, OUT_ABS].sum())
+    out: list[Violation] = []
+
+    def compare(stat: str, got: float, expected: float, tol: float, ranks: tuple[int, ...]) -> None:
+        bad = (
+            not math.isclose(got, expected, rel_tol=0.0, abs_tol=tol)
+            if math.isfinite(expected)
+            else (got != expected and not (math.isnan(got) and math.isnan(expected)))
+        )
+        if bad:
+            out.append(Violation(key, stat, got, expected, ranks))
+
+    me = (rank,)
+    if key.check == "reduce":
+        if key.redop in ("sum", "avg"):
+            div = w if key.redop == "avg" else 1
+            tol = (w + 1) * u * abs_in / div + engine * (abs_in / div + float(mine[OUT_ABS]))
+            compare("sum", float(mine[OUT_SUM]), float(lines[:, IN_SUM].sum()) / div, tol, me)
+        elif key.redop == "max":
+            compare("max", float(mine[OUT_MAX]), float(lines[:, IN_MAX].max()), 0.0, me)
+        elif key.redop == "min":
+            compare("min", float(mine[OUT_MIN]), float(lines[:, IN_MIN].min()), 0.0, me)
+    elif key.check == "broadcast" and key.src in key.ranks:
+        src = lines[list(key.ranks).index(key.src)]
+        tol = engine * (float(src[IN_ABS]) + float(mine[OUT_ABS]))
+        compare("sum", float(mine[OUT_SUM]), float(src[IN_SUM]), tol, me)
+        compare("max", float(mine[OUT_MAX]), float(src[IN_MAX]), 0.0, me)
+    elif key.check == "gather":
+        tol = engine * (abs_in + float(mine[OUT_ABS]))
+        compare("sum", float(mine[OUT_SUM]), float(lines[:, IN_SUM].sum()), tol, me)
+        compare("max", float(mine[OUT_MAX]), float(lines[:, IN_MAX].max()), 0.0, me)
+        compare("min", float(mine[OUT_MIN]), float(lines[:, IN_MIN].min()), 0.0, me)
+    elif key.check == "scatter":
+        if key.redop in ("sum", "avg"):
+            div = w if key.redop == "avg" else 1
+            tol = (w + 1) * u * abs_in / div + engine * (abs_in / div + abs_out)
+            compare(
+                "sum", float(lines[:, OUT_SUM].sum()), float(lines[:, IN_SUM].sum()) / div, tol, key.ranks
+            )
+        elif key.redop == "max":
+            compare("max", float(lines[:, OUT_MAX].max()), float(lines[:, IN_MAX].max()), 0.0, key.ranks)
+    return out

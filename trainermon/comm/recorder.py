@@ -1,0 +1,309 @@
+"""What the wrappers do on a collected step: resolve the call site and the group, filter by
+`cc_codeline` and `ops`, compute the statistics of the inputs (before the call) and of the outputs (when
+the call completes: at once for a blocking call, from the returned work's future for `async_op=True`,
+after the wait for a functional collective), and sum them per (op, group, call site, input/output,
+micro-step). `rows()` turns a step's sums into `comm` rows; `checks()` gives what the invariant checks
+need. Completion callbacks may run on the backend's thread: every change of the sums takes `lock`."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trainermon.collect.records import RowMeta
+from trainermon.config.schema import CommConfig
+from trainermon.stats.partials import ADDITIVE, MAX, MIN, empty_partials
+
+from .checks import CheckEntry, CheckKey
+from .groups import describe
+from .sites import call_site, short
+from .spec import OpSpec, redop_name
+
+FAMILY = "comm"
+
+
+@dataclass
+class _Sum:
+    row: torch.Tensor  # [1, NUM_PARTIALS]
+    calls: int
+    numel: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass
+class _Call:
+    spec: OpSpec
+    group: str
+    ranks: tuple[int, ...]
+    site: str
+    micro: int
+    outputs: list[torch.Tensor]
+    check: CheckKey | None
+    generation: int
+
+
+class CommRecorder:
+    def __init__(
+        self,
+        compute: Callable[[list[torch.Tensor]], tuple[torch.Tensor, dict]],
+        fault: Callable[[str, BaseException], None],
+        rank: int,
+        lock: Any,
+    ) -> None:
+        self.compute = compute  # the loop's engine under the loop's lock
+        self._fault = fault
+        self.rank = rank
+        self.lock = lock
+        self.config = CommConfig()
+        self.on = False
+        self.busy: Callable[[], bool] = lambda: False  # the monitor's own collectives are not watched
+        self.micro: Callable[[], int] = lambda: 0
+        self.generation = 0
+        self._patterns: list[re.Pattern] = []
+        self._matches: dict[str, bool] = {}
+        self.unmatched: set[str] = set()  # sites seen that no cc_codeline pattern matched
+        self.sites: Counter[tuple[str, str, str]] = Counter()  # cc_log_only: (op, group, site) -> calls
+        self.pending: list[tuple[Any, Callable[[], None]]] = []  # works without a future
+        self.coalesced: list[_Call] = []  # queued in a _coalescing_manager block: read at its exit
+        self.reset()
+
+    def configure(self, config: CommConfig) -> None:
+        self.config = config
+        self._patterns = [re.compile(p) for p in config.cc_codeline]
+        self._matches = {}
+
+    def reset(self) -> None:
+        with self.lock:
+            self.sums: dict[tuple, _Sum] = {}
+            self.check_entries: dict[CheckKey, CheckEntry] = {}
+            self.generation += 1
+
+    # ==== the wrappers' side ====================================================================
+    def active(self) -> bool:
+        return self.on and not self.busy()
+
+    def fault(self, where: str, exc: BaseException) -> None:
+        self._fault(where, exc)
+
+    def _matched(self, site: str) -> bool:
+        if not self._patterns:
+            return True
+        hit = self._matches.get(site)
+        if hit is None:
+            hit = self._matches[site] = any(p.search(site) for p in self._patterns)
+            if not hit:
+                self.unmatched.add(site)
+        return hit
+
+    def before(self, spec: OpSpec, args: tuple, kwargs: dict) -> _Call | None:
+        site = call_site()
+        if not self._matched(site):
+            return None
+        group, ranks = describe(spec.group(args, kwargs))
+        if self.config.cc_log_only:
+            self.sites[(spec.name, group, site)] += 1
+            return None
+        micro = self.micro()
+        if spec.count_only:
+            self._add((spec.name, group, site, "calls", micro), None)
+            return None
+        src = spec.src(args, kwargs)
+        inputs = spec.inputs(args, kwargs)
+        if spec.check == "broadcast" and src != self.rank:
+            inputs = []  # only the source's tensor is an input
+        check = None
+        if self.config.check and spec.check is not None:
+            redop = redop_name(spec.redop(args, kwargs))
+            check = CheckKey(spec.check, spec.name, redop, group, ranks, site, src)
+        sent = spec.name in ("send", "isend")
+        if inputs and (self.config.cc_pre_hook or sent or check is not None):
+            stats = self._stats(inputs)
+            if stats is not None:
+                if self.config.cc_pre_hook or sent:
+                    self._add((spec.name, group, site, "input", micro), stats)
+                if check is not None:
+                    self._add_check(check, stats, "in")
+        outputs = spec.outputs(args, kwargs)
+        if spec.name == "reduce" and src != self.rank:
+            outputs = []  # only the destination's tensor holds the result
+        return _Call(spec, group, ranks, site, micro, outputs, check, self.generation)
+
+    def after(self, call: _Call, result: Any) -> None:
+        if _coalescing():
+            self.coalesced.append(call)  # the op only queued: its data moves at the block's exit
+        elif call.spec.functional:
+            waited = result.wait() if hasattr(result, "wait") else result
+            call.outputs = [waited] if isinstance(waited, torch.Tensor) else []
+            self._finish(call)
+        elif call.outputs and hasattr(result, "get_future"):
+            self._when_done(result, lambda: self._finish(call))
+        else:
+            self._finish(call)
+
+    def before_batch(self, ops: list) -> list[_Call | None]:
+        site = call_site()
+        if not self._matched(site):
+            return []
+        calls: list[_Call | None] = []
+        micro = self.micro()
+        for op in ops:
+            name = "isend" if getattr(op.op, "__name__", "") == "isend" else "irecv"
+            group, ranks = describe(op.group)
+            if self.config.cc_log_only:
+                self.sites[(f"batch_{name}", group, site)] += 1
+                continue
+            if name == "isend":
+                stats = self._stats([op.tensor])
+                if stats is not None:
+                    self._add((f"batch_{name}", group, site, "input", micro), stats)
+                calls.append(None)
+            else:
+                spec = _BATCH_RECV
+                calls.append(_Call(spec, group, ranks, site, micro, [op.tensor], None, self.generation))
+        return calls
+
+    def after_batch(self, calls: list[_Call | None], works: Any) -> None:
+        for call, work in zip(calls, works or []):
+            if call is not None:
+                self._when_done(work, lambda call=call: self._finish(call))
+
+    def _when_done(self, work: Any, fn: Callable[[], None]) -> None:
+        try:
+            future = work.get_future()
+        except (RuntimeError, NotImplementedError, AttributeError):
+            self.pending.append((work, fn))  # no future (gloo send/recv): read at the step's end
+            return
+
+        def done(_: Any) -> None:
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - runs on the backend's thread
+                self.fault("collective completion", exc)
+
+        future.then(done)
+
+    def coalesced_done(self, cm: Any, async_ops: bool) -> None:
+        calls, self.coalesced = self.coalesced, []
+        works = [w for w in getattr(cm, "works", []) if w is not None] if async_ops else []
+        for call in calls:
+            if works:
+                self._when_done(works[-1], lambda call=call: self._finish(call))
+            else:
+                self._finish(call)
+
+    def settle(self) -> int:
+        """At the step's end: the outputs of completed works that had no future; returns how many works
+        had not completed (their statistics are dropped)."""
+        left = 0
+        for call in self.coalesced:  # a coalescing block whose exit was not seen: read now
+            self.pending.append((None, lambda call=call: self._finish(call)))
+        self.coalesced = []
+        for work, fn in self.pending:
+            if work is None or work.is_completed():
+                try:
+                    fn()
+                except Exception as exc:  # noqa: BLE001
+                    self.fault("collective completion", exc)
+            else:
+                left += 1
+        self.pending = []
+        return left
+
+    def _finish(self, call: _Call) -> None:
+        if call.generation != self.generation:
+            return  # completed after its step was written
+        stats = self._stats(call.outputs) if call.outputs else None
+        if call.check is not None and stats is not None:
+            self._add_check(call.check, stats, "out", call.generation)
+        self._add((call.spec.name, call.group, call.site, "output", call.micro), stats, call.generation)
+
+    # ==== sums ====================================================================================
+    def _stats(self, tensors: list[torch.Tensor]) -> _Sum | None:
+        tensors = [t for t in tensors if t.numel() > 0]
+        if not tensors:
+            return None
+        partials, skipped = self.compute(tensors)
+        if skipped:
+            keep = [i for i in range(len(tensors)) if i not in skipped]
+            if not keep:
+                return None
+            tensors = [tensors[i] for i in keep]
+            partials = partials[keep]
+        if len(tensors) > 1:  # a list argument: its tensors' partials combined, never a stacked copy
+            row = partials[:1].clone()
+            row[0, ADDITIVE] = partials[:, ADDITIVE].sum(0)
+            row[0, MIN] = partials[:, MIN].min()
+            row[0, MAX] = partials[:, MAX].max()
+            partials = row
+        numel = sum(t.numel() for t in tensors)
+        shape = tuple(tensors[0].shape) if len(tensors) == 1 else (numel,)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        return _Sum(partials, 1, numel, nbytes, tensors[0].dtype, shape)
+
+    def _add(self, key: tuple, stats: _Sum | None, generation: int | None = None) -> None:
+        with self.lock:
+            if generation is not None and generation != self.generation:
+                return  # completed (on the backend's thread) while its step was being written
+            old = self.sums.get(key)
+            if stats is None:  # a call with no tensor (barrier): counted
+                stats = _Sum(empty_partials(1), 1, 0, 0, torch.float32, ())
+            if old is None:
+                row = stats.row.clone()  # owned: later calls merge into it in place
+                self.sums[key] = _Sum(row, 1, stats.numel, stats.nbytes, stats.dtype, stats.shape)
+                return
+            _merge_into(old.row, stats.row)
+            old.calls += 1
+            old.numel += stats.numel
+            old.nbytes += stats.nbytes
+
+    def _add_check(self, key: CheckKey, stats: _Sum, side: str, generation: int | None = None) -> None:
+        with self.lock:
+            if generation is not None and generation != self.generation:
+                return
+            entry = self.check_entries.setdefault(key, CheckEntry(stats.dtype))
+            row = getattr(entry, f"{side}_row")
+            if row is None:
+                setattr(entry, f"{side}_row", stats.row.clone())
+            else:
+                _merge_into(row, stats.row)
+            setattr(entry, f"{side}_numel", getattr(entry, f"{side}_numel") + stats.numel)
+
+    def take(self) -> tuple[list[RowMeta], list[torch.Tensor], list[tuple[CheckKey, CheckEntry]]]:
+        """The step's `comm` rows, named `{op}/{group}/{input|output|calls}@{site}`, and its check entries;
+        the sums start again (one lock: a completion on the backend's thread lands in one step or the
+        next, never half in each)."""
+        with self.lock:
+            sums, checks = self.sums, list(self.check_entries.items())
+            self.sums, self.check_entries = {}, {}
+            self.generation += 1
+        metas, parts = [], []
+        for (op, group, site, io, micro), s in sums.items():
+            name = f"{op}/{group}/{io}@{short(site)}"
+            metas.append(RowMeta(FAMILY, 0, name, micro, s.shape, s.dtype, s.numel, "", s.calls, s.nbytes))
+            parts.append(s.row)
+        return metas, parts, checks
+
+
+def _coalescing() -> bool:
+    """A `_coalescing_manager` block is open (on some group): calls queue their ops."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return bool(c10d._world.pg_coalesce_state)
+
+
+def _merge_into(row: torch.Tensor, other: torch.Tensor) -> None:
+    """Partials of another piece merged into `row` in place (few kernels: it runs per call)."""
+    other = other.to(row.device)
+    row[:, ADDITIVE] += other[:, ADDITIVE]
+    torch.minimum(row[:, MIN], other[:, MIN], out=row[:, MIN])
+    torch.maximum(row[:, MAX], other[:, MAX], out=row[:, MAX])
+
+
+_BATCH_RECV = OpSpec("batch_irecv", "dist", "batch_isend_irecv", "batch_isend_irecv", list, list, list)

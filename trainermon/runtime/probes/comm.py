@@ -1,0 +1,256 @@
+"""Communication monitoring (`cc_distribution`): the probe that arms the collective wrappers on collected
+steps only, and at each collected step's end turns what they saw into `comm` rows and runs the invariant
+checks (see `trainermon.comm`).
+
+    begin(plan)      scheduled step: patch the watched collectives (and count forwards for micro_step);
+                     any other step: every patch undone, nothing runs
+    post_optim       the step's sums become rows of the step's collector (before its one transfer); the
+                     check table goes through one all-reduce; violations become AnomalyComm records
+    close()          every patch undone
+
+With DDP, the gradient all-reduces run inside the C++ reducer, out of reach of any Python patch: when
+`cc_distribution` is on, the probe installs a delegating hook that runs DDP's default all-reduce through
+`torch.distributed` and hands the slot to a hook the user registers later (`trainermon.comm.ddp_slot`)."""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from trainermon.comm.checks import Violation, evaluate, pack
+from trainermon.comm.ddp_slot import share_slot
+from trainermon.comm.patch import Patches
+from trainermon.comm.recorder import CommRecorder
+from trainermon.comm.sites import short
+from trainermon.comm.spec import BATCH_P2P, all_specs
+from trainermon.config import MonitorConfig
+
+from ..plan import StepPlan
+from .base import Probe
+
+logger = logging.getLogger("trainermon")
+
+
+class CommProbe(Probe):
+    def __init__(self, loop: Any) -> None:
+        super().__init__(loop)
+        self.recorder = CommRecorder(self._compute, loop.faults.record, loop.rank, loop._lock)
+        self.recorder.busy = lambda: loop._depth > 0  # the monitor's own collectives
+        self.recorder.micro = lambda: max(self._forwards - 1, 0)
+        self.patches = Patches()
+        self.enabled = False
+        self.specs: list = []
+        self.batch = False
+        self.violations: list[tuple[int, Violation]] = []  # (step, violation), for tools and tests
+        self.unchecked = 0
+        self._forwards = 0
+        self._forward_handles: list[Any] = []
+        self._ddp_done: set[int] = set()
+        self._attached = False
+        self._warned: set[str] = set()
+        self._pending: Any = None  # a check table still on its way to the host (accelerators)
+
+    def _compute(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        with self.loop._lock:
+            return self.loop.engine.compute_rows(tensors)
+
+    # ==== lifecycle ==============================================================================
+    def configure(self, config: MonitorConfig) -> None:
+        cc = config.cc_distribution
+        self._off()
+        self.patches.forget_aliases()
+        self.enabled = cc.enable
+        self.recorder.configure(cc)
+        wanted = set(cc.ops) if cc.ops is not None else None
+        self.specs = [s for s in all_specs() if wanted is None or s.config in wanted]
+        self.batch = wanted is None or BATCH_P2P in wanted
+        if self.enabled and self._attached and not cc.cc_log_only:
+            self._hook_ddp()
+
+    def attach(self) -> list[Any]:
+        # After the other probes: the DDP adapter's own comm hook (wg_distribution) comes first.
+        self._attached = True
+        if self.enabled and not self.loop.config.cc_distribution.cc_log_only:
+            self._hook_ddp()
+        return []
+
+    def begin(self, plan: StepPlan) -> None:
+        if self._pending is not None:
+            self._settle_pending()
+        if not (self.enabled and plan.scheduled):
+            if self.recorder.on or self.patches.installed:
+                self._off()
+            return
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        self.recorder.reset()
+        self._forwards = 0
+        if not self.patches.installed:
+            self.patches.install(self.specs, self.batch, self.recorder)
+            for root in self.loop.adapter.roots()[:1]:
+                self._forward_handles.append(root.register_forward_pre_hook(self._count, prepend=True))
+        self.recorder.on = True
+
+    def _count(self, module: Any, args: Any) -> None:
+        self._forwards += 1
+
+    def post_optim(self, plan: StepPlan) -> None:
+        if not self.recorder.on:
+            return
+        recorder = self.recorder
+        late = recorder.settle()
+        if late:
+            self._warn_once("late", "trainermon: %d collective(s) had not completed at the step's end", late)
+        self._warn_unmatched()
+        if recorder.config.cc_log_only:
+            self._write_sites()
+            recorder.reset()
+            return
+        checks: list = []
+        try:
+            rows, parts, entries = recorder.take()
+            checks = entries if recorder.config.check else []
+            collector = self.loop.collector
+            with self.loop._lock:  # the collector's own lists: rows computed already, added as they are
+                for meta, row in zip(rows, parts):
+                    collector._rows.append(meta)
+                    collector._parts.append(row)
+                    collector._order.append(collector._next)
+                    collector._next += 1
+        except Exception as exc:  # noqa: BLE001 - the check below must still run: other ranks wait in it
+            self.loop.faults.record("comm rows", exc, "this step's comm rows are dropped")
+        finally:
+            recorder.reset()
+        if recorder.config.check and self.loop.world_size > 1:
+            self._check(plan.step, checks)
+
+    def close(self) -> None:
+        self._off()
+        self._settle_pending(wait=True)
+
+    def _off(self) -> None:
+        self.recorder.on = False
+        self.patches.uninstall()
+        for handle in self._forward_handles:
+            handle.remove()
+        self._forward_handles.clear()
+
+    # ==== checks ====================================================================================
+    def _check(self, step: int, entries: list) -> None:
+        import torch.distributed as dist
+
+        device = next((e.out_row.device for _, e in entries if e.out_row is not None), torch.device("cpu"))
+        if dist.get_backend() == "nccl" and device.type == "cpu":  # NCCL reduces device tensors only
+            device = torch.device("cuda", torch.cuda.current_device())
+        if len(entries) > 64:
+            self._warn_once(
+                "cap", "trainermon: %d collective keys in a step; the first 64 are checked", len(entries)
+            )
+        try:
+            table = pack(entries, self.loop.rank, self.loop.world_size, device)
+        except Exception as exc:  # noqa: BLE001 - an empty block still joins the reduction
+            self.loop.faults.record("comm check", exc, "this step's checks are skipped on this rank")
+            entries = []
+            table = pack(entries, self.loop.rank, self.loop.world_size, device)
+        dist.all_reduce(table)  # the step's one extra reduction (the wrappers are idle: loop._depth > 0)
+        if device.type == "cpu":
+            self._evaluate(step, table.numpy(), entries)
+        else:  # the check's own small copy (counted): read at the next step boundary, never waited for
+            from trainermon.collect.transfer import transfer_to_host
+
+            host, event = transfer_to_host(table, self.loop.transfers)
+            self._pending = (step, host, event, entries)
+
+    def _settle_pending(self, wait: bool = False) -> None:
+        if self._pending is None:
+            return
+        step, host, event, entries = self._pending
+        if event is not None and not event.query():
+            if not wait:
+                return
+            event.synchronize()
+        self._pending = None
+        self._evaluate(step, host.numpy(), entries)
+
+    def _evaluate(self, step: int, table: Any, entries: list) -> None:
+        found, unchecked = evaluate(table, entries, self.loop.rank)
+        self.unchecked += unchecked
+        if not found:
+            return
+        from trainermon.pipeline.anomaly import Anomaly
+
+        detector = self.loop.detector
+        now = time.time()
+        for v in found:
+            self.violations.append((step, v))
+            name = f"{v.key.op}/{v.key.group}@{short(v.key.site)}"
+            record = Anomaly(
+                self.loop.rank,
+                detector.pp_stage if detector else 0,
+                0,
+                step,
+                None,
+                "comm",
+                0,
+                "comm",
+                name,
+                v.stat,
+                v.got,
+                v.expected,
+                "AnomalyComm",
+                now,
+                v.ranks,
+            )
+            if detector is not None:
+                detector.external.append(record)
+
+    # ==== DDP, log-only, warnings =================================================================
+    def _hook_ddp(self) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        for chunk in getattr(self.loop.adapter, "chunks", []):
+            if not isinstance(chunk, DistributedDataParallel) or id(chunk) in self._ddp_done:
+                continue
+            self._ddp_done.add(id(chunk))
+            try:
+                share_slot(chunk)
+            except Exception as exc:  # noqa: BLE001 - DDP refused: its own path stays
+                logger.warning(
+                    "trainermon: cc_distribution cannot see DDP's gradient all-reduces (%s); "
+                    "collectives called from Python are still watched",
+                    exc,
+                )
+
+    def _write_sites(self) -> None:
+        path = os.path.join(self.loop.outputs.run_dir, "comm_call_sites.csv")
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w", encoding="utf-8", newline="") as fh:
+                writer = csv.writer(fh)
+                writer.writerow(["op", "group", "site", "calls"])
+                for (op, group, site), calls in sorted(self.recorder.sites.items()):
+                    writer.writerow([op, group, site, calls])
+        except OSError as exc:
+            self.loop.faults.record("cc_log_only", exc)
+
+    def _warn_unmatched(self) -> None:
+        recorder = self.recorder
+        if recorder.unmatched and not any(recorder._matches.values()):
+            self._warn_once(
+                "codeline",
+                "trainermon: cc_distribution.cc_codeline %s matched no call site; sites seen: %s",
+                list(recorder.config.cc_codeline),
+                sorted(recorder.unmatched)[:20],
+            )
+
+    def _warn_once(self, what: str, message: str, *args: Any) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            logger.warning(message, *args)
