@@ -104,6 +104,7 @@ class StepLoop:
         self.adapter = adapter
         self.step = start_iteration
         self.outputs.coords = adapter.coordinates()
+        self.outputs.share()  # collective: rank 0's run id on every rank
         self.detector = self._make_detector()
         deriver = Deriver(self.faults, self.detector)
         self.worker = BackgroundWorker(
