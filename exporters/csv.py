@@ -18,10 +18,13 @@ import os
 
 import numpy as np
 
-from trainermon.collect.records import StatBatch
+from trainermon.collect.records import XRANK_COLUMNS, StatBatch
 from trainermon.stats.table import BY_NAME, Kind
 
 from .base import Exporter, RunInfo
+
+#: Columns of `xrank_*.csv` (cross-rank summaries; `family` is the summarised family).
+XRANK_HEADER = ["vpp_stage", "name", "step", "micro_step", "family", "stat", *XRANK_COLUMNS]
 
 
 def _csv_field(text: str) -> str:
@@ -100,6 +103,26 @@ class CsvExporter(Exporter):
                 text = self._format(batch, rows, indices, step, with_micro)
                 written.append((indices, text))
             handle.write(text)
+        if batch.xrank is not None and batch.xrank.rows:
+            self._write_xrank(batch)
+
+    def _write_xrank(self, batch: StatBatch) -> None:
+        """Cross-rank summaries (written by rank 0 only): `xrank_{first}-{last}.csv`, one line per
+        (family, name, micro_step, statistic), msprobe's leading columns then the summary's."""
+        table, fmt = batch.xrank, f"%.{self.ndigits}g"
+        handle = self._file_for("xrank", batch.step, True, XRANK_HEADER)
+        columns = [
+            [fmt % v for v in table.values[c].tolist()]
+            if table.values[c].dtype.kind == "f"
+            else [str(v) for v in table.values[c].tolist()]
+            for c in XRANK_COLUMNS
+        ]
+        lines = (
+            f"{vpp},{_csv_field(name)},{batch.step},{'' if micro is None else micro},{fam},{stat},"
+            + ",".join(values)
+            for (fam, vpp, name, micro, stat), *values in zip(table.rows, *columns)
+        )
+        handle.write("".join(line + "\n" for line in lines))
 
     def _same_lines(self, batch: StatBatch, a: list[int], b: list[int]) -> bool:
         if len(a) != len(b):
@@ -147,7 +170,7 @@ class CsvExporter(Exporter):
             text = self._shapes[shape] = _csv_field(str(list(shape)))
         return text
 
-    def _file_for(self, family: str, step: int, with_micro: bool) -> _RowFile:
+    def _file_for(self, family: str, step: int, with_micro: bool, header: list | None = None) -> _RowFile:
         first = (step // self.per_record) * self.per_record
         current = self._files.get(family)
         if current is not None and current[0] == first:
@@ -158,7 +181,7 @@ class CsvExporter(Exporter):
         new = not os.path.exists(path)
         handle = _RowFile(path)
         if new:
-            handle.write(",".join(self.header(with_micro)) + "\n")
+            handle.write(",".join(header or self.header(with_micro)) + "\n")
         self._files[family] = (first, handle)
         return handle
 

@@ -43,6 +43,9 @@ FLOAT_STATS, COUNT_STATS = table.FLOAT_STATS, table.COUNT_STATS
 STATS = FLOAT_STATS + COUNT_STATS
 #: Columns of the tidy table as `trainermon.load` returns it, in order.
 COLUMNS = ("run_id", "vpp_stage", "name", "step", "micro_step") + STATS + ("numel", "shape", "dtype", "shard")
+#: Columns of the cross-rank summaries (family `xrank`), added at the end; null in every other family.
+XRANK_EXTRA = ("xrank_family", "xrank_stat", "max_rank", "min_rank", "nonfinite_rank", "ranks")
+COLUMNS += XRANK_EXTRA
 PART_PREFIX = "part-"
 DATASET_MARKER = "_trainermon_dataset.json"
 POINTER_FILE = "parquet.json"  # in each rank's run directory: where its rows went
@@ -76,6 +79,15 @@ def file_schema():
         # Which piece of the tensor a rank's row holds where it holds only one (a DTensor's local shard);
         # null for whole tensors. Files written before this column read it as null.
         pa.field("shard", pa.string()),
+        # Family xrank (cross-rank summaries, rank 0): the summarised family and statistic (its max, min
+        # and mean over ranks in those columns, nans and infs summed), the lowest rank holding the max
+        # and the min, the lowest rank with a non-finite row (-1: none) and how many ranks held the row.
+        pa.field("xrank_family", pa.string()),
+        pa.field("xrank_stat", pa.string()),
+        pa.field("max_rank", pa.int32()),
+        pa.field("min_rank", pa.int32()),
+        pa.field("nonfinite_rank", pa.int32()),
+        pa.field("ranks", pa.int32()),
     ]
     return pa.schema(fields)
 
@@ -118,7 +130,8 @@ class ColumnBuffer:
     """Rows of one partition, kept column-wise until a part file is written.
 
     `extend` takes, per column: a list (strings, shapes), a numpy array, or for statistics either an
-    array or None (not collected: stored as null). `micro_step` is an int array where -1 means null.
+    array or None (not collected: stored as null); a column left out is null. `micro_step` is an int
+    array where -1 means null.
     """
 
     def __init__(self) -> None:
@@ -133,7 +146,7 @@ class ColumnBuffer:
         if n == 0:
             return
         for key in COLUMNS:
-            self.chunks[key].append(columns[key])
+            self.chunks[key].append(columns.get(key))  # a column not given: null
         self.sizes.append(n)
         self.rows += n
         lo, hi = int(steps.min()), int(steps.max())
@@ -168,8 +181,9 @@ class ColumnBuffer:
                 arrays.append(pa.array(data, type=field.type, mask=mask if mask.any() else None))
             elif name == "step":
                 arrays.append(pa.array(np.concatenate(self.chunks[name]), type=field.type))
-            else:
-                arrays.append(pa.array([v for part in self.chunks[name] for v in part], type=field.type))
+            else:  # a chunk of None: a column the family does not have (nulls)
+                values = [v for part, n in zip(self.chunks[name], self.sizes) for v in part or [None] * n]
+                arrays.append(pa.array(values, type=field.type))
         return pa.Table.from_arrays(arrays, schema=schema.with_metadata(metadata))
 
 
@@ -330,6 +344,8 @@ class ParquetExporter(Exporter):
                     columns[stat] = None  # not collected: null, never a made-up number
             buffer = self.buffers.setdefault(family, ColumnBuffer())
             buffer.extend(columns, steps)
+        if batch.xrank is not None and batch.xrank.rows:
+            self._buffer_xrank(batch)
         self.steps_buffered += 1
         if self.buffer_started is None:
             self.buffer_started = time.monotonic()
@@ -340,6 +356,27 @@ class ParquetExporter(Exporter):
             self._roll(list(self.buffers))
         else:
             self._roll([f for f, b in self.buffers.items() if b.rows >= self.rows_per_part])
+
+    def _buffer_xrank(self, batch: StatBatch) -> None:
+        """Cross-rank summaries as rows of family `xrank` (one per family, name, micro_step, statistic)."""
+        table = batch.xrank
+        n = len(table.rows)
+        steps = np.full(n, batch.step, dtype=np.int64)
+        columns: dict[str, Any] = dict.fromkeys(COLUMNS)
+        columns.update(
+            run_id=[self.run.run_id] * n,
+            vpp_stage=[r[1] for r in table.rows],
+            name=[r[2] for r in table.rows],
+            step=steps,
+            micro_step=np.array([-1 if r[3] is None else r[3] for r in table.rows], dtype=np.int64),
+            xrank_family=[r[0] for r in table.rows],
+            xrank_stat=[r[4] for r in table.rows],
+        )
+        for column in ("max", "min", "mean", "nans", "infs"):
+            columns[column] = table.values[column]
+        for column in ("max_rank", "min_rank", "nonfinite_rank", "ranks"):
+            columns[column] = table.values[column].tolist()
+        self.buffers.setdefault("xrank", ColumnBuffer()).extend(columns, steps)
 
     def _roll(self, families: list[str]) -> None:
         for family in families:

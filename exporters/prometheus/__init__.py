@@ -41,6 +41,7 @@ from trainermon.stats.table import VALUE_STATS, combine
 
 from ..base import Exporter, RunInfo
 from . import server as http
+from . import xrank
 from .metrics import Metrics, layer_of
 
 logger = logging.getLogger("trainermon")
@@ -160,6 +161,8 @@ class PrometheusExporter(Exporter):
                 child.inc(total - child._value.get())
         if batch.rows:
             self._update_stats(batch)
+        if batch.xrank is not None and batch.xrank.rows:
+            self._count_dropped(xrank.export(self, batch.xrank))
         self._sync_errors()
         self._publish()
 
@@ -242,6 +245,9 @@ class PrometheusExporter(Exporter):
                     dropped += 1
                     continue
                 child.set(float(column[g]))
+        self._count_dropped(dropped)
+
+    def _count_dropped(self, dropped: int) -> None:
         if dropped:
             self.m.series_dropped.labels(self.rank).inc(dropped)
             if not self._over_budget_logged:

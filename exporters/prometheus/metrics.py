@@ -117,6 +117,18 @@ class Metrics:
             r,
             registry=reg,
         )
+        self.xrank = pc.Gauge(
+            "trainermon_xrank_stat",
+            "Cross-rank summary of a layer in the last collected step: max/min over ranks and their rank",
+            r + ("family", "layer", "stat", "agg"),
+            registry=reg,
+        )
+        self.xrank_nonfinite = pc.Gauge(
+            "trainermon_xrank_nonfinite",
+            "NaN and Inf elements of a layer over all ranks (count), and the lowest rank with any",
+            r + ("family", "layer", "agg"),
+            registry=reg,
+        )
         self.info.labels(rank, run_id, __version__).set(1)
         for metric in (self.steps, self.time_total, self.nonfinite, self.dropped, self.faults):
             metric.labels(rank)

@@ -1,11 +1,15 @@
-"""One real 4-rank job (gloo, DDP): the job-wide run id in every sink.
+"""One real 4-rank job (gloo, DDP): the job-wide run id in every sink, and the cross-rank summaries
+(family xrank, written by rank 0) against what this test computes from every rank's own rows, with a NaN
+injected into rank 3's input at the last step.
 
 All checks of the 4-rank run share one launch (spawning ranks is the expensive part)."""
 
 from __future__ import annotations
 
+import csv
 import glob
 import json
+import math
 import os
 import urllib.request
 
@@ -16,6 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests.distributed import run_ranks
+from tests.helpers import read_family
 
 WORLD = 4
 STEPS = 3
@@ -94,3 +99,106 @@ def test_four_rank_job(tmp_path):
         assert [i["run_id"] for i in info] == [run_id] and info[0]["rank"] == str(rank)
         # the file_sd target label, which Prometheus puts on every series it scrapes from the rank
         assert r["sd_labels"] == [{"run_id": run_id}]
+
+    # ---- cross-rank summaries ---------------------------------------------------------------------
+    expected = _expected(results)
+    xrank_csv = _read_xrank(results[0]["run_dir"])
+    assert not glob.glob(os.path.join(results[1]["run_dir"], "xrank_*.csv"))  # rank 0 writes them
+    assert set(xrank_csv) == set(expected)
+    # max and min: the value with its 2 lowest mantissa bits cleared (4 ranks), see collect/xrank.py
+    rel = 2.0**-49
+    for key, want in expected.items():
+        got = xrank_csv[key]
+        for col in ("max", "min", "mean"):
+            if math.isnan(want[col]):
+                assert math.isnan(got[col]), (key, col)
+            else:
+                # mean: a sum of 4 float64 values divided by 4, each term's rounding 2^-53
+                assert abs(got[col] - want[col]) <= rel * abs(want[col]) + 1e-300, (key, col, got, want)
+        for col in ("max_rank", "min_rank", "nans", "infs", "nonfinite_rank", "ranks"):
+            assert got[col] == want[col], (key, col, got[col], want[col])
+    bad = {k: v["nonfinite_rank"] for k, v in expected.items() if v["nonfinite_rank"] >= 0}
+    families = {k[0] for k in bad}
+    assert families == {"actv", "actv_grad", "grad_unreduced"} and set(bad.values()) == {NAN_RANK}
+    assert {k[2] for k in bad} == {NAN_STEP}
+    # Parquet holds the same summaries (family xrank, rank 0)
+    xr = ds.dataset(os.path.join(out, "parquet"), partitioning="hive").to_table(
+        filter=ds.field("family") == "xrank"
+    )
+    assert set(xr.column("rank").to_pylist()) == {0} and xr.num_rows == len(expected)
+    for row in xr.to_pylist():
+        key = (row["xrank_family"], row["name"], row["step"], row["micro_step"], row["xrank_stat"])
+        got = xrank_csv[key]
+        assert row["max_rank"] == got["max_rank"] and row["nonfinite_rank"] == got["nonfinite_rank"]
+        assert row["max"] == got["max"] or (math.isnan(row["max"]) and math.isnan(got["max"]))
+    # Prometheus (rank 0 only): the per-layer first non-finite rank of the last (NaN) step
+    page0 = list(text_string_to_metric_families(results[0]["page"]))
+    first = {
+        (s.labels["family"], s.labels["layer"]): s.value
+        for fam in page0
+        for s in fam.samples
+        if s.name == "trainermon_xrank_nonfinite" and s.labels["agg"] == "first_rank"
+    }
+    assert first and set(first.values()) == {float(NAN_RANK)}
+    assert not [
+        s
+        for fam in text_string_to_metric_families(results[1]["page"])
+        for s in fam.samples
+        if s.name.startswith("trainermon_xrank")
+    ]
+
+
+STATS = ("norm", "mean", "min", "max")
+
+
+def _expected(results: list) -> dict:
+    """Summaries computed here from each rank's own CSV rows (17 significant digits: exact float64)."""
+    per_key: dict[tuple, dict[int, dict]] = {}
+    for rank, r in enumerate(results):
+        for family in ("actv", "actv_grad", "grad_unreduced"):
+            for row in read_family(r["run_dir"], family):
+                micro = int(row["micro_step"]) if row.get("micro_step", "") != "" else None
+                for stat in STATS:
+                    key = (family, row["name"], int(row["step"]), micro, stat)
+                    per_key.setdefault(key, {})[rank] = {
+                        "v": float(row[stat]),
+                        "nans": int(row["nans"]),
+                        "infs": int(row["infs"]),
+                        "bad": int(row["nans"]) + int(row["infs"]) > 0
+                        or not all(math.isfinite(float(row[s])) for s in STATS),
+                    }
+    out = {}
+    for key, ranks in per_key.items():
+        finite = {k: v["v"] for k, v in ranks.items() if not math.isnan(v["v"])}
+        top = max(finite.values()) if finite else math.nan
+        low = min(finite.values()) if finite else math.nan
+        out[key] = {
+            "max": top,
+            "min": low,
+            "mean": sum(finite.values()) / len(finite) if finite else math.nan,
+            "max_rank": min((k for k, v in finite.items() if v == top), default=-1),
+            "min_rank": min((k for k, v in finite.items() if v == low), default=-1),
+            "nans": sum(v["nans"] for v in ranks.values()),
+            "infs": sum(v["infs"] for v in ranks.values()),
+            "nonfinite_rank": min((k for k, v in ranks.items() if v["bad"]), default=-1),
+            "ranks": len(ranks),
+        }
+    return out
+
+
+def _read_xrank(run_dir: str) -> dict:
+    out = {}
+    for path in sorted(glob.glob(os.path.join(run_dir, "xrank_*.csv"))):
+        with open(path, newline="") as fh:
+            for row in csv.DictReader(fh):
+                micro = int(row["micro_step"]) if row["micro_step"] != "" else None
+                key = (row["family"], row["name"], int(row["step"]), micro, row["stat"])
+                assert key not in out
+                out[key] = {
+                    **{c: float(row[c]) for c in ("max", "min", "mean")},
+                    **{
+                        c: int(row[c])
+                        for c in ("max_rank", "min_rank", "nans", "infs", "nonfinite_rank", "ranks")
+                    },
+                }
+    return out

@@ -107,6 +107,7 @@ def write_synthetic_dataset(
                 dtype_dict.take(pa.array(np.zeros(n, dtype=np.int64))),
                 pa.nulls(n, pa.string()),
             ]
+            arrays += [pa.nulls(n, f.type) for f in list(schema)[len(arrays) :]]  # columns added later
             meta = {
                 "trainermon.schema_version": str(SCHEMA_VERSION),
                 "trainermon.family": family,

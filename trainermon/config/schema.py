@@ -80,6 +80,9 @@ class MonitorConfig:
     dynamic_watch: str = "inotify"  # how the config file is watched in dynamic mode: inotify or polling
     parquet: ParquetConfig = field(default_factory=ParquetConfig)
     prometheus: PrometheusConfig = field(default_factory=PrometheusConfig)
+    #: Cross-rank summaries of actv, actv_grad and grad_unreduced (family `xrank`, written by rank 0);
+    #: only with more than one rank.
+    xrank_summary: bool = True
 
     # ---- derived views -------------------------------------------------------------------------
     @property

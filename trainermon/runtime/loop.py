@@ -29,6 +29,7 @@ from typing import Any
 from trainermon.collect.collector import StepCollector
 from trainermon.collect.records import StatBatch, StepScalars
 from trainermon.collect.transfer import TransferCounter
+from trainermon.collect.xrank import CrossRank
 from trainermon.config import Env, MonitorConfig
 from trainermon.failsafe import FaultLog
 from trainermon.pipeline.derive import Deriver
@@ -69,6 +70,7 @@ class StepLoop:
         self.engine = StatsEngine(engine_options(config))
         self.transfers = TransferCounter()
         self.collector = StepCollector(self.engine, self.transfers, self.faults)
+        self.xrank = CrossRank(self.rank, self.world_size)
         self.schedule = Schedule(config)
         self.escalation = Escalation()
         self.outputs = Outputs(env, self.rank, self.world_size, self.faults)
@@ -105,6 +107,7 @@ class StepLoop:
         self.step = start_iteration
         self.outputs.coords = adapter.coordinates()
         self.outputs.share()  # collective: rank 0's run id on every rank
+        self.xrank.attach()  # collective: the group of the cross-rank summaries' layout check
         self.detector = self._make_detector()
         deriver = Deriver(self.faults, self.detector)
         self.worker = BackgroundWorker(
@@ -268,7 +271,8 @@ class StepLoop:
         if plan.scheduled:
             self.schedule.mark_collected()
         job_norm = plan.grads and self.adapter is not None and self.adapter.splits_model
-        payload = self.collector.finish(plan.step, scalars, job_grad_norm=job_norm)
+        tail = self.xrank.tail(plan.scheduled, self.config)  # cross-rank summaries (collective)
+        payload = self.collector.finish(plan.step, scalars, job_grad_norm=job_norm, tail=tail)
         own_ms = (self._time_now() - self._step_mark) * 1e3
         payload = dataclasses.replace(
             payload, scalars=dataclasses.replace(payload.scalars, monitor_time_ms=own_ms)
