@@ -71,7 +71,36 @@ def _job(rank: int, world: int, out: str) -> dict:
     sd_labels = [json.load(open(p))[0]["labels"] for p in sd]
     run_dir = monitor.run_dir
     monitor.close()
-    return {"run_dir": run_dir, "page": page, "sd_labels": sd_labels}
+    return {"run_dir": run_dir, "page": page, "sd_labels": sd_labels, "uneven": _uneven(rank, out)}
+
+
+def _uneven(rank: int, out: str) -> dict:
+    """Ranks with different rows (as pipeline stages and module_ranks give): even ranks have a layer
+    the odd ranks lack, and only ranks 0 and 2 collect activations. No deadlock, and the summaries of
+    each row come from the ranks that hold it."""
+    from trainermon import TrainerMon
+
+    out = os.path.join(out, "uneven")
+    os.environ["MONITOR_OUTPUT_DIR"] = out
+    os.makedirs(out, exist_ok=True)
+    cfg = os.path.join(out, f"config-rank{rank}.json")
+    with open(cfg, "w") as fh:
+        json.dump({"xy_distribution": True, "wg_distribution": True, "module_ranks": [0, 2], "ops": OPS,
+                   "ndigits": 17, "write_interval_s": 0}, fh)  # fmt: skip
+    torch.manual_seed(rank)
+    layers = [nn.Linear(4, 4), nn.Tanh()] + ([nn.Linear(4, 4)] if rank % 2 == 0 else [])
+    model = nn.Sequential(*layers, nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(model, grad_acc_steps=1, optimizer=opt)
+    for _ in range(2):
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    monitor.flush()
+    agreements = monitor.loop.xrank.agreements
+    monitor.close()
+    return {"run_dir": monitor.run_dir, "agreements": agreements}
 
 
 def test_four_rank_job(tmp_path):
@@ -146,6 +175,22 @@ def test_four_rank_job(tmp_path):
         for s in fam.samples
         if s.name.startswith("trainermon_xrank")
     ]
+
+    # ---- ranks with different rows ---------------------------------------------------------------
+    uneven = [r["uneven"] for r in results]
+    assert [u["agreements"] for u in uneven] == [1] * WORLD  # the layout is agreed once, not per step
+    expected = _expected(uneven)
+    got = _read_xrank(uneven[0]["run_dir"])
+    assert set(got) == set(expected)
+    for key, want in expected.items():
+        assert {c: got[key][c] for c in ("max_rank", "min_rank", "ranks", "nonfinite_rank")} == {
+            c: want[c] for c in ("max_rank", "min_rank", "ranks", "nonfinite_rank")
+        }, key
+    ranks_of = {(k[0], k[1]): v["ranks"] for k, v in got.items()}
+    # the even ranks' head is "3": only they hold it (the odd ranks' head is "2")
+    assert ranks_of[("grad_unreduced", "3.weight")] == 2
+    assert {v for (fam, _), v in ranks_of.items() if fam == "actv"} == {2}  # module_ranks [0, 2]
+    assert ranks_of[("grad_unreduced", "0.weight")] == WORLD
 
 
 STATS = ("norm", "mean", "min", "max")
