@@ -22,7 +22,7 @@ waits on another: no deadlock whatever the row sets. `ranks` says how many ranks
 Max and argmax in one reduction: each float64 value becomes an order-preserving int64 key whose lowest
 b bits (b = bits of world_size - 1) are replaced by (world_size - 1 - rank), so an int64 MAX gives the
 largest value and, among equal values, the lowest rank. The reported max and min are therefore the
-values with their b lowest mantissa bits cleared: relative error below 2^(b-52) (2e-12 at 10,000 ranks),
+values with their b lowest mantissa bits cleared: relative error below 2^(b-52) (4e-12 at 10,000 ranks),
 far below the statistics' own accuracy (float32 accumulation, about 5e-7).
 """
 

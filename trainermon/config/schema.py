@@ -44,6 +44,9 @@ class PrometheusConfig:
     stats: tuple[str, ...] | None = None  # None = the numeric ops of the config
     families: tuple[str, ...] | None = None  # None = every family
     max_series: int = 10_000
+    #: Per-rank families (actv, actv_grad, grad_unreduced) from every rank; false: only the rows of the
+    #: modules named in `targets` (with one rank: all), the cross-rank summaries stand for the rest.
+    per_rank: bool = False
 
 
 @dataclass(frozen=True)
