@@ -6,7 +6,8 @@ Files: `{run_dir}/{family}_{first}-{last}.csv`, where [first, last] is the step 
 trainermon's `shard`, empty unless the rank's row holds only a piece of the tensor (a DTensor's local
 shard), so msprobe's readers, which select columns by name, keep working. Each family's rows of a step
 go to the file in one unbuffered write, so a killed process leaves complete rows only, and a write that
-fails part-way (disk full) is cut back to the last complete row.
+fails part-way (disk full) is cut back to the last complete row. Rank 0 also writes the cross-rank
+summaries to `xrank_{first}-{last}.csv` (`XRANK_HEADER`).
 """
 
 from __future__ import annotations

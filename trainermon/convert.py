@@ -211,4 +211,9 @@ def _columns(rows: list[dict[str, str]], run_id: str) -> dict[str, Any]:
         columns["numel"] = [int(np.prod(s)) if s is not None else None for s in shapes]
     columns["dtype"] = [r.get("dtype") or None for r in rows]
     columns["shard"] = [r.get("shard") or None for r in rows]  # absent in msprobe's and older CSV
+    if "stat" in header:  # xrank_*.csv: cross-rank summaries (family and stat say what they summarise)
+        columns["xrank_family"] = [r["family"] for r in rows]
+        columns["xrank_stat"] = [r["stat"] for r in rows]
+        for key in ("max_rank", "min_rank", "nonfinite_rank", "ranks"):
+            columns[key] = [int(r[key]) for r in rows]
     return columns

@@ -160,6 +160,17 @@ def test_four_rank_job(tmp_path):
         got = xrank_csv[key]
         assert row["max_rank"] == got["max_rank"] and row["nonfinite_rank"] == got["nonfinite_rank"]
         assert row["max"] == got["max"] or (math.isnan(row["max"]) and math.isnan(got["max"]))
+    # `trainermon convert` turns rank 0's xrank CSV into the same Parquet rows
+    from trainermon.convert import convert
+
+    convert(out, str(tmp_path / "converted"))
+    conv = ds.dataset(str(tmp_path / "converted"), partitioning="hive").to_table(
+        filter=(ds.field("family") == "xrank") & (ds.field("run_id") == run_id)
+    )
+    columns = ("xrank_family", "name", "step", "micro_step", "xrank_stat", "max_rank", "min_rank", "ranks")
+    assert sorted(tuple(r[c] for c in columns) for r in conv.to_pylist()) == sorted(
+        tuple(r[c] for c in columns) for r in xr.to_pylist()
+    )
     # Prometheus (rank 0 only): the per-layer first non-finite rank of the last (NaN) step
     page0 = list(text_string_to_metric_families(results[0]["page"]))
     first = {
