@@ -359,23 +359,10 @@ class ParquetExporter(Exporter):
 
     def _buffer_xrank(self, batch: StatBatch) -> None:
         """Cross-rank summaries as rows of family `xrank` (one per family, name, micro_step, statistic)."""
-        table = batch.xrank
-        n = len(table.rows)
+        columns = batch.xrank.columns()
+        n = len(batch.xrank.rows)
         steps = np.full(n, batch.step, dtype=np.int64)
-        columns: dict[str, Any] = dict.fromkeys(COLUMNS)
-        columns.update(
-            run_id=[self.run.run_id] * n,
-            vpp_stage=[r[1] for r in table.rows],
-            name=[r[2] for r in table.rows],
-            step=steps,
-            micro_step=np.array([-1 if r[3] is None else r[3] for r in table.rows], dtype=np.int64),
-            xrank_family=[r[0] for r in table.rows],
-            xrank_stat=[r[4] for r in table.rows],
-        )
-        for column in ("max", "min", "mean", "nans", "infs"):
-            columns[column] = table.values[column]
-        for column in ("max_rank", "min_rank", "nonfinite_rank", "ranks"):
-            columns[column] = table.values[column].tolist()
+        columns.update(run_id=[self.run.run_id] * n, step=steps)
         self.buffers.setdefault("xrank", ColumnBuffer()).extend(columns, steps)
 
     def _roll(self, families: list[str]) -> None:

@@ -68,6 +68,20 @@ class XRankTable:
     rows: tuple[tuple, ...]  # (family, vpp_stage, name, micro_step, stat)
     values: dict[str, np.ndarray]  # XRANK_COLUMNS; ranks are -1 where no rank had a value
 
+    def columns(self) -> dict[str, Any]:
+        """The rows as columns of the tidy table (Parquet names; micro_step -1: none)."""
+        rows = self.rows
+        out: dict[str, Any] = {
+            "vpp_stage": [r[1] for r in rows],
+            "name": [r[2] for r in rows],
+            "micro_step": np.array([-1 if r[3] is None else r[3] for r in rows], dtype=np.int64),
+            "xrank_family": [r[0] for r in rows],
+            "xrank_stat": [r[4] for r in rows],
+        }
+        out.update({c: self.values[c] for c in ("max", "min", "mean", "nans", "infs")})
+        out.update({c: self.values[c].tolist() for c in ("max_rank", "min_rank", "nonfinite_rank", "ranks")})
+        return out
+
 
 def _width(n_stats: int) -> int:
     """int64 columns (max keys, min keys, non-finite tag) and float64 columns (sums, counts, nans, infs,

@@ -52,7 +52,10 @@ class Deriver:
         if payload.tail_meta is not None:
             from trainermon.collect.xrank import decode
 
-            xrank = decode(payload.tail_meta, payload.tail.numpy())
+            try:
+                xrank = decode(payload.tail_meta, payload.tail.numpy())
+            except Exception as exc:  # noqa: BLE001 - the step's own rows are still written
+                self.faults.record("cross-rank summaries", exc, "this step's summaries are skipped")
         batch = StatBatch(payload.step, rows, values, payload.scalars, derived, xrank)
         if self.detector is not None:
             self.detector.check(batch)
