@@ -70,8 +70,10 @@ def _job(rank: int, world: int, out: str) -> dict:
     sd = sorted(glob.glob(os.path.join(out, "prometheus_sd", f"rank{rank}-*.json")))
     sd_labels = [json.load(open(p))[0]["labels"] for p in sd]
     run_dir = monitor.run_dir
+    transfers = monitor.loop.transfers.count
     monitor.close()
-    return {"run_dir": run_dir, "page": page, "sd_labels": sd_labels, "uneven": _uneven(rank, out)}
+    return {"run_dir": run_dir, "page": page, "sd_labels": sd_labels, "transfers": transfers,
+            "uneven": _uneven(rank, out)}  # fmt: skip
 
 
 def _uneven(rank: int, out: str) -> dict:
@@ -146,6 +148,9 @@ def test_four_rank_job(tmp_path):
                 assert abs(got[col] - want[col]) <= rel * abs(want[col]) + 1e-300, (key, col, got, want)
         for col in ("max_rank", "min_rank", "nans", "infs", "nonfinite_rank", "ranks"):
             assert got[col] == want[col], (key, col, got[col], want[col])
+    # the summaries ride in each step's single device-to-host copy
+    assert [r["transfers"] for r in results] == [STEPS] * WORLD
+    assert len({v["max_rank"] for v in expected.values()}) > 1  # not a constant: the argmax is checked
     bad = {k: v["nonfinite_rank"] for k, v in expected.items() if v["nonfinite_rank"] >= 0}
     families = {k[0] for k in bad}
     assert families == {"actv", "actv_grad", "grad_unreduced"} and set(bad.values()) == {NAN_RANK}
