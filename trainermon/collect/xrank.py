@@ -14,10 +14,11 @@ Layout: a packed reduction needs the same table on every rank, but ranks may hol
 (`module_ranks`, pipeline stages, escalated activations). The table is laid out by an agreed list of keys,
 the union over ranks, ordered by rank then by each rank's row order. Each step every rank checks on the
 host whether all its rows have a slot; the OR of that check over ranks (the gloo all-reduce: no device
-sync) is known to every rank at the same step, and when it is set the ranks agree a new union with one
-all-gather of their key lists (only on steps whose rows changed, usually the first) before reducing. A rank
-lacking a row fills its slot with the identity (absent), so every rank reduces the same table and no rank
-waits on another: no deadlock whatever the row sets. `ranks` says how many ranks held each row.
+sync) is known to every rank at the same step, and when it is set the ranks agree a new union with an
+all-gather of their key lists as JSON (only on steps whose rows changed, usually the first) before
+reducing. A rank lacking a row fills its slot with the identity (absent), so every rank reduces the
+same table and no rank waits on another: no deadlock whatever the row sets. `ranks` says how many ranks
+held each row.
 
 Max and argmax in one reduction: each float64 value becomes an order-preserving int64 key whose lowest
 b bits (b = bits of world_size - 1) are replaced by (world_size - 1 - rank), so an int64 MAX gives the
@@ -28,6 +29,7 @@ far below the statistics' own accuracy (float32 accumulation, about 5e-7).
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -138,19 +140,19 @@ class CrossRank:
         self.keys: tuple[Key, ...] = ()
         self.slots: dict[Key, int] = {}
         self.agreements = 0  # how often the ranks agreed a new layout (tests, docs)
-        self._cpu_group: Any = None
+        self.cpu_group: Any = None
 
     def attach(self) -> None:
         """Collective at set_monitor: the CPU group of the layout check."""
         import torch.distributed as dist
 
         if self.world_size > 1:
-            self._cpu_group = dist.new_group(backend="gloo")
+            self.cpu_group = dist.new_group(backend="gloo")
 
     def tail(self, scheduled: bool, config: Any) -> Any:
         """`StepCollector.finish`'s tail for this step: the summaries on scheduled steps (the same on
         every rank, unlike escalation-only steps), with `xrank_summary` on and more than one rank."""
-        if not (scheduled and config.xrank_summary and self._cpu_group is not None):
+        if not (scheduled and config.xrank_summary and self.cpu_group is not None):
             return None
         stats = tuple(s for s in FLOAT_STATS if s in config.ops) or ("norm",)
         return lambda rows, parts: self.reduce(rows, parts, stats)
@@ -167,7 +169,7 @@ class CrossRank:
         mine = [i for i, r in enumerate(rows) if r.family in XRANK_FAMILIES]
         local_keys = [_key(rows[i]) for i in mine]
         outside = torch.tensor([int(any(k not in self.slots for k in local_keys))], dtype=torch.int64)
-        dist.all_reduce(outside, op=dist.ReduceOp.MAX, group=self._cpu_group)
+        dist.all_reduce(outside, op=dist.ReduceOp.MAX, group=self.cpu_group)
         if int(outside[0]):
             self._agree(local_keys)
         device = parts[0].device if parts else _default_device()
@@ -219,13 +221,21 @@ class CrossRank:
         return flat.view(-1, NUM_PARTIALS), layout
 
     def _agree(self, local_keys: list[Key]) -> None:
-        """The union of every rank's keys (and the agreed ones), one all-gather on the CPU group."""
+        """The union of every rank's keys (and the agreed ones): the keys as JSON bytes, all-gathered on
+        the CPU group (their lengths first), never pickled."""
         import torch.distributed as dist
 
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, local_keys, group=self._cpu_group)
+        data = torch.frombuffer(bytearray(json.dumps(local_keys).encode()), dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.cpu_group)
+        longest = max(int(n[0]) for n in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: len(data)] = data
+        gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        dist.all_gather(gathered, padded, group=self.cpu_group)
         union = dict.fromkeys(self.keys)
-        for keys in gathered:
+        for buf, n in zip(gathered, sizes):
+            keys = json.loads(buf[: int(n[0])].numpy().tobytes().decode())
             union.update(dict.fromkeys(tuple(k) for k in keys))
         self.keys = tuple(union)
         self.slots = {k: i for i, k in enumerate(self.keys)}

@@ -106,8 +106,8 @@ class StepLoop:
         self.adapter = adapter
         self.step = start_iteration
         self.outputs.coords = adapter.coordinates()
-        self.outputs.share()  # collective: rank 0's run id on every rank
-        self.xrank.attach()  # collective: the group of the cross-rank summaries' layout check
+        self.xrank.attach()  # collective: a CPU group (the summaries' layout check, the run id)
+        self.outputs.share(self.xrank.cpu_group)  # collective: rank 0's run id on every rank
         self.detector = self._make_detector()
         deriver = Deriver(self.faults, self.detector)
         self.worker = BackgroundWorker(

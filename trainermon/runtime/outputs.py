@@ -36,17 +36,18 @@ class Outputs:
         stamp = datetime.fromtimestamp(self._started).strftime("%b%d_%H-%M-%S")
         return os.path.join(self.root, f"{stamp}-rank{self.rank}-{self.run_id}")
 
-    def share(self) -> None:
-        """Collective over the default group when distributed (every rank calls it once, at
-        `set_monitor`): take rank 0's run id and start time."""
+    def share(self, group: Any) -> None:
+        """Collective over `group`, a CPU (gloo) group of every rank (None: not distributed; every rank
+        calls it once, at `set_monitor`): take rank 0's run id and start time, as two integers (never a
+        pickled object over the wire)."""
+        if group is None:
+            return
+        import torch
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-            return
-        # broadcast_object_list picks the device the backend needs (the current GPU under NCCL).
-        box: list[Any] = [(self.run_id, self._started)]
-        dist.broadcast_object_list(box, src=0)
-        self.run_id, self._started = str(box[0][0]), int(box[0][1])
+        box = torch.tensor([int(self.run_id, 16), self._started], dtype=torch.int64)
+        dist.broadcast(box, src=0, group=group)
+        self.run_id, self._started = f"{int(box[0]):08x}", int(box[1])
         self.run_dir = self._new_dir()
 
     def open(self, config: MonitorConfig) -> list:
