@@ -8,7 +8,8 @@ trainermon's `shard`, empty unless the rank's row holds only a piece of the tens
 shard), and `skipped` (1: the step's optimizer update was skipped, 0: it ran, empty: not known), so
 msprobe's readers, which select columns by name, keep working. Each family's rows of a step
 go to the file in one unbuffered write, so a killed process leaves complete rows only, and a write that
-fails part-way (disk full) is cut back to the last complete row.
+fails part-way (disk full) is cut back to the last complete row. Rank 0 also writes the cross-rank
+summaries to `xrank_{first}-{last}.csv` (`XRANK_HEADER`).
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ import os
 
 import numpy as np
 
-from trainermon.collect.records import StatBatch
+from trainermon.collect.records import XRANK_COLUMNS, StatBatch
 from trainermon.stats.table import BY_NAME, Kind
 
 from .base import Exporter, RunInfo
 
 #: Trailing columns of `comm_*.csv`: the collective calls a row sums over and the bytes they moved.
 COMM_COLUMNS = ("calls", "bytes")
+#: Columns of `xrank_*.csv` (cross-rank summaries; `family` is the summarised family).
+XRANK_HEADER = ["vpp_stage", "name", "step", "micro_step", "family", "stat", *XRANK_COLUMNS]
 
 
 def _csv_field(text: str) -> str:
@@ -105,6 +108,26 @@ class CsvExporter(Exporter):
                 text = self._format(batch, rows, indices, step, with_micro)
                 written.append((indices, text))
             handle.write(text)
+        if batch.xrank is not None and batch.xrank.rows:
+            self._write_xrank(batch)
+
+    def _write_xrank(self, batch: StatBatch) -> None:
+        """Cross-rank summaries (written by rank 0 only): `xrank_{first}-{last}.csv`, one line per
+        (family, name, micro_step, statistic), msprobe's leading columns then the summary's."""
+        table, fmt = batch.xrank, f"%.{self.ndigits}g"
+        handle = self._file_for("xrank", batch.step, True, XRANK_HEADER)
+        columns = [
+            [fmt % v for v in table.values[c].tolist()]
+            if table.values[c].dtype.kind == "f"
+            else [str(v) for v in table.values[c].tolist()]
+            for c in XRANK_COLUMNS
+        ]
+        lines = (
+            f"{vpp},{_csv_field(name)},{batch.step},{'' if micro is None else micro},{fam},{stat},"
+            + ",".join(values)
+            for (fam, vpp, name, micro, stat), *values in zip(table.rows, *columns)
+        )
+        handle.write("".join(line + "\n" for line in lines))
 
     def _same_lines(self, batch: StatBatch, a: list[int], b: list[int]) -> bool:
         if len(a) != len(b):
@@ -156,7 +179,7 @@ class CsvExporter(Exporter):
             text = self._shapes[shape] = _csv_field(str(list(shape)))
         return text
 
-    def _file_for(self, family: str, step: int, with_micro: bool) -> _RowFile:
+    def _file_for(self, family: str, step: int, with_micro: bool, header: list | None = None) -> _RowFile:
         first = (step // self.per_record) * self.per_record
         current = self._files.get(family)
         if current is not None and current[0] == first:
@@ -167,7 +190,7 @@ class CsvExporter(Exporter):
         new = not os.path.exists(path)
         handle = _RowFile(path)
         if new:
-            head = self.header(with_micro) + (list(COMM_COLUMNS) if family == "comm" else [])
+            head = header or self.header(with_micro) + (list(COMM_COLUMNS) if family == "comm" else [])
             handle.write(",".join(head) + "\n")
         self._files[family] = (first, handle)
         return handle

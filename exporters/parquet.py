@@ -47,6 +47,9 @@ COLUMNS = (
     + STATS
     + ("numel", "shape", "dtype", "shard", "skipped", "calls", "bytes")
 )
+#: Columns of the cross-rank summaries (family `xrank`), added at the end; null in every other family.
+XRANK_EXTRA = ("xrank_family", "xrank_stat", "max_rank", "min_rank", "nonfinite_rank", "ranks")
+COLUMNS += XRANK_EXTRA
 PART_PREFIX = "part-"
 DATASET_MARKER = "_trainermon_dataset.json"
 POINTER_FILE = "parquet.json"  # in each rank's run directory: where its rows went
@@ -85,6 +88,15 @@ def file_schema():
         # `comm` rows: the collective calls a row sums over and the bytes they moved (null elsewhere).
         pa.field("calls", pa.int64()),
         pa.field("bytes", pa.int64()),
+        # Family xrank (cross-rank summaries, rank 0): the summarised family and statistic (its max, min
+        # and mean over ranks in those columns, nans and infs summed), the lowest rank holding the max
+        # and the min, the lowest rank with a non-finite row (-1: none) and how many ranks held the row.
+        pa.field("xrank_family", pa.string()),
+        pa.field("xrank_stat", pa.string()),
+        pa.field("max_rank", pa.int32()),
+        pa.field("min_rank", pa.int32()),
+        pa.field("nonfinite_rank", pa.int32()),
+        pa.field("ranks", pa.int32()),
     ]
     return pa.schema(fields)
 
@@ -127,7 +139,8 @@ class ColumnBuffer:
     """Rows of one partition, kept column-wise until a part file is written.
 
     `extend` takes, per column: a list (strings, shapes), a numpy array, or for statistics either an
-    array or None (not collected: stored as null). `micro_step` is an int array where -1 means null.
+    array or None (not collected: stored as null); a column left out is null. `micro_step` is an int
+    array where -1 means null.
     """
 
     def __init__(self) -> None:
@@ -142,7 +155,7 @@ class ColumnBuffer:
         if n == 0:
             return
         for key in COLUMNS:
-            self.chunks[key].append(columns[key])
+            self.chunks[key].append(columns.get(key))  # a column not given: null
         self.sizes.append(n)
         self.rows += n
         lo, hi = int(steps.min()), int(steps.max())
@@ -177,8 +190,9 @@ class ColumnBuffer:
                 arrays.append(pa.array(data, type=field.type, mask=mask if mask.any() else None))
             elif name == "step":
                 arrays.append(pa.array(np.concatenate(self.chunks[name]), type=field.type))
-            else:
-                arrays.append(pa.array([v for part in self.chunks[name] for v in part], type=field.type))
+            else:  # a chunk of None: a column the family does not have (nulls)
+                values = [v for part, n in zip(self.chunks[name], self.sizes) for v in part or [None] * n]
+                arrays.append(pa.array(values, type=field.type))
         return pa.Table.from_arrays(arrays, schema=schema.with_metadata(metadata))
 
 
@@ -342,6 +356,8 @@ class ParquetExporter(Exporter):
                     columns[stat] = None  # not collected: null, never a made-up number
             buffer = self.buffers.setdefault(family, ColumnBuffer())
             buffer.extend(columns, steps)
+        if batch.xrank is not None and batch.xrank.rows:
+            self._buffer_xrank(batch)
         self.steps_buffered += 1
         if self.buffer_started is None:
             self.buffer_started = time.monotonic()
@@ -352,6 +368,14 @@ class ParquetExporter(Exporter):
             self._roll(list(self.buffers))
         else:
             self._roll([f for f, b in self.buffers.items() if b.rows >= self.rows_per_part])
+
+    def _buffer_xrank(self, batch: StatBatch) -> None:
+        """Cross-rank summaries as rows of family `xrank` (one per family, name, micro_step, statistic)."""
+        columns = batch.xrank.columns()
+        n = len(batch.xrank.rows)
+        steps = np.full(n, batch.step, dtype=np.int64)
+        columns.update(run_id=[self.run.run_id] * n, step=steps)
+        self.buffers.setdefault("xrank", ColumnBuffer()).extend(columns, steps)
 
     def _roll(self, families: list[str]) -> None:
         for family in families:

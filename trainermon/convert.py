@@ -214,4 +214,9 @@ def _columns(rows: list[dict[str, str]], run_id: str) -> dict[str, Any]:
     columns["skipped"] = [{"1": True, "0": False}.get(r.get("skipped") or "") for r in rows]
     for key in ("calls", "bytes"):  # comm rows only
         columns[key] = [int(r[key]) if r.get(key) else None for r in rows]
+    if "stat" in header:  # xrank_*.csv: cross-rank summaries (family and stat say what they summarise)
+        columns["xrank_family"] = [r["family"] for r in rows]
+        columns["xrank_stat"] = [r["stat"] for r in rows]
+        for key in ("max_rank", "min_rank", "nonfinite_rank", "ranks"):
+            columns[key] = [int(r[key]) for r in rows]
     return columns

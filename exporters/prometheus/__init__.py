@@ -14,6 +14,9 @@ Series (every one labelled with `rank`):
     trainermon_monitor_step_seconds                                     monitor time on the training thread
     trainermon_monitor_time_seconds_total                               the same, summed
     trainermon_layer_stat{family, layer, stat}                          per-layer aggregate of the last step
+                                       (per-rank families: only with per_rank, for targets, or one rank)
+    trainermon_xrank_stat{family, layer, stat, agg}, trainermon_xrank_nonfinite{family, layer, agg}
+                                       cross-rank summaries, on rank 0 only (`xrank.py`)
     trainermon_param_stat{family, layer, name, stat}                    per tensor (prometheus.per_parameter)
     (family `comm`: layer is "{op}/{group}/{input|output|calls}", the call sites of the op summed)
     trainermon_nonfinite_steps_total                                    collected steps with any NaN/Inf
@@ -38,12 +41,13 @@ from typing import Any
 
 import numpy as np
 
-from trainermon.collect.records import StatBatch
+from trainermon.collect.records import XRANK_FAMILIES, StatBatch
 from trainermon.stats.table import VALUE_STATS, combine
 
 from ..base import Exporter, RunInfo
 from . import server as http
-from .metrics import Metrics, layer_of
+from . import xrank
+from .metrics import Exposed, Metrics, layer_of
 
 logger = logging.getLogger("trainermon")
 
@@ -69,6 +73,11 @@ class PrometheusExporter(Exporter):
         numeric_ops = tuple(s for s in VALUE_STATS if s in run.config.ops)
         self.stats = tuple(section.stats or numeric_ops or ("norm",))
         self.families = set(section.families) if section.families else None
+        # The series budget: each rank's own rows (per-rank families) only on request, for `targets`, or
+        # with one rank; otherwise rank 0's cross-rank summaries (trainermon_xrank_*) stand for them.
+        self.all_per_rank = section.per_rank or run.world_size == 1
+        self.targets = tuple(run.config.targets)
+        self._targeted: dict[str, bool] = {}
         self.max_series = section.max_series
         self.series = 0
         self._errors = None
@@ -79,6 +88,7 @@ class PrometheusExporter(Exporter):
         self._over_budget_logged = False
         rules = [r["rule_name"] for r in run.config.alert.rules if isinstance(r.get("rule_name"), str)]
         self.m = Metrics(pc, self.rank, run.run_id, self.per_parameter, rules, list(run.config.format))
+        self.exposed = Exposed(self.m.registry)
 
         host = section.host
         port = section.port + run.local_rank if section.port > 0 else 0
@@ -151,7 +161,8 @@ class PrometheusExporter(Exporter):
         m.steps.labels(rank).inc()
         if batch.scalars.update_skipped:
             m.skipped.labels(rank).inc()
-        if derived.global_grad_norm is not None:
+        # A job-wide value: from rank 0 only (every rank of a split model has it: one series is enough).
+        if derived.global_grad_norm is not None and (self.run.rank == 0 or self.run.world_size == 1):
             m.global_norm.labels(rank).set(derived.global_grad_norm)
         seconds = batch.scalars.monitor_time_ms / 1e3
         m.time.labels(rank).set(seconds)
@@ -164,6 +175,8 @@ class PrometheusExporter(Exporter):
                 child.inc(total - child._value.get())
         if batch.rows:
             self._update_stats(batch)
+        if batch.xrank is not None and batch.xrank.rows:
+            self._count_dropped(xrank.export(self, batch.xrank))
         self._sync_errors()
         self._publish()
 
@@ -201,7 +214,12 @@ class PrometheusExporter(Exporter):
 
     def _update_stats(self, batch: StatBatch) -> None:
         rows = batch.rows
-        keep = [i for i, r in enumerate(rows) if self.families is None or r.family in self.families]
+        keep = [
+            i
+            for i, r in enumerate(rows)
+            if (self.families is None or r.family in self.families)
+            and (self.all_per_rank or r.family not in XRANK_FAMILIES or self._is_target(r.name))
+        ]
         values = batch.values
         nonfinite = any(stat in values and np.any(values[stat] > 0) for stat in ("nans", "infs"))
         if "norm" in values and not np.all(np.isfinite(values["norm"])):
@@ -216,6 +234,12 @@ class PrometheusExporter(Exporter):
         self._export_groups(self.m.layer, sub_rows, sub, per_parameter=False)
         if self.m.param is not None:
             self._export_groups(self.m.param, sub_rows, sub, per_parameter=True)
+
+    def _is_target(self, name: str) -> bool:
+        hit = self._targeted.get(name)
+        if hit is None:
+            hit = self._targeted[name] = any(name == t or name.startswith(t + ".") for t in self.targets)
+        return hit
 
     def _export_groups(self, metric: Any, rows: list, values: dict, per_parameter: bool) -> None:
         index: dict[tuple, int] = {}
@@ -248,6 +272,9 @@ class PrometheusExporter(Exporter):
                     dropped += 1
                     continue
                 child.set(float(column[g]))
+        self._count_dropped(dropped)
+
+    def _count_dropped(self, dropped: int) -> None:
         if dropped:
             self.m.series_dropped.labels(self.rank).inc(dropped)
             if not self._over_budget_logged:
@@ -260,7 +287,7 @@ class PrometheusExporter(Exporter):
                 )
 
     def _render(self) -> bytes:
-        return self._pc.generate_latest(self.m.registry)
+        return self._pc.generate_latest(self.exposed)
 
     # ---- shutdown -----------------------------------------------------------------------------
     def _stop_server(self) -> None:

@@ -123,6 +123,18 @@ class Metrics:
             r,
             registry=reg,
         )
+        self.xrank = pc.Gauge(
+            "trainermon_xrank_stat",
+            "Cross-rank summary of a layer in the last collected step: max/min over ranks and their rank",
+            r + ("family", "layer", "stat", "agg"),
+            registry=reg,
+        )
+        self.xrank_nonfinite = pc.Gauge(
+            "trainermon_xrank_nonfinite",
+            "NaN and Inf elements of a layer over all ranks (count), and the lowest rank with any",
+            r + ("family", "layer", "agg"),
+            registry=reg,
+        )
         self.info.labels(rank, run_id, __version__).set(1)
         for metric in (self.steps, self.time_total, self.nonfinite, self.dropped, self.faults):
             metric.labels(rank)
@@ -130,3 +142,16 @@ class Metrics:
             self.anomalies.labels(rank, rule)
         for fmt in formats:
             self.exporter_errors.labels(rank, fmt)
+
+
+class Exposed:
+    """A registry as the page shows it: without the counters' `{name}_created` samples, a series per
+    counter and rank that Prometheus would store and nothing here reads (part of the series budget)."""
+
+    def __init__(self, registry: Any) -> None:
+        self.registry = registry
+
+    def collect(self) -> Any:
+        for metric in self.registry.collect():  # fresh objects on every call: safe to trim
+            metric.samples = [s for s in metric.samples if not s.name.endswith("_created")]
+            yield metric

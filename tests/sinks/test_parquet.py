@@ -90,7 +90,7 @@ def test_round_trip_equals_csv(tmp_path, monkeypatch):
     assert table.column_names == [
         "run_id", "rank", "family", "vpp_stage", "name", "step", "micro_step",
         "norm", "mean", "min", "max", "zeros", "nans", "infs", "numel", "shape", "dtype", "shard", "skipped",
-        "calls", "bytes",
+        "calls", "bytes", "xrank_family", "xrank_stat", "max_rank", "min_rank", "nonfinite_rank", "ranks",
     ]  # fmt: skip
     assert table.num_rows == len(csv_rows) > 100
     assert set(table.column("family").to_pylist()) == {

@@ -110,6 +110,7 @@ def write_synthetic_dataset(
                 pa.nulls(n, pa.int64()),  # calls: comm rows only
                 pa.nulls(n, pa.int64()),  # bytes: comm rows only
             ]
+            arrays += [pa.nulls(n, f.type) for f in list(schema)[len(arrays) :]]  # columns added later
             meta = {
                 "trainermon.schema_version": str(SCHEMA_VERSION),
                 "trainermon.family": family,

@@ -237,19 +237,22 @@ class StepCollector:
             roles = self._roles[key] = (takes_part(placement), writes_rows(placement))
         return roles
 
-    def finish(self, step: int, scalars: StepScalars, job_grad_norm: bool = False) -> StepPayload:
+    def finish(
+        self, step: int, scalars: StepScalars, job_grad_norm: bool = False, tail: Any = None
+    ) -> StepPayload:
         """Merge sharded rows (collectives on their groups), then move everything to the host at once.
 
         Collective: every rank of each sharded group must call this at the same step, with the same
-        sharded rows. Cost: two all-reduces per distinct group of the step's sharded rows, whatever mix
-        of groups the rows use, in the order the groups first appear in the rows' placements.
-        `job_grad_norm`: also sum the written `grad_reduced` rows' squares over every rank of the job (one
-        more one-element all-reduce on the default group; every rank must pass it at the same step), for
-        a model split over ranks (pipeline stages, tensor-parallel shards), where no rank writes all of
-        it. A rank with no rows to write and no job norm gets a payload with no rows and no transfer.
+        sharded rows. Cost: two all-reduces per distinct group of the step's sharded rows, in the order
+        the groups first appear in the rows' placements. `job_grad_norm`: also sum the written
+        `grad_reduced` rows' squares over every rank of the job (a one-element all-reduce on the default
+        group, every rank at the same step), for a model split over ranks. A rank with no rows to write,
+        no job norm and no tail gets a payload with no rows and no transfer. `tail(rows, parts) -> (extra
+        rows or None, meta)` sees the local rows first (`xrank`); its rows ride in the same transfer.
         """
         rows = list(self._rows)
         parts = list(self._parts)
+        extra, meta = tail(rows, parts) if tail is not None else (None, None)
         merged_rows, merged, merged_order = self._merge()
         permutation = None
         if merged is not None:
@@ -264,8 +267,8 @@ class StepCollector:
             table = torch.cat([p.to(device) for p in parts])
             parts = [table[torch.tensor(permutation, device=device)]]
             rows = [rows[i] for i in permutation]
-        if job_grad_norm:
-            parts.append(_job_grad_sumsq(rows, parts))
+        tails = [_job_grad_sumsq(rows, parts)] if job_grad_norm else []
+        parts += tails + ([extra] if extra is not None else [])
         if not parts:
             # Nothing for this rank to write (replicated rows belong to another rank): the step's
             # scalars still go out, so that live sinks see the step advance. No transfer needed.
@@ -274,12 +277,9 @@ class StepCollector:
         device = parts[0].device
         partials = torch.cat([p.to(device) for p in parts])
         host, ready = transfer_to_host(partials, self.transfers)
-        sumsq = None
-        if job_grad_norm:
-            host, sumsq = host[:-1], host[-1, SUMSQ]
-        return StepPayload(
-            step=step, rows=tuple(rows), partials=host, ready=ready, scalars=scalars, job_grad_sumsq=sumsq
-        )
+        sumsq = host[len(rows), SUMSQ] if job_grad_norm else None  # rows, then the job's norm, then tail
+        extra_host = None if extra is None else host[len(host) - len(extra) :]
+        return StepPayload(step, tuple(rows), host[: len(rows)], ready, scalars, sumsq, extra_host, meta)
 
     def _merge(self) -> tuple[list[RowMeta], torch.Tensor | None, list[int]]:
         """Merge the sharded rows over each of their groups; return this rank's rows to write, their

@@ -70,6 +70,9 @@ class StepPayload:
     #: Sum of norm^2 of the grad_reduced rows written by every rank of the job (a host 0-d tensor read
     #: after `ready`), where the model is split over ranks; None: this rank's own rows are the model.
     job_grad_sumsq: Any = None
+    #: Extra host rows of the same transfer (cross-rank summaries, packed), and what decodes them.
+    tail: Any = None
+    tail_meta: Any = None
 
 
 @dataclass(frozen=True)
@@ -93,3 +96,11 @@ class StatBatch:
     values: dict[str, np.ndarray]
     scalars: StepScalars = field(default_factory=StepScalars)
     derived: Derived = field(default_factory=Derived)
+    #: Cross-rank summaries of the per-rank families (`collect.xrank.XRankTable`), on the writing rank
+    xrank: Any = None
+
+
+#: Families summarised across ranks (`collect.xrank`): those whose rows are each rank's own values.
+XRANK_FAMILIES = ("actv", "actv_grad", "grad_unreduced")
+#: Columns of a cross-rank summary row, after its key (family, vpp_stage, name, micro_step, stat).
+XRANK_COLUMNS = ("max", "min", "mean", "max_rank", "min_rank", "nans", "infs", "nonfinite_rank", "ranks")

@@ -284,8 +284,9 @@ def _prometheus(raw: dict) -> PrometheusConfig:
     values["port"] = _int({"prometheus.port": values["port"]}, "prometheus.port", 0, 65535)
     _opt_str("prometheus", values, "advertise_host")
     _relative_path("prometheus", values, "sd_dir")
-    if not isinstance(values["per_parameter"], bool):
-        raise _fail("prometheus.per_parameter", values["per_parameter"], "true or false")
+    for key in ("per_parameter", "per_rank"):
+        if not isinstance(values[key], bool):
+            raise _fail(f"prometheus.{key}", values[key], "true or false")
     _choices("prometheus", values, "stats", VALUE_STATS)
     _choices("prometheus", values, "families", FAMILIES)
     values["max_series"] = _int(
@@ -352,6 +353,7 @@ def parse_config(raw: Any, source: str = "<dict>") -> MonitorConfig:
         dynamic_watch=_choice(raw, "dynamic_watch", ("inotify", "polling")),
         parquet=_parquet(raw),
         prometheus=_prometheus(raw),
+        xrank_summary=_bool(raw, "xrank_summary"),
     )
 
 

@@ -44,6 +44,9 @@ class PrometheusConfig:
     stats: tuple[str, ...] | None = None  # None = the numeric ops of the config
     families: tuple[str, ...] | None = None  # None = every family
     max_series: int = 10_000
+    #: Per-rank families (actv, actv_grad, grad_unreduced) from every rank; false: only the rows of the
+    #: modules named in `targets` (with one rank: all), the cross-rank summaries stand for the rest.
+    per_rank: bool = False
 
 
 #: Collectives `cc_distribution` can watch (trainermon's `cc_distribution.ops` picks among them).
@@ -116,6 +119,9 @@ class MonitorConfig:
     dynamic_watch: str = "inotify"  # how the config file is watched in dynamic mode: inotify or polling
     parquet: ParquetConfig = field(default_factory=ParquetConfig)
     prometheus: PrometheusConfig = field(default_factory=PrometheusConfig)
+    #: Cross-rank summaries of actv, actv_grad and grad_unreduced (family `xrank`, written by rank 0);
+    #: only with more than one rank.
+    xrank_summary: bool = True
 
     # ---- derived views -------------------------------------------------------------------------
     @property

@@ -48,7 +48,15 @@ class Deriver:
             dropped_rows=self.dropped(),
             monitor_faults=self.faults.total,
         )
-        batch = StatBatch(payload.step, rows, values, payload.scalars, derived)
+        xrank = None
+        if payload.tail_meta is not None:
+            from trainermon.collect.xrank import decode
+
+            try:
+                xrank = decode(payload.tail_meta, payload.tail.numpy())
+            except Exception as exc:  # noqa: BLE001 - the step's own rows are still written
+                self.faults.record("cross-rank summaries", exc, "this step's summaries are skipped")
+        batch = StatBatch(payload.step, rows, values, payload.scalars, derived, xrank)
         if self.detector is not None:
             self.detector.check(batch)
             batch = replace(batch, derived=replace(derived, anomalies_total=self.detector.totals()))

@@ -29,6 +29,7 @@ from typing import Any
 from trainermon.collect.collector import StepCollector
 from trainermon.collect.records import StatBatch, StepScalars
 from trainermon.collect.transfer import TransferCounter
+from trainermon.collect.xrank import CrossRank
 from trainermon.config import Env, MonitorConfig
 from trainermon.failsafe import FaultLog
 from trainermon.pipeline.derive import Deriver
@@ -69,6 +70,7 @@ class StepLoop:
         self.engine = StatsEngine(engine_options(config))
         self.transfers = TransferCounter()
         self.collector = StepCollector(self.engine, self.transfers, self.faults)
+        self.xrank = CrossRank(self.rank, self.world_size)
         self.schedule = Schedule(config)
         self.escalation = Escalation()
         self.outputs = Outputs(env, self.rank, self.world_size, self.faults)
@@ -106,6 +108,8 @@ class StepLoop:
         self.adapter = adapter
         self.step = start_iteration
         self.outputs.coords = adapter.coordinates()
+        self.xrank.attach()  # collective: a CPU group (the summaries' layout check, the run id)
+        self.outputs.share(self.xrank.cpu_group)  # collective: rank 0's run id on every rank
         self.detector = self._make_detector()
         deriver = Deriver(self.faults, self.detector)
         self.worker = BackgroundWorker(
@@ -272,7 +276,8 @@ class StepLoop:
         if plan.scheduled:
             self.schedule.mark_collected()
         job_norm = plan.grads and self.adapter is not None and self.adapter.splits_model
-        payload = self.collector.finish(plan.step, scalars, job_grad_norm=job_norm)
+        tail = self.xrank.tail(plan.scheduled, self.config)  # cross-rank summaries (collective)
+        payload = self.collector.finish(plan.step, scalars, job_grad_norm=job_norm, tail=tail)
         own_ms = (self._time_now() - self._step_mark) * 1e3
         payload = dataclasses.replace(
             payload, scalars=dataclasses.replace(payload.scalars, monitor_time_ms=own_ms)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from datetime import datetime
+from typing import Any
 
 from trainermon.config import Env, MonitorConfig
 from trainermon.failsafe import FaultLog
@@ -12,7 +14,12 @@ from trainermon.failsafe import FaultLog
 
 class Outputs:
     """This rank's run directory (`{MONITOR_OUTPUT_DIR}/{time}-rank{R}-{id}`, msprobe's layout) and its
-    exporters. A config that changes the columns or the sinks gets a new directory (`renew`)."""
+    exporters. A config that changes the columns or the sinks gets a new directory (`renew`).
+
+    The `{id}` part is the run id. msprobe draws it on each rank (8 hex digits of a uuid4), so the ranks
+    of one job share nothing in their output; here rank 0 draws it and `share` hands it, with rank 0's
+    start time, to every rank at `set_monitor` (one broadcast), so every rank's directory, Parquet rows
+    and Prometheus labels carry the same job-wide id."""
 
     def __init__(self, env: Env, rank: int, world_size: int, faults: FaultLog) -> None:
         self.root = env.output_dir
@@ -21,15 +28,27 @@ class Outputs:
         self.world_size = world_size
         self.faults = faults
         self.coords: dict = {}  # the rank's place in the parallel layout, set by the loop at attach
+        self.run_id = uuid.uuid4().hex[:8]
+        self._started = int(time.time())
         self.run_dir = self._new_dir()
 
     def _new_dir(self) -> str:
-        stamp = datetime.now().strftime("%b%d_%H-%M-%S")
-        return os.path.join(self.root, f"{stamp}-rank{self.rank}-{uuid.uuid4().hex[:8]}")
+        stamp = datetime.fromtimestamp(self._started).strftime("%b%d_%H-%M-%S")
+        return os.path.join(self.root, f"{stamp}-rank{self.rank}-{self.run_id}")
 
-    @property
-    def run_id(self) -> str:
-        return os.path.basename(self.run_dir).rsplit("-", 1)[-1]
+    def share(self, group: Any) -> None:
+        """Collective over `group`, a CPU (gloo) group of every rank (None: not distributed; every rank
+        calls it once, at `set_monitor`): take rank 0's run id and start time, as two integers (never a
+        pickled object over the wire)."""
+        if group is None:
+            return
+        import torch
+        import torch.distributed as dist
+
+        box = torch.tensor([int(self.run_id, 16), self._started], dtype=torch.int64)
+        dist.broadcast(box, src=0, group=group)
+        self.run_id, self._started = f"{int(box[0]):08x}", int(box[1])
+        self.run_dir = self._new_dir()
 
     def open(self, config: MonitorConfig) -> list:
         """The configured sinks, opened; one that cannot open is left out, counted and logged."""
@@ -52,6 +71,9 @@ class Outputs:
             return []
 
     def renew(self, config: MonitorConfig) -> list:
-        """A new run directory and sinks for it (new columns or sinks after a config change)."""
+        """A new run directory and sinks for it (new columns or sinks after a config change). The run id
+        stays the job's; the time part moves on by at least a second, so the name is new on every rank
+        (every rank renews at the same step) without a collective."""
+        self._started = max(int(time.time()), self._started + 1)
         self.run_dir = self._new_dir()
         return self.open(config)
