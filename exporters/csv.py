@@ -4,7 +4,8 @@ Files: `{run_dir}/{family}_{first}-{last}.csv`, where [first, last] is the step 
 `step_count_per_record` steps. Columns: `vpp_stage,name,step[,micro_step],{ops...},shape,dtype,shard`
 (micro_step for actv, actv_grad, and grad_unreduced with monitor_mbs_grad): msprobe's columns, then
 trainermon's `shard`, empty unless the rank's row holds only a piece of the tensor (a DTensor's local
-shard), so msprobe's readers, which select columns by name, keep working. Each family's rows of a step
+shard), so msprobe's readers, which select columns by name, keep working. Families with columns of
+their own append them after `shard` (`update`: `ratio`, see `EXTRA_COLUMNS`). Each family's rows of a step
 go to the file in one unbuffered write, so a killed process leaves complete rows only, and a write that
 fails part-way (disk full) is cut back to the last complete row.
 """
@@ -22,6 +23,9 @@ from trainermon.collect.records import StatBatch
 from trainermon.stats.table import BY_NAME, Kind
 
 from .base import Exporter, RunInfo
+
+#: Columns some families have beyond the statistics (appended at the end of their files).
+EXTRA_COLUMNS = {"update": ("ratio",)}
 
 
 def _csv_field(text: str) -> str:
@@ -76,9 +80,9 @@ class CsvExporter(Exporter):
             with open(os.path.join(self.run_dir, "layout.json"), "w", encoding="utf-8") as fh:
                 json.dump({"rank": run.rank, "world_size": run.world_size, **run.coords}, fh, sort_keys=True)
 
-    def header(self, with_micro_step: bool) -> list[str]:
+    def header(self, with_micro_step: bool, family: str = "") -> list[str]:
         head = ["vpp_stage", "name", "step"] + (["micro_step"] if with_micro_step else [])
-        return head + list(self.ops) + ["shard"]
+        return head + list(self.ops) + ["shard"] + list(EXTRA_COLUMNS.get(family, ()))
 
     def write(self, batch: StatBatch) -> None:
         # Column-wise formatting (one C-level format per value, cached per-row text for name, shape and
@@ -95,10 +99,14 @@ class CsvExporter(Exporter):
             handle = self._file_for(family, batch.step, with_micro)
             # A family whose lines equal another's (grad_reduced and grad_unreduced without data
             # parallelism: the same tensors) reuses that text, since a line has no family column.
-            text = next((t for other, t in written if self._same_lines(batch, other, indices)), None)
+            extra = EXTRA_COLUMNS.get(family, ())
+            text = None
+            if not extra:
+                text = next((t for other, t in written if self._same_lines(batch, other, indices)), None)
             if text is None:
-                text = self._format(batch, rows, indices, step, with_micro)
-                written.append((indices, text))
+                text = self._format(batch, rows, indices, step, with_micro, extra)
+                if not extra:
+                    written.append((indices, text))
             handle.write(text)
 
     def _same_lines(self, batch: StatBatch, a: list[int], b: list[int]) -> bool:
@@ -113,7 +121,9 @@ class CsvExporter(Exporter):
             if op in batch.values
         )
 
-    def _format(self, batch: StatBatch, rows: list, indices: list[int], step: str, with_micro: bool) -> str:
+    def _format(
+        self, batch: StatBatch, rows: list, indices: list[int], step: str, with_micro: bool, extra: tuple = ()
+    ) -> str:
         fields: list[list[str]] = [[self._head(r) for r in rows], [step] * len(rows)]
         if with_micro:
             fields.append([str(r.micro_step or 0) for r in rows])
@@ -128,6 +138,10 @@ class CsvExporter(Exporter):
             elif BY_NAME[op].kind is Kind.COUNT:
                 fields.append([str(int(v)) for v in batch.values[op][indices].tolist()])
         fields.append([_csv_field(r.shard) if r.shard else "" for r in rows])
+        for column in extra:  # float columns, NaN where a batch has none
+            got = batch.values.get(column)
+            fmt = f"%.{self.ndigits}g"
+            fields.append(["nan"] * len(rows) if got is None else [fmt % v for v in got[indices].tolist()])
         return "".join(",".join(line) + "\n" for line in zip(*fields))
 
     def _head(self, row) -> str:
@@ -158,7 +172,7 @@ class CsvExporter(Exporter):
         new = not os.path.exists(path)
         handle = _RowFile(path)
         if new:
-            handle.write(",".join(self.header(with_micro)) + "\n")
+            handle.write(",".join(self.header(with_micro, family)) + "\n")
         self._files[family] = (first, handle)
         return handle
 

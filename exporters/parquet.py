@@ -43,6 +43,11 @@ FLOAT_STATS, COUNT_STATS = table.FLOAT_STATS, table.COUNT_STATS
 STATS = FLOAT_STATS + COUNT_STATS
 #: Columns of the tidy table as `trainermon.load` returns it, in order.
 COLUMNS = ("run_id", "vpp_stage", "name", "step", "micro_step") + STATS + ("numel", "shape", "dtype", "shard")
+#: Float columns of some families only, at the end of the schema (null in the other families' rows):
+#: `ratio` = ||dw|| / ||w|| of the `update` family.
+EXTRA_FLOATS = ("ratio",)
+EXTRA_FAMILIES = {"ratio": ("update",)}
+COLUMNS += EXTRA_FLOATS
 PART_PREFIX = "part-"
 DATASET_MARKER = "_trainermon_dataset.json"
 POINTER_FILE = "parquet.json"  # in each rank's run directory: where its rows went
@@ -77,6 +82,7 @@ def file_schema():
         # null for whole tensors. Files written before this column read it as null.
         pa.field("shard", pa.string()),
     ]
+    fields += [pa.field(s, pa.float64()) for s in EXTRA_FLOATS]  # files written before read null
     return pa.schema(fields)
 
 
@@ -160,7 +166,7 @@ class ColumnBuffer:
         arrays = []
         for field in schema:
             name = field.name
-            if name in STATS:
+            if name in STATS or name in EXTRA_FLOATS:
                 arrays.append(self._stat(pa, name, field.type))
             elif name == "micro_step":
                 data = np.concatenate([np.asarray(c, dtype=np.int64) for c in self.chunks[name]])
@@ -328,6 +334,10 @@ class ParquetExporter(Exporter):
                     columns[stat] = np.asarray(batch.values[stat], dtype=np.float64)[idx]
                 else:
                     columns[stat] = None  # not collected: null, never a made-up number
+            for extra in EXTRA_FLOATS:
+                got = batch.values.get(extra)
+                mine = got is not None and family in EXTRA_FAMILIES[extra]
+                columns[extra] = np.asarray(got, dtype=np.float64)[idx] if mine else None
             buffer = self.buffers.setdefault(family, ColumnBuffer())
             buffer.extend(columns, steps)
         self.steps_buffered += 1

@@ -54,6 +54,7 @@ class TensorBoardExporter(Exporter):
     def write(self, batch: StatBatch) -> None:
         add, step = self.writer.add_scalar, batch.step
         columns = [(op, batch.values[op]) for op in self.ops if op in batch.values]
+        ratio = batch.values.get("ratio")  # ||dw|| / ||w|| of the update family's rows
         for i, row in enumerate(batch.rows):
             key = (row.family, row.vpp_stage, row.name, row.micro_step)
             prefix = self._prefixes.get(key)
@@ -61,6 +62,8 @@ class TensorBoardExporter(Exporter):
                 prefix = self._prefixes[key] = tag_prefix(*key, self.rank)
             for op, column in columns:
                 add(f"{prefix}_{op}", float(column[i]), step)
+            if ratio is not None and row.family == "update":
+                add(f"{prefix}_ratio", float(ratio[i]), step)
         derived = batch.derived
         if derived.global_grad_norm is not None and math.isfinite(derived.global_grad_norm):
             add("trainermon/global_grad_norm", derived.global_grad_norm, step)

@@ -21,7 +21,14 @@ from typing import Any
 
 import numpy as np
 
-from trainermon.exporters.parquet import COUNT_STATS, STATS, ColumnBuffer, write_dataset_marker, write_part
+from trainermon.exporters.parquet import (
+    COUNT_STATS,
+    EXTRA_FLOATS,
+    STATS,
+    ColumnBuffer,
+    write_dataset_marker,
+    write_part,
+)
 
 logger = logging.getLogger("trainermon")
 
@@ -211,4 +218,6 @@ def _columns(rows: list[dict[str, str]], run_id: str) -> dict[str, Any]:
         columns["numel"] = [int(np.prod(s)) if s is not None else None for s in shapes]
     columns["dtype"] = [r.get("dtype") or None for r in rows]
     columns["shard"] = [r.get("shard") or None for r in rows]  # absent in msprobe's and older CSV
+    for extra in EXTRA_FLOATS:  # family columns (update: ratio), absent elsewhere
+        columns[extra] = np.array([_number(r[extra]) for r in rows]) if extra in header else None
     return columns

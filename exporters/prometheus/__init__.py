@@ -233,10 +233,15 @@ class PrometheusExporter(Exporter):
             groups[i] = g
         stats = tuple(s for s in self.stats if s in values)
         combined = aggregate(groups, len(labels), values, stats)
+        if "ratio" in values:  # the update family's ||dw||/||w||: a layer shows its largest parameter's
+            combined["ratio"] = _max_by_group(groups, len(labels), values["ratio"])
+            stats += ("ratio",)
         dropped = 0
         for stat in stats:
             column = combined[stat]
             for g, key in enumerate(labels):
+                if stat == "ratio" and key[0] != "update":
+                    continue
                 child = self._child(metric, (self.rank, *key, stat))
                 if child is None:
                     dropped += 1
@@ -272,3 +277,10 @@ class PrometheusExporter(Exporter):
             except FileNotFoundError:
                 pass
             self.sd_path = None
+
+
+def _max_by_group(groups: np.ndarray, count: int, values: np.ndarray) -> np.ndarray:
+    """The largest non-NaN value of each group (NaN where a group has none)."""
+    out = np.full(count, -np.inf)
+    np.fmax.at(out, groups, np.asarray(values, dtype=np.float64))
+    return np.where(np.isneginf(out), np.nan, out)

@@ -88,6 +88,7 @@ def _run_layout(rank: int, out_root: str, tag: str, keys: dict) -> dict:
             "wg_distribution": True,
             "mv_distribution": True,
             "param_distribution": True,
+            "update_distribution": True,
             "xy_distribution": True,
             "all_xy": True,
             "ops": list(OPS),
@@ -111,12 +112,18 @@ def _run_layout(rank: int, out_root: str, tag: str, keys: dict) -> dict:
         monitor.set_monitor(model, grad_acc_steps=2, optimizer=optimizer)
     refs: dict[tuple, dict] = {}
     norms, derived = [], []
+    # the update's reference: full parameters before and after each step, gathered by the test
+    before = {n: t["param"] for n, t in full_optimizer_tensors(model, optimizer, keys=("param",)).items()}
     for step in range(STEPS):
         _, grad_norm = train_step(model, optimizer, layout, step)
         norms.append(grad_norm)
         for name, tensors in full_optimizer_tensors(model, optimizer).items():
             for family, key in OPTIMIZER_FAMILIES.items():
                 refs[(family, name, step)] = {**ref_stats(tensors[key]), "shape": list(tensors[key].shape)}
+            delta = tensors["param"].double() - before[name].double()
+            ratio = float(delta.norm() / before[name].double().norm())
+            refs[("update", name, step)] = {**ref_stats(delta), "shape": list(delta.shape), "ratio": ratio}
+            before[name] = tensors["param"]
         monitor.flush()
         batch = monitor.last_batch
         derived.append(None if batch is None else batch.derived.global_grad_norm)
@@ -170,7 +177,7 @@ def _check_layout(
         refs.update(res["refs"])
     names: dict[str, set] = {}
     wrong = []
-    for family in OPTIMIZER_FAMILIES:
+    for family in (*OPTIMIZER_FAMILIES, "update"):
         rows = _rows(results, tag, family)
         writers = Counter((row["name"], int(row["step"])) for _, row in rows)
         twice = [k for k, n in writers.items() if n > 1]
@@ -200,6 +207,10 @@ def _check_layout(
                     > 1e-5 * abs(want) + 1e-6 * ref["norm"] / math.sqrt(math.prod(ref["shape"])) + 1e-12
                 ):
                     wrong.append((family, row["name"], row["step"], op, got, want))
+            if family == "update":  # inf where the weight was all zeros (biases at step 0)
+                got, want = float(row["ratio"]), ref["ratio"]
+                if not (got == want or abs(got - want) <= 1e-5 * want):
+                    wrong.append((family, row["name"], row["step"], "ratio", got, want))
         names[family] = {n for n, _ in writers}
     assert not wrong, f"{tag}: {len(wrong)} wrong values, e.g. {wrong[:5]}"
     if chunk0_only:

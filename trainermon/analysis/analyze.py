@@ -12,7 +12,7 @@ import pandas as pd
 
 from .jsonutil import describe, jsonable, records
 from .scan import RunSummary, scan
-from .source import FLOAT_STATS, RunSource, open_run
+from .source import FAMILY_STATS, FLOAT_STATS, RunSource, open_run
 from .trends import find_spikes, first_nonfinite, global_grad_norm, growth, heatmap, nonfinite_cells
 
 #: Statistics drawn as heatmaps by default (those the run has).
@@ -157,7 +157,7 @@ def analyze(
     if bad_stats:
         raise KeyError(f"unknown statistics {bad_stats}; allowed: {list(FLOAT_STATS) + ['nans', 'infs']}")
     scan_stats = list(dict.fromkeys(wanted + ["nans", "infs"]))
-    family_stats = {f: scan_stats for f in fams}
+    family_stats = {f: scan_stats + list(FAMILY_STATS.get(f, ())) for f in fams}
     if "grad_reduced" in available and "grad_reduced" not in fams:
         family_stats["grad_reduced"] = ["norm", "nans", "infs"]
     summary = scan(
@@ -182,7 +182,7 @@ def analyze(
         if not len(grid.tensors):
             continue
         nonfinite[fam] = nonfinite_cells(summary, fam)
-        for stat in wanted:
+        for stat in wanted + list(FAMILY_STATS.get(fam, ())):  # update: a ratio heatmap as well
             if stat in grid.seen_stats:
                 heatmaps[(fam, stat)] = heatmap(summary, fam, stat)
         if growth_stat in grid.seen_stats:

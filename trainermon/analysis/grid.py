@@ -50,6 +50,9 @@ _NEEDS = {
 }
 _NEEDS.pop("numel", None)  # element counts come with the rows, not as a statistic of cells
 _RULE = {name: BY_NAME[name].combine for name in _NEEDS}
+# ratio (update family): one writer per parameter, so a cell has one row; MAX if a copy appears.
+_NEEDS["ratio"] = ("n_ratio", "ratio")
+_RULE["ratio"] = Combine.MAX
 _FILL = {f"first_{s}": np.nan for s, r in _RULE.items() if r is Combine.L2}
 _FILL.update({f"same_{s}": True for s, r in _RULE.items() if r is Combine.L2})
 _FILL.update({s: np.inf for s, r in _RULE.items() if r is Combine.MIN})

@@ -106,6 +106,7 @@ def write_synthetic_dataset(
                 ),
                 dtype_dict.take(pa.array(np.zeros(n, dtype=np.int64))),
                 pa.nulls(n, pa.string()),
+                pa.nulls(n, pa.float64()),  # ratio: update rows only
             ]
             meta = {
                 "trainermon.schema_version": str(SCHEMA_VERSION),

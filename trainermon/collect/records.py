@@ -22,6 +22,7 @@ FAMILIES = (
     "exp_avg",
     "exp_avg_sq",
     "param_updated",
+    "update",
 )
 #: Families whose rows carry a micro_step column (msprobe's layout), besides grad_unreduced with
 #: monitor_mbs_grad.

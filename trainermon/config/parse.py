@@ -339,6 +339,7 @@ def parse_config(raw: Any, source: str = "<dict>") -> MonitorConfig:
         dynamic_watch=_choice(raw, "dynamic_watch", ("inotify", "polling")),
         parquet=_parquet(raw),
         prometheus=_prometheus(raw),
+        update_distribution=_bool(raw, "update_distribution"),
     )
 
 

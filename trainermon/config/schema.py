@@ -80,6 +80,8 @@ class MonitorConfig:
     dynamic_watch: str = "inotify"  # how the config file is watched in dynamic mode: inotify or polling
     parquet: ParquetConfig = field(default_factory=ParquetConfig)
     prometheus: PrometheusConfig = field(default_factory=PrometheusConfig)
+    # training-health families (off by default)
+    update_distribution: bool = False  # family `update`: statistics of this step's update, and ||dw||/||w||
 
     # ---- derived views -------------------------------------------------------------------------
     @property
@@ -102,7 +104,8 @@ class MonitorConfig:
 
     @property
     def collects_optimizer_side(self) -> bool:
-        return self.wg_distribution or self.mv_distribution or self.param_distribution
+        on = (self.wg_distribution, self.mv_distribution, self.param_distribution, self.update_distribution)
+        return any(on)
 
     #: Keys whose change gives new output columns or sinks (a reloaded config opens a new run directory).
     OUTPUT_KEYS = ("ops", "format", "step_count_per_record", "ndigits", "parquet", "prometheus")

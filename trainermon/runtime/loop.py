@@ -99,7 +99,7 @@ class StepLoop:
     # ==== attaching ================================================================================
     def attach(self, adapter: Any, start_iteration: int) -> None:
         """Wire the probes, the worker and the adapter's step events; begin the first step."""
-        from .probes import ActivationProbe, GradientProbe, OptimizerProbe, SideOutputsProbe
+        from .probes import ActivationProbe, GradientProbe, OptimizerProbe, SideOutputsProbe, UpdateProbe
 
         self.adapter = adapter
         self.step = start_iteration
@@ -119,6 +119,7 @@ class StepLoop:
             ActivationProbe(self),
             GradientProbe(self),
             OptimizerProbe(self),
+            UpdateProbe(self),
             SideOutputsProbe(self),
         ]
         self.subscribe(self._reselect)

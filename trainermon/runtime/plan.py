@@ -47,6 +47,7 @@ class StepPlan:
     microbatch_grads: bool = False  # monitor_mbs_grad: each micro-batch's own grad_unreduced
     moments: bool = False  # mv_distribution
     params: bool = False  # param_distribution
+    update: bool = False  # update_distribution: the optimizer's update of each parameter
 
     @property
     def collecting(self) -> bool:
@@ -66,4 +67,5 @@ def plan_step(config: MonitorConfig, step: int, scheduled: bool, escalating: boo
         microbatch_grads=scheduled and config.wg_distribution and config.monitor_mbs_grad,
         moments=scheduled and config.mv_distribution,
         params=scheduled and config.param_distribution,
+        update=scheduled and config.update_distribution,
     )

@@ -15,5 +15,6 @@ from .base import Probe
 from .gradients import GradientProbe
 from .optimizer import OptimizerProbe
 from .side_outputs import SideOutputsProbe
+from .update import UpdateProbe
 
-__all__ = ["ActivationProbe", "GradientProbe", "OptimizerProbe", "Probe", "SideOutputsProbe"]
+__all__ = ["ActivationProbe", "GradientProbe", "OptimizerProbe", "Probe", "SideOutputsProbe", "UpdateProbe"]
