@@ -1,5 +1,6 @@
 """Cost of the training-health families (issue 25): `update_distribution` beside no monitor and beside
-`param_distribution` (which reads the same parameters twice, without the copy).
+`param_distribution` (which reads the same parameters twice, without the copy), on the two workloads of
+benchmarks/overhead.py; `moe_distribution` beside no monitor on (c), a small Mixtral.
 
     python benchmarks/health_cost.py            # both workloads of benchmarks/overhead.py
     python benchmarks/health_cost.py --quick    # smoke run
@@ -34,13 +35,65 @@ if REPO not in sys.path:
 from benchmarks.overhead import OwnTimer, gpt_workload, many_workload, peak_rss_mb  # noqa: E402
 
 OPS = ["norm", "min", "max", "mean"]
-CONFIGS = {"none": None, "param": {"param_distribution": True}, "update": {"update_distribution": True}}
+CONFIGS = {
+    "none": None,
+    "param": {"param_distribution": True},
+    "update": {"update_distribution": True},
+    "moe": {"moe_distribution": True},
+}
+#: The arms of each workload: the update beside param on the dense models, moe_load on the MoE one.
+ARMS = {"a": ("none", "param", "update"), "b": ("none", "param", "update"), "c": ("none", "moe")}
+
+
+def mixtral_workload(hidden: int = 128, layers: int = 4, experts: int = 8, seq: int = 128, batch: int = 4):
+    """(c) a small Mixtral from transformers' config (never downloaded): top-2 of `experts` per layer."""
+    from benchmarks.overhead import Workload
+
+    def build() -> torch.nn.Module:
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        config = MixtralConfig(
+            vocab_size=1024,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=experts,
+            num_experts_per_tok=2,
+            max_position_embeddings=seq,
+        )
+        return _Logits(MixtralForCausalLM(config))
+
+    def make_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.randint(0, 1024, (batch, seq), generator=torch.Generator().manual_seed(1))
+        return ids, ids
+
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(out.flatten(0, 1), target.flatten())
+
+    title = f"Mixtral-like hidden={hidden} layers={layers} experts={experts} top-2 seq={seq} batch={batch}"
+    return Workload("c", title, build, make_batch, loss)
+
+
+class _Logits(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids).logits
 
 
 def _workloads(quick: bool) -> dict[str, Any]:
     if quick:
-        return {"a": gpt_workload(d=128, layers=2, vocab=1024, seq=64, batch=2), "b": many_workload(layers=8)}
-    return {"a": gpt_workload(), "b": many_workload()}
+        small = mixtral_workload(hidden=32, layers=2, experts=4, seq=32, batch=2)
+        return {
+            "a": gpt_workload(d=128, layers=2, vocab=1024, seq=64, batch=2),
+            "b": many_workload(layers=8),
+            "c": small,
+        }
+    return {"a": gpt_workload(), "b": many_workload(), "c": mixtral_workload()}
 
 
 class _CopyMeter:
@@ -105,7 +158,7 @@ def rss_probe(key: str, config: str, quick: bool) -> float:
 def bench(key: str, work, blocks: int, steps: int, quick: bool) -> dict[str, Any]:
     meter = _CopyMeter()
     with tempfile.TemporaryDirectory(prefix="tm-health-") as out:
-        arms = [_arm(work, c, out) for c in CONFIGS]
+        arms = [_arm(work, c, out) for c in ARMS[key]]
         for arm in arms:
             _step(arm, work.loss)
             arm["times"].clear()
@@ -154,8 +207,9 @@ def main() -> None:
     blocks, steps = (2, 2) if args.quick else (6, 1)
     results = {}
     for key, work in _workloads(args.quick).items():
-        results[key] = r = bench(key, work, blocks, steps if key == "a" else 5 * steps, args.quick)
-        print(f"({key}) {r['title']}: parameters {r['param_mb']:.1f} MB, update copy {r['copy_mb']:.1f} MB")
+        results[key] = r = bench(key, work, blocks, 5 * steps if key == "b" else steps, args.quick)
+        copy = f", update copy {r['copy_mb']:.1f} MB" if "update" in r["arms"] else ""
+        print(f"({key}) {r['title']}: parameters {r['param_mb']:.1f} MB{copy}")
         for name, a in r["arms"].items():
             print(
                 f"  {name:7s} step {a['median_step_ms']:9.1f} ms  overhead {a['overhead_pct']:+6.1f}%  "

@@ -5,9 +5,9 @@ Files: `{run_dir}/{family}_{first}-{last}.csv`, where [first, last] is the step 
 (micro_step for actv, actv_grad, and grad_unreduced with monitor_mbs_grad): msprobe's columns, then
 trainermon's `shard`, empty unless the rank's row holds only a piece of the tensor (a DTensor's local
 shard), so msprobe's readers, which select columns by name, keep working. Families with columns of
-their own append them after `shard` (`update`: `ratio`, see `EXTRA_COLUMNS`). Each family's rows of a step
-go to the file in one unbuffered write, so a killed process leaves complete rows only, and a write that
-fails part-way (disk full) is cut back to the last complete row.
+their own append them after `shard` (`update`: `ratio`; `moe_load`: see `collect/family_columns.py`).
+Each family's rows of a step go to the file in one unbuffered write, so a killed process leaves
+complete rows only, and a write that fails part-way (disk full) is cut back to the last complete row.
 """
 
 from __future__ import annotations
@@ -19,13 +19,15 @@ import os
 
 import numpy as np
 
+from trainermon.collect.family_columns import FAMILY_COLUMNS
 from trainermon.collect.records import StatBatch
 from trainermon.stats.table import BY_NAME, Kind
 
 from .base import Exporter, RunInfo
 
 #: Columns some families have beyond the statistics (appended at the end of their files).
-EXTRA_COLUMNS = {"update": ("ratio",)}
+EXTRA_COLUMNS = {family: tuple(name for name, _ in cols) for family, cols in FAMILY_COLUMNS.items()}
+_KIND = {name: kind for cols in FAMILY_COLUMNS.values() for name, kind in cols}
 
 
 def _csv_field(text: str) -> str:
@@ -138,10 +140,18 @@ class CsvExporter(Exporter):
             elif BY_NAME[op].kind is Kind.COUNT:
                 fields.append([str(int(v)) for v in batch.values[op][indices].tolist()])
         fields.append([_csv_field(r.shard) if r.shard else "" for r in rows])
-        for column in extra:  # float columns, NaN where a batch has none
+        fmt = f"%.{self.ndigits}g"
+        for column in extra:  # NaN (empty for ints and lists) where a batch has none
             got = batch.values.get(column)
-            fmt = f"%.{self.ndigits}g"
-            fields.append(["nan"] * len(rows) if got is None else [fmt % v for v in got[indices].tolist()])
+            kind = _KIND[column]
+            if got is None:
+                fields.append(["nan" if kind == "float" else ""] * len(rows))
+            elif kind == "list":
+                fields.append([_csv_field(str(v)) if v is not None else "" for v in got[indices].tolist()])
+            elif kind == "int":
+                fields.append([str(int(v)) if v == v else "" for v in got[indices].tolist()])
+            else:
+                fields.append([fmt % v for v in got[indices].tolist()])
         return "".join(",".join(line) + "\n" for line in zip(*fields))
 
     def _head(self, row) -> str:

@@ -12,6 +12,7 @@ dataset layout as the Parquet exporter (`OUT/family=.../rank=.../part-....parque
 from __future__ import annotations
 
 import csv
+import json
 import logging
 import math
 import os
@@ -21,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from trainermon.collect.family_columns import EXTRA_COLUMNS
 from trainermon.exporters.parquet import (
     COUNT_STATS,
-    EXTRA_FLOATS,
     STATS,
     ColumnBuffer,
     write_dataset_marker,
@@ -218,6 +219,11 @@ def _columns(rows: list[dict[str, str]], run_id: str) -> dict[str, Any]:
         columns["numel"] = [int(np.prod(s)) if s is not None else None for s in shapes]
     columns["dtype"] = [r.get("dtype") or None for r in rows]
     columns["shard"] = [r.get("shard") or None for r in rows]  # absent in msprobe's and older CSV
-    for extra in EXTRA_FLOATS:  # family columns (update: ratio), absent elsewhere
-        columns[extra] = np.array([_number(r[extra]) for r in rows]) if extra in header else None
+    for extra, kind, _families in EXTRA_COLUMNS:  # family columns (update: ratio, ...), absent elsewhere
+        if extra not in header:
+            columns[extra] = None
+        elif kind == "list":
+            columns[extra] = [json.loads(r[extra]) if r[extra] else None for r in rows]
+        else:
+            columns[extra] = np.array([_number(r[extra]) for r in rows])
     return columns

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from trainermon.collect.family_columns import EXTRA_COLUMNS
 from trainermon.collect.records import StatBatch
 from trainermon.stats.table import VALUE_STATS, combine
 
@@ -233,15 +234,16 @@ class PrometheusExporter(Exporter):
             groups[i] = g
         stats = tuple(s for s in self.stats if s in values)
         combined = aggregate(groups, len(labels), values, stats)
-        if "ratio" in values:  # the update family's ||dw||/||w||: a layer shows its largest parameter's
-            combined["ratio"] = _max_by_group(groups, len(labels), values["ratio"])
-            stats += ("ratio",)
+        for extra in _FAMILY_GAUGES:  # update: ratio; moe_load: load_cv, dropped, aux_loss
+            if extra in values:  # a layer shows the largest value of its rows
+                combined[extra] = _max_by_group(groups, len(labels), values[extra])
+                stats += (extra,)
         dropped = 0
         for stat in stats:
             column = combined[stat]
             for g, key in enumerate(labels):
-                if stat == "ratio" and key[0] != "update":
-                    continue
+                if stat in _FAMILY_GAUGES and (key[0] not in _FAMILY_GAUGES[stat] or np.isnan(column[g])):
+                    continue  # another family's row, or a value the router does not report
                 child = self._child(metric, (self.rank, *key, stat))
                 if child is None:
                     dropped += 1
@@ -277,6 +279,10 @@ class PrometheusExporter(Exporter):
             except FileNotFoundError:
                 pass
             self.sd_path = None
+
+
+#: Float columns of single families exported as gauges (stat label = the column), by family.
+_FAMILY_GAUGES = {name: families for name, kind, families in EXTRA_COLUMNS if kind == "float"}
 
 
 def _max_by_group(groups: np.ndarray, count: int, values: np.ndarray) -> np.ndarray:

@@ -93,6 +93,7 @@ def test_round_trip_equals_csv(tmp_path, monkeypatch):
     assert table.column_names == [
         "run_id", "rank", "family", "vpp_stage", "name", "step", "micro_step",
         "norm", "mean", "min", "max", "zeros", "nans", "infs", "numel", "shape", "dtype", "shard", "ratio",
+        "load_cv", "max_expert", "min_expert", "dropped", "aux_loss", "expert_load",
     ]  # fmt: skip
     assert table.num_rows == len(csv_rows) > 100
     assert set(table.column("family").to_pylist()) == {

@@ -31,8 +31,8 @@ from trainermon.collect.records import FAMILIES
 from trainermon.stats.table import COUNT_STATS, FLOAT_STATS
 
 #: Statistics the analysis knows (float statistics, then counts), from the statistics table, then the
-#: columns of single families (`update`: ratio = ||dw|| / ||w||).
-FAMILY_STATS = {"update": ("ratio",)}
+#: columns of single families drawn as heatmaps (`update`: ratio = ||dw|| / ||w||; `moe_load`: load_cv).
+FAMILY_STATS = {"update": ("ratio",), "moe_load": ("load_cv",)}
 ALL_STATS = FLOAT_STATS + COUNT_STATS + tuple(s for extra in FAMILY_STATS.values() for s in extra)
 
 _CSV_FILE = re.compile(r"^(?P<family>.+)_(?P<first>\d+)-(?P<last>\d+)\.csv$")

@@ -106,8 +106,8 @@ def write_synthetic_dataset(
                 ),
                 dtype_dict.take(pa.array(np.zeros(n, dtype=np.int64))),
                 pa.nulls(n, pa.string()),
-                pa.nulls(n, pa.float64()),  # ratio: update rows only
             ]
+            arrays += [pa.nulls(n, f.type) for f in list(schema)[len(arrays) :]]  # family columns: null
             meta = {
                 "trainermon.schema_version": str(SCHEMA_VERSION),
                 "trainermon.family": family,

@@ -23,6 +23,7 @@ FAMILIES = (
     "exp_avg_sq",
     "param_updated",
     "update",
+    "moe_load",
 )
 #: Families whose rows carry a micro_step column (msprobe's layout), besides grad_unreduced with
 #: monitor_mbs_grad.

@@ -340,6 +340,7 @@ def parse_config(raw: Any, source: str = "<dict>") -> MonitorConfig:
         parquet=_parquet(raw),
         prometheus=_prometheus(raw),
         update_distribution=_bool(raw, "update_distribution"),
+        moe_distribution=_bool(raw, "moe_distribution"),
     )
 
 

@@ -82,6 +82,7 @@ class MonitorConfig:
     prometheus: PrometheusConfig = field(default_factory=PrometheusConfig)
     # training-health families (off by default)
     update_distribution: bool = False  # family `update`: statistics of this step's update, and ||dw||/||w||
+    moe_distribution: bool = False  # family `moe_load`: tokens per expert of every MoE router
 
     # ---- derived views -------------------------------------------------------------------------
     @property

@@ -9,8 +9,7 @@ Rules (msprobe's config: `"alert": {"rules": [{"rule_name": ..., "args": {...}}]
   Counts are never compared with the magnitude threshold.
 - `AnomalySpike` (trainermon): log(norm) more than `z` robust deviations above the rolling median of the
   last `window` values, after `warmup` values; per (family, name) and for the global gradient norm.
-- `AnomalyUpdateRatio` (trainermon): an `update` row's ||dw||/||w|| above `threshold` (when given), or
-  a spike of it as `AnomalySpike` defines one (`window`, `warmup`, `z`, `min_rel`), per parameter.
+- `AnomalyUpdateRatio`, `AnomalyExpertCollapse` (trainermon, training health): see `health_rules.py`.
 
 Every statistic of every row is checked on its own, so anomalies on two statistics of one tensor are
 two records. Records go to `{MONITOR_OUTPUT_DIR}/anomaly_detected/anomaly_rank{R}.jsonl`, appended one
@@ -33,9 +32,17 @@ import numpy as np
 
 from trainermon.collect.records import StatBatch
 
+from . import health_rules
+
 logger = logging.getLogger("trainermon")
 
-RULE_NAMES = ("AnomalyTurbulence", "AnomalyNan", "AnomalySpike", "AnomalyUpdateRatio")
+RULE_NAMES = (
+    "AnomalyTurbulence",
+    "AnomalyNan",
+    "AnomalySpike",
+    "AnomalyUpdateRatio",
+    "AnomalyExpertCollapse",
+)
 STAGES = {"actv": "forward", "actv_grad": "backward", "grad_unreduced": "backward"}
 _STAGE_ORDER = {"forward": 0, "backward": 1, "optimizer": 2}
 GLOBAL_NORM = "global_grad_norm"
@@ -334,24 +341,10 @@ class AnomalyDetector:
         return out
 
     def _AnomalyUpdateRatio(self, batch: StatBatch, args: dict, now: float) -> list[Anomaly]:
-        column = batch.values.get("ratio")
-        if column is None:
-            return []
-        limit = args.get("threshold")
-        window, warmup = int(args.get("window", 50)), max(2, int(args.get("warmup", 10)))
-        z, min_rel = float(args.get("z", 6.0)), float(args.get("min_rel", 0.1))
-        out = []
-        for i, row in enumerate(batch.rows):
-            value = float(column[i])
-            if row.family != "update" or math.isnan(value):
-                continue
-            roll = self._rolling.setdefault(("ratio", row.vpp_stage, row.name), _Rolling(window))
-            baseline = roll.check_then_add(value, warmup, z, min_rel)
-            if limit is not None and value > float(limit):
-                baseline = float(limit)
-            if baseline is not None:
-                out.append(self._make(batch, i, "ratio", value, baseline, "AnomalyUpdateRatio", now))
-        return out
+        return health_rules.update_ratio(self, batch, args, now)
+
+    def _AnomalyExpertCollapse(self, batch: StatBatch, args: dict, now: float) -> list[Anomaly]:
+        return health_rules.expert_collapse(self, batch, args, now)
 
     # ---- output ----------------------------------------------------------------------------------
     def _write(self, found: list[Anomaly]) -> None:

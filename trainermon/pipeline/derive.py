@@ -13,8 +13,7 @@ from trainermon.failsafe import FaultLog
 from trainermon.stats import NANS, SUMSQ, finalize
 
 from .anomaly import AnomalyDetector
-
-UPDATE_FAMILY, UPDATE_BASE = "update", "_update_base"  # see runtime/probes/update.py
+from .health import UPDATE_BASE, UPDATE_FAMILY, moe_load, update_ratio  # noqa: F401 - re-exported
 
 
 class Deriver:
@@ -36,10 +35,13 @@ class Deriver:
             partials = partials[keep]
             rows = tuple(rows[i] for i in keep)
         rows, partials, ratio = update_ratio(rows, partials)
+        rows, partials, moe = moe_load(rows, partials)
         numel = np.fromiter((r.numel for r in rows), dtype=np.float64, count=len(rows))
         values = finalize(partials, numel)
         if ratio is not None:
             values["ratio"] = ratio
+        if moe is not None:  # one row per router, values of its own
+            rows, values = moe(rows, values)
         # Global gradient norm from the per-parameter sums of squares (exact across shards, since each
         # written row is already the full parameter's merged statistic).
         reduced = [i for i, r in enumerate(rows) if r.family == "grad_reduced"]
@@ -58,23 +60,3 @@ class Deriver:
             self.detector.check(batch)
             batch = replace(batch, derived=replace(derived, anomalies_total=self.detector.totals()))
         return batch
-
-
-def update_ratio(rows: tuple, partials: np.ndarray) -> tuple[tuple, np.ndarray, np.ndarray | None]:
-    """Pair each `update` row with its hidden `_update_base` row (same vpp_stage and name: the same
-    parameter, merged over the same shards) and form ||dw|| / ||w_before|| from the merged sums of
-    squares; drop the hidden rows. Returns (rows, partials, ratio column or None when the step has no
-    update rows; NaN on rows of other families and where the base row is missing)."""
-    base = {(r.vpp_stage, r.name): i for i, r in enumerate(rows) if r.family == UPDATE_BASE}
-    if not base:
-        return rows, partials, None
-    keep = [i for i, r in enumerate(rows) if r.family != UPDATE_BASE]
-    ratio = np.full(len(keep), np.nan)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        for out, i in enumerate(keep):
-            r = rows[i]
-            j = base.get((r.vpp_stage, r.name)) if r.family == UPDATE_FAMILY else None
-            if j is not None:
-                # sqrt(a) / sqrt(b): an all-zero weight gives inf (or NaN for a zero update), not 0
-                ratio[out] = np.sqrt(max(partials[i, SUMSQ], 0.0)) / np.sqrt(max(partials[j, SUMSQ], 0.0))
-    return tuple(rows[i] for i in keep), partials[keep], ratio

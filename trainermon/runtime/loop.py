@@ -99,7 +99,7 @@ class StepLoop:
     # ==== attaching ================================================================================
     def attach(self, adapter: Any, start_iteration: int) -> None:
         """Wire the probes, the worker and the adapter's step events; begin the first step."""
-        from .probes import ActivationProbe, GradientProbe, OptimizerProbe, SideOutputsProbe, UpdateProbe
+        from . import probes as p
 
         self.adapter = adapter
         self.step = start_iteration
@@ -116,11 +116,12 @@ class StepLoop:
         )
         deriver.dropped = lambda: self.worker.dropped_rows
         self.probes = [
-            ActivationProbe(self),
-            GradientProbe(self),
-            OptimizerProbe(self),
-            UpdateProbe(self),
-            SideOutputsProbe(self),
+            p.ActivationProbe(self),
+            p.GradientProbe(self),
+            p.OptimizerProbe(self),
+            p.UpdateProbe(self),
+            p.MoEProbe(self),
+            p.SideOutputsProbe(self),
         ]
         self.subscribe(self._reselect)
         for probe in self.probes:

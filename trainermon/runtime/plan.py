@@ -48,6 +48,7 @@ class StepPlan:
     moments: bool = False  # mv_distribution
     params: bool = False  # param_distribution
     update: bool = False  # update_distribution: the optimizer's update of each parameter
+    moe: bool = False  # moe_distribution: tokens per expert of every MoE router
 
     @property
     def collecting(self) -> bool:
@@ -68,4 +69,5 @@ def plan_step(config: MonitorConfig, step: int, scheduled: bool, escalating: boo
         moments=scheduled and config.mv_distribution,
         params=scheduled and config.param_distribution,
         update=scheduled and config.update_distribution,
+        moe=scheduled and config.moe_distribution,
     )

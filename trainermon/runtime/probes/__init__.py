@@ -13,8 +13,17 @@ fail-open by the loop:
 from .activations import ActivationProbe
 from .base import Probe
 from .gradients import GradientProbe
+from .moe import MoEProbe
 from .optimizer import OptimizerProbe
 from .side_outputs import SideOutputsProbe
 from .update import UpdateProbe
 
-__all__ = ["ActivationProbe", "GradientProbe", "OptimizerProbe", "Probe", "SideOutputsProbe", "UpdateProbe"]
+__all__ = [
+    "ActivationProbe",
+    "GradientProbe",
+    "MoEProbe",
+    "OptimizerProbe",
+    "Probe",
+    "SideOutputsProbe",
+    "UpdateProbe",
+]
