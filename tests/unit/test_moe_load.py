@@ -118,6 +118,13 @@ def test_analyze_shows_expert_load_of_the_last_step(tmp_path, monkeypatch):
             assert table.loc[name].tolist() == refs[(name, STEPS - 1)]
         assert ("moe_load", "load_cv") in result.heatmaps
         assert result.findings()["expert_load"]["figure"] == "moe_expert_load"
+    # trainermon convert: the CSV's expert_load and family columns become the same Parquet columns
+    import trainermon
+    from trainermon.cli import main as cli_main
+
+    assert cli_main(["convert", mon.run_dir, str(tmp_path / "converted")]) == 0
+    table = trainermon.load(str(tmp_path / "converted"), family="moe_load").to_pandas()
+    assert {(r["name"], r["step"]): list(r["expert_load"]) for _, r in table.iterrows()} == refs
 
 
 def test_prometheus_exports_the_per_layer_summary(tmp_path, monkeypatch):
