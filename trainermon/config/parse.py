@@ -26,7 +26,7 @@ UNAVAILABLE_FORMATS = {
 }
 #: msprobe keys for features trainermon does not have. Accepted when falsy, refused when switched on.
 UNSUPPORTED_WHEN_ON = {
-    "ur_distribution": "update/ratio heatmaps are not supported yet",
+    "ur_distribution": "msprobe's update/ratio heatmaps are not supported; update_distribution gives ratio",
     "mg_direction": "momentum/gradient direction tracking is not supported yet",
     "l2_targets": "msprobe's L2 feature hooks are not supported",
     "recording_l2_features": "msprobe's L2 feature hooks are not supported",
