@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from trainermon.collect.placement import TensorPiece
+from trainermon.collect.placement import Local, Placement, Sharded, TensorPiece
 from trainermon.collect.records import StepScalars
 from trainermon.failsafe import FaultLog
 
@@ -117,6 +117,13 @@ class Adapter(ABC):
     def is_wrapper_module(self, module: torch.nn.Module) -> bool:
         """Modules that only wrap another one (not reported as layers)."""
         return False
+
+    def token_placement(self) -> Placement:
+        """How the tokens a layer sees are spread over ranks (for token counts such as MoE expert load):
+        by default each rank of the default group routes its own batch; one process: its own."""
+        import torch.distributed as dist
+
+        return Sharded(None) if dist.is_available() and dist.is_initialized() else Local()
 
     @abstractmethod
     def parameters(self) -> list[MonitoredParam]:

@@ -6,10 +6,12 @@ Files: `{run_dir}/{family}_{first}-{last}.csv`, where [first, last] is the step 
 with `calls,bytes` after `skipped`): msprobe's columns, then
 trainermon's `shard`, empty unless the rank's row holds only a piece of the tensor (a DTensor's local
 shard), and `skipped` (1: the step's optimizer update was skipped, 0: it ran, empty: not known), so
-msprobe's readers, which select columns by name, keep working. Each family's rows of a step
-go to the file in one unbuffered write, so a killed process leaves complete rows only, and a write that
-fails part-way (disk full) is cut back to the last complete row. Rank 0 also writes the cross-rank
-summaries to `xrank_{first}-{last}.csv` (`XRANK_HEADER`).
+msprobe's readers, which select columns by name, keep working. Families with columns of their own
+append them after `skipped` (`comm`: `calls,bytes`; `update`: `ratio`; `moe_load`: see
+`collect/family_columns.py`). Each family's rows of a step go to the file in one unbuffered write, so
+a killed process leaves complete rows only, and a write that fails part-way (disk full) is cut back
+to the last complete row. Rank 0 also writes the cross-rank summaries to `xrank_{first}-{last}.csv`
+(`XRANK_HEADER`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 
 import numpy as np
 
+from trainermon.collect.family_columns import FAMILY_COLUMNS
 from trainermon.collect.records import XRANK_COLUMNS, StatBatch
 from trainermon.stats.table import BY_NAME, Kind
 
@@ -30,6 +33,9 @@ from .base import Exporter, RunInfo
 COMM_COLUMNS = ("calls", "bytes")
 #: Columns of `xrank_*.csv` (cross-rank summaries; `family` is the summarised family).
 XRANK_HEADER = ["vpp_stage", "name", "step", "micro_step", "family", "stat", *XRANK_COLUMNS]
+#: Columns some families have beyond the statistics (appended at the end of their files).
+EXTRA_COLUMNS = {family: tuple(name for name, _ in cols) for family, cols in FAMILY_COLUMNS.items()}
+_KIND = {name: kind for cols in FAMILY_COLUMNS.values() for name, kind in cols}
 
 
 def _csv_field(text: str) -> str:
@@ -84,9 +90,10 @@ class CsvExporter(Exporter):
             with open(os.path.join(self.run_dir, "layout.json"), "w", encoding="utf-8") as fh:
                 json.dump({"rank": run.rank, "world_size": run.world_size, **run.coords}, fh, sort_keys=True)
 
-    def header(self, with_micro_step: bool) -> list[str]:
+    def header(self, with_micro_step: bool, family: str = "") -> list[str]:
         head = ["vpp_stage", "name", "step"] + (["micro_step"] if with_micro_step else [])
-        return head + list(self.ops) + ["shard", "skipped"]
+        extra = COMM_COLUMNS if family == "comm" else EXTRA_COLUMNS.get(family, ())
+        return head + list(self.ops) + ["shard", "skipped"] + list(extra)
 
     def write(self, batch: StatBatch) -> None:
         # Column-wise formatting (one C-level format per value, cached per-row text for name, shape and
@@ -103,10 +110,14 @@ class CsvExporter(Exporter):
             handle = self._file_for(family, batch.step, with_micro)
             # A family whose lines equal another's (grad_reduced and grad_unreduced without data
             # parallelism: the same tensors) reuses that text, since a line has no family column.
-            text = next((t for other, t in written if self._same_lines(batch, other, indices)), None)
+            extra = EXTRA_COLUMNS.get(family, ())
+            text = None
+            if not extra:
+                text = next((t for other, t in written if self._same_lines(batch, other, indices)), None)
             if text is None:
-                text = self._format(batch, rows, indices, step, with_micro)
-                written.append((indices, text))
+                text = self._format(batch, rows, indices, step, with_micro, extra)
+                if not extra:
+                    written.append((indices, text))
             handle.write(text)
         if batch.xrank is not None and batch.xrank.rows:
             self._write_xrank(batch)
@@ -141,7 +152,9 @@ class CsvExporter(Exporter):
             if op in batch.values
         )
 
-    def _format(self, batch: StatBatch, rows: list, indices: list[int], step: str, with_micro: bool) -> str:
+    def _format(
+        self, batch: StatBatch, rows: list, indices: list[int], step: str, with_micro: bool, extra: tuple = ()
+    ) -> str:
         fields: list[list[str]] = [[self._head(r) for r in rows], [step] * len(rows)]
         if with_micro:
             fields.append([str(r.micro_step or 0) for r in rows])
@@ -160,6 +173,18 @@ class CsvExporter(Exporter):
         fields.append(["" if skipped is None else str(int(skipped))] * len(rows))
         if rows and rows[0].family == "comm":
             fields += [[str(r.calls) for r in rows], [str(r.nbytes) for r in rows]]
+        fmt = f"%.{self.ndigits}g"
+        for column in extra:  # NaN (empty for ints and lists) where a batch has none
+            got = batch.values.get(column)
+            kind = _KIND[column]
+            if got is None:
+                fields.append(["nan" if kind == "float" else ""] * len(rows))
+            elif kind == "list":
+                fields.append([_csv_field(str(v)) if v is not None else "" for v in got[indices].tolist()])
+            elif kind == "int":
+                fields.append([str(int(v)) if v == v else "" for v in got[indices].tolist()])
+            else:
+                fields.append([fmt % v for v in got[indices].tolist()])
         return "".join(",".join(line) + "\n" for line in zip(*fields))
 
     def _head(self, row) -> str:
@@ -190,8 +215,7 @@ class CsvExporter(Exporter):
         new = not os.path.exists(path)
         handle = _RowFile(path)
         if new:
-            head = header or self.header(with_micro) + (list(COMM_COLUMNS) if family == "comm" else [])
-            handle.write(",".join(head) + "\n")
+            handle.write(",".join(header or self.header(with_micro, family)) + "\n")
         self._files[family] = (first, handle)
         return handle
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from trainermon.collect.family_columns import EXTRA_COLUMNS
 from trainermon.collect.records import StatBatch
 from trainermon.stats import table
 
@@ -50,6 +51,12 @@ COLUMNS = (
 #: Columns of the cross-rank summaries (family `xrank`), added at the end; null in every other family.
 XRANK_EXTRA = ("xrank_family", "xrank_stat", "max_rank", "min_rank", "nonfinite_rank", "ranks")
 COLUMNS += XRANK_EXTRA
+#: Columns of some families only, at the end of the schema (null in the other families' rows): `ratio`
+#: (update), the moe_load columns (see `trainermon.collect.family_columns`).
+EXTRA_FLOATS = tuple(name for name, kind, _ in EXTRA_COLUMNS if kind == "float")
+EXTRA_INTS = tuple(name for name, kind, _ in EXTRA_COLUMNS if kind == "int")
+EXTRA_FAMILIES = {name: families for name, _, families in EXTRA_COLUMNS}
+COLUMNS += tuple(name for name, _, _ in EXTRA_COLUMNS)
 PART_PREFIX = "part-"
 DATASET_MARKER = "_trainermon_dataset.json"
 POINTER_FILE = "parquet.json"  # in each rank's run directory: where its rows went
@@ -98,6 +105,8 @@ def file_schema():
         pa.field("nonfinite_rank", pa.int32()),
         pa.field("ranks", pa.int32()),
     ]
+    types = {"float": pa.float64(), "int": pa.int64(), "list": pa.list_(pa.int64())}
+    fields += [pa.field(name, types[kind]) for name, kind, _ in EXTRA_COLUMNS]  # older files: null
     return pa.schema(fields)
 
 
@@ -174,6 +183,9 @@ class ColumnBuffer:
         data, mask = np.concatenate(parts), np.concatenate(masks)
         if name in COUNT_STATS:
             data = np.nan_to_num(data, nan=0.0).astype(np.int64)
+        elif name in EXTRA_INTS:  # null where NaN
+            mask = mask | np.isnan(data)
+            data = np.nan_to_num(data, nan=0.0).astype(np.int64)
         return pa.array(data, type=typ, mask=mask if mask.any() else None)
 
     def to_table(self, metadata: dict[bytes, bytes]):
@@ -182,8 +194,13 @@ class ColumnBuffer:
         arrays = []
         for field in schema:
             name = field.name
-            if name in STATS:
+            if name in STATS or name in EXTRA_FLOATS or name in EXTRA_INTS:
                 arrays.append(self._stat(pa, name, field.type))
+            elif name in EXTRA_FAMILIES:  # a list column: None for a chunk without it
+                values = []
+                for chunk, n in zip(self.chunks[name], self.sizes):
+                    values.extend([None] * n if chunk is None else list(chunk))
+                arrays.append(pa.array(values, type=field.type))
             elif name == "micro_step":
                 data = np.concatenate([np.asarray(c, dtype=np.int64) for c in self.chunks[name]])
                 mask = data < 0
@@ -354,6 +371,15 @@ class ParquetExporter(Exporter):
                     columns[stat] = np.asarray(batch.values[stat], dtype=np.float64)[idx]
                 else:
                     columns[stat] = None  # not collected: null, never a made-up number
+            for extra, families in EXTRA_FAMILIES.items():
+                got = batch.values.get(extra)
+                mine = got is not None and family in families
+                if not mine:
+                    columns[extra] = None
+                elif extra in EXTRA_FLOATS or extra in EXTRA_INTS:
+                    columns[extra] = np.asarray(got, dtype=np.float64)[idx]
+                else:
+                    columns[extra] = [got[i] for i in indices]
             buffer = self.buffers.setdefault(family, ColumnBuffer())
             buffer.extend(columns, steps)
         if batch.xrank is not None and batch.xrank.rows:

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import math
 
+from trainermon.collect.family_columns import FAMILY_COLUMNS
 from trainermon.collect.records import StatBatch
 from trainermon.stats.table import VALUE_STATS
 
 from .base import Exporter, RunInfo
+
+_FAMILY_FLOATS = {f: [n for n, kind in cols if kind != "list"] for f, cols in FAMILY_COLUMNS.items()}
 
 #: trainermon's family -> msprobe's tag kind
 KIND = {
@@ -61,6 +64,10 @@ class TensorBoardExporter(Exporter):
                 prefix = self._prefixes[key] = tag_prefix(*key, self.rank)
             for op, column in columns:
                 add(f"{prefix}_{op}", float(column[i]), step)
+            for extra in _FAMILY_FLOATS.get(row.family, ()):  # update: ratio; moe_load: load_cv, ...
+                column = batch.values.get(extra)
+                if column is not None:
+                    add(f"{prefix}_{extra}", float(column[i]), step)
         derived = batch.derived
         if derived.global_grad_norm is not None and math.isfinite(derived.global_grad_norm):
             add("trainermon/global_grad_norm", derived.global_grad_norm, step)

@@ -370,12 +370,15 @@ def _leaf_of(optimizer: Any, p: Any) -> tuple[Any, Any, Any]:
     raise AssertionError("parameter not found in the optimizer")
 
 
-def full_optimizer_tensors(model: list[Any], optimizer: Any) -> dict[str, dict[str, torch.Tensor]]:
+def full_optimizer_tensors(
+    model: list[Any], optimizer: Any, keys: tuple[str, ...] = ("grad", "exp_avg", "exp_avg_sq", "param")
+) -> dict[str, dict[str, torch.Tensor]]:
     """{single-process name: {"grad", "exp_avg", "exp_avg_sq", "param"}} as full fp32 tensors, gathered by
     the test with all_gather_object: distributed-optimizer shards over the optimizer's data-parallel
     group (placed by their range in the flattened parameter), then tensor-parallel pieces along
     `partition_dim` over the (expert-)tensor-parallel group. Collective over the whole job: every rank
-    must call it at the same point. Skips `shared` parameters (Megatron's norm skips them too)."""
+    must call it at the same point. Skips `shared` parameters (Megatron's norm skips them too). `keys`:
+    a subset (("param",) before the first step, when the optimizer has no state yet)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -394,7 +397,9 @@ def full_optimizer_tensors(model: list[Any], optimizer: Any) -> dict[str, dict[s
                 "param": None if master is None else master.data,
             }
             values = {
-                k: (None if v is None else v.detach().float().reshape(-1).clone()) for k, v in values.items()
+                k: (None if v is None else v.detach().float().reshape(-1).clone())
+                for k, v in values.items()
+                if k in keys
             }
             if isinstance(leaf, DistributedOptimizer):
                 pieces = [None] * leaf.data_parallel_group.size()

@@ -12,6 +12,7 @@ dataset layout as the Parquet exporter (`OUT/family=.../rank=.../part-....parque
 from __future__ import annotations
 
 import csv
+import json
 import logging
 import math
 import os
@@ -21,7 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from trainermon.exporters.parquet import COUNT_STATS, STATS, ColumnBuffer, write_dataset_marker, write_part
+from trainermon.collect.family_columns import EXTRA_COLUMNS
+from trainermon.exporters.parquet import (
+    COUNT_STATS,
+    STATS,
+    ColumnBuffer,
+    write_dataset_marker,
+    write_part,
+)
 
 logger = logging.getLogger("trainermon")
 
@@ -219,4 +227,11 @@ def _columns(rows: list[dict[str, str]], run_id: str) -> dict[str, Any]:
         columns["xrank_stat"] = [r["stat"] for r in rows]
         for key in ("max_rank", "min_rank", "nonfinite_rank", "ranks"):
             columns[key] = [int(r[key]) for r in rows]
+    for extra, kind, _families in EXTRA_COLUMNS:  # family columns (update: ratio, ...), absent elsewhere
+        if extra not in header:
+            columns[extra] = None
+        elif kind == "list":
+            columns[extra] = [json.loads(r[extra]) if r[extra] else None for r in rows]
+        else:
+            columns[extra] = np.array([_number(r[extra]) for r in rows])
     return columns

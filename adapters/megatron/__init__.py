@@ -138,6 +138,12 @@ class MegatronAdapter(Adapter):
     def coordinates(self) -> dict[str, list[int]]:
         return self.layout.coordinates()
 
+    def token_placement(self) -> Placement:
+        """A pipeline stage's tokens are split over its data (and context) parallel ranks and, as Megatron
+        requires sequence parallelism for MoE with tensor parallelism, over its tensor-parallel ranks."""
+        groups = [a.group for a in (self.layout.tp, self.layout.dp) if a.group is not None]
+        return Sharded(*groups) if groups else LOCAL
+
     def activation_shards(self, module: torch.nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
         return self.layout.activation_shards(module)
 

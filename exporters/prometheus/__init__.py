@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from trainermon.collect.family_columns import EXTRA_COLUMNS
 from trainermon.collect.records import XRANK_FAMILIES, StatBatch
 from trainermon.stats.table import VALUE_STATS, combine
 
@@ -263,10 +264,16 @@ class PrometheusExporter(Exporter):
             groups[i] = g
         stats = tuple(s for s in self.stats if s in values)
         combined = aggregate(groups, len(labels), values, stats)
+        for extra in _FAMILY_GAUGES:  # update: ratio; moe_load: load_cv, dropped, aux_loss
+            if extra in values:  # a layer shows the largest value of its rows
+                combined[extra] = _max_by_group(groups, len(labels), values[extra])
+                stats += (extra,)
         dropped = 0
         for stat in stats:
             column = combined[stat]
             for g, key in enumerate(labels):
+                if stat in _FAMILY_GAUGES and (key[0] not in _FAMILY_GAUGES[stat] or np.isnan(column[g])):
+                    continue  # another family's row, or a value the router does not report
                 child = self._child(metric, (self.rank, *key, stat))
                 if child is None:
                     dropped += 1
@@ -305,3 +312,14 @@ class PrometheusExporter(Exporter):
             except FileNotFoundError:
                 pass
             self.sd_path = None
+
+
+#: Float columns of single families exported as gauges (stat label = the column), by family.
+_FAMILY_GAUGES = {name: families for name, kind, families in EXTRA_COLUMNS if kind == "float"}
+
+
+def _max_by_group(groups: np.ndarray, count: int, values: np.ndarray) -> np.ndarray:
+    """The largest non-NaN value of each group (NaN where a group has none)."""
+    out = np.full(count, -np.inf)
+    np.fmax.at(out, groups, np.asarray(values, dtype=np.float64))
+    return np.where(np.isneginf(out), np.nan, out)

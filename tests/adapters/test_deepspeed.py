@@ -48,7 +48,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 OPS = ("norm", "mean", "min", "max")
-FAMILIES = ("grad_unreduced", "grad_reduced", "param_origin", "exp_avg", "exp_avg_sq", "param_updated")
+FAMILIES = (
+    "grad_unreduced",
+    "grad_reduced",
+    "param_origin",
+    "exp_avg",
+    "exp_avg_sq",
+    "param_updated",
+    "update",
+)
 STEPS = 3
 GAS = 2
 MICRO_BATCH = 4
@@ -161,6 +169,7 @@ def _run_case(rank: int, world: int, out_root: str, case_index: int, case: dict[
                 "monitor_mbs_grad": case["mbs"],
                 "mv_distribution": True,
                 "param_distribution": True,
+                "update_distribution": True,
                 "ops": [*OPS, "nans"],
                 "ndigits": 12,
             },
@@ -233,6 +242,10 @@ def _run_case(rank: int, world: int, out_root: str, case_index: int, case: dict[
                 expected[(key, n, step, None)] = t
         for n, t in _full_refs(engine, names, stage, "param").items():
             expected[("param_updated", n, step, None)] = t
+            # the update: the full fp32 parameters after and before, from DeepSpeed's own gather
+            expected[("update", n, step, None)] = (
+                t.double() - expected[("param_origin", n, step, None)].double()
+            )
         ref_norm = math.sqrt(sum(float(t.double().pow(2).sum()) for t in reduced.values()))
         norms.append((step, engine.get_global_grad_norm(), ref_norm))
         monitor.flush()
@@ -264,6 +277,9 @@ def _run_case(rank: int, world: int, out_root: str, case_index: int, case: dict[
                 continue
             loose = family == "grad_unreduced" and bf16 and not case["mbs"]
             _close(row, ref, 5e-3 if loose else 1e-5, 5e-3 if loose else 1e-6)
+            if family == "update":  # ||dw|| / ||w_before|| (0 at the skipped step)
+                before = expected[("param_origin", *key)].double().norm()
+                assert math.isclose(float(row["ratio"]), float(ref["norm"] / before), rel_tol=1e-5), key
 
     # ---- per-step extras: global grad norm, loss scale, skipped steps -------------------------
     for (step, ds_norm, ref_norm), batch in zip(norms, batches):

@@ -55,7 +55,7 @@ CASES: list[dict[str, Any]] = [
     {"id": "fsdp2-bf16-acc", "fsdp": 2, "mp": True, "ckpt": False, "acc": 2},
     {"id": "fsdp2-mbs", "fsdp": 2, "mp": False, "ckpt": False, "acc": 2, "mbs": True},
 ]
-SHARDED_FAMILIES = ("grad_reduced", "param_origin", "exp_avg", "exp_avg_sq", "param_updated")
+SHARDED_FAMILIES = ("grad_reduced", "param_origin", "exp_avg", "exp_avg_sq", "param_updated", "update")
 ACTV_MODULES = ("inp", "blocks.0", "blocks.1.fc2", "head")
 
 
@@ -184,6 +184,7 @@ def _run_case(case: dict[str, Any], rank: int, world: int, out_dir: str) -> dict
             "monitor_mbs_grad": mbs,
             "mv_distribution": True,
             "param_distribution": True,
+            "update_distribution": True,
             "ops": list(OPS),
             "ndigits": 10,
         }
@@ -218,8 +219,14 @@ def _run_case(case: dict[str, Any], rank: int, world: int, out_dir: str) -> dict
             p.grad = reduced / world
             _record(refs, "grad_reduced", name, step, p.grad)
             _record(refs, "param_origin", name, step, p)
+        before = {name: p.detach().clone() for name, p in replica.named_parameters()}
         ref_opt.step()
         for name, p in replica.named_parameters():
+            delta = p.detach() - before[name]  # the update, from the copy the test keeps
+            _record(refs, "update", name, step, delta)
+            refs[("update", name, step, None)]["ratio"] = float(
+                delta.double().norm() / before[name].double().norm()
+            )
             _record(refs, "exp_avg", name, step, ref_opt.state[p]["exp_avg"])
             _record(refs, "exp_avg_sq", name, step, ref_opt.state[p]["exp_avg_sq"])
             _record(refs, "param_updated", name, step, p)
@@ -307,6 +314,10 @@ def test_fsdp_families_match_references(
     for family in SHARDED_FAMILIES:
         _check(keyed(read_family(r0["run_dir"], family)), r0["refs"], family, names, [None], rtol=1e-5)
         assert read_family(r1["run_dir"], family) == [], f"rank 1 wrote {family}"
+    # update: ||dw|| / ||w_before|| formed after the shards' sums of squares were merged
+    for row in read_family(r0["run_dir"], "update"):
+        want = r0["refs"][("update", row["name"], int(row["step"]), None)]["ratio"]
+        assert float(row["ratio"]) == pytest.approx(want, rel=1e-5), row
 
     # Pre-reduce gradients: every rank's own full-shape local gradient (the step's sum over its
     # micro-batches, or each micro-batch's own with monitor_mbs_grad), in the dtype FSDP reduces.

@@ -27,6 +27,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.distributed import run_ranks
 from tests.helpers import read_family, ref_stats
@@ -36,6 +37,7 @@ if importlib.util.find_spec("megatron") is None:
 
 OPS = ("norm", "mean", "min", "max")
 STEPS = 2
+DROP_AUX = {"moe_expert_capacity_factor": 1.0, "moe_aux_loss_coeff": 0.01}
 OPTIMIZER_FAMILIES = {
     "grad_reduced": "grad",
     "exp_avg": "exp_avg",
@@ -59,6 +61,8 @@ def _layouts(world: int) -> list[tuple[str, dict]]:
             ("moe-dp2", {"experts": 4}),
             ("moe-ep2", {"experts": 4, "ep": 2}),
             ("moe-ep2-distopt", {"experts": 4, "ep": 2, "dist_opt": True}),
+            # token dropping (capacity factor 1) and a load-balancing loss: moe_load's dropped, aux_loss
+            ("moe-ep2-drop-aux", {"experts": 4, "ep": 2, "extra": DROP_AUX}),
         ]
     return [
         ("dp4", {}),
@@ -88,6 +92,8 @@ def _run_layout(rank: int, out_root: str, tag: str, keys: dict) -> dict:
             "wg_distribution": True,
             "mv_distribution": True,
             "param_distribution": True,
+            "update_distribution": True,
+            "moe_distribution": True,
             "xy_distribution": True,
             "all_xy": True,
             "ops": list(OPS),
@@ -111,12 +117,23 @@ def _run_layout(rank: int, out_root: str, tag: str, keys: dict) -> dict:
         monitor.set_monitor(model, grad_acc_steps=2, optimizer=optimizer)
     refs: dict[tuple, dict] = {}
     norms, derived = [], []
+    routers = _RouterReference(model) if keys.get("experts") else None
+    # the update's reference: full parameters before and after each step, gathered by the test
+    before = {n: t["param"] for n, t in full_optimizer_tensors(model, optimizer, keys=("param",)).items()}
     for step in range(STEPS):
+        if routers is not None:
+            routers.start()
         _, grad_norm = train_step(model, optimizer, layout, step)
         norms.append(grad_norm)
+        if routers is not None:
+            refs.update({("moe_load", name, step): ref for name, ref in routers.finish().items()})
         for name, tensors in full_optimizer_tensors(model, optimizer).items():
             for family, key in OPTIMIZER_FAMILIES.items():
                 refs[(family, name, step)] = {**ref_stats(tensors[key]), "shape": list(tensors[key].shape)}
+            delta = tensors["param"].double() - before[name].double()
+            ratio = float(delta.norm() / before[name].double().norm())
+            refs[("update", name, step)] = {**ref_stats(delta), "shape": list(delta.shape), "ratio": ratio}
+            before[name] = tensors["param"]
         monitor.flush()
         batch = monitor.last_batch
         derived.append(None if batch is None else batch.derived.global_grad_norm)
@@ -129,6 +146,57 @@ def _run_layout(rank: int, out_root: str, tag: str, keys: dict) -> dict:
         "faults": dict(monitor.faults.counts),
         "warnings": warnings.close(),
     }
+
+
+class _RouterReference:
+    """Tokens per expert from each TopKRouter's own output (its routing map after token dropping), the
+    dropped tokens (tokens x top-k - routed), and Megatron's own per-layer load-balancing loss tracker,
+    summed by the test over every rank (pipeline parallelism is off in the MoE layouts)."""
+
+    def __init__(self, model: list) -> None:
+        from tests.megatron_gpt import single_process_name
+
+        self.names: dict[int, str] = {}
+        self.modules = []
+        for vpp, chunk in enumerate(model):
+            root = chunk.module.module if hasattr(chunk.module, "module") else chunk.module
+            for name, module in root.named_modules():
+                if type(module).__name__ == "TopKRouter":
+                    full = single_process_name(root, vpp, f"{name}.weight")[: -len(".weight")]
+                    self.modules.append((full, module))
+                    module.register_forward_hook(lambda m, i, o, n=full: self._count(n, m, o[1]))
+        self.load: dict[str, list] = {}
+
+    def _count(self, name: str, module, routing_map) -> None:
+        routed = routing_map.detach().sum(0).double()
+        dropped = routing_map.shape[0] * module.topk - routed.sum()
+        self.load.setdefault(name, []).append(torch.cat([routed, dropped.reshape(1)]))
+
+    def start(self) -> None:
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+        self.load = {}
+        clear_aux_losses_tracker()
+
+    def finish(self) -> dict[str, dict]:
+        import torch.distributed as dist
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        tracker = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+        out = {}
+        for name, module in self.modules:
+            total = torch.stack(self.load[name]).sum(0)
+            aux = torch.zeros(1, dtype=torch.float64)
+            if tracker is not None:  # this rank's mean over its micro-batches, averaged over ranks
+                aux[0] = float(tracker["values"][module.layer_number - 1]) / len(self.load[name])
+            both = torch.cat([total, aux])
+            dist.all_reduce(both)
+            out[name] = {
+                "load": [int(v) for v in both[:-2].tolist()],
+                "dropped": float(both[-2]),
+                "aux": float(both[-1]) / dist.get_world_size() if tracker is not None else None,
+            }
+        return out
 
 
 class _LogCapture(logging.Handler):
@@ -170,7 +238,8 @@ def _check_layout(
         refs.update(res["refs"])
     names: dict[str, set] = {}
     wrong = []
-    for family in OPTIMIZER_FAMILIES:
+    _check_moe(results, tag, refs)
+    for family in (*OPTIMIZER_FAMILIES, "update"):
         rows = _rows(results, tag, family)
         writers = Counter((row["name"], int(row["step"])) for _, row in rows)
         twice = [k for k, n in writers.items() if n > 1]
@@ -200,6 +269,10 @@ def _check_layout(
                     > 1e-5 * abs(want) + 1e-6 * ref["norm"] / math.sqrt(math.prod(ref["shape"])) + 1e-12
                 ):
                     wrong.append((family, row["name"], row["step"], op, got, want))
+            if family == "update":  # inf where the weight was all zeros (biases at step 0)
+                got, want = float(row["ratio"]), ref["ratio"]
+                if not (got == want or abs(got - want) <= 1e-5 * want):
+                    wrong.append((family, row["name"], row["step"], "ratio", got, want))
         names[family] = {n for n, _ in writers}
     assert not wrong, f"{tag}: {len(wrong)} wrong values, e.g. {wrong[:5]}"
     if chunk0_only:
@@ -269,6 +342,26 @@ def _check_layout(
     return names
 
 
+def _check_moe(results: list[dict], tag: str, refs: dict) -> None:
+    """moe_load: one row per router and step, written once, the tokens routed to each expert summed over
+    the ranks that routed them; dropped tokens and the aux loss where the router reports them."""
+    rows = _rows(results, tag, "moe_load")
+    expected = {(n, s) for (f, n, s) in refs if f == "moe_load"}
+    writers = Counter((row["name"], int(row["step"])) for _, row in rows)
+    assert set(writers) == expected and all(n == 1 for n in writers.values()), (tag, writers, expected)
+    dropping = "drop" in tag
+    for _, row in rows:
+        ref = refs[("moe_load", row["name"], int(row["step"]))]
+        assert json.loads(row["expert_load"]) == ref["load"], (tag, row, ref)
+        assert int(row["max_expert"]) == ref["load"].index(max(ref["load"])), (tag, row)
+        if dropping:
+            assert float(row["dropped"]) == ref["dropped"] and ref["dropped"] > 0, (tag, row, ref)
+            # float32 per-rank values summed in float64, written with 12 digits
+            assert abs(float(row["aux_loss"]) - ref["aux"]) <= 1e-6 * abs(ref["aux"]), (tag, row, ref)
+        else:
+            assert row["dropped"] == "nan" and row["aux_loss"] == "nan", (tag, row)
+
+
 def _coords(results: list[dict], tag: str, rank: int) -> dict:
     with open(os.path.join(results[rank][tag]["run_dir"], "layout.json")) as fh:
         return json.load(fh)
@@ -320,7 +413,8 @@ def _check_matrix(results: list[dict], world: int) -> None:
         reference.setdefault(kind, names)
         precision = "bf16" if keys.get("bf16") else "fp32"
         first.setdefault((kind, precision), tag)
-        if first[(kind, precision)] != tag and not keys.get("vpp"):  # vpp_stage is the chunk index
+        # vpp_stage is the chunk index; `extra` changes the model (token dropping changes the gradients)
+        if first[(kind, precision)] != tag and not keys.get("vpp") and not keys.get("extra"):
             _check_analysis(results, tag, first[(kind, precision)], keys.get("bf16", False))
         assert any("layers.3." in n for n in names["grad_reduced"]), (tag, sorted(names["grad_reduced"])[:8])
 

@@ -82,7 +82,10 @@ def read_csv_rows(run_dir: str) -> dict[tuple, dict[str, str]]:
 
 def test_round_trip_equals_csv(tmp_path, monkeypatch):
     mon = run_monitored(
-        tmp_path, full_config(parquet={"steps_per_part": 2}), steps=5, monkeypatch=monkeypatch
+        tmp_path,
+        full_config(parquet={"steps_per_part": 2}, update_distribution=True),
+        steps=5,
+        monkeypatch=monkeypatch,
     )
     mon.close()
     csv_rows = read_csv_rows(mon.run_dir)
@@ -91,11 +94,12 @@ def test_round_trip_equals_csv(tmp_path, monkeypatch):
         "run_id", "rank", "family", "vpp_stage", "name", "step", "micro_step",
         "norm", "mean", "min", "max", "zeros", "nans", "infs", "numel", "shape", "dtype", "shard", "skipped",
         "calls", "bytes", "xrank_family", "xrank_stat", "max_rank", "min_rank", "nonfinite_rank", "ranks",
+        "ratio", "load_cv", "max_expert", "min_expert", "dropped", "aux_loss", "expert_load",
     ]  # fmt: skip
     assert table.num_rows == len(csv_rows) > 100
     assert set(table.column("family").to_pylist()) == {
         "actv", "actv_grad", "grad_unreduced", "grad_reduced", "param_origin", "exp_avg", "exp_avg_sq",
-        "param_updated",
+        "param_updated", "update",
     }  # fmt: skip
     for r in table.to_pylist():
         key = (r["family"], r["vpp_stage"], r["name"], r["step"], r["micro_step"])
@@ -107,6 +111,10 @@ def test_round_trip_equals_csv(tmp_path, monkeypatch):
             assert r[stat] == int(c[stat])
         assert str(r["shape"]) == c["shape"] and r["dtype"] == c["dtype"]
         assert r["shard"] is None and c["shard"] == ""  # whole tensors: no piece label
+        if r["family"] == "update":  # the update's ||dw||/||w||, last column of both
+            assert r["ratio"] == float(c["ratio"]) and r["ratio"] > 0, key
+        else:
+            assert r["ratio"] is None and "ratio" not in c, key
     norms = trainermon.load(tmp_path / "out", family="param_updated", names="head.weight", steps=4)
     assert norms.num_rows == 1
     assert norms.column("shape").to_pylist() == [[3, 8]]

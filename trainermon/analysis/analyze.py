@@ -11,8 +11,9 @@ from typing import Any
 import pandas as pd
 
 from .jsonutil import describe, jsonable, records
+from .moe import expert_load_last_step
 from .scan import RunSummary, scan
-from .source import FLOAT_STATS, RunSource, open_run
+from .source import FAMILY_STATS, FLOAT_STATS, RunSource, open_run
 from .trends import find_spikes, first_nonfinite, global_grad_norm, growth, heatmap, nonfinite_cells
 
 #: Statistics drawn as heatmaps by default (those the run has).
@@ -32,6 +33,8 @@ class Analysis:
     first_nonfinite: pd.DataFrame
     anomalies: list[dict]
     spike_rule: dict = field(default_factory=lambda: dict(SPIKE_DEFAULTS))
+    #: MoE routers x experts: tokens routed at the last step (None without moe_load rows)
+    expert_load: pd.DataFrame | None = None
 
     def findings(self) -> dict:
         """The report's findings as JSON-ready data (figures are referred to by file stem)."""
@@ -91,6 +94,14 @@ class Analysis:
                 "first": [jsonable(a) for a in self.anomalies[:50]],
             },
             "notes": self.summary.notes,
+            "expert_load": None
+            if self.expert_load is None
+            else {
+                "step": int(self.expert_load.attrs.get("step", -1)),
+                "layers": list(self.expert_load.index),
+                "tokens": [[jsonable(float(v)) for v in row] for row in self.expert_load.to_numpy()],
+                "figure": "moe_expert_load",
+            },
         }
 
     def figures(self, max_columns: int = 500) -> dict[str, Any]:
@@ -110,6 +121,12 @@ class Analysis:
         for fam, df in self.growth.items():
             title = f"{fam}: top layers by growth of {self.growth_stat} (end / start of the run)"
             yield _stem("growth", fam), plot_growth(df, title)
+        if self.expert_load is not None:
+            step = self.expert_load.attrs.get("step")
+            title = f"MoE tokens per expert (router x expert) at step {step}"
+            fig = plot_heatmap(self.expert_load, title, "tokens", None, 10_000)
+            fig.axes[0].set_xlabel("expert")
+            yield "moe_expert_load", fig
 
 
 def _stem(*parts: str) -> str:
@@ -157,7 +174,7 @@ def analyze(
     if bad_stats:
         raise KeyError(f"unknown statistics {bad_stats}; allowed: {list(FLOAT_STATS) + ['nans', 'infs']}")
     scan_stats = list(dict.fromkeys(wanted + ["nans", "infs"]))
-    family_stats = {f: scan_stats for f in fams}
+    family_stats = {f: scan_stats + list(FAMILY_STATS.get(f, ())) for f in fams}
     if "grad_reduced" in available and "grad_reduced" not in fams:
         family_stats["grad_reduced"] = ["norm", "nans", "infs"]
     summary = scan(
@@ -182,7 +199,7 @@ def analyze(
         if not len(grid.tensors):
             continue
         nonfinite[fam] = nonfinite_cells(summary, fam)
-        for stat in wanted:
+        for stat in wanted + list(FAMILY_STATS.get(fam, ())):  # update: a ratio heatmap as well
             if stat in grid.seen_stats:
                 heatmaps[(fam, stat)] = heatmap(summary, fam, stat)
         if growth_stat in grid.seen_stats:
@@ -200,4 +217,5 @@ def analyze(
         first_nonfinite=first_nonfinite(summary),
         anomalies=load_run_anomalies(source, steps),
         spike_rule=rule,
+        expert_load=expert_load_last_step(source, steps) if "moe_load" in fams else None,
     )

@@ -50,6 +50,11 @@ _NEEDS = {
 }
 _NEEDS.pop("numel", None)  # element counts come with the rows, not as a statistic of cells
 _RULE = {name: BY_NAME[name].combine for name in _NEEDS}
+# ratio (update), load_cv (moe_load): one writer per tensor or router, so a cell has one row; MAX if a
+# copy appears.
+for _extra in ("ratio", "load_cv"):
+    _NEEDS[_extra] = (f"n_{_extra}", _extra)
+    _RULE[_extra] = Combine.MAX
 _FILL = {f"first_{s}": np.nan for s, r in _RULE.items() if r is Combine.L2}
 _FILL.update({f"same_{s}": True for s, r in _RULE.items() if r is Combine.L2})
 _FILL.update({s: np.inf for s, r in _RULE.items() if r is Combine.MIN})

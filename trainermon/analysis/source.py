@@ -30,8 +30,10 @@ import numpy as np
 from trainermon.collect.records import FAMILIES
 from trainermon.stats.table import COUNT_STATS, FLOAT_STATS
 
-#: Statistics the analysis knows (float statistics, then counts), from the statistics table.
-ALL_STATS = FLOAT_STATS + COUNT_STATS
+#: Statistics the analysis knows (float statistics, then counts), from the statistics table, then the
+#: columns of single families drawn as heatmaps (`update`: ratio = ||dw|| / ||w||; `moe_load`: load_cv).
+FAMILY_STATS = {"update": ("ratio",), "moe_load": ("load_cv",)}
+ALL_STATS = FLOAT_STATS + COUNT_STATS + tuple(s for extra in FAMILY_STATS.values() for s in extra)
 
 _CSV_FILE = re.compile(r"^(?P<family>.+)_(?P<first>\d+)-(?P<last>\d+)\.csv$")
 _RANK_DIR = re.compile(r"rank(?P<rank>\d+)(?:-(?P<id>[^/\\]+))?$")

@@ -110,7 +110,7 @@ def write_synthetic_dataset(
                 pa.nulls(n, pa.int64()),  # calls: comm rows only
                 pa.nulls(n, pa.int64()),  # bytes: comm rows only
             ]
-            arrays += [pa.nulls(n, f.type) for f in list(schema)[len(arrays) :]]  # columns added later
+            arrays += [pa.nulls(n, f.type) for f in list(schema)[len(arrays) :]]  # columns of other families
             meta = {
                 "trainermon.schema_version": str(SCHEMA_VERSION),
                 "trainermon.family": family,

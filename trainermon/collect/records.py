@@ -23,6 +23,8 @@ FAMILIES = (
     "exp_avg_sq",
     "param_updated",
     "comm",
+    "update",
+    "moe_load",
 )
 #: Families whose rows carry a micro_step column (msprobe's layout), besides grad_unreduced with
 #: monitor_mbs_grad.

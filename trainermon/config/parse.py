@@ -26,7 +26,7 @@ UNAVAILABLE_FORMATS = {
 }
 #: msprobe keys for features trainermon does not have. Accepted when falsy, refused when switched on.
 UNSUPPORTED_WHEN_ON = {
-    "ur_distribution": "update/ratio heatmaps are not supported yet",
+    "ur_distribution": "msprobe's update/ratio heatmaps are not supported; update_distribution gives ratio",
     "mg_direction": "momentum/gradient direction tracking is not supported yet",
     "l2_targets": "msprobe's L2 feature hooks are not supported",
     "recording_l2_features": "msprobe's L2 feature hooks are not supported",
@@ -354,6 +354,8 @@ def parse_config(raw: Any, source: str = "<dict>") -> MonitorConfig:
         parquet=_parquet(raw),
         prometheus=_prometheus(raw),
         xrank_summary=_bool(raw, "xrank_summary"),
+        update_distribution=_bool(raw, "update_distribution"),
+        moe_distribution=_bool(raw, "moe_distribution"),
     )
 
 

@@ -122,6 +122,9 @@ class MonitorConfig:
     #: Cross-rank summaries of actv, actv_grad and grad_unreduced (family `xrank`, written by rank 0);
     #: only with more than one rank.
     xrank_summary: bool = True
+    # training-health families (off by default)
+    update_distribution: bool = False  # family `update`: statistics of this step's update, and ||dw||/||w||
+    moe_distribution: bool = False  # family `moe_load`: tokens per expert of every MoE router
 
     # ---- derived views -------------------------------------------------------------------------
     @property
@@ -144,7 +147,8 @@ class MonitorConfig:
 
     @property
     def collects_optimizer_side(self) -> bool:
-        return self.wg_distribution or self.mv_distribution or self.param_distribution
+        on = (self.wg_distribution, self.mv_distribution, self.param_distribution, self.update_distribution)
+        return any(on)
 
     #: Keys whose change gives new output columns or sinks (a reloaded config opens a new run directory).
     OUTPUT_KEYS = ("ops", "format", "step_count_per_record", "ndigits", "parquet", "prometheus")

@@ -11,6 +11,7 @@ Rules (msprobe's config: `"alert": {"rules": [{"rule_name": ..., "args": {...}}]
   what the collective promises (see `trainermon.comm.checks`).
 - `AnomalySpike` (trainermon): log(norm) more than `z` robust deviations above the rolling median of the
   last `window` values, after `warmup` values; per (family, name) and for the global gradient norm.
+- `AnomalyUpdateRatio`, `AnomalyExpertCollapse` (trainermon, training health): see `health_rules.py`.
 
 Every statistic of every row is checked on its own, so anomalies on two statistics of one tensor are
 two records. Records go to `{MONITOR_OUTPUT_DIR}/anomaly_detected/anomaly_rank{R}.jsonl`, appended one
@@ -33,9 +34,17 @@ import numpy as np
 
 from trainermon.collect.records import StatBatch
 
+from . import health_rules
+
 logger = logging.getLogger("trainermon")
 
-RULE_NAMES = ("AnomalyTurbulence", "AnomalyNan", "AnomalySpike")
+RULE_NAMES = (
+    "AnomalyTurbulence",
+    "AnomalyNan",
+    "AnomalySpike",
+    "AnomalyUpdateRatio",
+    "AnomalyExpertCollapse",
+)
 STAGES = {"actv": "forward", "actv_grad": "backward", "grad_unreduced": "backward"}
 _STAGE_ORDER = {"forward": 0, "backward": 1, "optimizer": 2}
 GLOBAL_NORM = "global_grad_norm"
@@ -337,6 +346,12 @@ class AnomalyDetector:
                 if baseline is not None:
                     out.append(self._make(batch, i, "norm", float(value), baseline, "AnomalySpike", now))
         return out
+
+    def _AnomalyUpdateRatio(self, batch: StatBatch, args: dict, now: float) -> list[Anomaly]:
+        return health_rules.update_ratio(self, batch, args, now)
+
+    def _AnomalyExpertCollapse(self, batch: StatBatch, args: dict, now: float) -> list[Anomaly]:
+        return health_rules.expert_collapse(self, batch, args, now)
 
     # ---- output ----------------------------------------------------------------------------------
     def _write(self, found: list[Anomaly]) -> None:

@@ -13,6 +13,7 @@ from trainermon.failsafe import FaultLog
 from trainermon.stats import NANS, SUMSQ, finalize
 
 from .anomaly import AnomalyDetector
+from .health import UPDATE_BASE, UPDATE_FAMILY, moe_load, update_ratio  # noqa: F401 - re-exported
 
 
 class Deriver:
@@ -33,8 +34,14 @@ class Deriver:
             keep = np.flatnonzero(~dropped)
             partials = partials[keep]
             rows = tuple(rows[i] for i in keep)
+        rows, partials, ratio = update_ratio(rows, partials)
+        rows, partials, moe = moe_load(rows, partials)
         numel = np.fromiter((r.numel for r in rows), dtype=np.float64, count=len(rows))
         values = finalize(partials, numel)
+        if ratio is not None:
+            values["ratio"] = ratio
+        if moe is not None:  # one row per router, values of its own
+            rows, values = moe(rows, values)
         # Global gradient norm from the per-parameter sums of squares (exact across shards, since each
         # written row is already the full parameter's merged statistic).
         reduced = [i for i, r in enumerate(rows) if r.family == "grad_reduced"]

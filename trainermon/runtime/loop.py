@@ -101,8 +101,8 @@ class StepLoop:
     # ==== attaching ================================================================================
     def attach(self, adapter: Any, start_iteration: int) -> None:
         """Wire the probes, the worker and the adapter's step events; begin the first step."""
+        from . import probes as p
         from .growth import NewParamsProbe
-        from .probes import ActivationProbe, CommProbe, GradientProbe, OptimizerProbe, SideOutputsProbe
         from .skips import SkippedStepProbe
 
         self.adapter = adapter
@@ -123,12 +123,14 @@ class StepLoop:
         deriver.dropped = lambda: self.worker.dropped_rows
         self.probes = [
             NewParamsProbe(self),
-            ActivationProbe(self),
-            GradientProbe(self),
-            OptimizerProbe(self),
-            SideOutputsProbe(self),
+            p.ActivationProbe(self),
+            p.GradientProbe(self),
+            p.OptimizerProbe(self),
+            p.UpdateProbe(self),
+            p.MoEProbe(self),
+            p.SideOutputsProbe(self),
             SkippedStepProbe(self),
-            CommProbe(self),
+            p.CommProbe(self),
         ]
         self.subscribe(self._reselect)
         for probe in self.probes:

@@ -47,6 +47,8 @@ class StepPlan:
     microbatch_grads: bool = False  # monitor_mbs_grad: each micro-batch's own grad_unreduced
     moments: bool = False  # mv_distribution
     params: bool = False  # param_distribution
+    update: bool = False  # update_distribution: the optimizer's update of each parameter
+    moe: bool = False  # moe_distribution: tokens per expert of every MoE router
 
     @property
     def collecting(self) -> bool:
@@ -66,4 +68,6 @@ def plan_step(config: MonitorConfig, step: int, scheduled: bool, escalating: boo
         microbatch_grads=scheduled and config.wg_distribution and config.monitor_mbs_grad,
         moments=scheduled and config.mv_distribution,
         params=scheduled and config.param_distribution,
+        update=scheduled and config.update_distribution,
+        moe=scheduled and config.moe_distribution,
     )

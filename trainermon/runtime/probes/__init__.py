@@ -14,7 +14,18 @@ from .activations import ActivationProbe
 from .base import Probe
 from .comm import CommProbe
 from .gradients import GradientProbe
+from .moe import MoEProbe
 from .optimizer import OptimizerProbe
 from .side_outputs import SideOutputsProbe
+from .update import UpdateProbe
 
-__all__ = ["ActivationProbe", "CommProbe", "GradientProbe", "OptimizerProbe", "Probe", "SideOutputsProbe"]
+__all__ = [
+    "ActivationProbe",
+    "CommProbe",
+    "GradientProbe",
+    "MoEProbe",
+    "OptimizerProbe",
+    "Probe",
+    "SideOutputsProbe",
+    "UpdateProbe",
+]

@@ -1,0 +1,55 @@
+"""Anomaly rules of the training-health families (called by `AnomalyDetector`, worker thread only).
+
+- `AnomalyUpdateRatio`: an `update` row's ||dw||/||w|| above `threshold` (when given), or a spike of it
+  as `AnomalySpike` defines one (`window`, `warmup`, `z`, `min_rel`), per parameter.
+- `AnomalyExpertCollapse`: a `moe_load` row whose coefficient of variation of the per-expert load is above
+  `cv` (default 1.0: the spread of the load is as large as its mean), or whose fraction of experts that got
+  no token is above `dead` (when given). The record names the statistic (`load_cv` or `zeros`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from trainermon.collect.records import StatBatch
+
+
+def update_ratio(det: Any, batch: StatBatch, args: dict, now: float) -> list:
+    from .anomaly import _Rolling
+
+    column = batch.values.get("ratio")
+    if column is None:
+        return []
+    limit = args.get("threshold")
+    window, warmup = int(args.get("window", 50)), max(2, int(args.get("warmup", 10)))
+    z, min_rel = float(args.get("z", 6.0)), float(args.get("min_rel", 0.1))
+    out = []
+    for i, row in enumerate(batch.rows):
+        value = float(column[i])
+        if row.family != "update" or math.isnan(value):
+            continue
+        roll = det._rolling.setdefault(("ratio", row.vpp_stage, row.name), _Rolling(window))
+        baseline = roll.check_then_add(value, warmup, z, min_rel)
+        if limit is not None and value > float(limit):
+            baseline = float(limit)
+        if baseline is not None:
+            out.append(det._make(batch, i, "ratio", value, baseline, "AnomalyUpdateRatio", now))
+    return out
+
+
+def expert_collapse(det: Any, batch: StatBatch, args: dict, now: float) -> list:
+    cv_limit = float(args.get("cv", 1.0))
+    dead = args.get("dead")
+    cvs, zeros = batch.values.get("load_cv"), batch.values.get("zeros")
+    out = []
+    for i, row in enumerate(batch.rows):
+        if row.family != "moe_load":
+            continue
+        if cvs is not None and float(cvs[i]) > cv_limit:
+            out.append(det._make(batch, i, "load_cv", float(cvs[i]), cv_limit, "AnomalyExpertCollapse", now))
+        if dead is not None and zeros is not None and float(zeros[i]) > float(dead):
+            out.append(
+                det._make(batch, i, "zeros", float(zeros[i]), float(dead), "AnomalyExpertCollapse", now)
+            )
+    return out

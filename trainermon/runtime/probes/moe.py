@@ -1,0 +1,198 @@
+"""The `moe_load` family: per MoE router and collected step, the tokens routed to each expert, summed over
+every rank that routed some of them (data, context, tensor/sequence parallel ranks of the stage, so
+expert-parallel ranks too), with the tokens the router dropped (capacity factor) and its auxiliary loss.
+
+Routers: modules whose class name ends in `Router` and that know their expert count (`num_experts`, as
+transformers' `MixtralTopKRouter`, or `config.num_moe_experts`, as Megatron-Core's `TopKRouter`). A
+forward hook, armed on collected steps only, reads the router's own output: top-k expert indices
+(`[tokens, k]` integers, transformers) or a routing map (`[tokens, experts]` bool, Megatron, after token
+dropping). Counts stay on the device (bincount / sum, no host sync) and are summed over the step's
+micro-batches. Recomputed forwards (activation checkpointing) are counted again: their tokens were routed
+twice.
+
+At the post-step hook each router adds hidden rows (`HIDDEN`): one per expert, whose value is this rank's
+count, placed as the adapter says tokens are spread (`adapter.token_placement()`), so the collector sums
+them over those ranks in its one packed reduction per group; then one row for the dropped tokens and one
+for the aux loss (this rank's micro-batch mean divided by the group size, so that the sum is the mean
+over ranks) where the router reports them. The worker turns each router's rows into one `moe_load` row
+(`pipeline/health.py`). Counts travel as float32 values: exact up to 2^24 tokens per expert, rank and step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from trainermon.collect.placement import Local, TensorPiece
+from trainermon.names import clean_name
+from trainermon.pipeline.health import MOE_AUX, MOE_DROPPED, MOE_HIDDEN
+
+from ..plan import StepPlan
+from .base import Probe
+
+logger = logging.getLogger("trainermon")
+
+
+def router_experts(module: torch.nn.Module) -> int | None:
+    """The number of experts of a top-k router module, None for other modules."""
+    if not type(module).__name__.endswith("Router"):
+        return None
+    n = getattr(module, "num_experts", None)
+    if n is None:
+        n = getattr(getattr(module, "config", None), "num_moe_experts", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+class _Router:
+    __slots__ = ("vpp", "name", "module", "experts", "counts", "dropped", "aux", "calls", "drops", "has_aux")
+
+    def __init__(self, vpp: int, name: str, module: torch.nn.Module, experts: int) -> None:
+        self.vpp, self.name, self.module, self.experts = vpp, name, module, experts
+        config = getattr(module, "config", None)
+        # what the router reports, decided from its config alike on every rank (rows must match)
+        self.drops = getattr(config, "moe_expert_capacity_factor", None) is not None
+        self.has_aux = bool(getattr(config, "moe_aux_loss_coeff", 0.0)) and hasattr(
+            module, "attach_and_log_load_balancing_loss"
+        )
+        self.reset()
+
+    def reset(self) -> None:
+        self.counts: torch.Tensor | None = None
+        self.dropped: torch.Tensor | None = None
+        self.aux: torch.Tensor | None = None
+        self.calls = 0
+
+
+class MoEProbe(Probe):
+    def __init__(self, loop: Any) -> None:
+        super().__init__(loop)
+        self.routers: list[_Router] = []
+        self.armed = False
+        self.enabled = False
+        self._warned = False
+        self._attached = False
+
+    def attach(self) -> list[Any]:
+        adapter, handles = self.loop.adapter, []
+        for vpp, root in enumerate(adapter.roots()):
+            for name, module in root.named_modules():
+                experts = router_experts(module)
+                if experts is None:
+                    continue
+                router = _Router(vpp, adapter.global_name(vpp, clean_name(name)), module, experts)
+                self.routers.append(router)
+                handles.append(module.register_forward_hook(self._hook(router)))
+                if router.has_aux:
+                    handles.append(_wrap_aux(module, router, self))
+        self._attached = True
+        self._warn()
+        return handles
+
+    def configure(self, config) -> None:
+        self.enabled = config.moe_distribution
+        self._warn()
+
+    def _warn(self) -> None:
+        if self.enabled and self._attached and not self.routers and not self._warned:
+            self._warned = True
+            logger.warning(
+                "trainermon: moe_distribution is on but the model has no top-k router (a module whose class "
+                "name ends in 'Router' with num_experts or config.num_moe_experts); no moe_load rows"
+            )
+
+    def begin(self, plan: StepPlan) -> None:
+        self.armed = plan.moe and bool(self.routers)
+        for router in self.routers:
+            router.reset()
+
+    def _hook(self, router: _Router):
+        def hook(module: torch.nn.Module, inputs: Any, output: Any) -> None:
+            if not self.armed:
+                return
+            try:
+                self._count(router, output)
+            except Exception as exc:  # noqa: BLE001 - never into the training loop
+                self.loop.faults.record("moe router hook", exc)
+
+        return hook
+
+    def _count(self, router: _Router, output: Any) -> None:
+        chosen = output[-1] if isinstance(output, (tuple, list)) else output
+        if not isinstance(chosen, torch.Tensor):
+            return
+        chosen = chosen.detach()
+        if chosen.dtype == torch.bool:  # routing map [tokens, experts] (Megatron), after dropping
+            routed = chosen.reshape(-1, router.experts).sum(0)
+            if router.drops:
+                topk = int(getattr(router.module, "topk", 0) or 0)
+                dropped = chosen.shape[0] * topk - routed.sum() if chosen.dim() == 2 else routed.sum() * 0
+                router.dropped = dropped if router.dropped is None else router.dropped + dropped
+        else:  # top-k expert indices [tokens, k] (transformers)
+            index = chosen.reshape(-1).long()  # scatter_add, not bincount: bincount syncs on CUDA
+            routed = torch.zeros(router.experts, dtype=torch.long, device=index.device)
+            routed.scatter_add_(0, index, torch.ones_like(index))
+        router.counts = routed if router.counts is None else router.counts + routed
+
+    def post_optim(self, plan: StepPlan) -> None:
+        if not plan.moe or not self.routers:
+            return
+        placement = self.loop.adapter.token_placement()
+        size = 1 if isinstance(placement, Local) else _group_size(placement.over)
+        entries = []
+        for r in self.routers:
+            device = r.counts.device if r.counts is not None else torch.device("cpu")
+            counts = r.counts if r.counts is not None else torch.zeros(r.experts, device=device)
+            values = counts.float()
+            for e in range(r.experts):
+                piece = TensorPiece(values[e : e + 1], placement, (1,), torch.int64)
+                entries.append((r.vpp, r.name, e, piece))
+            if r.drops:
+                dropped = r.dropped if r.dropped is not None else torch.zeros((), device=device)
+                piece = TensorPiece(dropped.float().reshape(1), placement, (1,), torch.int64)
+                entries.append((r.vpp, r.name, MOE_DROPPED, piece))
+            if r.has_aux:
+                aux = torch.zeros((), device=device) if r.aux is None else r.aux / max(r.calls, 1) / size
+                piece = TensorPiece(aux.float().reshape(1), placement, (1,), torch.float32)
+                entries.append((r.vpp, r.name, MOE_AUX, piece))
+        self.loop.record(MOE_HIDDEN, entries)
+
+
+def _group_size(groups: tuple) -> int:
+    import torch.distributed as dist
+
+    size = 1
+    for g in groups:
+        size *= dist.get_world_size(group=g)
+    return size
+
+
+class _Restore:
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def remove(self) -> None:
+        self.module.__dict__.pop("attach_and_log_load_balancing_loss", None)
+
+
+def _wrap_aux(module: torch.nn.Module, router: _Router, probe: MoEProbe) -> _Restore:
+    """Megatron's router hands its load-balancing loss to `attach_and_log_load_balancing_loss` (0.16.1:
+    (activation, coeff, aux_loss, name, ...)): read it there on collected steps (a device tensor)."""
+    original = module.attach_and_log_load_balancing_loss
+
+    def attach(*args: Any, **kwargs: Any) -> Any:
+        if probe.armed:
+            try:
+                aux = kwargs.get("aux_loss", args[2] if len(args) > 2 else None)
+                coeff = kwargs.get("aux_loss_coeff", args[1] if len(args) > 1 else 1.0)
+                if isinstance(aux, torch.Tensor) and coeff:
+                    value = aux.detach().float() / float(coeff)  # as Megatron logs it: before its coeff
+                    router.aux = value if router.aux is None else router.aux + value
+                    router.calls += 1
+            except Exception as exc:  # noqa: BLE001
+                probe.loop.faults.record("moe aux loss", exc)
+        return original(*args, **kwargs)
+
+    module.attach_and_log_load_balancing_loss = attach
+    return _Restore(module)
