@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from trainermon.collect.family_columns import EXTRA_COLUMNS
-from trainermon.exporters.parquet import (
+from trainermon.exporters.parquet_files import (
     COUNT_STATS,
     STATS,
     ColumnBuffer,

@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from trainermon.exporters.parquet import (
+from trainermon.exporters.parquet_files import (
     COLUMNS,
     DATASET_MARKER,
     POINTER_FILE,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trainermon.exporters.parquet import SCHEMA_VERSION, file_schema, part_name, write_dataset_marker
+from trainermon.exporters.parquet_files import SCHEMA_VERSION, file_schema, part_name, write_dataset_marker
 
 _KINDS = ("attn.qkv.weight", "attn.proj.weight", "mlp.fc1.weight", "mlp.fc2.weight")
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from trainermon.comm.checks import Violation, evaluate, pack
+from trainermon.comm.checks import MAX_CHECKS, Violation, evaluate, pack
 from trainermon.comm.ddp_slot import share_slot
 from trainermon.comm.patch import Patches
 from trainermon.comm.recorder import CommRecorder
@@ -182,6 +182,17 @@ class CommProbe(Probe):
     def _evaluate(self, step: int, table: Any, entries: list) -> None:
         found, unchecked = evaluate(table, entries, self.loop.rank)
         self.unchecked += unchecked
+        beyond = max(0, len(entries) - MAX_CHECKS)
+        if unchecked or beyond:  # counted always, said once: a check that did not run is not a pass
+            self._warn_once(
+                "unchecked",
+                "trainermon: cc_distribution checks at step %d: %d keys with no line from some rank of "
+                "their group (call sites that differ by rank), %d beyond the first %d keys of the step",
+                step,
+                unchecked,
+                beyond,
+                MAX_CHECKS,
+            )
         if not found:
             return
         from trainermon.pipeline.anomaly import Anomaly
