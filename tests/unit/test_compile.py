@@ -126,19 +126,48 @@ def test_compiled_model_dynamic_switch_on_later(tmp_path, out_dir, dynamic_mode)
     assert set(graphs[first + 1 :]) == {graphs[first]}, graphs
 
 
-def test_compiled_before_set_monitor_warns(tmp_path, out_dir, caplog):
-    """A model compiled and run before set_monitor cannot see hooks added later: say so, never silently."""
+def test_compiled_before_set_monitor_recompiles_once(tmp_path, out_dir, caplog):
+    """A model compiled and run before set_monitor: the monitor resets dynamo's caches once, the compiled
+    model recompiles once with the hooks, and its actv/actv_grad rows equal the eager run's."""
     import torch._dynamo
+    from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
-    model = _model()
-    compiled = torch.compile(model, backend="aot_eager")
-    compiled(torch.randn(3, 4)).sum().backward()
-    cfg = write_config(tmp_path / "c.json", xy_distribution=True, ops=["norm"])
-    monitor = TrainerMon(cfg)
-    with caplog.at_level("WARNING", logger="trainermon"):
-        monitor.set_monitor(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-    monitor.close()
-    assert any(
-        "call set_monitor before the model's first compiled forward" in r.message for r in caplog.records
-    )
+    counters.clear()
+    rows = {}
+    for compiled in (False, True):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        gen = torch.Generator().manual_seed(1)
+
+        def step(run=run, gen=gen, opt=opt) -> None:
+            run(torch.randn(3, 4, generator=gen)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+        step()
+        step()  # trained (and compiled) before the monitor exists
+        before = counters["stats"]["unique_graphs"]
+        monitor = TrainerMon(
+            write_config(tmp_path / f"c{compiled}.json", xy_distribution=True, ops=list(OPS))
+        )
+        with caplog.at_level("INFO", logger="trainermon"):
+            monitor.set_monitor(model, optimizer=opt)
+        graphs = []
+        for _ in range(4):
+            step()
+            graphs.append(counters["stats"]["unique_graphs"])
+        monitor.close()
+        rows[compiled] = (
+            keyed(read_family(monitor.run_dir, "actv")),
+            keyed(read_family(monitor.run_dir, "actv_grad")),
+        )
+        if compiled:
+            assert before >= 1 and graphs[0] > before and set(graphs) == {graphs[0]}, (before, graphs)
+            assert any("recompiles once" in r.message for r in caplog.records)
+    for got, want in zip(rows[True], rows[False]):
+        assert set(got) == set(want) and len({s for _, s, _ in want}) == 4
+        for key, row in want.items():
+            for op in OPS:
+                assert float(got[key][op]) == pytest.approx(float(row[op]), rel=1e-5, abs=1e-7), (key, op)

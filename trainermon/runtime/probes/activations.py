@@ -35,6 +35,27 @@ from .base import Probe
 logger = logging.getLogger("trainermon")
 
 
+def _recompile_with_hooks() -> None:
+    """Graphs compiled before the hooks were installed never call them (dynamo does not guard on module
+    hooks by default): drop dynamo's caches once, so every compiled function recompiles at its next call,
+    this time with the hooks in its graph. Cost: one recompile of each compiled function in the process."""
+    try:
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        logger.info(
+            "trainermon: graphs compiled before set_monitor do not call the activation hooks; dynamo's caches"
+            " were reset, so compiled code recompiles once at its next call, with the hooks"
+        )
+    except Exception as exc:  # noqa: BLE001 - the model trains as before; the rows would stay empty
+        logger.warning(
+            "trainermon: torch.compile compiled graphs before set_monitor and dynamo's caches could not be"
+            " reset (%s); actv/actv_grad stay empty for them: call set_monitor before the first compiled"
+            " forward",
+            exc,
+        )
+
+
 def compiled_before() -> bool:
     """Whether torch.compile has already compiled a graph in this process (dynamo only counts once it
     is imported: no import here)."""
@@ -131,11 +152,7 @@ class ActivationProbe(Probe):
         # seen by its graphs), and they return at once on steps that are not collected.
         self._install(self.modules, extra=False)
         if modules and compiled_before():
-            logger.warning(
-                "trainermon: torch.compile has already compiled graphs in this process; a model compiled and"
-                " run before set_monitor does not see the activation hooks, so its actv/actv_grad stay empty:"
-                " call set_monitor before the model's first compiled forward"
-            )
+            _recompile_with_hooks()
 
     def begin(self, plan: StepPlan) -> None:
         self._calls.clear()
