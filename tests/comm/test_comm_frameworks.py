@@ -171,6 +171,48 @@ def _dynamic(rank: int, world: int, out_root: str) -> dict:
     return {"patched": patched, "steps": steps, "restored": dist.all_reduce is original}
 
 
+def _compiled(rank: int, world: int, out_root: str) -> dict:
+    """A torch.compile'd model whose forward all-reduces through the functional collectives, compiled at
+    step 0 before any step is collected (start_step 1): the collected steps' collectives are seen, with
+    the values of the sum over ranks."""
+    import torch._dynamo
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from trainermon import TrainerMon
+
+    class Reducing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return funcol.all_reduce(self.lin(x), "sum", dist.group.WORLD)
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Reducing()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # ranks keep equal weights (no DDP here)
+    os.environ["MONITOR_OUTPUT_DIR"] = os.path.join(out_root, "compiled")
+    path = os.path.join(out_root, f"compiled-{rank}.json")
+    with open(path, "w") as fh:
+        json.dump({"cc_distribution": {"enable": True}, "ops": OPS, "ndigits": 12, "start_step": 1}, fh)
+    monitor = TrainerMon(path)
+    monitor.set_monitor(model, grad_acc_steps=1, optimizer=opt)
+    run = torch.compile(model, backend="aot_eager")
+    want = []
+    for step in range(3):
+        with torch.no_grad():  # the all-reduced output, from every rank's known input
+            want.append(float(sum(model.lin(_x(step, r)) for r in range(world)).double().norm()))
+        run(_x(step, rank)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    rows = read_family(monitor.run_dir, "comm")
+    torch._dynamo.reset()
+    return {"rows": rows, "want": want}
+
+
 def _megatron(rank: int, world: int, out_root: str) -> dict:
     """Megatron-Core with the distributed optimizer (dp=2): its gradient reduce-scatters and parameter
     all-gathers go through `dist_reduce_scatter_func` / `dist_all_gather_func`, module globals bound to
@@ -202,6 +244,7 @@ def _both(rank: int, world: int, out_root: str) -> dict:
         "ddp_hook": _ddp_user_hook(rank, world, out_root),
         "fsdp": _fsdp(rank, world, out_root),
         "dynamic": _dynamic(rank, world, out_root),
+        "compiled": _compiled(rank, world, out_root),
         "megatron": _megatron(rank, world, out_root),  # last: its CPU shim stays installed
     }
 
@@ -221,6 +264,17 @@ def test_ddp_and_fsdp2_collectives_seen(tmp_path):
             got = sum(float(r["norm"]) ** 2 for r in gathers)
             # the step's parameter all-gather holds every updated parameter once (padding is zeros)
             assert abs(got - sumsq) <= 1e-5 * sumsq, (step, got, sumsq, [r["name"] for r in gathers])
+        compiled = res["compiled"]
+        got = {
+            int(r["step"]): float(r["norm"])
+            for r in compiled["rows"]
+            if r["name"].startswith("funcol.all_reduce/world/output@")
+        }
+        # step 0 ran before collection began (compiled without the wrappers); steps 1 and 2 are seen
+        assert sorted(got) == [1, 2], compiled["rows"]
+        for step in (1, 2):
+            want = compiled["want"][step]
+            assert abs(got[step] - want) <= 1e-5 * want, (step, got[step], want)
         dynamic = res["dynamic"]
         # switched off during step 2: steps 0-2 collected (patched), 3 and 4 run the originals
         assert dynamic["patched"] == [True, True, True, False, False], dynamic

@@ -61,7 +61,22 @@ def _wrap(original: Any, spec: OpSpec, recorder: Recorder) -> Any:
             _inside.depth = 0
 
     wrapper.__trainermon_comm__ = True  # type: ignore[attr-defined]
-    return wrapper
+    return _eager(wrapper)
+
+
+def _eager(wrapper: Any) -> Any:
+    """Under torch.compile, dynamo would trace into the wrapper (its locks, frames and the native kernel
+    cannot be traced; its statistics would see fake tensors): marked as not compilable, it runs eagerly
+    with the real tensors, a graph break around each watched collective on collected steps only (dynamo
+    guards on the patched function, so graphs compiled while it is not installed stay unbroken)."""
+    try:
+        import torch.compiler
+
+        eager = torch.compiler.disable(wrapper)
+    except Exception:  # noqa: BLE001 - a build without dynamo: nothing compiles anyway
+        return wrapper
+    eager.__trainermon_comm__ = True  # type: ignore[attr-defined]
+    return eager
 
 
 def _wrap_batch(original: Any, recorder: Recorder) -> Any:
