@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -165,3 +169,15 @@ def test_set_monitor_takes_lightning_optimizer(tmp_path, out_dir, static_mode, c
     assert monitor.loop.adapter.optimizer is opt
     assert any("LightningSGD -> SGD" in r.getMessage() for r in caplog.records)
     monitor.close()
+
+
+def test_importing_trainermon_imports_no_framework(tmp_path):
+    """The integrations import their framework only when the user imports them."""
+    code = (
+        "import sys, trainermon, trainermon.integrations; from trainermon import TrainerMon; "
+        "print(sorted(m for m in ('transformers', 'accelerate', 'lightning', 'pytorch_lightning') "
+        "if m in sys.modules))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -1,5 +1,7 @@
-"""The HF Trainer with `TrainerMonCallback` over DeepSpeed ZeRO-2 and over FSDP through accelerate, on 2 gloo
-ranks (CPU). References come from the frameworks' own full-tensor getters and norms, in the test."""
+"""`TrainerMonCallback` on 2 gloo ranks (CPU): the HF Trainer over DeepSpeed ZeRO-2, and the objects the
+Trainer hands its callbacks under FSDP2 (accelerate enables its FSDP plugin only on GPU ranks: on CPU the
+Trainer falls back to DDP). References: DeepSpeed's full-tensor getters and global norm, DTensor
+`full_tensor()`, taken in the test."""
 
 from __future__ import annotations
 
