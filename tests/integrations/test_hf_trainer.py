@@ -158,3 +158,27 @@ def test_trainer_ddp_two_ranks(tmp_path):
     assert all(unreduced[0][k]["norm"] != unreduced[1][k]["norm"] for k in unreduced[0])
     reduced = [{k: v for k, v in r["refs"].items() if k[0] == "grad_reduced"} for r in results]
     assert reduced[0] == reduced[1]  # the all-reduced gradients are bitwise the same
+
+
+def test_gpt2_lm_head_target_selects_the_tied_embedding(tmp_path, out_dir, static_mode, caplog):
+    """issue 20 item 8 on HF's own GPT-2 (tiny config): `lm_head` is `transformer.wte`'s weight."""
+    from trainermon import TrainerMon
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=23, n_positions=8, n_embd=8, n_layer=1, n_head=2)
+    model = transformers.GPT2LMHeadModel(config)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    cfg = write_config(tmp_path / "cfg.json", targets={"lm_head": {}}, wg_distribution=True, ops=list(OPS))
+    monitor = TrainerMon(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        monitor.set_monitor(model, optimizer=opt)
+    ids = torch.randint(0, 23, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    want = ref_stats(model.transformer.wte.weight.grad)
+    opt.step()
+    monitor.close()
+    rows = keyed(read_family(monitor.run_dir, "grad_reduced"))
+    assert set(rows) == {("transformer.wte.weight", 0, None)}
+    assert_row_matches(rows[("transformer.wte.weight", 0, None)], want, OPS)
+    assert not [r for r in caplog.records if "select" in r.getMessage()]
