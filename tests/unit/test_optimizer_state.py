@@ -64,8 +64,13 @@ CASES = {
     ),
     "adam": (lambda ps: torch.optim.Adam(ps, lr=0.01), ("exp_avg", "exp_avg_sq")),
     "unknown": (lambda ps: Velocity(ps), ("velocity",)),
+    "adamax": (lambda ps: torch.optim.Adamax(ps, lr=0.01), ("exp_avg", "exp_inf")),
+    "rprop": (lambda ps: torch.optim.Rprop(ps, lr=0.01), ("prev", "step_size")),
+    "adadelta": (lambda ps: torch.optim.Adadelta(ps), ("square_avg", "acc_delta")),
+    "asgd": (lambda ps: torch.optim.ASGD(ps, lr=0.01), ("ax",)),
+    "muon": (lambda ps: torch.optim.Muon([p for p in ps if p.dim() == 2], lr=0.01), ("momentum_buffer",)),
 }
-ALL_KEYS = {k for _, keys in CASES.values() for k in keys} | {"count", "scratch", "step"}
+ALL_KEYS = {k for _, keys in CASES.values() for k in keys} | {"count", "scratch", "step", "eta", "mu"}
 
 
 def _run(tmp_path, make_opt):

@@ -34,6 +34,7 @@ STATE_FAMILIES = (
     "acc_delta",
     "prev",
     "step_size",
+    "ax",
     "row_var",
     "col_var",
     "variance",

@@ -10,6 +10,7 @@ A family is the optimizer's own state key, so rows say what they are:
     RMSprop                 square_avg (+ momentum_buffer with momentum, grad_avg when centered)
     Adadelta                square_avg, acc_delta
     Rprop                   prev, step_size
+    ASGD                    ax
     Adafactor               row_var and col_var (a factored parameter, >= 2-D: the row and column
                             second-moment factors, each its own row with its own shape), variance (1-D)
     Lion                    exp_avg
@@ -43,12 +44,13 @@ STATE_KEYS: dict[str, tuple[str, ...]] = {
     "RMSprop": ("square_avg", "momentum_buffer", "grad_avg"),
     "Adadelta": ("square_avg", "acc_delta"),
     "Rprop": ("prev", "step_size"),
+    "ASGD": ("ax",),
     "Adafactor": ("row_var", "col_var", "variance"),
     "Lion": ("exp_avg",),
 }
 
-#: Keys that exist only under a hyperparameter: (group key, test of its value); groups without that
-#: hyperparameter keep the key.
+#: Keys that exist only under a hyperparameter: (group key, test of its value). A key is kept when some
+#: param group has that hyperparameter and passes the test (an optimizer without it never makes the key).
 _CONDITIONS = {
     "momentum_buffer": ("momentum", lambda v: v != 0),
     "grad_avg": ("centered", bool),
@@ -58,8 +60,8 @@ _CONDITIONS = {
 SUPPORTED = (
     "Adam-family exp_avg/exp_avg_sq, Adamax exp_inf, SGD (with momentum) and Muon momentum_buffer, "
     "Adagrad sum, RMSprop square_avg/momentum_buffer/grad_avg, Adadelta square_avg/acc_delta, Rprop "
-    "prev/step_size, Adafactor row_var/col_var/variance, Lion exp_avg; other optimizers: state tensors "
-    "of the parameter's shape"
+    "prev/step_size, ASGD ax, Adafactor row_var/col_var/variance, Lion exp_avg; other optimizers: "
+    "state tensors of the parameter's shape"
 )
 
 
@@ -90,7 +92,7 @@ def _documented(opt: torch.optim.Optimizer) -> tuple[str, ...] | None:
 
 def _applies(key: str, group: dict) -> bool:
     hyper, test = _CONDITIONS[key]
-    return hyper not in group or bool(test(group[hyper]))
+    return hyper in group and bool(test(group[hyper]))
 
 
 def _from_state(opt: torch.optim.Optimizer) -> tuple[str, ...]:
