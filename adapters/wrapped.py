@@ -41,8 +41,10 @@ def unwrap_optimizer(optimizer: Any, owned: Callable[[Any], bool] = lambda o: Fa
 
 
 def describe_chain(chain: list[Any], hooked: Any) -> str:
-    """`AcceleratedOptimizer -> AdamW` (and what the adapter steps through, when that is another object)."""
+    """`AcceleratedOptimizer -> AdamW` (and what the adapter steps through, when that is another object:
+    DeepSpeed's engine optimizer found from the model)."""
     text = " -> ".join(type(o).__name__ for o in chain)
     if hooked is not None and all(hooked is not o for o in chain):
-        text += f" (steps through {type(hooked).__name__})"
+        through = type(hooked).__name__
+        text = f"{text} (steps through {through})" if text else through
     return text

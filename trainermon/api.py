@@ -90,9 +90,9 @@ class TrainerMon:
         self.grad_acc_steps = context.grad_acc_steps  # the framework's own count where it has one
         self.loop.attach(adapter, start_iteration)
         hooked = (
-            "none (call monitor.step())"
-            if optimizer is None
-            else describe_chain(adapter.optimizer_chain, adapter.optimizer)
+            describe_chain([o for o in adapter.optimizer_chain if o is not None], adapter.optimizer)
+            if self.loop.hooked
+            else "none hooked: call monitor.step() at each step's end"
         )
         logger.info(
             "trainermon: attached (%s adapter, %d parameters, optimizer %s); output in %s",

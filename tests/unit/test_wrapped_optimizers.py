@@ -78,3 +78,9 @@ def test_cycle_and_half_initialised_optimizer(tmp_path, out_dir, static_mode, ca
     assert monitor.current_step == 1
     monitor.close()
     assert monitor.faults.total == 0
+
+
+def test_no_optimizer_says_so(tmp_path, out_dir, static_mode, caplog):
+    monitor, line = _attach(tmp_path, caplog, None, nn.Linear(3, 2))
+    assert "optimizer none hooked: call monitor.step()" in line
+    monitor.close()
