@@ -181,3 +181,70 @@ def test_importing_trainermon_imports_no_framework(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def _lightning_ddp_rank(rank: int, world: int, out_dir: str, cfg: str, root: str) -> dict:
+    import lightning.pytorch as pl
+
+    from trainermon.integrations.lightning import TrainerMonCallback
+
+    os.environ["MONITOR_OUTPUT_DIR"] = out_dir
+    seen: list = []  # (step, batch, weights) of each training forward, to recompute this rank's gradient
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = TinyRegressor()
+
+        def training_step(self, batch, batch_idx):
+            weights = {k: v.detach().clone() for k, v in self.net.state_dict().items()}
+            seen.append((self.trainer.global_step, {k: v.clone() for k, v in batch.items()}, weights))
+            return self.net(**batch)["loss"]
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    refs: dict = {}
+
+    class References(pl.Callback):
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            grad_refs(module, trainer.global_step, refs)  # all-reduced by DDP: what the optimizer gets
+
+    torch.manual_seed(0)
+    callback = TrainerMonCallback(cfg)
+    trainer = pl.Trainer(
+        max_epochs=1, accelerator="cpu", devices=world, strategy="ddp", logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[callback, References()], default_root_dir=root,
+    )  # fmt: skip
+    loader = torch.utils.data.DataLoader(Samples(BATCH * MICRO_BATCHES), batch_size=BATCH)
+    module = Module()
+    trainer.fit(module, loader)
+    shadow = TinyRegressor()
+    for step, batch, weights in seen:
+        shadow.load_state_dict(weights)
+        shadow.zero_grad()
+        shadow(**batch)["loss"].backward()
+        for name, p in shadow.named_parameters():
+            refs[("grad_unreduced", f"net.{name}", step)] = ref_stats(p.grad)
+    monitor = callback.monitor
+    return {
+        "adapter": monitor.loop.adapter.name, "wrapped": type(monitor.loop.adapter.chunks[0]).__name__,
+        "faults": monitor.faults.total, "run_dir": monitor.run_dir, "refs": refs,
+        "steps": trainer.global_step,
+    }  # fmt: skip
+
+
+def test_lightning_callback_ddp_two_ranks(tmp_path):
+    pytest.importorskip("lightning.pytorch")
+    from tests.distributed import run_ranks
+
+    cfg = write_config(tmp_path / "cfg.json", wg_distribution=True, ops=list(OPS), ndigits=12)
+    results = run_ranks(
+        _lightning_ddp_rank, world_size=2, out_dir=str(tmp_path / "out"), cfg=cfg, root=str(tmp_path / "pl")
+    )
+    for r in results:
+        assert r["wrapped"] == "DistributedDataParallel" and r["adapter"] == "torch" and r["faults"] == 0
+        assert r["steps"] == MICRO_BATCHES // 2
+    _check(results[0]["run_dir"], results[0]["refs"], ("grad_reduced", "grad_unreduced"))
+    _check(results[1]["run_dir"], results[1]["refs"], ("grad_unreduced",))
