@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .base import Adapter, AdapterContext, GradTaps, MonitoredParam, StepEvents
+from .wrapped import unwrap_optimizer
 
 #: Tried in order; the first whose `detect` accepts the objects wins. Plain PyTorch/DDP is last, as the
 #: fallback. Framework adapters are imported only when tried, and each imports its framework lazily.
@@ -26,14 +27,25 @@ def _load(spec: str) -> type[Adapter]:
     return getattr(importlib.import_module(module), cls)
 
 
+def owned_by_an_adapter(optimizer: Any) -> bool:
+    """A framework optimizer that an adapter reads itself (not to be unwrapped further)."""
+    return any(_load(spec).owns_optimizer(optimizer) for spec in ADAPTERS)
+
+
 def select_adapter(
     chunks: Sequence[torch.nn.Module], optimizer: Any, context: AdapterContext | None = None
 ) -> Adapter:
+    """The adapter for these objects; a wrapped optimizer is unwrapped first (`wrapped.unwrap_optimizer`),
+    and the chain is kept as `adapter.optimizer_chain` for the attach log line."""
     context = context or AdapterContext()
+    chain = unwrap_optimizer(optimizer, owned_by_an_adapter)
+    optimizer = chain[-1]
     for spec in ADAPTERS:
         cls = _load(spec)
         if cls.detect(chunks, optimizer):
-            return cls(chunks, optimizer, context)
+            adapter = cls(chunks, optimizer, context)
+            adapter.optimizer_chain = chain
+            return adapter
     raise TypeError(
         f"trainermon: no adapter handles model {[type(c).__name__ for c in chunks]} with optimizer "
         f"{type(optimizer).__name__}"

@@ -83,6 +83,15 @@ class Adapter(ABC):
         self.optimizer = optimizer
         self.context = context
 
+    #: What `set_monitor` was given, unwrapped down to `optimizer` (`select_adapter` sets it).
+    optimizer_chain: list[Any] = []
+
+    @classmethod
+    def owns_optimizer(cls, optimizer: Any) -> bool:
+        """A framework optimizer this adapter reads itself, which is not to be unwrapped (`.optimizer`
+        of Megatron's and DeepSpeed's optimizers is their inner torch optimizer)."""
+        return False
+
     @classmethod
     @abstractmethod
     def detect(cls, chunks: Sequence[torch.nn.Module], optimizer: Any) -> bool:

@@ -13,6 +13,7 @@ from trainermon.collect.records import StepScalars
 from trainermon.failsafe import FaultLog
 
 from .base import StepEvents
+from .wrapped import hookable
 
 logger = logging.getLogger("trainermon")
 
@@ -128,12 +129,42 @@ def guarded(faults: FaultLog, where: str, fn: Callable[..., Any]) -> Callable[..
     return call
 
 
+def _after_closure(closure: Callable[[], Any], pre: Callable[[], None]) -> Callable[[], Any]:
+    """`closure` that fires `pre` once, after its first call: the gradients exist only then."""
+    fired = [False]
+
+    def call() -> Any:
+        loss = closure()
+        if not fired[0]:
+            fired[0] = True
+            with torch.no_grad():  # optimizers run the closure under enable_grad; reads build no graph
+                pre()
+        return loss
+
+    return call
+
+
+def _pre_hook(events: StepEvents) -> Callable[..., Any]:
+    """torch's step pre-hook. A step given a closure (Lightning's automatic optimization, LBFGS) runs
+    forward and backward inside `step()`, after this hook: the pre event then fires from the closure."""
+
+    def hook(optimizer: Any, args: tuple, kwargs: dict) -> Any:
+        if callable(kwargs.get("closure")):
+            return args, {**kwargs, "closure": _after_closure(kwargs["closure"], events.pre)}
+        if args and callable(args[0]):
+            return (_after_closure(args[0], events.pre), *args[1:]), kwargs
+        events.pre()
+        return None
+
+    return hook
+
+
 def hook_optimizer_step(optimizer: Any, events: StepEvents) -> list[Any]:
     """Fire `events` around this optimizer instance's `step()`: torch's step hooks where the optimizer
     has them, else a wrapper of this instance's `step` (a framework optimizer)."""
-    if isinstance(optimizer, torch.optim.Optimizer):
+    if hookable(optimizer):
         return [
-            optimizer.register_step_pre_hook(lambda *_: events.pre()),
+            optimizer.register_step_pre_hook(_pre_hook(events)),
             optimizer.register_step_post_hook(lambda *_: events.post(StepScalars())),
         ]
     if callable(getattr(optimizer, "step", None)):

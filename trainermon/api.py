@@ -62,8 +62,10 @@ class TrainerMon:
         start_iteration=0`, by keyword or in one of msprobe's two positional orders: the older
         `(model, grad_acc_steps, optimizer, dp_group, tp_group, start_iteration)` and msprobe 26's
         `(model, optimizer, grad_acc_steps, tp_group, dp_group, start_iteration)`, told apart by
-        whether the second argument is an integer."""
+        whether the second argument is an integer. A wrapped optimizer (accelerate's, Lightning's, any
+        object holding it as `.optimizer`) is unwrapped; one log line says what was hooked."""
         from trainermon.adapters import AdapterContext, select_adapter
+        from trainermon.adapters.wrapped import describe_chain
 
         bound = bind_set_monitor_args(args, kwargs)
         grad_acc_steps, optimizer = bound["grad_acc_steps"], bound["optimizer"]
@@ -87,10 +89,16 @@ class TrainerMon:
         adapter = select_adapter(chunks, optimizer, context)
         self.grad_acc_steps = context.grad_acc_steps  # the framework's own count where it has one
         self.loop.attach(adapter, start_iteration)
+        hooked = (
+            describe_chain([o for o in adapter.optimizer_chain if o is not None], adapter.optimizer)
+            if self.loop.hooked
+            else "none hooked: call monitor.step() at each step's end"
+        )
         logger.info(
-            "trainermon: attached (%s adapter, %d parameters); output in %s",
+            "trainermon: attached (%s adapter, %d parameters, optimizer %s); output in %s",
             adapter.name,
             len(self.loop.selection.params),
+            hooked,
             self.run_dir,
         )
 

@@ -7,6 +7,8 @@ import json
 import logging
 import sys
 
+from .collect.records import STATE_FAMILIES
+
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
@@ -54,6 +56,7 @@ FAMILY_SWITCHES = {
     "exp_avg": "mv_distribution",
     "exp_avg_sq": "mv_distribution",
     "mv": "mv_distribution",
+    **{f: "mv_distribution" for f in STATE_FAMILIES},  # other optimizers' state (runtime/moments.py)
     "param_origin": "param_distribution",
     "param_updated": "param_distribution",
     "param": "param_distribution",

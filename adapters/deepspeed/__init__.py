@@ -48,7 +48,7 @@ from trainermon.names import clean_name
 
 from ..base import GRAD_REDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
 from ..common import Restore, guarded
-from .engine import find_engine
+from .engine import find_engine, is_deepspeed_object
 
 logger = logging.getLogger("trainermon")
 
@@ -111,6 +111,10 @@ class DeepSpeedAdapter(Adapter):
                 steps,
             )
         context.grad_acc_steps = steps
+
+    @classmethod
+    def owns_optimizer(cls, optimizer: Any) -> bool:
+        return is_deepspeed_object(optimizer)
 
     @classmethod
     def detect(cls, chunks: Sequence[torch.nn.Module], optimizer: Any) -> bool:

@@ -21,6 +21,21 @@ def _engine_type() -> type | None:
     return DeepSpeedEngine
 
 
+def is_deepspeed_object(obj: Any) -> bool:
+    """The engine or one of DeepSpeed's own optimizer wrappers (ZeRO, BF16, FP16), which the adapter
+    reads itself; their `.optimizer` is the basic torch optimizer."""
+    if obj is None or not _deepspeed_loaded():
+        return False
+    engine_type = _engine_type()
+    if engine_type is not None and isinstance(obj, engine_type):
+        return True
+    try:
+        from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
+    except Exception:  # noqa: BLE001 - older or broken DeepSpeed: the engine check above still holds
+        return False
+    return isinstance(obj, DeepSpeedOptimizer)
+
+
 def _optimizer_chain(optimizer: Any) -> list[Any]:
     """The optimizer and what it wraps: Accelerate's DeepSpeedOptimizerWrapper -> ZeRO optimizer ->
     basic torch optimizer (each holds the next as `.optimizer`)."""

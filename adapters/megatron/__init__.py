@@ -108,6 +108,10 @@ class MegatronAdapter(Adapter):
         self._loss_scale: Any = None
 
     @classmethod
+    def owns_optimizer(cls, optimizer: Any) -> bool:
+        return _megatron_imported() and _is_megatron_optimizer(optimizer)
+
+    @classmethod
     def detect(cls, chunks: Sequence[torch.nn.Module], optimizer: Any) -> bool:
         if not _megatron_imported():
             return False

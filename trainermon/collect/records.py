@@ -26,6 +26,22 @@ FAMILIES = (
     "update",
     "moe_load",
 )
+#: mv_distribution's families beyond Adam's: other optimizers' state keys (`runtime.moments.STATE_KEYS`).
+STATE_FAMILIES = (
+    "max_exp_avg_sq",
+    "exp_inf",
+    "momentum_buffer",
+    "sum",
+    "square_avg",
+    "grad_avg",
+    "acc_delta",
+    "prev",
+    "step_size",
+    "ax",
+    "row_var",
+    "col_var",
+    "variance",
+)
 #: Families whose rows carry a micro_step column (msprobe's layout), besides grad_unreduced with
 #: monitor_mbs_grad.
 MICRO_STEP_FAMILIES = ("actv", "actv_grad")

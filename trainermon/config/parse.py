@@ -276,7 +276,7 @@ def _parquet(raw: dict) -> ParquetConfig:
 
 
 def _prometheus(raw: dict) -> PrometheusConfig:
-    from trainermon.collect.records import FAMILIES
+    from trainermon.collect.records import FAMILIES, STATE_FAMILIES
 
     values = _section(raw, "prometheus", _DEFAULT.prometheus)
     if not isinstance(values["host"], str) or not values["host"]:
@@ -288,7 +288,7 @@ def _prometheus(raw: dict) -> PrometheusConfig:
         if not isinstance(values[key], bool):
             raise _fail(f"prometheus.{key}", values[key], "true or false")
     _choices("prometheus", values, "stats", VALUE_STATS)
-    _choices("prometheus", values, "families", FAMILIES)
+    _choices("prometheus", values, "families", FAMILIES + STATE_FAMILIES)
     values["max_series"] = _int(
         {"prometheus.max_series": values["max_series"]}, "prometheus.max_series", 1, 10**7
     )

@@ -9,15 +9,29 @@ from __future__ import annotations
 
 import logging
 
+from trainermon.config import MonitorConfig
+
 from .plan import StepPlan
 from .probes.base import Probe
 from .selection import select_params
+from .targets import TargetCheck
 
 logger = logging.getLogger("trainermon")
 
 
 class NewParamsProbe(Probe):
-    """First among the probes: the others read `loop.selection` in their own `begin`."""
+    """First among the probes: the others read `loop.selection` in their own `begin`. It also says when
+    the configured targets select nothing (`targets.TargetCheck`), at attach and at each reload."""
+
+    def __init__(self, loop) -> None:
+        super().__init__(loop)
+        self.targets = TargetCheck()
+
+    def configure(self, config: MonitorConfig) -> None:
+        try:
+            self.targets.check(self.loop.adapter, config)
+        except Exception as exc:  # noqa: BLE001 - a diagnostic never stops set_monitor or a reload
+            self.loop.faults.record("target check", exc)
 
     def begin(self, plan: StepPlan) -> None:
         self._refresh(plan)

@@ -1,4 +1,8 @@
-"""Which parameters and modules the config selects, and the names they are written under."""
+"""Which parameters and modules the config selects, and the names they are written under.
+
+A tied parameter (GPT-2's `lm_head.weight` is `transformer.wte.weight`) or a module registered under
+two names is selected by a target naming any of its names, and written once, under the name
+`named_parameters()` / `named_modules()` give it first."""
 
 from __future__ import annotations
 
@@ -27,17 +31,45 @@ class ParamSelection:
         ]
 
 
+def param_aliases(adapter) -> dict[int, list[str]]:
+    """id(parameter) -> its other names, for parameters registered under several (tied weights), named
+    as a single-process model names them (the module part through `adapter.global_name`)."""
+    out: dict[int, list[str]] = {}
+    for vpp_stage, root in enumerate(adapter.roots()):
+        names: dict[int, list[str]] = {}
+        for name, p in root.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(clean_name(name))
+        for pid, all_names in names.items():
+            if len(all_names) > 1:
+                out.setdefault(pid, []).extend(
+                    _global_param_name(adapter, vpp_stage, n) for n in all_names[1:]
+                )
+    return out
+
+
+def _global_param_name(adapter, vpp_stage: int, name: str) -> str:
+    module, _, leaf = name.rpartition(".")
+    return f"{adapter.global_name(vpp_stage, module)}.{leaf}" if module else name
+
+
+def param_matches(vpp_stage: int, names: list[str], target: str) -> bool:
+    """A target selects a parameter whose name (any of them) starts with it: plainly, `vpp:`-prefixed or
+    squashed."""
+    return any(
+        n.startswith(target) or f"{vpp_stage}:{n}".startswith(target) or squash_name(n).startswith(target)
+        for n in names
+    )
+
+
 def select_params(adapter, config: MonitorConfig) -> ParamSelection:
-    """Parameters whose name starts with a target (plain, `vpp:`-prefixed or squashed); all without
-    targets. Names are squashed with `squash_name`, falling back to full names where they would collide."""
+    """Parameters whose name (or a tied alias) starts with a target; all without targets. Names are
+    squashed with `squash_name`, falling back to full names where they would collide."""
     targets = config.targets
+    aliases = param_aliases(adapter) if targets else {}
     chosen = []
     for mp in adapter.parameters():
-        prefixed = f"{mp.vpp_stage}:{mp.name}"
-        if not targets or any(
-            mp.name.startswith(t) or prefixed.startswith(t) or squash_name(mp.name).startswith(t)
-            for t in targets
-        ):
+        names = [mp.name, *aliases.get(id(mp.param), ())]
+        if not targets or any(param_matches(mp.vpp_stage, names, t) for t in targets):
             chosen.append(mp)
     names = [mp.name for mp in chosen]
     if config.squash_name:
@@ -45,19 +77,36 @@ def select_params(adapter, config: MonitorConfig) -> ParamSelection:
     return ParamSelection(chosen, names, {mp.index: i for i, mp in enumerate(chosen)})
 
 
-def select_modules(adapter, config: MonitorConfig, every: bool) -> list[tuple[int, str, torch.nn.Module]]:
-    """(vpp_stage, output name, module) of the modules whose activations are collected: every module
-    (`every`), or those named in `targets` (plainly or as `vpp:name`). Wrapper modules are skipped."""
+def named_modules(adapter) -> list[tuple[int, list[str], torch.nn.Module]]:
+    """(vpp_stage, [output name, other names...], module) of every module that is not a wrapper, in
+    model order; each name in both its single-process and its chunk-local form."""
     out = []
-    seen: set[int] = set()
+    seen: dict[int, list[str]] = {}
     for vpp_stage, root in enumerate(adapter.roots()):
-        for name, module in root.named_modules():
-            if not name or id(module) in seen or adapter.is_wrapper_module(module):
+        for name, module in root.named_modules(remove_duplicate=False):
+            if not name or adapter.is_wrapper_module(module):
                 continue
             local = clean_name(name)
-            name = adapter.global_name(vpp_stage, local)
-            named = (name, local, f"{vpp_stage}:{name}", f"{vpp_stage}:{local}")
-            if every or any(n in config.targets for n in named):
-                seen.add(id(module))
-                out.append((vpp_stage, squash_name(name) if config.squash_name else name, module))
+            forms = [adapter.global_name(vpp_stage, local), local]
+            if id(module) in seen:
+                seen[id(module)].extend(f for f in forms if f not in seen[id(module)])
+                continue
+            seen[id(module)] = forms
+            out.append((vpp_stage, forms, module))
+    return out
+
+
+def module_matches(vpp_stage: int, names: list[str], targets) -> bool:
+    return any(n in targets or f"{vpp_stage}:{n}" in targets for n in names)
+
+
+def select_modules(adapter, config: MonitorConfig, every: bool) -> list[tuple[int, str, torch.nn.Module]]:
+    """(vpp_stage, output name, module) of the modules whose activations are collected: every module
+    (`every`), or those named in `targets` (any of their names, plainly or as `vpp:name`). Wrapper
+    modules are skipped."""
+    out = []
+    for vpp_stage, names, module in named_modules(adapter):
+        if every or module_matches(vpp_stage, names, config.targets):
+            name = names[0]
+            out.append((vpp_stage, squash_name(name) if config.squash_name else name, module))
     return out

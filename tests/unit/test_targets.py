@@ -1,0 +1,135 @@
+"""Targets: a tied parameter is selected by any of its names (a GPT-2-like model whose `lm_head.weight` is
+`wte.weight`, built here), and a target or family that selects nothing gets one warning naming it and the
+closest existing names."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers import assert_row_matches, keyed, read_family, ref_stats, write_config
+
+OPS = ("norm", "mean", "min", "max")
+
+
+class TinyTiedLM(nn.Module):
+    """Embedding, one block, final norm and an output head tied to the embedding, as GPT-2 ties them."""
+
+    def __init__(self, vocab: int = 11, dim: int = 8) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.block = nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, dim))
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: named_parameters() lists it once, as wte.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.wte(ids)
+        return self.lm_head(self.ln_f(h + self.block(h)))
+
+
+def _train(tmp_path, **cfg_keys):
+    from trainermon import TrainerMon
+
+    cfg = write_config(tmp_path / "cfg.json", ops=list(OPS), ndigits=12, **cfg_keys)
+    torch.manual_seed(0)
+    model = TinyTiedLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(model, optimizer=opt)
+    refs: dict = {}
+    gen = torch.Generator().manual_seed(2)
+    for step in range(2):
+        ids = torch.randint(0, 11, (3, 5), generator=gen)
+        nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
+        refs[step] = ref_stats(model.wte.weight.grad)  # the tied weight's gradient: both uses summed
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    assert monitor.faults.total == 0, dict(monitor.faults.counts)
+    return monitor, refs
+
+
+@pytest.mark.parametrize("target", ["lm_head", "lm_head.weight", "wte"])
+def test_tied_parameter_selected_by_either_name(tmp_path, out_dir, static_mode, caplog, target):
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        monitor, refs = _train(tmp_path, targets={target: {}}, wg_distribution=True)
+    rows = keyed(read_family(monitor.run_dir, "grad_reduced"))
+    assert set(rows) == {("wte.weight", 0, None), ("wte.weight", 1, None)}  # once, under its first name
+    for (_, step, _), row in rows.items():
+        assert_row_matches(row, refs[step], OPS)
+    assert not [r for r in caplog.records if "select" in r.getMessage()], [
+        r.getMessage() for r in caplog.records
+    ]
+
+
+def test_module_registered_under_two_names(tmp_path, out_dir, static_mode):
+    """A module reachable under two names is selected by either, and written under its first name."""
+    from trainermon import TrainerMon
+
+    model = TinyTiedLM()
+    model.head_alias = model.lm_head  # registered twice; named_modules() lists it once, as lm_head
+    monitor = TrainerMon(
+        write_config(tmp_path / "cfg.json", targets={"head_alias": {}}, xy_distribution=True)
+    )
+    monitor.set_monitor(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    model(torch.randint(0, 11, (2, 3))).sum().backward()
+    monitor.loop.adapter.optimizer.step()
+    monitor.close()
+    assert {n for (n, _, _) in keyed(read_family(monitor.run_dir, "actv"))} == {
+        "lm_head.input",
+        "lm_head.output",
+    }
+
+
+def _warnings(caplog) -> list[str]:
+    return [
+        r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "select" in r.getMessage()
+    ]
+
+
+def test_unknown_target_warns_once_with_closest_names(tmp_path, out_dir, static_mode, caplog):
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        monitor, _ = _train(
+            tmp_path, targets={"lm_haed": {}, "block.0": {}}, wg_distribution=True, xy_distribution=True
+        )
+    lines = _warnings(caplog)
+    assert len(lines) == 1, lines
+    assert "'lm_haed' selects nothing" in lines[0] and "'lm_head'" in lines[0], lines
+    assert {n for (n, _, _) in keyed(read_family(monitor.run_dir, "grad_reduced"))} == {
+        "block.0.weight",
+        "block.0.bias",
+    }
+
+
+def test_parameter_name_target_with_activations_warns(tmp_path, out_dir, static_mode, caplog):
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        _train(tmp_path, targets={"block.0.weight": {}}, wg_distribution=True, xy_distribution=True)
+    lines = _warnings(caplog)
+    assert len(lines) == 2, lines  # the target has no module; the actv family has nothing at all
+    assert "'block.0.weight' names parameters but no module" in lines[0] and "'block.0'" in lines[0]
+    assert "actv/actv_grad: the targets ['block.0.weight'] select no module" in lines[1]
+
+
+def test_family_with_nothing_warns(tmp_path, out_dir, static_mode, caplog):
+    """A target naming a module without parameters, with gradients on: the gradient families are empty."""
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        monitor, _ = _train(tmp_path, targets={"block.1": {}}, wg_distribution=True, xy_distribution=True)
+    lines = _warnings(caplog)
+    assert len(lines) == 1 and "select no parameter" in lines[0] and "wte.weight" in lines[0], lines
+    assert read_family(monitor.run_dir, "actv")  # the module's activations are collected
+
+
+def test_all_targets_valid_no_warning(tmp_path, out_dir, static_mode, caplog):
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        _train(
+            tmp_path,
+            targets={"block.0": {}, "ln_f": {}},
+            wg_distribution=True,
+            xy_distribution=True,
+            mv_distribution=False,
+        )
+    assert not _warnings(caplog)

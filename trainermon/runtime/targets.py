@@ -1,0 +1,79 @@
+"""Nothing silent: configured targets and families that select nothing are named in a warning, once, with
+the closest names that exist (difflib), at `set_monitor` and at each config reload.
+
+- a target that no parameter name starts with and no module is named (any of their names: tied
+  parameters and modules registered twice count under each);
+- a target that names only parameters while activations are collected (no module has that name);
+- a family switched on (activations; gradients, optimizer state or parameters) that the targets leave
+  with nothing at all.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+
+from trainermon.config import MonitorConfig
+
+from .selection import module_matches, named_modules, param_aliases, param_matches
+
+logger = logging.getLogger("trainermon")
+
+
+def closest(word: str, names: list[str], n: int = 3) -> list[str]:
+    """The names most like `word`; at least one when any exists (difflib's cutoff would give none)."""
+    return difflib.get_close_matches(word, names, n=n, cutoff=0.6) or difflib.get_close_matches(
+        word, names, n=n, cutoff=0.0
+    )
+
+
+class TargetCheck:
+    def __init__(self) -> None:
+        self.said: set[str] = set()
+
+    def check(self, adapter, config: MonitorConfig) -> None:
+        if not config.targets:
+            return  # no targets: every parameter and every module
+        aliases = param_aliases(adapter)
+        params = [(mp.vpp_stage, [mp.name, *aliases.get(id(mp.param), ())]) for mp in adapter.parameters()]
+        modules = [(vpp, names) for vpp, names, _ in named_modules(adapter)]
+        param_names = list(dict.fromkeys(n for _, names in params for n in names))
+        module_names = list(dict.fromkeys(n for _, names in modules for n in names))
+        # all_xy collects every module's activations whatever the targets say
+        activations = (config.collects_actv or config.collects_actv_grad) and not config.all_xy
+        any_param = any_module = False
+        unmatched = 0
+        for target in config.targets:
+            by_param = any(param_matches(vpp, names, target) for vpp, names in params)
+            by_module = any(module_matches(vpp, names, (target,)) for vpp, names in modules)
+            any_param, any_module = any_param or by_param, any_module or by_module
+            if not by_param and not by_module:
+                unmatched += 1
+                self._say(
+                    f"target {target!r} selects nothing: no parameter name starts with it and no module "
+                    f"has that name; closest: {closest(target, module_names + param_names)}"
+                )
+            elif activations and not by_module:
+                self._say(
+                    f"target {target!r} names parameters but no module, so it has no actv/actv_grad rows "
+                    f"(activations are selected by module name); closest modules: "
+                    f"{closest(target, module_names)}"
+                )
+        if unmatched == len(config.targets):
+            return  # every target is already named above
+        wanted = sorted(config.targets)
+        if activations and not any_module:
+            self._say(
+                f"actv/actv_grad: the targets {wanted} select no module; modules are named like "
+                f"{module_names[:3]}"
+            )
+        if (config.wg_distribution or config.mv_distribution or config.param_distribution) and not any_param:
+            self._say(
+                f"gradients/optimizer state/parameters: the targets {wanted} select no parameter; "
+                f"parameters are named like {param_names[:3]}"
+            )
+
+    def _say(self, message: str) -> None:
+        if message not in self.said:
+            self.said.add(message)
+            logger.warning("trainermon: %s", message)
