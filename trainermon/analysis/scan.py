@@ -39,6 +39,7 @@ class RunSummary:
     seconds: float = 0.0
     steps: tuple[int, int] | None = None
     notes: list[str] = field(default_factory=list)
+    xrank_rows: Any = None  # the cross-rank summary rows (pandas), when asked for
 
     @property
     def families(self) -> list[str]:
