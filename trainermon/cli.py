@@ -167,6 +167,8 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     import os
 
     from .analysis import analyze, open_run
+    from .analysis.analyze import _open
+    from .analysis.engines import is_url
     from .analysis.report import write_analysis_report
 
     try:
@@ -179,7 +181,10 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        source = open_run(args.run, prefer=args.format, run_id=args.run_id)
+        if is_url(args.run):  # object storage: listed by the engine
+            source = _open(args.run, args.engine, args.spark_master, args.run_id)
+        else:
+            source = open_run(args.run, prefer=args.format, run_id=args.run_id)
         result = analyze(
             source,
             families=_split(args.family),
@@ -188,8 +193,10 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
             ranks=ranks,
             top=args.top,
             progress=_progress(args),
+            engine=args.engine,
+            spark_master=args.spark_master,
         )
-    except (FileNotFoundError, KeyError, ValueError) as exc:
+    except (FileNotFoundError, KeyError, ValueError, ImportError) as exc:
         print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 2
     if not result.summary.rows_read:
@@ -220,6 +227,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     import os
 
     from .analysis import compare, open_run
+    from .analysis.analyze import _open
+    from .analysis.engines import is_url
     from .analysis.report import write_comparison_report
 
     try:
@@ -228,8 +237,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         print(f"error: --steps {args.steps!r}: allowed: N or FIRST-LAST", file=sys.stderr)
         return 2
     try:
-        run = open_run(args.run, prefer=args.format)
-        bench = open_run(args.benchmark, prefer=args.format)
+        run, bench = (
+            _open(p, args.engine, args.spark_master) if is_url(p) else open_run(p, prefer=args.format)
+            for p in (args.run, args.benchmark)
+        )
         result = compare(
             run,
             bench,
@@ -239,8 +250,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             families=_split(args.family),
             steps=steps,
             progress=_progress(args),
+            engine=args.engine,
+            spark_master=args.spark_master,
         )
-    except (FileNotFoundError, KeyError, ValueError) as exc:
+    except (FileNotFoundError, KeyError, ValueError, ImportError) as exc:
         print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 2
     paths = write_comparison_report(result, args.out or "trainermon_compare", max_plots=args.max_plots)
@@ -278,12 +291,28 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 1 if result.diverged else 0
 
 
+#: `analyze` / `compare` engine when none is given (see docs/ANALYSIS.md, "Engines", for why).
+DEFAULT_ENGINE = "pyarrow"
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--format",
         choices=["auto", "parquet", "csv"],
         default="auto",
         help="which output to read (auto: Parquet if any)",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=["pyarrow", "duckdb", "spark"],
+        default=DEFAULT_ENGINE,
+        help=f"what reads the rows (default {DEFAULT_ENGINE}; docs/ANALYSIS.md): pyarrow streams in this "
+        "process, duckdb runs the analysis's SQL embedded, spark on a Spark cluster (same findings)",
+    )
+    parser.add_argument(
+        "--spark-master",
+        default=None,
+        help="Spark master URL for --engine spark (default local[*]; e.g. spark://host:7077, yarn, k8s://...)",
     )
     bar = parser.add_mutually_exclusive_group()
     bar.add_argument("--progress", action="store_true", help="show a progress bar (default: on a terminal)")

@@ -221,7 +221,9 @@ def analyze(
     )
 
 
-def _open(run: str | os.PathLike | RunSource, engine: str, spark_master: str | None) -> RunSource:
+def _open(
+    run: str | os.PathLike | RunSource, engine: str, spark_master: str | None, run_id: str | None = None
+) -> RunSource:
     """A RunSource; a URL (s3://...) is listed by the engine (pyarrow reads local paths only)."""
     if isinstance(run, RunSource):
         return run
@@ -230,7 +232,7 @@ def _open(run: str | os.PathLike | RunSource, engine: str, spark_master: str | N
             raise ValueError(f"{run!r}: the pyarrow engine reads local paths; use --engine duckdb or spark")
         sess = session(engine, spark_master)
         try:
-            return open_url(str(run), sess)
+            return open_url(str(run), sess, run_id)
         finally:
             sess.close()
-    return open_run(run)
+    return open_run(run, run_id=run_id)

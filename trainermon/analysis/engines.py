@@ -95,6 +95,7 @@ class _Spark:
             builder = SparkSession.builder.master(master).appName("trainermon-analysis")
             for key, value in {
                 "spark.ui.enabled": "false",
+                "spark.ui.showConsoleProgress": "false",
                 "spark.sql.execution.arrow.pyspark.enabled": "true",
                 "spark.sql.session.timeZone": "UTC",
             }.items():
@@ -102,6 +103,7 @@ class _Spark:
             if master.startswith("local"):
                 builder = builder.config("spark.sql.shuffle.partitions", "8")
             session = _SPARK[master] = builder.getOrCreate()
+            session.sparkContext.setLogLevel("ERROR")
         self.spark = session
 
     def register(self, paths: list[str], base: str) -> None:
