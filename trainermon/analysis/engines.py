@@ -23,7 +23,7 @@ import numpy as np
 
 from . import sqlplan
 from .grid import CellGrid, col_key
-from .scan import MAX_NONFINITE_ROWS, RunSummary
+from .scan import MAX_NONFINITE_ROWS, RunSummary, copies_note
 from .source import ALL_STATS, RunSource, SourceFile, family_order
 
 ENGINES = ("pyarrow", "duckdb", "spark")
@@ -201,6 +201,11 @@ def engine_scan(
         if fams:
             cond = sqlplan.where(fams, rank_list, steps, source.run_id)
             sess.view("base", sqlplan.base_select(sess.dialect, stats, cond))
+            summary.copies.update(_copies(sess, stats))
+            if summary.copies:
+                cond = f"{cond} AND {sqlplan.exclude(summary.copies)}"
+                sess.view("base", sqlplan.base_select(sess.dialect, stats, cond))
+                summary.notes.append(copies_note(summary.copies))
             cells = sess.frame(sqlplan.cells_sql(stats))
             summary.rows_read = int(cells["_rows"].sum()) if len(cells) else 0
             for fam, part in cells.groupby("family", sort=False):
@@ -212,6 +217,20 @@ def engine_scan(
             sess.close()
     summary.seconds = time.monotonic() - t0
     return summary
+
+
+def _copies(sess: Any, stats: list[str]) -> dict[tuple[str, int], int]:
+    """(family, rank) -> the earlier rank whose rows it copies (equal fingerprints)."""
+    prints = sess.frame(sqlplan.fingerprint_sql(sess.dialect, stats))
+    seen: dict[tuple, int] = {}
+    copies: dict[tuple[str, int], int] = {}
+    for r in prints.sort_values(["family", "rank"]).itertuples(index=False):
+        key = (str(r.family), int(r.n), int(r.h))
+        if key in seen:
+            copies[(str(r.family), int(r.rank))] = seen[key]
+        else:
+            seen[key] = int(r.rank)
+    return copies
 
 
 def _fill(grid: CellGrid, cells: Any, stats: list[str]) -> None:

@@ -28,13 +28,14 @@ _INF = "CAST('Infinity' AS DOUBLE)"
 class Dialect:
     name: str
     struct_fmt: str  # builds a struct of (r: rank, f: file, i: row) for the first-appearance order
+    hash_fn: str  # a 64-bit hash of several columns
 
     def struct(self, rank: str, fname: str, row: str) -> str:
         return self.struct_fmt.format(r=rank, f=fname, i=row)
 
 
-DUCKDB = Dialect("duckdb", "struct_pack(r := {r}, f := {f}, i := {i})")
-SPARK = Dialect("spark", "named_struct('r', {r}, 'f', {f}, 'i', {i})")
+DUCKDB = Dialect("duckdb", "struct_pack(r := {r}, f := {f}, i := {i})", "hash")
+SPARK = Dialect("spark", "named_struct('r', {r}, 'f', {f}, 'i', {i})", "xxhash64")
 
 
 def quote(value: str) -> str:
@@ -151,8 +152,27 @@ def nonfinite_sql(stats: list[str], limit: int) -> str:
     )
 
 
-def counts_sql() -> str:
-    return "SELECT family, count(*) AS n FROM base GROUP BY family"
+def fingerprint_sql(dialect: Dialect, stats: list[str]) -> str:
+    """Per (family, rank): the row count and the XOR of every row's hash (names, steps, statistics),
+    an order-free fingerprint of the rank's rows: equal fingerprints are a copy (msprobe writes
+    replicated tensors on every rank; `scan.py` does the same test on a rank's first rows)."""
+    cols = ", ".join(["vpp_stage", "name", "step", "micro"] + stats)
+    return (
+        f"SELECT family, rank, count(*) AS n, bit_xor({dialect.hash_fn}({cols})) AS h FROM base "
+        "GROUP BY family, rank"
+    )
+
+
+def exclude(copies: Iterable[tuple[str, int]]) -> str:
+    """A WHERE clause body dropping the (family, rank) pairs of `copies`."""
+    by_family: dict[str, list[int]] = {}
+    for fam, rank in copies:
+        by_family.setdefault(fam, []).append(int(rank))
+    terms = [
+        f"NOT (family = {quote(f)} AND CAST(rank AS INT) IN ({', '.join(map(str, sorted(r)))}))"
+        for f, r in sorted(by_family.items())
+    ]
+    return " AND ".join(terms) or "TRUE"
 
 
 XRANK_COLUMNS = (

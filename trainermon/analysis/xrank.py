@@ -43,7 +43,7 @@ def read_xrank(source: RunSource, steps: tuple[int, int] | None = None) -> pd.Da
 
 
 def _rank(value: Any) -> int | None:
-    if value is None or (isinstance(value, float) and math.isnan(value)) or int(value) < 0:
+    if value is None or pd.isna(value) or int(value) < 0:
         return None
     return int(value)
 
