@@ -80,7 +80,7 @@ children_peak = children_hwm_kb()
 paths = write_analysis_report(result, out) if report == "1" else {"png": {}, "html": None}
 t2 = time.perf_counter()
 first = result.first_nonfinite.iloc[0] if len(result.first_nonfinite) else None
-print(json.dumps({
+print("RESULT " + json.dumps({
     "rows_read": result.summary.rows_read,
     "files_read": result.summary.files_read,
     "import_s": t0 - t_start,
@@ -196,7 +196,8 @@ def main() -> int:
                 check=True,
             )  # fmt: skip
             wall = time.perf_counter() - t0
-            child = json.loads(proc.stdout.strip().splitlines()[-1])
+            marked = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            child = json.loads(marked[-1][len("RESULT ") :])
             pngs = {stem: check_png(path) for stem, path in child.pop("png").items()}
             peak_kb = child["peak_rss_kb"] + child["children_peak_rss_kb"]
             runs[engine] = {

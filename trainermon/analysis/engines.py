@@ -60,15 +60,20 @@ class _DuckDB:
     def __init__(self) -> None:
         duckdb = _require("duckdb", "duckdb")
         self.con = duckdb.connect()
+        self.con.execute("SET enable_progress_bar = false")
         threads = os.environ.get("TRAINERMON_DUCKDB_THREADS")
         if threads:
             self.con.execute(f"SET threads = {int(threads)}")
 
     def register(self, paths: list[str]) -> None:
+        """`paths` in reading order (family, rank, name): file_index numbers them in that order; a
+        glob (a URL) has no such order and is numbered by `sqlplan.base_select`."""
         listing = "[" + ", ".join(sqlplan.quote(p) for p in paths) + "]"
+        self.file_ordinal = not any("*" in p for p in paths)
         self.con.execute(
-            f"CREATE OR REPLACE TEMP VIEW src AS SELECT * EXCLUDE (filename, file_row_number), "
-            f"filename AS _fname, file_row_number AS _rn FROM read_parquet({listing}, "
+            "CREATE OR REPLACE TEMP VIEW src AS SELECT * EXCLUDE (filename, file_row_number), "
+            "filename AS _fname, file_row_number AS _rn, file_index AS _fi FROM read_parquet("
+            f"{listing}, "
             "hive_partitioning = true, union_by_name = true, filename = true, file_row_number = true)"
         )
 
@@ -84,6 +89,7 @@ class _DuckDB:
 
 class _Spark:
     dialect = sqlplan.SPARK
+    file_ordinal = False
 
     def __init__(self, master: str | None) -> None:
         _require("pyspark", "spark")
@@ -193,18 +199,18 @@ def engine_scan(
         if is_url(source.root) and files[0].size == 0:
             _register(sess, [files[0].path], source.root.rstrip("/"))
         else:
-            _register(sess, sorted({f.path for f in files}), source.root)
+            _register(sess, list(dict.fromkeys(f.path for f in files)), source.root)  # reading order
         summary.files_read = len({f.path for f in files})
         if xrank and "xrank" in source.families():
             cond = sqlplan.where(None, None, steps, source.run_id)
             summary.xrank_rows = sess.frame(sqlplan.xrank_sql(cond))
         if fams:
             cond = sqlplan.where(fams, rank_list, steps, source.run_id)
-            sess.view("base", sqlplan.base_select(sess.dialect, stats, cond))
+            sess.view("base", sqlplan.base_select(stats, cond, sess.file_ordinal))
             summary.copies.update(_copies(sess, stats))
             if summary.copies:
                 cond = f"{cond} AND {sqlplan.exclude(summary.copies)}"
-                sess.view("base", sqlplan.base_select(sess.dialect, stats, cond))
+                sess.view("base", sqlplan.base_select(stats, cond, sess.file_ordinal))
                 summary.notes.append(copies_note(summary.copies))
             cells = sess.frame(sqlplan.cells_sql(stats))
             summary.rows_read = int(cells["_rows"].sum()) if len(cells) else 0
