@@ -190,7 +190,9 @@ def engine_scan(
         fams = [f for f in family_stats if f in source.families()]
         stats = [s for s in ALL_STATS if any(s in family_stats[f] for f in fams)]
         rank_list = None if ranks is None else sorted({int(r) for r in ranks})
-        files = source.select(fams + (["xrank"] if xrank else []), rank_list, steps)
+        files = source.select(fams, rank_list, steps)
+        if xrank:  # rank 0's summaries of every rank: not narrowed by `ranks`, as with pyarrow
+            files += source.select(["xrank"], None, steps)
         summary = RunSummary(source, {f: CellGrid(f, family_stats[f]) for f in fams}, {}, {}, {}, steps=steps)
         summary.notes.extend(source.notes)
         if not files:
