@@ -168,7 +168,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
 
     from .analysis import analyze, open_run
     from .analysis.analyze import _open
-    from .analysis.engines import is_url
+    from .analysis.engines import is_url, resolve_engine
     from .analysis.report import write_analysis_report
 
     try:
@@ -182,9 +182,11 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         return 2
     try:
         if is_url(args.run):  # object storage: listed by the engine
-            source = _open(args.run, args.engine, args.spark_master, args.run_id)
+            engine = resolve_engine(args.engine, [args.run])
+            source = _open(args.run, engine, args.spark_master, args.run_id)
         else:
             source = open_run(args.run, prefer=args.format, run_id=args.run_id)
+            engine = resolve_engine(args.engine, [source])
         result = analyze(
             source,
             families=_split(args.family),
@@ -193,7 +195,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
             ranks=ranks,
             top=args.top,
             progress=_progress(args),
-            engine=args.engine,
+            engine=engine,
             spark_master=args.spark_master,
         )
     except (FileNotFoundError, KeyError, ValueError, ImportError) as exc:
@@ -204,7 +206,10 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         return 2
     paths = write_analysis_report(result, args.out or "trainermon_report", max_columns=args.max_columns)
     summary = result.summary
-    print(f"{source.kind} run {args.run}: {summary.rows_read:,} rows, families {summary.families}")
+    print(
+        f"{source.kind} run {args.run}: {summary.rows_read:,} rows, families {summary.families} "
+        f"(engine {engine}, {summary.seconds:.1f} s)"
+    )
     if len(result.first_nonfinite):
         r = result.first_nonfinite.iloc[0]
         print(f"first NaN/Inf: step {r['step']} {r['family']} {r['name']} (rank {r['rank']})")
@@ -228,7 +233,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
     from .analysis import compare, open_run
     from .analysis.analyze import _open
-    from .analysis.engines import is_url
+    from .analysis.engines import is_url, resolve_engine
     from .analysis.report import write_comparison_report
 
     try:
@@ -237,10 +242,13 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         print(f"error: --steps {args.steps!r}: allowed: N or FIRST-LAST", file=sys.stderr)
         return 2
     try:
+        urls = [p for p in (args.run, args.benchmark) if is_url(p)]
+        engine = resolve_engine(args.engine, urls)  # a URL needs an engine: resolve before opening
         run, bench = (
-            _open(p, args.engine, args.spark_master) if is_url(p) else open_run(p, prefer=args.format)
+            _open(p, engine, args.spark_master) if is_url(p) else open_run(p, prefer=args.format)
             for p in (args.run, args.benchmark)
         )
+        engine = resolve_engine(args.engine, [run, bench])
         result = compare(
             run,
             bench,
@@ -250,7 +258,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             families=_split(args.family),
             steps=steps,
             progress=_progress(args),
-            engine=args.engine,
+            engine=engine,
             spark_master=args.spark_master,
         )
     except (FileNotFoundError, KeyError, ValueError, ImportError) as exc:
@@ -292,7 +300,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 #: `analyze` / `compare` engine when none is given (see docs/ANALYSIS.md, "Engines", for why).
-DEFAULT_ENGINE = "pyarrow"
+DEFAULT_ENGINE = "auto"
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -304,10 +312,11 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--engine",
-        choices=["pyarrow", "duckdb", "spark"],
+        choices=["auto", "pyarrow", "duckdb", "spark"],
         default=DEFAULT_ENGINE,
-        help=f"what reads the rows (default {DEFAULT_ENGINE}; docs/ANALYSIS.md): pyarrow streams in this "
-        "process, duckdb runs the analysis's SQL embedded, spark on a Spark cluster (same findings)",
+        help="what reads the rows (same findings from each; docs/ANALYSIS.md): pyarrow streams in this "
+        "process, duckdb runs the analysis's SQL embedded, spark on a Spark cluster; auto (default): "
+        "duckdb for Parquet when installed (measured faster), else pyarrow",
     )
     parser.add_argument(
         "--spark-master",

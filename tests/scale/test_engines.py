@@ -177,6 +177,12 @@ def test_every_engine_same_findings(runs, spark):
     for e in ENGINES[1:]:
         _close(found["pyarrow"], found[e], e)
         assert results[e].engine == e
+        # a URL (as s3://... would be): the engine lists and reads the dataset itself
+        by_url = _findings(analyze("file://" + run, engine=e, spark_master=spark, progress=False))
+        assert by_url["run"].pop("path") == "file://" + run
+        found_local = json.loads(json.dumps(found["pyarrow"]))
+        found_local["run"].pop("path")
+        _close(found_local, by_url, f"{e} by URL")
     f = found["duckdb"]
     raw = _raw(run)
     n = len(raw["step"])
@@ -275,10 +281,12 @@ def test_cli_engine_flags(runs, spark, tmp_path, capsys):
 
     run, bench, (name, _rv, _bv) = runs
     out = str(tmp_path / "report")
-    assert main(["analyze", run, "--engine", "duckdb", "--out", out, "--no-progress"]) == 0
+    # the default (auto): DuckDB for a Parquet dataset when it is installed (as `make venv` does)
+    assert main(["analyze", run, "--out", out, "--no-progress"]) == 0
     with open(os.path.join(out, "findings.json")) as fh:
         findings = json.load(fh)
     assert findings["engine"] == "duckdb" and findings["first_nonfinite"]["first"]["rank"] == NAN_RANK
+    assert "(engine duckdb," in capsys.readouterr().out
     code = main(
         ["compare", run, bench, "--engine", "spark", "--spark-master", spark, "--out", str(tmp_path / "c")]
     )
@@ -306,7 +314,8 @@ def test_engines_lazy_and_named_when_missing(runs, tmp_path):
 
     from trainermon.analysis import analyze
 
-    with pytest.raises(ValueError, match=r"engine: got 'sqlite'; allowed: \['pyarrow', 'duckdb', 'spark'\]"):
+    allowed = r"engine: got 'sqlite'; allowed: \['auto', 'pyarrow', 'duckdb', 'spark'\]"
+    with pytest.raises(ValueError, match=allowed):
         analyze(run, engine="sqlite")
     csv_dir = tmp_path / "csvrun" / "20260101-rank0-x"
     csv_dir.mkdir(parents=True)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pandas as pd
 
-from .engines import check_engine, engine_scan, is_url, open_url, session
+from .engines import check_engine, engine_scan, is_url, open_url, resolve_engine, session
 from .jsonutil import describe, jsonable, records
 from .scan import RunSummary, scan
 from .source import FLOAT_STATS, RunSource, open_run
@@ -150,11 +150,11 @@ def analyze(
     families: families for heatmaps, growth and NaN/Inf search (default: all in the run). The global
     gradient norm always reads `grad_reduced` norms when the run has them. stats: heatmap statistics
     (default: norm, mean, min, max, those the run has). steps: inclusive (first, last). ranks: a subset.
-    engine: "pyarrow" (stream in this process), "duckdb" or "spark" (SQL, `engines.py`); the same
-    findings from each. spark_master: the Spark master URL (default local[*]).
+    engine: "pyarrow" (stream in this process), "duckdb" or "spark" (SQL, `engines.py`), or "auto"
+    (duckdb for Parquet when installed, else pyarrow; the CLI's default); the same findings from each.
+    spark_master: the Spark master URL (default local[*]).
     """
-    check_engine(engine)
-    source = _open(run, engine, spark_master)
+    source, engine = open_with(run, engine, spark_master)
     # xrank rows summarise other families over ranks: their own findings, not a family of tensors
     available = [f for f in source.families() if f != "xrank"]
     if families is None:
@@ -219,6 +219,18 @@ def analyze(
         xrank=xrank_findings(summary.xrank_rows),
         engine=engine,
     )
+
+
+def open_with(
+    run: str | os.PathLike | RunSource, engine: str, spark_master: str | None, run_id: str | None = None
+) -> tuple[RunSource, str]:
+    """(source, engine): "auto" resolved (`engines.resolve_engine`) once the RUN's kind is known."""
+    check_engine(engine)
+    if engine == "auto" and not is_url(run):
+        source = _open(run, "pyarrow", spark_master, run_id)
+        return source, resolve_engine(engine, [source])
+    engine = resolve_engine(engine, [run])
+    return _open(run, engine, spark_master, run_id), engine
 
 
 def _open(

@@ -169,16 +169,18 @@ def compare(
 ) -> Comparison:
     """Compare `run` with `benchmark` (paths or `RunSource`s) on `stats` (default the norm).
 
-    engine: "pyarrow", "duckdb" or "spark" reads the rows (`engines.py`); the comparison of the cells
-    is this function's, the same for every engine. spark_master: Spark's master URL (default local[*]).
+    engine: "pyarrow", "duckdb" or "spark" reads the rows (`engines.py`), or "auto" (duckdb when both
+    are Parquet and it is installed); the comparison of the cells is this function's, for every engine.
+    spark_master: Spark's master URL (default local[*]).
     """
-    from .analyze import _open
-    from .engines import check_engine, engine_scan
+    from .analyze import open_with
+    from .engines import engine_scan, resolve_engine
 
     if not rtol >= 0 or not atol >= 0:
         raise ValueError(f"rtol and atol must be >= 0, got rtol={rtol!r} atol={atol!r}")
-    check_engine(engine)
-    src_a, src_b = _open(run, engine, spark_master), _open(benchmark, engine, spark_master)
+    src_a, eng_a = open_with(run, engine, spark_master)
+    src_b, eng_b = open_with(benchmark, engine, spark_master)
+    engine = eng_a if eng_a == eng_b else resolve_engine(engine, [src_a, src_b])
     stats = list(stats)
     # xrank rows summarise other families over ranks (analyze reports them); not tensors to align
     fam_a = [f for f in src_a.families() if f != "xrank"]

@@ -36,9 +36,20 @@ def is_url(path: Any) -> bool:
 
 
 def check_engine(engine: str) -> str:
-    if engine not in ENGINES:
-        raise ValueError(f"engine: got {engine!r}; allowed: {list(ENGINES)}")
+    if engine not in ENGINES and engine != "auto":
+        raise ValueError(f"engine: got {engine!r}; allowed: {['auto', *ENGINES]}")
     return engine
+
+
+def resolve_engine(engine: str, sources: Iterable[Any]) -> str:
+    """ "auto": DuckDB when every source is a Parquet dataset (or a URL) and duckdb is installed (it
+    measured 2.4x faster than pyarrow on 10^8 rows, docs/ANALYSIS.md), else pyarrow. Others as given."""
+    if check_engine(engine) != "auto":
+        return engine
+    import importlib.util
+
+    parquet = all(is_url(s) or getattr(s, "kind", None) == "parquet" for s in sources)
+    return "duckdb" if parquet and importlib.util.find_spec("duckdb") is not None else "pyarrow"
 
 
 def _require(module: str, extra: str) -> Any:
