@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 TORCH  := torch==2.13.0
 # Machines of this project keep a local CPU wheel of torch here; elsewhere PyPI's is used.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
-EXTRAS := test,parquet,prometheus,dynamic,deepspeed,megatron,msprobe,hf,lightning
+EXTRAS := test,parquet,prometheus,dynamic,deepspeed,megatron,msprobe,hf,lightning,duckdb,spark
 # DeepSpeed builds as pure Python (no C++ ops compiled at install time).
 export DS_BUILD_OPS := 0
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml setup.py trainermon/stats/_fused.c Makefile | cksum | cut -d' ' -f1)

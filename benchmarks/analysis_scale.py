@@ -1,5 +1,6 @@
 """Scale benchmark of `trainermon analyze`: a synthetic Parquet dataset of 64 ranks x 2000 steps x 200
-tensors (25.6 M rows, the Parquet exporter's layout and schema), analysed in a subprocess.
+tensors (25.6 M rows, the Parquet exporter's layout and schema), analysed in a subprocess per engine
+(`--engines pyarrow,duckdb,spark`, the same dataset for each).
 
 Reports: the dataset (rows, files, bytes on disk, uncompressed bytes from the Parquet footers: what
 reading it whole would cost), the analysis subprocess's peak RSS (VmHWM from /proc/self/status) and its
@@ -8,6 +9,11 @@ the planted findings (spike step, first NaN, growing layers).
 
     .venv/bin/python benchmarks/analysis_scale.py                  # full scale
     .venv/bin/python benchmarks/analysis_scale.py --ranks 8 --steps 500 --tensors 100   # quick
+    .venv/bin/python benchmarks/analysis_scale.py --ranks 256 --steps 977 --tensors 400 \
+        --engines pyarrow,duckdb,spark --report-engines pyarrow          # 1.0e8 rows, every engine
+
+Peak memory: the analysis process's VmHWM plus that of every process it started (Spark's JVM in local
+mode); a sum of per-process peaks, so an upper bound of the peak of the whole.
 """
 
 from __future__ import annotations
@@ -37,16 +43,44 @@ def kb(key):
     with open("/proc/self/status") as fh:
         return next(int(line.split()[1]) for line in fh if line.startswith(key + ":"))
 
-root, out, batch_size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+def children_hwm_kb():
+    # VmHWM summed over the processes this one started (the JVM of Spark), recursively
+    import os
+    total, todo, seen = 0, [os.getpid()], set()
+    while todo:
+        pid = todo.pop()
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children") as fh:
+                kids = [int(k) for k in fh.read().split()]
+        except OSError:
+            kids = []
+        for k in kids:
+            if k in seen:
+                continue
+            seen.add(k)
+            todo.append(k)
+            try:
+                with open(f"/proc/{k}/status") as fh:
+                    total += next(int(l.split()[1]) for l in fh if l.startswith("VmHWM:"))
+            except (OSError, StopIteration):
+                pass
+    return total
+
+root, out, batch_size, engine, report = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
+if engine == "duckdb":
+    import duckdb
+elif engine == "spark":
+    import pyspark.sql
 rss_after_imports = kb("VmRSS")
 t0 = time.perf_counter()
-result = A.analyze(root, batch_size=batch_size, progress=True)
+result = A.analyze(root, batch_size=batch_size, progress=engine == "pyarrow", engine=engine)
 t1 = time.perf_counter()
 peak_after_analysis = kb("VmHWM")
-paths = write_analysis_report(result, out)
+children_peak = children_hwm_kb()
+paths = write_analysis_report(result, out) if report == "1" else {"png": {}, "html": None}
 t2 = time.perf_counter()
 first = result.first_nonfinite.iloc[0] if len(result.first_nonfinite) else None
-print(json.dumps({
+print("RESULT " + json.dumps({
     "rows_read": result.summary.rows_read,
     "files_read": result.summary.files_read,
     "import_s": t0 - t_start,
@@ -55,6 +89,8 @@ print(json.dumps({
     "rss_after_imports_kb": rss_after_imports,
     "peak_rss_after_analysis_kb": peak_after_analysis,
     "peak_rss_kb": kb("VmHWM"),
+    "children_peak_rss_kb": children_peak,
+    "engine": engine,
     "spikes": result.spikes["step"].tolist(),
     "first_nonfinite": None if first is None else [int(first["step"]), int(first["rank"]), first["name"]],
     "top_growth": result.growth["grad_reduced"]["layer"].head(3).tolist(),
@@ -116,6 +152,10 @@ def main() -> int:
     parser.add_argument("--dir", default=None, help="work directory (default: a temporary one, removed)")
     parser.add_argument("--keep", action="store_true", help="keep the dataset and the report")
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--engines", default="pyarrow", help="comma-separated: pyarrow, duckdb, spark")
+    parser.add_argument(
+        "--report-engines", default="pyarrow", help="engines whose run also writes the report (PNGs)"
+    )
     args = parser.parse_args()
 
     sys.path.insert(0, REPO)
@@ -141,21 +181,55 @@ def main() -> int:
             f"dataset: {truth.rows:,} rows in {truth.files} files, "
             f"{truth.bytes / 2**20:.0f} MiB, {gen_s:.1f} s"
         )
-        t0 = time.perf_counter()
-        proc = subprocess.run(
-            [sys.executable, "-c", CHILD, root, out, str(args.batch_size)],
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=REPO,
-            check=True,
-        )
-        wall = time.perf_counter() - t0
-        child = json.loads(proc.stdout.strip().splitlines()[-1])
-        pngs = {stem: check_png(path) for stem, path in child.pop("png").items()}
+        runs, checks = {}, {}
+        engines = [e for e in args.engines.split(",") if e]
+        reporting = set(args.report_engines.split(","))
+        for engine in engines:
+            report = engine in reporting
+            t0 = time.perf_counter()
+            proc = subprocess.run(
+                [sys.executable, "-c", CHILD, root, out + "_" + engine, str(args.batch_size), engine,
+                 "1" if report else "0"],
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=REPO,
+                check=True,
+            )  # fmt: skip
+            wall = time.perf_counter() - t0
+            marked = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            child = json.loads(marked[-1][len("RESULT ") :])
+            pngs = {stem: check_png(path) for stem, path in child.pop("png").items()}
+            peak_kb = child["peak_rss_kb"] + child["children_peak_rss_kb"]
+            runs[engine] = {
+                **{k: (round(v, 2) if isinstance(v, float) else v) for k, v in child.items()},
+                "subprocess_wall_s": round(wall, 1),
+                "rss_after_imports_mib": round(child["rss_after_imports_kb"] / 1024, 1),
+                "peak_rss_after_analysis_mib": round(child["peak_rss_after_analysis_kb"] / 1024, 1),
+                "peak_rss_mib": round(child["peak_rss_kb"] / 1024, 1),
+                "peak_rss_with_children_mib": round(peak_kb / 1024, 1),
+                "analysis_increase_mib": round(
+                    (child["peak_rss_after_analysis_kb"] - child["rss_after_imports_kb"]) / 1024, 1
+                ),
+                "batch_size": args.batch_size,
+                "pngs": pngs,
+            }
+            checks[engine] = {
+                "rows_all_read": child["rows_read"] == truth.rows,
+                "spike_found": child["spikes"] == [spike],
+                "first_nan_found": child["first_nonfinite"] == [nan[0], nan[1], truth.nan[2]],
+                "growing_layers_found": sorted(child["top_growth"]) == sorted(truth.growing),
+                "pngs_ok": not report
+                or bool(pngs)
+                and all(
+                    p["valid_png"] and p["bytes"] > 8000 and p["pixel_std"] > 0.05 for p in pngs.values()
+                ),
+            }
+            print(f"{engine}: analyze {child['analyze_s']:.1f} s, peak {peak_kb / 1024:.0f} MiB", flush=True)
         result = {
             "machine": {
                 "cpu": _cpu(),
                 "cores": os.cpu_count(),
+                "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
                 "python": platform.python_version(),
                 "platform": platform.platform(),
             },
@@ -170,34 +244,14 @@ def main() -> int:
                 "arrow_in_memory_bytes_extrapolated": in_memory_bytes(root)[0],
                 "generate_s": round(gen_s, 1),
             },
-            "analysis": {
-                **{k: (round(v, 2) if isinstance(v, float) else v) for k, v in child.items()},
-                "subprocess_wall_s": round(wall, 1),
-                "rss_after_imports_mib": round(child["rss_after_imports_kb"] / 1024, 1),
-                "peak_rss_after_analysis_mib": round(child["peak_rss_after_analysis_kb"] / 1024, 1),
-                "peak_rss_mib": round(child["peak_rss_kb"] / 1024, 1),
-                "analysis_increase_mib": round(
-                    (child["peak_rss_after_analysis_kb"] - child["rss_after_imports_kb"]) / 1024, 1
-                ),
-                "batch_size": args.batch_size,
-            },
-            "pngs": pngs,
-            "checks": {
-                "rows_all_read": child["rows_read"] == truth.rows,
-                "spike_found": child["spikes"] == [spike],
-                "first_nan_found": child["first_nonfinite"] == [nan[0], nan[1], truth.nan[2]],
-                "growing_layers_found": sorted(child["top_growth"]) == sorted(truth.growing),
-                "pngs_ok": bool(pngs)
-                and all(
-                    p["valid_png"] and p["bytes"] > 8000 and p["pixel_std"] > 0.05 for p in pngs.values()
-                ),
-            },
+            "analysis": runs,
+            "checks": checks,
         }
         print(json.dumps(result, indent=1))
         if args.json:
             with open(args.json, "w", encoding="utf-8") as fh:
                 json.dump(result, fh, indent=1)
-        return 0 if all(result["checks"].values()) else 1
+        return 0 if all(all(c.values()) for c in checks.values()) else 1
     finally:
         if not args.keep and args.dir is None:
             shutil.rmtree(work, ignore_errors=True)

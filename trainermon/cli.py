@@ -170,6 +170,8 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     import os
 
     from .analysis import analyze, open_run
+    from .analysis.analyze import _open
+    from .analysis.engines import is_url, resolve_engine
     from .analysis.report import write_analysis_report
 
     try:
@@ -182,7 +184,12 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        source = open_run(args.run, prefer=args.format, run_id=args.run_id)
+        if is_url(args.run):  # object storage: listed by the engine
+            engine = resolve_engine(args.engine, [args.run])
+            source = _open(args.run, engine, args.spark_master, args.run_id)
+        else:
+            source = open_run(args.run, prefer=args.format, run_id=args.run_id)
+            engine = resolve_engine(args.engine, [source])
         result = analyze(
             source,
             families=_split(args.family),
@@ -191,8 +198,10 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
             ranks=ranks,
             top=args.top,
             progress=_progress(args),
+            engine=engine,
+            spark_master=args.spark_master,
         )
-    except (FileNotFoundError, KeyError, ValueError) as exc:
+    except (FileNotFoundError, KeyError, ValueError, ImportError) as exc:
         print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 2
     if not result.summary.rows_read:
@@ -200,7 +209,10 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         return 2
     paths = write_analysis_report(result, args.out or "trainermon_report", max_columns=args.max_columns)
     summary = result.summary
-    print(f"{source.kind} run {args.run}: {summary.rows_read:,} rows, families {summary.families}")
+    print(
+        f"{source.kind} run {args.run}: {summary.rows_read:,} rows, families {summary.families} "
+        f"(engine {engine}, {summary.seconds:.1f} s)"
+    )
     if len(result.first_nonfinite):
         r = result.first_nonfinite.iloc[0]
         print(f"first NaN/Inf: step {r['step']} {r['family']} {r['name']} (rank {r['rank']})")
@@ -223,6 +235,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     import os
 
     from .analysis import compare, open_run
+    from .analysis.analyze import _open
+    from .analysis.engines import is_url, resolve_engine
     from .analysis.report import write_comparison_report
 
     try:
@@ -231,8 +245,13 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         print(f"error: --steps {args.steps!r}: allowed: N or FIRST-LAST", file=sys.stderr)
         return 2
     try:
-        run = open_run(args.run, prefer=args.format)
-        bench = open_run(args.benchmark, prefer=args.format)
+        urls = [p for p in (args.run, args.benchmark) if is_url(p)]
+        engine = resolve_engine(args.engine, urls)  # a URL needs an engine: resolve before opening
+        run, bench = (
+            _open(p, engine, args.spark_master) if is_url(p) else open_run(p, prefer=args.format)
+            for p in (args.run, args.benchmark)
+        )
+        engine = resolve_engine(args.engine, [run, bench])
         result = compare(
             run,
             bench,
@@ -242,8 +261,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             families=_split(args.family),
             steps=steps,
             progress=_progress(args),
+            engine=engine,
+            spark_master=args.spark_master,
         )
-    except (FileNotFoundError, KeyError, ValueError) as exc:
+    except (FileNotFoundError, KeyError, ValueError, ImportError) as exc:
         print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 2
     paths = write_comparison_report(result, args.out or "trainermon_compare", max_plots=args.max_plots)
@@ -281,12 +302,29 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 1 if result.diverged else 0
 
 
+#: `analyze` / `compare` engine when none is given (see docs/ANALYSIS.md, "Engines", for why).
+DEFAULT_ENGINE = "auto"
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--format",
         choices=["auto", "parquet", "csv"],
         default="auto",
         help="which output to read (auto: Parquet if any)",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=["auto", "pyarrow", "duckdb", "spark"],
+        default=DEFAULT_ENGINE,
+        help="what reads the rows (same findings from each; docs/ANALYSIS.md): pyarrow streams in this "
+        "process, duckdb runs the analysis's SQL embedded, spark on a Spark cluster; auto (default): "
+        "duckdb for Parquet when installed (measured faster), else pyarrow",
+    )
+    parser.add_argument(
+        "--spark-master",
+        default=None,
+        help="Spark master URL for --engine spark (default local[*]; e.g. spark://host:7077, yarn, k8s://...)",
     )
     bar = parser.add_mutually_exclusive_group()
     bar.add_argument("--progress", action="store_true", help="show a progress bar (default: on a terminal)")

@@ -10,11 +10,13 @@ from typing import Any
 
 import pandas as pd
 
+from .engines import check_engine, engine_scan, is_url, open_url, resolve_engine, session
 from .jsonutil import describe, jsonable, records
 from .moe import expert_load_last_step
 from .scan import RunSummary, scan
 from .source import FAMILY_STATS, FLOAT_STATS, RunSource, open_run
 from .trends import find_spikes, first_nonfinite, global_grad_norm, growth, heatmap, nonfinite_cells
+from .xrank import read_xrank, xrank_findings
 
 #: Statistics drawn as heatmaps by default (those the run has).
 DEFAULT_STATS = ("norm", "mean", "min", "max")
@@ -35,6 +37,8 @@ class Analysis:
     spike_rule: dict = field(default_factory=lambda: dict(SPIKE_DEFAULTS))
     #: MoE routers x experts: tokens routed at the last step (None without moe_load rows)
     expert_load: pd.DataFrame | None = None
+    xrank: dict | None = None  # findings of the cross-rank summaries (`xrank.xrank_findings`)
+    engine: str = "pyarrow"
 
     def findings(self) -> dict:
         """The report's findings as JSON-ready data (figures are referred to by file stem)."""
@@ -93,6 +97,8 @@ class Analysis:
                 "by_rule": dict(Counter(a.get("rule") for a in self.anomalies)),
                 "first": [jsonable(a) for a in self.anomalies[:50]],
             },
+            "xrank": self.xrank,
+            "engine": self.engine,
             "notes": self.summary.notes,
             "expert_load": None
             if self.expert_load is None
@@ -153,15 +159,21 @@ def analyze(
     spike_rule: dict | None = None,
     progress: bool | None = None,
     batch_size: int = 65_536,
+    engine: str = "pyarrow",
+    spark_master: str | None = None,
 ) -> Analysis:
     """Scan `run` once and compute the report's findings.
 
     families: families for heatmaps, growth and NaN/Inf search (default: all in the run). The global
     gradient norm always reads `grad_reduced` norms when the run has them. stats: heatmap statistics
     (default: norm, mean, min, max, those the run has). steps: inclusive (first, last). ranks: a subset.
+    engine: "pyarrow" (stream in this process), "duckdb" or "spark" (SQL, `engines.py`), or "auto"
+    (duckdb for Parquet when installed, else pyarrow; the CLI's default); the same findings from each.
+    spark_master: the Spark master URL (default local[*]).
     """
-    source = run if isinstance(run, RunSource) else open_run(run)
-    available = source.families()
+    source, engine = open_with(run, engine, spark_master)
+    # xrank rows summarise other families over ranks: their own findings, not a family of tensors
+    available = [f for f in source.families() if f != "xrank"]
     if families is None:
         fams = available
     else:
@@ -177,16 +189,20 @@ def analyze(
     family_stats = {f: scan_stats + list(FAMILY_STATS.get(f, ())) for f in fams}
     if "grad_reduced" in available and "grad_reduced" not in fams:
         family_stats["grad_reduced"] = ["norm", "nans", "infs"]
-    summary = scan(
-        source,
-        families=list(family_stats),
-        family_stats=family_stats,
-        steps=steps,
-        ranks=ranks,
-        progress=progress,
-        batch_size=batch_size,
-        label="analyze",
-    )
+    if engine == "pyarrow":
+        summary = scan(
+            source,
+            families=list(family_stats),
+            family_stats=family_stats,
+            steps=steps,
+            ranks=ranks,
+            progress=progress,
+            batch_size=batch_size,
+            label="analyze",
+        )
+        summary.xrank_rows = read_xrank(source, steps)
+    else:
+        summary = engine_scan(source, engine, family_stats, steps, ranks, spark_master, xrank=True)
     if "grad_reduced" not in fams:
         summary.nonfinite_rows.pop("grad_reduced", None)
         summary.nonfinite_counts.pop("grad_reduced", None)
@@ -218,4 +234,35 @@ def analyze(
         anomalies=load_run_anomalies(source, steps),
         spike_rule=rule,
         expert_load=expert_load_last_step(source, steps) if "moe_load" in fams else None,
+        xrank=xrank_findings(summary.xrank_rows),
+        engine=engine,
     )
+
+
+def open_with(
+    run: str | os.PathLike | RunSource, engine: str, spark_master: str | None, run_id: str | None = None
+) -> tuple[RunSource, str]:
+    """(source, engine): "auto" resolved (`engines.resolve_engine`) once the RUN's kind is known."""
+    check_engine(engine)
+    if engine == "auto" and not is_url(run):
+        source = _open(run, "pyarrow", spark_master, run_id)
+        return source, resolve_engine(engine, [source])
+    engine = resolve_engine(engine, [run])
+    return _open(run, engine, spark_master, run_id), engine
+
+
+def _open(
+    run: str | os.PathLike | RunSource, engine: str, spark_master: str | None, run_id: str | None = None
+) -> RunSource:
+    """A RunSource; a URL (s3://...) is listed by the engine (pyarrow reads local paths only)."""
+    if isinstance(run, RunSource):
+        return run
+    if is_url(run):
+        if engine == "pyarrow":
+            raise ValueError(f"{run!r}: the pyarrow engine reads local paths; use --engine duckdb or spark")
+        sess = session(engine, spark_master)
+        try:
+            return open_url(str(run), sess, run_id)
+        finally:
+            sess.close()
+    return open_run(run, run_id=run_id)

@@ -31,7 +31,7 @@ import pandas as pd
 from .grid import split_key
 from .jsonutil import describe, jsonable, records
 from .scan import RunSummary, scan
-from .source import RunSource, family_order, open_run
+from .source import RunSource, family_order
 
 TINY = 1e-12
 
@@ -164,14 +164,27 @@ def compare(
     steps: tuple[int, int] | None = None,
     progress: bool | None = None,
     batch_size: int = 65_536,
+    engine: str = "pyarrow",
+    spark_master: str | None = None,
 ) -> Comparison:
-    """Compare `run` with `benchmark` (paths or `RunSource`s) on `stats` (default the norm)."""
+    """Compare `run` with `benchmark` (paths or `RunSource`s) on `stats` (default the norm).
+
+    engine: "pyarrow", "duckdb" or "spark" reads the rows (`engines.py`), or "auto" (duckdb when both
+    are Parquet and it is installed); the comparison of the cells is this function's, for every engine.
+    spark_master: Spark's master URL (default local[*]).
+    """
+    from .analyze import open_with
+    from .engines import engine_scan, resolve_engine
+
     if not rtol >= 0 or not atol >= 0:
         raise ValueError(f"rtol and atol must be >= 0, got rtol={rtol!r} atol={atol!r}")
-    src_a = run if isinstance(run, RunSource) else open_run(run)
-    src_b = benchmark if isinstance(benchmark, RunSource) else open_run(benchmark)
+    src_a, eng_a = open_with(run, engine, spark_master)
+    src_b, eng_b = open_with(benchmark, engine, spark_master)
+    engine = eng_a if eng_a == eng_b else resolve_engine(engine, [src_a, src_b])
     stats = list(stats)
-    fam_a, fam_b = src_a.families(), src_b.families()
+    # xrank rows summarise other families over ranks (analyze reports them); not tensors to align
+    fam_a = [f for f in src_a.families() if f != "xrank"]
+    fam_b = [f for f in src_b.families() if f != "xrank"]
     wanted = None if families is None else list(families)
     if wanted is not None:
         fam_a = [f for f in fam_a if f in wanted]
@@ -179,8 +192,13 @@ def compare(
     common = [f for f in fam_a if f in fam_b]
     scan_stats = list(dict.fromkeys(stats + ["nans", "infs"]))
     kw: dict[str, Any] = {"stats": scan_stats, "steps": steps, "progress": progress, "batch_size": batch_size}
-    sum_a = scan(src_a, families=common, label="run", **kw)
-    sum_b = scan(src_b, families=common, label="benchmark", **kw)
+    if engine == "pyarrow":
+        sum_a = scan(src_a, families=common, label="run", **kw)
+        sum_b = scan(src_b, families=common, label="benchmark", **kw)
+    else:
+        wanted_stats = {f: scan_stats for f in common}
+        sum_a = engine_scan(src_a, engine, wanted_stats, steps, spark_master=spark_master)
+        sum_b = engine_scan(src_b, engine, wanted_stats, steps, spark_master=spark_master)
     notes: list[str] = []
 
     per_family, divergent_parts, only_a_rows, only_b_rows = [], [], [], []

@@ -50,7 +50,7 @@ def describe(summary: Any) -> dict:
     """What was read: path, detected kind, families, ranks, rows, time, notes."""
     src = summary.source
     return {
-        "path": os.path.abspath(src.path),
+        "path": src.path if "://" in str(src.path) else os.path.abspath(src.path),  # a URL as given
         "kind": src.kind,
         "families": summary.families,
         "ranks": src.ranks(),

@@ -39,6 +39,7 @@ class RunSummary:
     seconds: float = 0.0
     steps: tuple[int, int] | None = None
     notes: list[str] = field(default_factory=list)
+    xrank_rows: Any = None  # the cross-rank summary rows (pandas), when asked for
 
     @property
     def families(self) -> list[str]:
@@ -179,11 +180,15 @@ def scan(
         bar.close()
     summary.seconds = time.monotonic() - t0
     if summary.copies:
-        pairs = sorted(summary.copies.items())
-        shown = ", ".join(f"{fam} rank {r} = rank {o}" for (fam, r), o in pairs[:8])
-        more = f" and {len(pairs) - 8} more" if len(pairs) > 8 else ""
-        summary.notes.append(
-            f"ranks whose rows copy an earlier rank's (replicated tensors written on every rank, as msprobe "
-            f"does) were counted once: {shown}{more}"
-        )
+        summary.notes.append(copies_note(summary.copies))
     return summary
+
+
+def copies_note(copies: dict[tuple[str, int], int]) -> str:
+    pairs = sorted(copies.items())
+    shown = ", ".join(f"{fam} rank {r} = rank {o}" for (fam, r), o in pairs[:8])
+    more = f" and {len(pairs) - 8} more" if len(pairs) > 8 else ""
+    return (
+        f"ranks whose rows copy an earlier rank's (replicated tensors written on every rank, as msprobe "
+        f"does) were counted once: {shown}{more}"
+    )

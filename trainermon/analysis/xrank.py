@@ -1,0 +1,105 @@
+"""Findings of the cross-rank summaries (family `xrank`, written by rank 0): which rank, which layer,
+which step. The rows are few (one per tensor, statistic and collected step, whatever the number of
+ranks); every engine fetches them (pyarrow here, SQL in `sqlplan.xrank_sql`) and this one function
+turns them into findings, so they are the same whatever the engine."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .jsonutil import jsonable
+from .source import RunSource, family_order
+from .sqlplan import XRANK_COLUMNS
+
+#: Rows listed at the first non-finite step.
+MAX_LISTED = 50
+
+
+def read_xrank(source: RunSource, steps: tuple[int, int] | None = None) -> pd.DataFrame | None:
+    """The run's xrank rows with pyarrow (None when it has none)."""
+    files = source.select(["xrank"], None, steps)
+    if source.kind != "parquet" or not files:
+        return None
+    import pyarrow as pa
+    import pyarrow.dataset as ds
+
+    dataset = ds.dataset([f.path for f in files], format="parquet")
+    present = [c for c in XRANK_COLUMNS if c in dataset.schema.names]
+    expr = None
+    if steps is not None:
+        expr = (ds.field("step") >= steps[0]) & (ds.field("step") <= steps[1])
+    if source.run_id is not None and "run_id" in dataset.schema.names:
+        run = ds.field("run_id") == source.run_id
+        expr = run if expr is None else expr & run
+    table = dataset.to_table(columns=present, filter=expr)
+    if "micro_step" in present:
+        idx = present.index("micro_step")
+        table = table.set_column(idx, "micro_step", table.column("micro_step").cast(pa.int32()))
+    return table.to_pandas()
+
+
+def _rank(value: Any) -> int | None:
+    if value is None or pd.isna(value) or int(value) < 0:
+        return None
+    return int(value)
+
+
+def _micro(value: Any) -> int | None:
+    return _rank(value)  # -1 or null: the family has no micro-steps
+
+
+def xrank_findings(df: pd.DataFrame | None) -> dict | None:
+    """{rows, first_nonfinite: {step, micro_step, family, name, stat, rank, rows: [...]}, largest:
+    [{family, stat, name, step, micro_step, max, max_rank}] (per summarised family and statistic, the
+    row with the largest finite max over the run; ties: earliest step, then name)}."""
+    if df is None or not len(df):
+        return None
+    df = df.copy()
+    df["_micro"] = [math.inf if _micro(m) is None else m for m in df["micro_step"]]
+    df["_fam"] = df["xrank_family"].map(family_order)
+    nf = df["nonfinite_rank"].fillna(-1).astype(np.int64)
+    bad = df[nf >= 0]
+    first = None
+    if len(bad):
+        bad = bad.sort_values(
+            ["step", "_micro", "_fam", "xrank_family", "nonfinite_rank", "vpp_stage", "name", "xrank_stat"],
+            kind="stable",
+        )
+        at = bad[bad["step"] == bad["step"].iloc[0]]
+        rows = [
+            {
+                "family": str(r.xrank_family),
+                "name": str(r.name),
+                "vpp_stage": int(r.vpp_stage),
+                "stat": str(r.xrank_stat),
+                "step": int(r.step),
+                "micro_step": _micro(r.micro_step),
+                "rank": _rank(r.nonfinite_rank),
+                "nans": jsonable(float(r.nans)),
+                "infs": jsonable(float(r.infs)),
+            }
+            for r in at.head(MAX_LISTED).itertuples(index=False)
+        ]
+        first = {**rows[0], "rows": rows, "rows_at_step": int(len(at))}
+    largest = []
+    finite = df[np.isfinite(df["max"].astype(np.float64))]
+    for (fam, stat), part in finite.groupby(["xrank_family", "xrank_stat"], sort=True):
+        part = part.sort_values(["max", "step", "name"], ascending=[False, True, True], kind="stable")
+        r = part.iloc[0]
+        largest.append(
+            {
+                "family": str(fam),
+                "stat": str(stat),
+                "name": str(r["name"]),
+                "step": int(r["step"]),
+                "micro_step": _micro(r["micro_step"]),
+                "max": float(r["max"]),
+                "max_rank": _rank(r["max_rank"]),
+            }
+        )
+    largest.sort(key=lambda d: (family_order(d["family"]), d["family"], d["stat"]))
+    return {"rows": int(len(df)), "first_nonfinite": first, "largest": largest}
