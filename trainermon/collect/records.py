@@ -25,6 +25,7 @@ FAMILIES = (
     "comm",
     "update",
     "moe_load",
+    "attn_logit",
 )
 #: Families whose rows carry a micro_step column (msprobe's layout), besides grad_unreduced with
 #: monitor_mbs_grad.
