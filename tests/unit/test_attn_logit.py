@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 
 import numpy as np
 import pytest
@@ -312,3 +313,64 @@ def test_logit_growth_rule(tmp_path):
     det.close()
     got = {(r["step"], r["name"], r["stat"], r["baseline"]) for r in load_anomalies(str(tmp_path))}
     assert got == {(0, "layers.2.attn", "max", 30.0), (1, "layers.0.attn", "max", 10.0)}
+
+
+def test_analyze_convert_and_parquet(tmp_path, monkeypatch):
+    """analyze: a per-layer `max` heatmap over steps and the layer x head table of the last step, from
+    Parquet and from CSV; trainermon convert carries head_max_logit / max_head to Parquet."""
+    import trainermon
+    from trainermon.analysis import analyze
+    from trainermon.cli import main as cli_main
+
+    mon, refs, bounds = _mha_run(tmp_path, monkeypatch, format=["csv", "parquet"])
+    for run in (str(tmp_path / "out"), mon.run_dir):
+        if run == mon.run_dir:
+            os.remove(os.path.join(mon.run_dir, "parquet.json"))  # then the run's CSV files
+        result = analyze(run, progress=False)
+        table = result.head_logits
+        assert table.attrs["step"] == STEPS - 1 and list(table.columns) == [0, 1, 2, 3]
+        assert list(table.index) == ["first", "second"]
+        for name in table.index:
+            ref = refs[(name, STEPS - 1)]
+            got = [v for v in table.loc[name].tolist() if v == v]  # the 2-head layer: NaN-padded
+            np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4 * max(map(abs, ref)))
+        heat = result.heatmaps[("attn_logit", "max")]
+        for name in ("first", "second"):
+            for step in range(STEPS):
+                assert heat.loc[name, step] == pytest.approx(max(refs[(name, step)]), rel=1e-5)
+        assert result.findings()["head_logits"]["figure"] == "attn_head_logits"
+        assert "attn_head_logits" in dict(result.iter_figures())
+    assert cli_main(["convert", mon.run_dir, str(tmp_path / "converted")]) == 0
+    table = trainermon.load(str(tmp_path / "converted"), family="attn_logit").to_pandas()
+    assert len(table) == len(refs)
+    for _, r in table.iterrows():
+        ref = refs[(r["name"], r["step"])]
+        np.testing.assert_allclose(list(r["head_max_logit"]), ref, rtol=0, atol=1e-4 * max(map(abs, ref)))
+        assert r["max_head"] == int(np.argmax(ref))
+
+
+def test_prometheus_exports_the_per_layer_summary(tmp_path, monkeypatch):
+    from tests.sinks.test_prometheus import scrape, url_of, value
+
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    cfg = write_config(tmp_path / "c.json", attn_logit_distribution=True, ops=["max"], format=["prometheus"])
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"attn": torch.nn.MultiheadAttention(8, 2, batch_first=True)})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon(cfg)
+    mon.set_monitor(model, optimizer=opt)
+    try:
+        x = torch.randn(2, 5, 8)
+        w, b = model["attn"].in_proj_weight.detach().double(), model["attn"].in_proj_bias.detach().double()
+        q = (x.double() @ w[:8].T + b[:8]).view(2, 5, 2, 4).transpose(1, 2)
+        k = (x.double() @ w[8:16].T + b[8:16]).view(2, 5, 2, 4).transpose(1, 2)
+        top, bound = ref_max(q, k, 0.5, torch.ones(1, 1, 5, 5, dtype=torch.bool), 256)
+        model["attn"](x, x, x)[0].sum().backward()
+        opt.step()
+        mon.flush()
+        samples = scrape(url_of(mon))
+        got = value(samples, "trainermon_layer_stat", stat="max", family="attn_logit", layer="attn")
+        assert got == pytest.approx(float(top.max()), abs=8 * 12 * 2.0**-24 * bound)
+        assert not [k for k in samples if ("family", "_attn") in k[1]]  # hidden rows never exported
+    finally:
+        mon.close()

@@ -11,7 +11,7 @@ from typing import Any
 import pandas as pd
 
 from .jsonutil import describe, jsonable, records
-from .moe import expert_load_last_step
+from .layer_tables import expert_load_last_step, head_logits_last_step
 from .scan import RunSummary, scan
 from .source import FAMILY_STATS, FLOAT_STATS, RunSource, open_run
 from .trends import find_spikes, first_nonfinite, global_grad_norm, growth, heatmap, nonfinite_cells
@@ -35,6 +35,8 @@ class Analysis:
     spike_rule: dict = field(default_factory=lambda: dict(SPIKE_DEFAULTS))
     #: MoE routers x experts: tokens routed at the last step (None without moe_load rows)
     expert_load: pd.DataFrame | None = None
+    #: attention layers x heads: each head's largest pre-softmax logit at the last step (attn_logit)
+    head_logits: pd.DataFrame | None = None
 
     def findings(self) -> dict:
         """The report's findings as JSON-ready data (figures are referred to by file stem)."""
@@ -102,6 +104,14 @@ class Analysis:
                 "tokens": [[jsonable(float(v)) for v in row] for row in self.expert_load.to_numpy()],
                 "figure": "moe_expert_load",
             },
+            "head_logits": None
+            if self.head_logits is None
+            else {
+                "step": int(self.head_logits.attrs.get("step", -1)),
+                "layers": list(self.head_logits.index),
+                "max_logit": [[jsonable(float(v)) for v in row] for row in self.head_logits.to_numpy()],
+                "figure": "attn_head_logits",
+            },
         }
 
     def figures(self, max_columns: int = 500) -> dict[str, Any]:
@@ -127,6 +137,12 @@ class Analysis:
             fig = plot_heatmap(self.expert_load, title, "tokens", None, 10_000)
             fig.axes[0].set_xlabel("expert")
             yield "moe_expert_load", fig
+        if self.head_logits is not None:
+            step = self.head_logits.attrs.get("step")
+            title = f"Largest pre-softmax attention logit (layer x head) at step {step}"
+            fig = plot_heatmap(self.head_logits, title, "max logit", None, 10_000)
+            fig.axes[0].set_xlabel("head")
+            yield "attn_head_logits", fig
 
 
 def _stem(*parts: str) -> str:
@@ -218,4 +234,5 @@ def analyze(
         anomalies=load_run_anomalies(source, steps),
         spike_rule=rule,
         expert_load=expert_load_last_step(source, steps) if "moe_load" in fams else None,
+        head_logits=head_logits_last_step(source, steps) if "attn_logit" in fams else None,
     )
