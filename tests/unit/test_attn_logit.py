@@ -374,3 +374,25 @@ def test_prometheus_exports_the_per_layer_summary(tmp_path, monkeypatch):
         assert not [k for k in samples if ("family", "_attn") in k[1]]  # hidden rows never exported
     finally:
         mon.close()
+
+
+def test_a_failing_computation_never_reaches_training(tmp_path, monkeypatch):
+    from trainermon.runtime.probes import attn as attn_probe
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(attn_probe, "head_extremes", boom)
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    model = torch.nn.ModuleDict({"attn": torch.nn.MultiheadAttention(8, 2, batch_first=True)})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon(write_config(tmp_path / "c.json", attn_logit_distribution=True, wg_distribution=True))
+    mon.set_monitor(model, optimizer=opt)
+    x = torch.randn(2, 5, 8)
+    for _ in range(2):
+        out = model["attn"](x, x, x)[0]  # the hook's failure stays inside the monitor
+        out.sum().backward()
+        opt.step()
+    mon.close()
+    assert mon.faults.counts.get("attention logit hook", 0) == 2
+    assert read_family(mon.run_dir, "attn_logit") == [] and read_family(mon.run_dir, "grad_reduced")
