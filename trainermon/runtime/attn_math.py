@@ -3,9 +3,11 @@
 `head_extremes` is the computation behind the `attn_logit` family (runtime/probes/attn.py): the largest
 and the smallest logit of each head over the batch, the sampled query positions and every key position
 the mask lets that query see. It never builds the whole [batch, heads, queries, keys] matrix of a long
-sequence: queries go in chunks of at most `CHUNK_ELEMENTS` logits (float32, 64 MiB). Everything stays on
-the tensors' device (no host sync); the result is two [heads] float32 tensors, -inf / +inf for a head that
-has no visible logit (every sampled query fully masked).
+sequence: queries go in chunks of at most `CHUNK_ELEMENTS` logits (float32, 64 MiB; with a mask, one
+masked copy and a boolean mask of the chunk besides: about 150 MiB transient at most), plus a float32
+copy of the keys when they are in a lower precision. Everything stays on the tensors' device (no host
+sync); the result is two [heads] float32 tensors, -inf / +inf for a head that has no visible logit
+(every sampled query fully masked).
 
 Query sampling: all positions when a sequence has at most `sample` of them, else `sample` positions
 evenly spaced from the first to the last (both included), the same positions for every sequence.
@@ -59,13 +61,12 @@ def head_extremes(
                 logits = q[:, :, start:stop] @ k  # [B, H, c, Sk]
             visible = keep(positions[start:stop]) if keep is not None else None
             if visible is None:
-                hi, lo = logits, logits
-            else:
-                visible = visible.expand_as(logits)
-                hi = logits.masked_fill(~visible, float("-inf"))
-                lo = logits.masked_fill(~visible, float("inf"))
-            top = torch.maximum(top, hi.amax(dim=(0, 2, 3)))
-            low = torch.minimum(low, lo.amin(dim=(0, 2, 3)))
+                top = torch.maximum(top, logits.amax(dim=(0, 2, 3)))
+                low = torch.minimum(low, logits.amin(dim=(0, 2, 3)))
+                continue
+            hidden = ~visible.expand_as(logits)
+            top = torch.maximum(top, logits.masked_fill(hidden, float("-inf")).amax(dim=(0, 2, 3)))
+            low = torch.minimum(low, logits.masked_fill_(hidden, float("inf")).amin(dim=(0, 2, 3)))
         return top, low
 
 
