@@ -11,7 +11,8 @@
   scaling=...)` with q and k after the rotary embedding, so that lookup is wrapped (once, at class level,
   undone with the last handle) to see them. Masks: transformers' boolean (True = visible) or additive
   float masks; no mask means causal where the module is causal, as sdpa decides. A non-tensor mask
-  (flex attention's BlockMask) is not read: the call is skipped and counted.
+  (flex attention's BlockMask) is not read: the call is skipped and counted. A model that computes
+  attention without the interface (GPT-2's `reorder_and_upcast_attn`) gives no rows for those layers.
 - Megatron-Core `DotProductAttention` (the local core attention): a forward pre-hook on
   (query [sq, b, np, hn], key [sk, b, ng, hn], attention_mask), scale `softmax_scale` (so with
   `apply_query_key_layer_scaling` the logit Megatron feeds its softmax); mask bool True = masked, else

@@ -274,6 +274,32 @@ def bench(key: str, work, blocks: int, steps: int, quick: bool, names: tuple[str
     return out
 
 
+def attn_micro(reps: int = 15) -> list[dict[str, Any]]:
+    """The logit computation alone (`head_extremes`, causal mask) against the attention it watches
+    (`scaled_dot_product_attention`, causal, forward only) on the same q, k, v: medians of interleaved
+    repetitions, so the ratio holds on a loaded machine."""
+    from trainermon.runtime.attn_math import causal_keep, head_extremes, sample_positions
+
+    out = []
+    for b, h, s, d in ((8, 8, 256, 64), (2, 4, 2048, 32), (1, 8, 4096, 64)):
+        gen = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(b, h, s, d, generator=gen) for _ in range(3))
+        keep = causal_keep(s, s, q.device)
+        times: dict[str, list[float]] = {"sdpa": [], "sample256": [], "all": []}
+        for _ in range(reps):
+            for name in random.sample(list(times), len(times)):
+                t0 = time.perf_counter()
+                if name == "sdpa":
+                    torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+                else:
+                    pos = sample_positions(s, 256 if name == "sample256" else s, q.device)
+                    head_extremes(q.index_select(2, pos), k, d**-0.5, keep, pos)
+                times[name].append(time.perf_counter() - t0)
+        med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
+        out.append({"shape": [b, h, s, d], **{f"{n}_ms": m for n, m in med.items()}})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -281,12 +307,20 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--workloads", default="a,b,c,d", help="comma-separated workload keys")
     ap.add_argument("--arms", default="", help="comma-separated arms (default: every arm of a workload)")
+    ap.add_argument("--attn-micro", action="store_true", help="only the logit computation vs sdpa")
     args = ap.parse_args()
     torch.set_num_threads(1)
     global HOOKS
     HOOKS = _HookMeter()
     if args.rss:
         print(rss_probe(args.rss[0], args.rss[1], args.quick))
+        return
+    if args.attn_micro:
+        for r in attn_micro():
+            print(
+                f"  [B,H,S,D]={r['shape']}: sdpa forward {r['sdpa_ms']:8.2f} ms, logits sample 256 "
+                f"{r['sample256_ms']:8.2f} ms, every position {r['all_ms']:8.2f} ms"
+            )
         return
     blocks, steps = (2, 2) if args.quick else (6, 1)
     results = {}
