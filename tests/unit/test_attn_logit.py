@@ -396,3 +396,24 @@ def test_a_failing_computation_never_reaches_training(tmp_path, monkeypatch):
     mon.close()
     assert mon.faults.counts.get("attention logit hook", 0) == 2
     assert read_family(mon.run_dir, "attn_logit") == [] and read_family(mon.run_dir, "grad_reduced")
+
+
+def test_a_layer_not_run_is_warned_about(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    model = torch.nn.ModuleDict({n: torch.nn.MultiheadAttention(8, 2, batch_first=True) for n in ("a", "b")})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        mon = TrainerMon(write_config(tmp_path / "c.json", attn_logit_distribution=True, ops=["max"]))
+        mon.set_monitor(model, optimizer=opt)
+        x = torch.randn(2, 5, 8)
+        model["a"](x, x, x)[0].sum().backward()  # "b" never runs
+        opt.step()
+        mon.close()
+    assert [r["name"] for r in read_family(mon.run_dir, "attn_logit")] == ["a"]
+    assert (
+        sum(
+            "no attention call was read at step 0 for ['b'] (of 2 layers)" in r.message
+            for r in caplog.records
+        )
+        == 1
+    )

@@ -126,6 +126,17 @@ class AttnLogitProbe(Probe):
         placement = self.loop.adapter.token_placement()
         local = isinstance(placement, Local)
         entries = []
+        unseen = [layer.name for layer in self.layers.values() if layer.top is None]
+        if unseen:  # a forward that did not run the layer, or ran attention past the site
+            self._once(
+                "unseen",
+                "trainermon: attn_logit: no attention call was read at step %d for %s (of %d layers); "
+                "those layers have no row (their forward did not run, or computed attention without the "
+                "module's attention function)",
+                plan.step,
+                unseen[:8],
+                len(self.layers),
+            )
         for layer in self.layers.values():
             site = layer.site
             values = None
