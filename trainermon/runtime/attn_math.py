@@ -4,9 +4,9 @@
 and the smallest logit of each head over the batch, the sampled query positions and every key position
 the mask lets that query see. It never builds the whole [batch, heads, queries, keys] matrix of a long
 sequence: queries go in chunks of at most `CHUNK_ELEMENTS` logits (float32, 64 MiB; with a mask, one
-masked copy and a boolean mask of the chunk besides: about 150 MiB transient at most), plus a float32
-copy of the keys when they are in a lower precision. Everything stays on the tensors' device (no host
-sync); the result is two [heads] float32 tensors, -inf / +inf for a head that has no visible logit
+masked copy of the chunk and the mask's rows for it besides: about 150 MiB transient at most), plus a
+float32 copy of the keys when they are in a lower precision. Everything stays on the tensors' device (no
+host sync); the result is two [heads] float32 tensors, -inf / +inf for a head that has no visible logit
 (every sampled query fully masked).
 
 Query sampling: all positions when a sequence has at most `sample` of them, else `sample` positions
@@ -64,7 +64,7 @@ def head_extremes(
                 top = torch.maximum(top, logits.amax(dim=(0, 2, 3)))
                 low = torch.minimum(low, logits.amin(dim=(0, 2, 3)))
                 continue
-            hidden = ~visible.expand_as(logits)
+            hidden = ~visible  # broadcast by masked_fill: a causal mask stays [1, 1, c, Sk]
             top = torch.maximum(top, logits.masked_fill(hidden, float("-inf")).amax(dim=(0, 2, 3)))
             low = torch.minimum(low, logits.masked_fill_(hidden, float("inf")).amin(dim=(0, 2, 3)))
         return top, low
