@@ -134,6 +134,12 @@ class Adapter(ABC):
 
         return Sharded(None) if dist.is_available() and dist.is_initialized() else Local()
 
+    def attention_site(self, module: torch.nn.Module) -> Any:
+        """The attention site of `module` for the attn_logit family (adapters/attention.py), or None."""
+        from .attention import find_site
+
+        return find_site(module)
+
     @abstractmethod
     def parameters(self) -> list[MonitoredParam]:
         """Every trainable parameter, in model order, named as the user names it."""

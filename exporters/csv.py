@@ -38,6 +38,10 @@ EXTRA_COLUMNS = {family: tuple(name for name, _ in cols) for family, cols in FAM
 _KIND = {name: kind for cols in FAMILY_COLUMNS.values() for name, kind in cols}
 
 
+def _floats(values: list, fmt: str) -> str:
+    return "[" + ", ".join("NaN" if x != x else fmt % x for x in values) + "]"
+
+
 def _csv_field(text: str) -> str:
     """One field as the csv module writes it (quoted when it holds a comma, a quote or a newline)."""
     buf = io.StringIO()
@@ -181,6 +185,10 @@ class CsvExporter(Exporter):
                 fields.append(["nan" if kind == "float" else ""] * len(rows))
             elif kind == "list":
                 fields.append([_csv_field(str(v)) if v is not None else "" for v in got[indices].tolist()])
+            elif kind == "flist":  # JSON (NaN for a missing value), ndigits significant digits
+                fields.append(
+                    [_csv_field(_floats(v, fmt)) if v is not None else "" for v in got[indices].tolist()]
+                )
             elif kind == "int":
                 fields.append([str(int(v)) if v == v else "" for v in got[indices].tolist()])
             else:

@@ -20,7 +20,9 @@ from trainermon.stats.table import VALUE_STATS
 
 from .base import Exporter, RunInfo
 
-_FAMILY_FLOATS = {f: [n for n, kind in cols if kind != "list"] for f, cols in FAMILY_COLUMNS.items()}
+_FAMILY_FLOATS = {
+    f: [n for n, kind in cols if kind in ("float", "int")] for f, cols in FAMILY_COLUMNS.items()
+}
 
 #: trainermon's family -> msprobe's tag kind
 KIND = {

@@ -230,7 +230,7 @@ def _columns(rows: list[dict[str, str]], run_id: str) -> dict[str, Any]:
     for extra, kind, _families in EXTRA_COLUMNS:  # family columns (update: ratio, ...), absent elsewhere
         if extra not in header:
             columns[extra] = None
-        elif kind == "list":
+        elif kind in ("list", "flist"):
             columns[extra] = [json.loads(r[extra]) if r[extra] else None for r in rows]
         else:
             columns[extra] = np.array([_number(r[extra]) for r in rows])

@@ -12,7 +12,7 @@ import pandas as pd
 
 from .engines import check_engine, engine_scan, is_url, open_url, resolve_engine, session
 from .jsonutil import describe, jsonable, records
-from .moe import expert_load_last_step
+from .layer_tables import expert_load_last_step, head_logits_last_step
 from .scan import RunSummary, scan
 from .source import FAMILY_STATS, FLOAT_STATS, RunSource, open_run
 from .trends import find_spikes, first_nonfinite, global_grad_norm, growth, heatmap, nonfinite_cells
@@ -39,6 +39,8 @@ class Analysis:
     expert_load: pd.DataFrame | None = None
     xrank: dict | None = None  # findings of the cross-rank summaries (`xrank.xrank_findings`)
     engine: str = "pyarrow"
+    #: attention layers x heads: each head's largest pre-softmax logit at the last step (attn_logit)
+    head_logits: pd.DataFrame | None = None
 
     def findings(self) -> dict:
         """The report's findings as JSON-ready data (figures are referred to by file stem)."""
@@ -108,6 +110,14 @@ class Analysis:
                 "tokens": [[jsonable(float(v)) for v in row] for row in self.expert_load.to_numpy()],
                 "figure": "moe_expert_load",
             },
+            "head_logits": None
+            if self.head_logits is None
+            else {
+                "step": int(self.head_logits.attrs.get("step", -1)),
+                "layers": list(self.head_logits.index),
+                "max_logit": [[jsonable(float(v)) for v in row] for row in self.head_logits.to_numpy()],
+                "figure": "attn_head_logits",
+            },
         }
 
     def figures(self, max_columns: int = 500) -> dict[str, Any]:
@@ -133,6 +143,12 @@ class Analysis:
             fig = plot_heatmap(self.expert_load, title, "tokens", None, 10_000)
             fig.axes[0].set_xlabel("expert")
             yield "moe_expert_load", fig
+        if self.head_logits is not None:
+            step = self.head_logits.attrs.get("step")
+            title = f"Largest pre-softmax attention logit (layer x head) at step {step}"
+            fig = plot_heatmap(self.head_logits, title, "max logit", None, 10_000)
+            fig.axes[0].set_xlabel("head")
+            yield "attn_head_logits", fig
 
 
 def _stem(*parts: str) -> str:
@@ -236,6 +252,7 @@ def analyze(
         expert_load=expert_load_last_step(source, steps) if "moe_load" in fams else None,
         xrank=xrank_findings(summary.xrank_rows),
         engine=engine,
+        head_logits=head_logits_last_step(source, steps) if "attn_logit" in fams else None,
     )
 
 

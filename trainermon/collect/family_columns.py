@@ -1,7 +1,8 @@
 """Columns that single families have beyond the statistics (no torch here: the offline tools read it).
 
-Each is (name, kind): kind "float" (float64, NaN/null elsewhere), "int" (int64, null elsewhere) or "list"
-(a list of int64 per row). CSV appends them, in this order, after `shard` in that family's files;
+Each is (name, kind): kind "float" (float64, NaN/null elsewhere), "int" (int64, null elsewhere), "list"
+(a list of int64 per row) or "flist" (a list of float64 per row; CSV: JSON with NaN). CSV appends them,
+in this order, after `shard` in that family's files;
 Parquet has every one at the end of its schema (`EXTRA_COLUMNS`), null in the other families' rows."""
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ FAMILY_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
         ("dropped", "float"),  # tokens the router dropped (capacity factor); NaN where it reports none
         ("aux_loss", "float"),  # the router's load-balancing loss (mean over micro-batches and ranks)
         ("expert_load", "list"),  # tokens routed to each expert, summed over the ranks that routed them
+    ),
+    "attn_logit": (
+        ("max_head", "int"),  # the (global) head with the largest logit (lowest index on ties)
+        ("head_max_logit", "flist"),  # each head's largest pre-softmax logit of the step
     ),
 }
 #: Every family column once, in the order of the Parquet schema, with its kind and its families.

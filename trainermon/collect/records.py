@@ -25,6 +25,7 @@ FAMILIES = (
     "comm",
     "update",
     "moe_load",
+    "attn_logit",
 )
 #: mv_distribution's families beyond Adam's: other optimizers' state keys (`runtime.moments.STATE_KEYS`).
 STATE_FAMILIES = (

@@ -3,10 +3,11 @@
 
 from .env import Env, read_env
 from .parse import ConfigError, load_config, parse_config
-from .schema import AlertConfig, MonitorConfig, ParquetConfig, PrometheusConfig
+from .schema import AlertConfig, AttnLogitConfig, MonitorConfig, ParquetConfig, PrometheusConfig
 
 __all__ = [
     "AlertConfig",
+    "AttnLogitConfig",
     "ConfigError",
     "Env",
     "MonitorConfig",

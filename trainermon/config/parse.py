@@ -13,6 +13,7 @@ from typing import Any
 
 from trainermon.stats.table import OPS, TRAILING_OPS, VALUE_STATS
 
+from .health import attn_logit
 from .schema import COMM_OPS, AlertConfig, CommConfig, MonitorConfig, ParquetConfig, PrometheusConfig
 
 logger = logging.getLogger("trainermon")
@@ -356,6 +357,7 @@ def parse_config(raw: Any, source: str = "<dict>") -> MonitorConfig:
         xrank_summary=_bool(raw, "xrank_summary"),
         update_distribution=_bool(raw, "update_distribution"),
         moe_distribution=_bool(raw, "moe_distribution"),
+        attn_logit_distribution=attn_logit(raw.get("attn_logit_distribution", False), _fail),
     )
 
 

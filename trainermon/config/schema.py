@@ -86,6 +86,15 @@ class CommConfig:
 
 
 @dataclass(frozen=True)
+class AttnLogitConfig:
+    """`attn_logit_distribution`: true / false, or {"enable": bool, "sample": N}. `sample`: query
+    positions measured per sequence (all of a sequence with at most N, else N evenly spaced ones)."""
+
+    enable: bool = False
+    sample: int = 256
+
+
+@dataclass(frozen=True)
 class MonitorConfig:
     """Validated monitor configuration. Field names are msprobe's config keys (and trainermon's own)."""
 
@@ -125,6 +134,8 @@ class MonitorConfig:
     # training-health families (off by default)
     update_distribution: bool = False  # family `update`: statistics of this step's update, and ||dw||/||w||
     moe_distribution: bool = False  # family `moe_load`: tokens per expert of every MoE router
+    #: family `attn_logit`: per layer and head, the largest pre-softmax attention logit of the step
+    attn_logit_distribution: AttnLogitConfig = field(default_factory=AttnLogitConfig)
 
     # ---- derived views -------------------------------------------------------------------------
     @property

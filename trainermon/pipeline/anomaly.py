@@ -11,7 +11,8 @@ Rules (msprobe's config: `"alert": {"rules": [{"rule_name": ..., "args": {...}}]
   what the collective promises (see `trainermon.comm.checks`).
 - `AnomalySpike` (trainermon): log(norm) more than `z` robust deviations above the rolling median of the
   last `window` values, after `warmup` values; per (family, name) and for the global gradient norm.
-- `AnomalyUpdateRatio`, `AnomalyExpertCollapse` (trainermon, training health): see `health_rules.py`.
+- `AnomalyUpdateRatio`, `AnomalyExpertCollapse`, `AnomalyLogitGrowth` (trainermon, training health): see
+  `health_rules.py`.
 
 Every statistic of every row is checked on its own, so anomalies on two statistics of one tensor are
 two records. Records go to `{MONITOR_OUTPUT_DIR}/anomaly_detected/anomaly_rank{R}.jsonl`, appended one
@@ -44,6 +45,7 @@ RULE_NAMES = (
     "AnomalySpike",
     "AnomalyUpdateRatio",
     "AnomalyExpertCollapse",
+    "AnomalyLogitGrowth",
 )
 STAGES = {"actv": "forward", "actv_grad": "backward", "grad_unreduced": "backward"}
 _STAGE_ORDER = {"forward": 0, "backward": 1, "optimizer": 2}
@@ -352,6 +354,9 @@ class AnomalyDetector:
 
     def _AnomalyExpertCollapse(self, batch: StatBatch, args: dict, now: float) -> list[Anomaly]:
         return health_rules.expert_collapse(self, batch, args, now)
+
+    def _AnomalyLogitGrowth(self, batch: StatBatch, args: dict, now: float) -> list[Anomaly]:
+        return health_rules.logit_growth(self, batch, args, now)
 
     # ---- output ----------------------------------------------------------------------------------
     def _write(self, found: list[Anomaly]) -> None:

@@ -13,7 +13,7 @@ from trainermon.failsafe import FaultLog
 from trainermon.stats import NANS, SUMSQ, finalize
 
 from .anomaly import AnomalyDetector
-from .health import UPDATE_BASE, UPDATE_FAMILY, moe_load, update_ratio  # noqa: F401 - re-exported
+from .health import UPDATE_BASE, UPDATE_FAMILY, attn_logit, moe_load, update_ratio  # noqa: F401
 
 
 class Deriver:
@@ -36,12 +36,15 @@ class Deriver:
             rows = tuple(rows[i] for i in keep)
         rows, partials, ratio = update_ratio(rows, partials)
         rows, partials, moe = moe_load(rows, partials)
+        rows, partials, attn = attn_logit(rows, partials)
         numel = np.fromiter((r.numel for r in rows), dtype=np.float64, count=len(rows))
         values = finalize(partials, numel)
         if ratio is not None:
             values["ratio"] = ratio
         if moe is not None:  # one row per router, values of its own
             rows, values = moe(rows, values)
+        if attn is not None:  # one row per attention layer
+            rows, values = attn(rows, values)
         # Global gradient norm from the per-parameter sums of squares (exact across shards, since each
         # written row is already the full parameter's merged statistic).
         reduced = [i for i, r in enumerate(rows) if r.family == "grad_reduced"]

@@ -5,6 +5,10 @@
 - `AnomalyExpertCollapse`: a `moe_load` row whose coefficient of variation of the per-expert load is above
   `cv` (default 1.0: the spread of the load is as large as its mean), or whose fraction of experts that got
   no token is above `dead` (when given). The record names the statistic (`load_cv` or `zeros`).
+- `AnomalyLogitGrowth`: an `attn_logit` row (one attention layer) whose largest pre-softmax logit `max`
+  is above `threshold` (default 100), or above `growth` times the layer's first collected value (when
+  `growth` is given and that value is positive). One record per row and step (the threshold's first);
+  the baseline is the limit crossed.
 """
 
 from __future__ import annotations
@@ -52,4 +56,30 @@ def expert_collapse(det: Any, batch: StatBatch, args: dict, now: float) -> list:
             out.append(
                 det._make(batch, i, "zeros", float(zeros[i]), float(dead), "AnomalyExpertCollapse", now)
             )
+    return out
+
+
+def logit_growth(det: Any, batch: StatBatch, args: dict, now: float) -> list:
+    from .anomaly import _Rolling
+
+    column = batch.values.get("max")
+    if column is None:
+        return []
+    limit = float(args.get("threshold", 100.0))
+    growth = args.get("growth")
+    out = []
+    for i, row in enumerate(batch.rows):
+        value = float(column[i])
+        if row.family != "attn_logit" or math.isnan(value):
+            continue
+        first = det._rolling.setdefault(("attn_first", row.vpp_stage, row.name), _Rolling(1)).values
+        if not first:
+            first.append(value)  # kept with the detector's state, like the rolling windows
+        baseline = None
+        if value > limit:
+            baseline = limit
+        elif growth is not None and first[0] > 0 and value > float(growth) * first[0]:
+            baseline = float(growth) * first[0]
+        if baseline is not None:
+            out.append(det._make(batch, i, "max", value, baseline, "AnomalyLogitGrowth", now))
     return out

@@ -126,8 +126,7 @@ class StepLoop:
             p.ActivationProbe(self),
             p.GradientProbe(self),
             p.OptimizerProbe(self),
-            p.UpdateProbe(self),
-            p.MoEProbe(self),
+            *(probe(self) for probe in p.HEALTH_PROBES),  # update, moe_load, attn_logit
             p.SideOutputsProbe(self),
             SkippedStepProbe(self),
             p.CommProbe(self),

@@ -49,6 +49,7 @@ class StepPlan:
     params: bool = False  # param_distribution
     update: bool = False  # update_distribution: the optimizer's update of each parameter
     moe: bool = False  # moe_distribution: tokens per expert of every MoE router
+    attn: bool = False  # attn_logit_distribution: per-head pre-softmax logit extremes
 
     @property
     def collecting(self) -> bool:
@@ -70,4 +71,5 @@ def plan_step(config: MonitorConfig, step: int, scheduled: bool, escalating: boo
         params=scheduled and config.param_distribution,
         update=scheduled and config.update_distribution,
         moe=scheduled and config.moe_distribution,
+        attn=scheduled and config.attn_logit_distribution.enable,
     )

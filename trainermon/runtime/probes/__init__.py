@@ -11,6 +11,7 @@ fail-open by the loop:
 """
 
 from .activations import ActivationProbe
+from .attn import AttnLogitProbe
 from .base import Probe
 from .comm import CommProbe
 from .gradients import GradientProbe
@@ -19,8 +20,13 @@ from .optimizer import OptimizerProbe
 from .side_outputs import SideOutputsProbe
 from .update import UpdateProbe
 
+#: The training-health families' probes, in the order the loop runs them.
+HEALTH_PROBES = (UpdateProbe, MoEProbe, AttnLogitProbe)
+
 __all__ = [
+    "HEALTH_PROBES",
     "ActivationProbe",
+    "AttnLogitProbe",
     "CommProbe",
     "GradientProbe",
     "MoEProbe",
