@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 #: Bytes of hook tensors held by reference for one batched reduction (see `StepCollector.flush`): small
@@ -42,3 +44,19 @@ def stamp_of(t: torch.Tensor) -> tuple[int, int]:
 def same_device(batch: HookBatch, t: torch.Tensor) -> bool:
     """A batch holds tensors of one device (one engine call); the first tensor decides."""
     return not batch.tensors or batch.tensors[0].device == t.device
+
+
+def compute_now(engine: Any, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor | None], list[Any]]:
+    """One [1, 7] row per tensor (None: unreadable), computed now, and why each unreadable one was."""
+    device = tensors[0].device
+    if all(t.device == device for t in tensors):
+        partials, skipped = engine.compute_rows(tensors)
+        return [None if i in skipped else partials[i : i + 1] for i in range(len(tensors))], list(
+            skipped.values()
+        )
+    rows, why = [], []  # a module spanning devices (pipeline stages in one process): one call per tensor
+    for t in tensors:
+        partials, bad = engine.compute_rows([t])
+        rows.append(None if bad else partials)
+        why.extend(bad.values())
+    return rows, why

@@ -20,7 +20,7 @@ from trainermon.failsafe import FaultLog
 from trainermon.stats import NANS, NUM_PARTIALS, SUMSQ, StatsEngine, Unreadable, empty_partials
 from trainermon.stats.kinds import local_view
 
-from .batch import HOLD_BYTES, HOLD_COUNT, HookBatch, Span, same_device, stamp_of
+from .batch import HOLD_BYTES, HOLD_COUNT, HookBatch, Span, compute_now, same_device, stamp_of
 from .placement import Local, Placement, Sharded, TensorPiece, takes_part, writes_rows
 from .records import RowMeta, StepPayload, StepScalars
 from .sharded import ShardedRows, by_device, device_hint, job_grad_sumsq, merge_sharded
@@ -51,6 +51,8 @@ class StepCollector:
         #: Tensors already computed this step, by what their values are (see `_value_key`), so that one
         #: activation seen as a module's output and as the next module's input is reduced once.
         self._seen: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
+        #: The same, by object (id, checked by weak reference, version and address): no value key to build
+        self._by_id: dict[int, tuple[weakref.ref, tuple[int, int], Any]] = {}
 
     def __len__(self) -> int:
         return len(self._rows) + len(self._sharded.rows)
@@ -150,6 +152,7 @@ class StepCollector:
         (see `flush`); the others cost one engine call for this call's new tensors, as before.
         """
         seen = self._seen
+        by_id = self._by_id
         trusted = self._trusted
         batch = self._batch
         now: list[torch.Tensor] = []
@@ -162,6 +165,11 @@ class StepCollector:
             t, shard = local_view(t)
             labels_of.append(shard or (shards[i] if i < len(shards) else ""))
             values.append(t)
+            known = by_id.get(id(t))
+            if known is not None and known[0]() is t and known[1] == stamp_of(t):
+                refs.append(known[2])  # the same object, unchanged: its row (no value key to build)
+                fresh.append(None)
+                continue
             key = _value_key(t)
             if key is not None:
                 hit = seen.get(key)
@@ -195,7 +203,9 @@ class StepCollector:
             if key is not None:
                 in_call[key] = ref
         if now:
-            rows = self._compute_now(family, now)
+            rows, skipped = compute_now(self.engine, now)
+            for why in skipped:
+                self._skip(family, why)
             refs = [rows[r] if type(r) is int else r for r in refs]
         parts = self._parts
         for i, ref in enumerate(refs):
@@ -218,26 +228,11 @@ class StepCollector:
             else:
                 parts.append(ref)
             if fresh[i] is not None:
-                seen[fresh[i]] = (weakref.ref(t), ref)
+                tref = weakref.ref(t)
+                seen[fresh[i]] = (tref, ref)
+                by_id[id(t)] = (tref, stamp_of(t), ref)
         if self._held > HOLD_BYTES or len(batch.tensors) + len(self._watch) > HOLD_COUNT:
             self.flush()
-
-    def _compute_now(self, family: str, tensors: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """One [1, 7] row per tensor (None: unreadable, skipped and counted), computed now."""
-        device = tensors[0].device
-        if all(t.device == device for t in tensors):
-            partials, skipped = self.engine.compute_rows(tensors)
-            rows = [None if i in skipped else partials[i : i + 1] for i in range(len(tensors))]
-        else:  # a module spanning devices (pipeline stages in one process): one call per tensor
-            rows, skipped = [], {}
-            for i, t in enumerate(tensors):
-                partials, bad = self.engine.compute_rows([t])
-                rows.append(None if bad else partials)
-                if bad:
-                    skipped[i] = bad[0]
-        for why in skipped.values():
-            self._skip(family, why)
-        return rows
 
     def flush(self) -> None:
         """Reduce the tensors recorded by reference in one engine call, and check that every tensor held
@@ -352,6 +347,7 @@ class StepCollector:
         self._parts = []
         self._sharded = ShardedRows()
         self._seen = {}
+        self._by_id = {}
         self._batch = HookBatch()
         self._watch = []
         self._held = 0
