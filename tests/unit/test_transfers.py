@@ -73,8 +73,9 @@ def test_one_transfer_per_collected_step_and_none_otherwise(tmp_path, monkeypatc
             _step(model, optimizer)
             if collected:
                 assert monitor.loop.transfers.count == transfers + 1, step
-                # every family on: actv, actv_grad, grad_unreduced, grad_reduced, param x2, exp_avg x2
-                assert monitor.loop.engine.calls - calls >= 8, step
+                # every family on: grad_unreduced, grad_reduced, param x2, exp_avg x2, and the hooks'
+                # actv and actv_grad tensors (from step 2 on, batched into one call: test_hook_batches)
+                assert monitor.loop.engine.calls - calls >= (6 if step else 8), step
             else:
                 assert monitor.loop.transfers.count == transfers, step
                 assert monitor.loop.engine.calls == calls, step

@@ -12,40 +12,19 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from trainermon.failsafe import FaultLog
-from trainermon.stats import (
-    NANS,
-    NUM_PARTIALS,
-    SUMSQ,
-    StatsEngine,
-    Unreadable,
-    empty_partials,
-    reduce_across,
-)
+from trainermon.stats import NANS, NUM_PARTIALS, SUMSQ, StatsEngine, Unreadable, empty_partials
 from trainermon.stats.kinds import local_view
 
+from .batch import HOLD_BYTES, HOLD_COUNT, HookBatch, Span, compute_now, same_device, stamp_of
 from .placement import Local, Placement, Sharded, TensorPiece, takes_part, writes_rows
 from .records import RowMeta, StepPayload, StepScalars
+from .sharded import ShardedRows, by_device, device_hint, job_grad_sumsq, merge_sharded
 from .transfer import TransferCounter, transfer_to_host
-
-
-@dataclass
-class _ShardedRows:
-    """The step's rows that are merged across ranks at `finish`, in the order they were added (the same
-    on every rank of a group, since every rank adds its piece of each sharded tensor)."""
-
-    rows: list[RowMeta] = field(default_factory=list)
-    order: list[int] = field(default_factory=list)  # each row's position among all of the step's rows
-    over: list[tuple[int, ...]] = field(default_factory=list)  # ids of the groups each row merges over
-    writes: list[bool] = field(default_factory=list)
-    parts: list[torch.Tensor] = field(default_factory=list)
-    flags: list[float] = field(default_factory=list)  # 1: a rank could not compute its piece of the row
-    groups: dict[int, Any] = field(default_factory=dict)  # id -> group, every group named by a row
 
 
 class StepCollector:
@@ -59,11 +38,21 @@ class StepCollector:
         self._order: list[int] = []  # each row's position in the order rows were added
         self._next = 0
         self._parts: list[torch.Tensor] = []
-        self._sharded = _ShardedRows()
+        self._sharded = ShardedRows()
+        self._batch = HookBatch()
+        self._watch: list[tuple[torch.Tensor, tuple[int, int], tuple[str, str]]] = []  # reduced, checked
+        self._held = 0  # bytes of the tensors held in `_batch` and `_watch`
+        #: (family, label) -> whether its tensors stay unchanged from their hook to the next flush
+        #: (learned on the first step that sees the label; kept for the run)
+        self._trusted: dict[tuple[str, str], bool] = {}
+        #: Record trusted hook tensors by reference and reduce them in batches (tests turn it off).
+        self.batching = True
         self._roles: dict[tuple, tuple[bool, bool]] = {}  # placement -> (takes part, writes)
         #: Tensors already computed this step, by what their values are (see `_value_key`), so that one
         #: activation seen as a module's output and as the next module's input is reduced once.
         self._seen: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
+        #: The same, by object (id, checked by weak reference, version and address): no value key to build
+        self._by_id: dict[int, tuple[weakref.ref, tuple[int, int], Any]] = {}
 
     def __len__(self) -> int:
         return len(self._rows) + len(self._sharded.rows)
@@ -110,7 +99,7 @@ class StepCollector:
                 for g in placement.over:
                     sharded.groups.setdefault(id(g), g)
                 sharded.writes.append(writes)
-                sharded.parts.append(empty_partials(1, _device_hint(entries)))
+                sharded.parts.append(empty_partials(1, device_hint(entries)))
                 sharded.flags.append(0.0)
                 # A rank off coordinate 0 of a replicated group still adds the (empty) row: every rank
                 # then sees the groups in the same order, which the merge relies on (see `_merge`).
@@ -128,7 +117,7 @@ class StepCollector:
                     sharded.flags[index] = 1.0  # no rank writes a row that one rank could not compute
                     self._skip(family, skipped[row])
         if local_tensors:
-            for device_rows, device_tensors in _by_device(local_rows, local_tensors):
+            for device_rows, device_tensors in by_device(local_rows, local_tensors):
                 partials, skipped = self.engine.compute_rows(device_tensors)
                 if skipped:
                     keep = [i for i in range(len(device_rows)) if i not in skipped]
@@ -158,62 +147,131 @@ class StepCollector:
 
         A tensor whose values were already reduced this step (the same memory, unmodified: a module's
         output that is the next module's input, or a view of it) reuses that row instead of computing
-        again. Cost: one engine call for the new tensors, none when all were seen.
+        again. Tensors of a (family, label) whose values are known to stay unchanged until the next
+        `flush` are recorded by reference and reduced with every other such tensor in one engine call
+        (see `flush`); the others cost one engine call for this call's new tensors, as before.
         """
         seen = self._seen
-        new_tensors: list[torch.Tensor] = []
-        new_keys: list[tuple | None] = []
-        slots: list[tuple[int, torch.Tensor | None]] = []  # (index into new_tensors, or -1 with a row)
-        in_call: dict[tuple, int] = {}  # one tensor passed twice in this call (attn(h, h, h)): once
+        by_id = self._by_id
+        trusted = self._trusted
+        batch = self._batch
+        now: list[torch.Tensor] = []
+        refs: list[Any] = []  # per tensor: a [1, 7] row, (batch, index), int (index into `now`) or None
+        fresh: list[tuple | None] = []  # per tensor: its value key when this call reduces it
+        in_call: dict[tuple, Any] = {}  # one tensor passed twice in this call (attn(h, h, h)): once
         labels_of: list[str] = []
         values: list[torch.Tensor] = []
         for i, t in enumerate(tensors):
             t, shard = local_view(t)
             labels_of.append(shard or (shards[i] if i < len(shards) else ""))
             values.append(t)
+            known = by_id.get(id(t))
+            if known is not None and known[0]() is t and known[1] == stamp_of(t):
+                refs.append(known[2])  # the same object, unchanged: its row (no value key to build)
+                fresh.append(None)
+                continue
             key = _value_key(t)
-            hit = seen.get(key) if key is not None else None
-            if hit is not None and _still_holds(hit, key):
-                slots.append((-1, hit[1]))
-                continue
-            if key is not None and key in in_call:
-                slots.append((in_call[key], None))
-                continue
             if key is not None:
-                in_call[key] = len(new_tensors)
-            slots.append((len(new_tensors), None))
-            new_tensors.append(t)
-            new_keys.append(key)
-        new_rows: list[torch.Tensor | None] = []
-        if new_tensors:
-            device = new_tensors[0].device
-            if all(t.device == device for t in new_tensors):
-                partials, skipped = self.engine.compute_rows(new_tensors)
-                new_rows = [None if i in skipped else partials[i : i + 1] for i in range(len(new_tensors))]
-            else:  # a module spanning devices (pipeline stages in one process): one call per tensor
-                new_rows, skipped = [], {}
-                for i, t in enumerate(new_tensors):
-                    partials, bad = self.engine.compute_rows([t])
-                    new_rows.append(None if bad else partials)
-                    if bad:
-                        skipped[i] = bad[0]
-            for why in skipped.values():
+                hit = seen.get(key)
+                if hit is not None and _still_holds(hit, key):
+                    refs.append(hit[1])
+                    fresh.append(None)
+                    continue
+                if key in in_call:
+                    refs.append(in_call[key])
+                    fresh.append(None)
+                    continue
+            trust = (family, labels[i])
+            fresh.append(key)
+            if key is not None and self.batching and trusted.get(trust) and same_device(batch, t):
+                ref = (batch, len(batch.tensors))
+                # An alias: the values stay reachable (and exact) if the tensor's own memory is swapped
+                # (`.data = ...`), while in-place writes still show in the version counter they share.
+                alias = t.detach()
+                batch.tensors.append(alias)
+                batch.stamps.append(stamp_of(alias))
+                batch.trust.append(trust)
+                self._held += t.numel() * t.element_size()
+            else:
+                ref = len(now)
+                now.append(t)
+                if key is not None and self.batching and trust not in trusted:
+                    alias = t.detach()  # learning: checked at the next flush, as a batched tensor would be
+                    self._watch.append((alias, stamp_of(alias), trust))
+                    self._held += t.numel() * t.element_size()
+            refs.append(ref)
+            if key is not None:
+                in_call[key] = ref
+        if now:
+            rows, skipped = compute_now(self.engine, now)
+            for why in skipped:
                 self._skip(family, why)
-        for i, (index, reused) in enumerate(slots):
-            t = values[i]
-            row = reused if index < 0 else new_rows[index]
-            if row is None:
+            refs = [rows[r] if type(r) is int else r for r in refs]
+        parts = self._parts
+        for i, ref in enumerate(refs):
+            if ref is None:
                 continue  # unreadable: skipped and counted above
+            t = values[i]
             self._rows.append(
                 RowMeta(
                     family, vpp_stage, labels[i], micro_step, tuple(t.shape), t.dtype, t.numel(), labels_of[i]
                 )
             )
-            self._parts.append(row)
             self._order.append(self._next)
             self._next += 1
-            if index >= 0 and new_keys[index] is not None:
-                seen[new_keys[index]] = (weakref.ref(t), row)
+            if type(ref) is tuple:  # a batched row: extend the previous span of the same batch if adjacent
+                last = parts[-1] if parts else None
+                if type(last) is Span and last.batch is ref[0] and last.stop == ref[1]:
+                    last.stop += 1
+                else:
+                    parts.append(Span(ref[0], ref[1], ref[1] + 1))
+            else:
+                parts.append(ref)
+            if fresh[i] is not None:
+                tref = weakref.ref(t)
+                seen[fresh[i]] = (tref, ref)
+                by_id[id(t)] = (tref, stamp_of(t), ref)
+        if self._held > HOLD_BYTES or len(batch.tensors) + len(self._watch) > HOLD_COUNT:
+            self.flush()
+
+    def flush(self) -> None:
+        """Reduce the tensors recorded by reference in one engine call, and check that every tensor held
+        since the last flush still has the values it had at its hook (version counter and address).
+
+        Held tensors: at most HOLD_BYTES (plus one tensor) are kept alive beyond their hook, the memory
+        this costs. A (family, label) is batched only after a step in which its tensors were reduced at
+        their hook and found unchanged at the flush that followed (an in-place op after the hook, such
+        as `ReLU(inplace=True)` on a module's output, or Megatron freeing an output with `.data = `);
+        should a batched tensor still change (a data-dependent path), its row is dropped and counted as
+        a fault, and the label is reduced at its hook from then on. Not detected, as for the shared-row
+        cache: memory rewritten without the version counter seeing it."""
+        batch, watch = self._batch, self._watch
+        self._batch, self._watch, self._held = HookBatch(), [], 0
+        trusted = self._trusted
+        for t, stamp, trust in watch:
+            if stamp_of(t) != stamp:
+                trusted[trust] = False
+            elif trust not in trusted:
+                trusted[trust] = True
+        if not batch.tensors:
+            return
+        result, skipped = self.engine.compute_rows(batch.tensors)
+        for j, why in skipped.items():
+            result[j, NANS] = math.nan  # dropped by the worker, as an unreadable tensor is
+            self._skip(batch.trust[j][0], why)
+        for j, t in enumerate(batch.tensors):
+            if stamp_of(t) != batch.stamps[j]:
+                result[j, NANS] = math.nan
+                trusted[batch.trust[j]] = False
+                if self.faults is not None:
+                    family, label = batch.trust[j]
+                    self.faults.record(
+                        "tensor changed after its hook",
+                        RuntimeError(f"{family} {label} was modified in place before its batched reduction"),
+                        "its row is dropped this step; it is reduced at its hook from now on",
+                    )
+        batch.result = result
+        batch.tensors, batch.stamps = [], []  # release the references
 
     def add_missing(self, family: str, vpp_stage: int, labels: Sequence[str], micro_step: int | None) -> None:
         """Rows for elements that are not tensors (a None in a module's output tuple): msprobe writes them
@@ -250,10 +308,11 @@ class StepCollector:
         no job norm and no tail gets a payload with no rows and no transfer. `tail(rows, parts) -> (extra
         rows or None, meta)` sees the local rows first (`xrank`); its rows ride in the same transfer.
         """
+        self.flush()
         rows = list(self._rows)
-        parts = list(self._parts)
+        parts = [p if type(p) is not Span else p.batch.result[p.start : p.stop] for p in self._parts]
         extra, meta = tail(rows, parts) if tail is not None else (None, None)
-        merged_rows, merged, merged_order = self._merge()
+        merged_rows, merged, merged_order = merge_sharded(self._sharded)
         permutation = None
         if merged is not None:
             if rows:  # back to the order rows were added (model order), whatever was merged
@@ -267,7 +326,7 @@ class StepCollector:
             table = torch.cat([p.to(device) for p in parts])
             parts = [table[torch.tensor(permutation, device=device)]]
             rows = [rows[i] for i in permutation]
-        tails = [_job_grad_sumsq(rows, parts)] if job_grad_norm else []
+        tails = [job_grad_sumsq(rows, parts)] if job_grad_norm else []
         parts += tails + ([extra] if extra is not None else [])
         if not parts:
             # Nothing for this rank to write (replicated rows belong to another rank): the step's
@@ -281,50 +340,17 @@ class StepCollector:
         extra_host = None if extra is None else host[len(host) - len(extra) :]
         return StepPayload(step, tuple(rows), host[: len(rows)], ready, scalars, sumsq, extra_host, meta)
 
-    def _merge(self) -> tuple[list[RowMeta], torch.Tensor | None, list[int]]:
-        """Merge the sharded rows over each of their groups; return this rank's rows to write, their
-        partials and their positions among the step's rows."""
-        sharded = self._sharded
-        if not sharded.rows:
-            return [], None, []
-        local = torch.cat(sharded.parts)
-        flags = torch.tensor(sharded.flags, dtype=local.dtype).to(local.device, non_blocking=True)
-        # One dimension at a time, groups in first-appearance order. Ranks that meet in a group must have
-        # merged the same dimensions before, else pieces are lost or counted twice; the order is the
-        # same on every rank because every rank adds the same sharded rows in the same order and
-        # placements list their groups by mesh dimension. (Ordering groups by their global ranks
-        # fails: on a 2 x 2 mesh rank 2 would merge dp first while rank 3 merges tp first.)
-        for gid in sharded.groups:
-            members = [i for i, over in enumerate(sharded.over) if gid in over]
-            if len(members) == len(sharded.rows):
-                local, bad = reduce_across(local, sharded.groups[gid], flags)
-                flags = bad.to(local.dtype)
-            else:
-                index = torch.tensor(members, device=local.device)
-                part, bad = reduce_across(local[index], sharded.groups[gid], flags[index])
-                local[index] = part
-                flags[index] = bad.to(local.dtype)
-        if all(sharded.writes):
-            out, rows, order = local, sharded.rows, sharded.order
-        elif not any(sharded.writes):
-            return [], None, []
-        else:
-            keep = [i for i, w in enumerate(sharded.writes) if w]
-            index = torch.tensor(keep, device=local.device)
-            out, flags, rows = local[index], flags[index], [sharded.rows[i] for i in keep]
-            order = [sharded.order[i] for i in keep]
-        # A row that some rank could not compute is marked (a NaN count, which no data can give) and
-        # dropped by the worker: deciding here would read the flags back, a device sync.
-        out[:, NANS] = torch.where(flags > 0, math.nan, out[:, NANS])
-        return rows, out, order
-
     def reset(self) -> None:
         self._rows = []
         self._order = []
         self._next = 0
         self._parts = []
-        self._sharded = _ShardedRows()
+        self._sharded = ShardedRows()
         self._seen = {}
+        self._by_id = {}
+        self._batch = HookBatch()
+        self._watch = []
+        self._held = 0
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -365,37 +391,3 @@ def _still_holds(hit: tuple[weakref.ref, torch.Tensor], key: tuple) -> bool:
     """The tensor computed under `key` is alive and still has that key (its memory was not replaced)."""
     computed = hit[0]()
     return computed is not None and _value_key(computed) == key
-
-
-def _job_grad_sumsq(rows: list[RowMeta], parts: list[torch.Tensor]) -> torch.Tensor:
-    """One partials row whose SUMSQ is the sum of norm^2 over every rank's written grad_reduced rows."""
-    device = parts[0].device if parts else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    if rows:
-        table = torch.cat([p.to(device) for p in parts])
-        mine = [i for i, r in enumerate(rows) if r.family == "grad_reduced"]
-        if mine:
-            total = table[torch.tensor(mine, device=device), SUMSQ].sum()
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    out = empty_partials(1, device)
-    out[0, SUMSQ] = total
-    return out
-
-
-def _device_hint(entries: Sequence[tuple[int, str, int | None, TensorPiece]]) -> torch.device:
-    for *_, piece in entries:
-        if piece.tensor is not None:
-            return piece.tensor.device
-    return torch.device("cpu")
-
-
-def _by_device(rows: list, tensors: list[torch.Tensor]):
-    devices: dict[torch.device, tuple[list, list[torch.Tensor]]] = {}
-    for row, t in zip(rows, tensors):
-        bucket = devices.setdefault(t.device, ([], []))
-        bucket[0].append(row)
-        bucket[1].append(t)
-    return list(devices.values())

@@ -205,13 +205,7 @@ class CrossRank:
             )
         if n == 0:
             return None, None
-        # Issued together: neither waits for the other's result.
-        work = [
-            dist.all_reduce(keys, op=dist.ReduceOp.MAX, async_op=True),
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, async_op=True),
-        ]
-        for w in work:
-            w.wait()
+        keys, sums = _gather_merge(keys, sums)
         if self.rank != 0:
             return None, None
         layout = XRankLayout(self.keys, stats, self.world_size)
@@ -240,6 +234,27 @@ class CrossRank:
         self.keys = tuple(union)
         self.slots = {k: i for i, k in enumerate(self.keys)}
         self.agreements += 1
+
+
+def _gather_merge(keys: torch.Tensor, sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's keys (int64, max over ranks) and sums (float64, added in rank order) in one
+    collective: the keys travel bit for bit as float64 next to the sums (no arithmetic touches them in
+    transit), so the step costs one all-gather on the default group instead of two all-reduces."""
+    import torch.distributed as dist
+
+    width = keys.shape[1]
+    packed = torch.cat([keys.view(torch.float64), sums], dim=1).contiguous()
+    world = dist.get_world_size()
+    gathered = torch.empty(
+        (world * packed.shape[0], packed.shape[1]), dtype=packed.dtype, device=packed.device
+    )
+    dist.all_gather_into_tensor(gathered, packed)  # ranks stacked along dim 0 (gloo's form)
+    gathered = gathered.view(world, *packed.shape)
+    merged_keys = gathered[:, :, :width].contiguous().view(torch.int64).amax(0)
+    merged_sums = gathered[0, :, width:].clone()
+    for r in range(1, gathered.shape[0]):
+        merged_sums += gathered[r, :, width:]
+    return merged_keys, merged_sums
 
 
 def decode(layout: XRankLayout, tail: np.ndarray) -> XRankTable:

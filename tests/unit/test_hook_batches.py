@@ -1,0 +1,180 @@
+"""Hook tensors recorded by reference and reduced in batches (StepCollector.add_local / flush).
+
+Checks against references computed in the test: batched rows are exact, a model with many modules costs
+a few engine calls per step instead of one per hook, a tensor changed in place after its hook is never
+reported with its new values (learned on the first step; on a data-dependent path, the row is dropped and
+counted, then reduced at its hook), a tensor whose memory is swapped (`.data = `) is reduced from the
+values it had, and the memory held for a batch stays bounded.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers import keyed, read_family, write_config
+from trainermon import TrainerMon
+from trainermon.collect.batch import HOLD_BYTES
+from trainermon.collect.collector import StepCollector, TransferCounter
+from trainermon.collect.records import StepScalars
+from trainermon.failsafe import FaultLog
+from trainermon.stats import NANS, EngineOptions, StatsEngine
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(nn.functional.gelu(self.norm(x)))
+
+
+class Flaky(nn.Module):
+    """Rewrites its child's output in place after the child's hook, on its third call only."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.child = nn.Linear(d, d)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.child(x)
+        self.calls += 1
+        if self.calls == 3:
+            h.mul_(2.0)
+        return x + h
+
+
+class Net(nn.Module):
+    def __init__(self, d: int = 16, layers: int = 12) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(Block(d) for _ in range(layers)))
+        self.flaky = Flaky(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.flaky(self.blocks(x))
+
+
+def _stats(t: torch.Tensor) -> dict[str, float]:
+    x = t.detach().double()
+    return {"norm": float(x.norm()), "min": float(x.min()), "max": float(x.max()), "mean": float(x.mean())}
+
+
+def test_batched_rows_are_exact_and_cost_few_engine_calls(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    cfg = write_config(
+        tmp_path / "c.json", xy_distribution=True, all_xy=True, ops=["norm", "min", "max", "mean"]
+    )
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    reference: list[dict[str, dict[str, float]]] = []  # per step: output name -> statistics at hook time
+
+    def keep(name):
+        def hook(module, args, output):
+            reference[-1][f"{name}.output"] = _stats(output)
+
+        return hook
+
+    for name, module in model.named_modules():
+        if name:  # registered before the monitor's hooks: they see each output first
+            module.register_forward_hook(keep(name))
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(model, optimizer=opt)
+    engine = monitor.loop.engine
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))
+    calls = []
+    for _ in range(4):
+        reference.append({})
+        before = engine.calls
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        calls.append(engine.calls - before)
+    faults = dict(monitor.loop.faults.counts)
+    monitor.close()
+
+    rows = keyed(read_family(monitor.run_dir, "actv"))
+    steps = sorted({step for _, step, _ in rows})
+    assert len(steps) == 4
+    outputs = sorted(reference[0])
+    assert len(outputs) == 12 * 3 + 3  # every block, its norm and fc, the Sequential, flaky and its child
+    for i, step in enumerate(steps):
+        for name in outputs:
+            if i == 2 and name == "flaky.child.output":
+                assert (name, step, 0) not in rows  # changed after its batched hook: dropped, not wrong
+                continue
+            got = rows[(name, step, 0)]
+            for op, want in reference[i][name].items():
+                assert float(got[op]) == pytest.approx(want, rel=1e-5, abs=1e-6), (
+                    name,
+                    step,
+                    op,
+                )  # CSV: 6 digits
+    assert faults.get("tensor changed after its hook") == 1
+    # Step 0 learns (one engine call per hook, as without batching); later steps batch the trusted
+    # tensors: about 150 rows per step (forward and backward), a handful of engine calls.
+    assert calls[0] > 60
+    assert max(calls[1:]) <= 12, calls
+
+
+def _collector() -> tuple[StepCollector, StatsEngine, FaultLog]:
+    engine = StatsEngine(EngineOptions(nonfinite=False))
+    faults = FaultLog()
+    return StepCollector(engine, TransferCounter(), faults), engine, faults
+
+
+def _learn(collector: StepCollector, labels: list[str], like: torch.Tensor) -> None:
+    for label in labels:
+        collector.add_local("actv", 0, [label], 0, [like.clone()])
+    collector.finish(0, StepScalars())
+
+
+def test_memory_swapped_after_the_hook_keeps_the_hooks_values():
+    """Megatron frees a pipeline output with `out.data = torch.empty(1)` once it is sent: the batched row
+    is reduced from the values the tensor had at its hook."""
+    collector, _, faults = _collector()
+    _learn(collector, ["a.output"], torch.ones(64))
+    t = torch.full((64,), 3.0)
+    collector.add_local("actv", 0, ["a.output"], 0, [t])
+    t.data = torch.empty(1)
+    payload = collector.finish(1, StepScalars())
+    assert payload.partials[0, 0].sqrt().item() == pytest.approx(3.0 * 8.0)
+    assert faults.total == 0
+
+
+def test_in_place_change_after_a_batched_hook_drops_the_row_then_reduces_at_the_hook():
+    collector, _, faults = _collector()
+    _learn(collector, ["a.output"], torch.ones(64))
+    t = torch.full((64,), 3.0)
+    collector.add_local("actv", 0, ["a.output"], 0, [t])
+    t.add_(1.0)  # after the hook, before the batch is reduced
+    payload = collector.finish(1, StepScalars())
+    assert math.isnan(payload.partials[0, NANS].item())  # the worker drops such a row
+    assert faults.counts["tensor changed after its hook"] == 1
+    t = torch.full((64,), 3.0)
+    collector.add_local("actv", 0, ["a.output"], 0, [t])
+    t.add_(1.0)
+    payload = collector.finish(2, StepScalars())
+    assert payload.partials[0, 0].sqrt().item() == pytest.approx(3.0 * 8.0)  # reduced at its hook now
+    assert payload.partials[0, NANS].item() == 0
+
+
+def test_held_memory_is_bounded_and_batches_share_engine_calls():
+    collector, engine, _ = _collector()
+    labels = [f"m{i}.output" for i in range(64)]
+    _learn(collector, labels, torch.ones(16 * 1024))  # 64 KiB each
+    before = engine.calls
+    tensors = [torch.full((16 * 1024,), float(i)) for i in range(64)]  # 4 MiB in all
+    for label, t in zip(labels, tensors):
+        collector.add_local("actv", 0, [label], 0, [t])
+        assert collector._held <= HOLD_BYTES
+    payload = collector.finish(1, StepScalars())
+    assert engine.calls - before <= 4 * 1024 * 1024 // HOLD_BYTES + 1
+    norms = payload.partials[:, 0].sqrt().tolist()
+    assert norms == pytest.approx([i * 128.0 for i in range(64)])

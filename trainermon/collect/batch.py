@@ -1,0 +1,62 @@
+"""Hook tensors recorded by reference and reduced together (see `StepCollector.add_local` and `flush`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+#: Bytes of hook tensors held by reference for one batched reduction (see `StepCollector.flush`): small
+#: enough to stay within a CPU's L2 cache and to add little to peak memory, large enough that a narrow
+#: model's hooks share a few engine calls instead of one each.
+HOLD_BYTES = 2 << 20
+#: Tensors held by reference before a flush, whatever their size.
+HOLD_COUNT = 256
+
+
+class HookBatch:
+    """Hook tensors recorded by reference until `flush` reduces them in one engine call."""
+
+    __slots__ = ("tensors", "stamps", "trust", "result")
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.stamps: list[tuple[int, int]] = []
+        self.trust: list[tuple[str, str]] = []  # (family, label) of each tensor
+        self.result: torch.Tensor | None = None
+
+
+class Span:
+    """Rows [start, stop) of a batch's result: one entry of `_parts` for consecutive batched rows."""
+
+    __slots__ = ("batch", "start", "stop")
+
+    def __init__(self, batch: HookBatch, start: int, stop: int) -> None:
+        self.batch, self.start, self.stop = batch, start, stop
+
+
+def stamp_of(t: torch.Tensor) -> tuple[int, int]:
+    """What changes when a tensor's values are replaced through autograd's view (an in-place op bumps the
+    version counter shared by every view) or its memory is swapped (`.data = `, storage resized)."""
+    return t._version, t.data_ptr()
+
+
+def same_device(batch: HookBatch, t: torch.Tensor) -> bool:
+    """A batch holds tensors of one device (one engine call); the first tensor decides."""
+    return not batch.tensors or batch.tensors[0].device == t.device
+
+
+def compute_now(engine: Any, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor | None], list[Any]]:
+    """One [1, 7] row per tensor (None: unreadable), computed now, and why each unreadable one was."""
+    device = tensors[0].device
+    if all(t.device == device for t in tensors):
+        partials, skipped = engine.compute_rows(tensors)
+        return [None if i in skipped else partials[i : i + 1] for i in range(len(tensors))], list(
+            skipped.values()
+        )
+    rows, why = [], []  # a module spanning devices (pipeline stages in one process): one call per tensor
+    for t in tensors:
+        partials, bad = engine.compute_rows([t])
+        rows.append(None if bad else partials)
+        why.extend(bad.values())
+    return rows, why

@@ -1,0 +1,101 @@
+"""The step's sharded rows (pieces of one tensor on several ranks) and their merge across ranks at the
+step's end: one packed reduction per process group (see `StepCollector.finish`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from trainermon.stats import NANS, SUMSQ, empty_partials, reduce_across
+
+from .placement import TensorPiece
+from .records import RowMeta
+
+
+@dataclass
+class ShardedRows:
+    """The step's rows that are merged across ranks at `finish`, in the order they were added (the same
+    on every rank of a group, since every rank adds its piece of each sharded tensor)."""
+
+    rows: list[RowMeta] = field(default_factory=list)
+    order: list[int] = field(default_factory=list)  # each row's position among all of the step's rows
+    over: list[tuple[int, ...]] = field(default_factory=list)  # ids of the groups each row merges over
+    writes: list[bool] = field(default_factory=list)
+    parts: list[torch.Tensor] = field(default_factory=list)
+    flags: list[float] = field(default_factory=list)  # 1: a rank could not compute its piece of the row
+    groups: dict[int, Any] = field(default_factory=dict)  # id -> group, every group named by a row
+
+
+def merge_sharded(sharded: ShardedRows) -> tuple[list[RowMeta], torch.Tensor | None, list[int]]:
+    """Merge the sharded rows over each of their groups; return this rank's rows to write, their
+    partials and their positions among the step's rows."""
+    if not sharded.rows:
+        return [], None, []
+    local = torch.cat(sharded.parts)
+    flags = torch.tensor(sharded.flags, dtype=local.dtype).to(local.device, non_blocking=True)
+    # One dimension at a time, groups in first-appearance order. Ranks that meet in a group must have
+    # merged the same dimensions before, else pieces are lost or counted twice; the order is the
+    # same on every rank because every rank adds the same sharded rows in the same order and
+    # placements list their groups by mesh dimension. (Ordering groups by their global ranks
+    # fails: on a 2 x 2 mesh rank 2 would merge dp first while rank 3 merges tp first.)
+    for gid in sharded.groups:
+        members = [i for i, over in enumerate(sharded.over) if gid in over]
+        if len(members) == len(sharded.rows):
+            local, bad = reduce_across(local, sharded.groups[gid], flags)
+            flags = bad.to(local.dtype)
+        else:
+            index = torch.tensor(members, device=local.device)
+            part, bad = reduce_across(local[index], sharded.groups[gid], flags[index])
+            local[index] = part
+            flags[index] = bad.to(local.dtype)
+    if all(sharded.writes):
+        out, rows, order = local, sharded.rows, sharded.order
+    elif not any(sharded.writes):
+        return [], None, []
+    else:
+        keep = [i for i, w in enumerate(sharded.writes) if w]
+        index = torch.tensor(keep, device=local.device)
+        out, flags, rows = local[index], flags[index], [sharded.rows[i] for i in keep]
+        order = [sharded.order[i] for i in keep]
+    # A row that some rank could not compute is marked (a NaN count, which no data can give) and
+    # dropped by the worker: deciding here would read the flags back, a device sync.
+    out[:, NANS] = torch.where(flags > 0, math.nan, out[:, NANS])
+    return rows, out, order
+
+
+def job_grad_sumsq(rows: list[RowMeta], parts: list[torch.Tensor]) -> torch.Tensor:
+    """One partials row whose SUMSQ is the sum of norm^2 over every rank's written grad_reduced rows."""
+    device = parts[0].device if parts else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    if rows:
+        table = torch.cat([p.to(device) for p in parts])
+        mine = [i for i, r in enumerate(rows) if r.family == "grad_reduced"]
+        if mine:
+            total = table[torch.tensor(mine, device=device), SUMSQ].sum()
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    out = empty_partials(1, device)
+    out[0, SUMSQ] = total
+    return out
+
+
+def device_hint(entries: Sequence[tuple[int, str, int | None, TensorPiece]]) -> torch.device:
+    for *_, piece in entries:
+        if piece.tensor is not None:
+            return piece.tensor.device
+    return torch.device("cpu")
+
+
+def by_device(rows: list, tensors: list[torch.Tensor]) -> list[tuple[list, list[torch.Tensor]]]:
+    devices: dict[torch.device, tuple[list, list[torch.Tensor]]] = {}
+    for row, t in zip(rows, tensors):
+        bucket = devices.setdefault(t.device, ([], []))
+        bucket[0].append(row)
+        bucket[1].append(t)
+    return list(devices.values())
