@@ -182,3 +182,26 @@ def test_gpt2_lm_head_target_selects_the_tied_embedding(tmp_path, out_dir, stati
     assert set(rows) == {("transformer.wte.weight", 0, None)}
     assert_row_matches(rows[("transformer.wte.weight", 0, None)], want, OPS)
     assert not [r for r in caplog.records if "select" in r.getMessage()]
+
+
+def test_attach_failure_never_stops_training(tmp_path, out_dir, static_mode, caplog):
+    """An optimizer the monitor cannot hook: the callback logs the error and training goes on."""
+    from types import SimpleNamespace
+
+    from trainermon.integrations.hf import TrainerMonCallback
+
+    callback = TrainerMonCallback(write_config(tmp_path / "cfg.json", wg_distribution=True))
+    args, state = SimpleNamespace(gradient_accumulation_steps=1), SimpleNamespace(global_step=0)
+    with caplog.at_level(logging.ERROR, logger="trainermon"):
+        callback.on_train_begin(args, state, None, model=torch.nn.Linear(2, 2), optimizer=object())
+    assert callback.monitor is None
+    assert any("not attached" in r.getMessage() and r.exc_info for r in caplog.records)
+    callback.on_train_end(args, state, None)
+
+
+def test_bad_config_fails_at_construction(tmp_path):
+    from trainermon.config import ConfigError
+    from trainermon.integrations.hf import TrainerMonCallback
+
+    with pytest.raises(ConfigError, match="step_interval"):
+        TrainerMonCallback(write_config(tmp_path / "cfg.json", step_interval=0))

@@ -143,9 +143,14 @@ class MomentKeys:
     def warn_if_none(self) -> None:
         if self.keys == () and not self.warned:
             self.warned = True
-            what = "no optimizer was given" if not self.optimizers else f"{self.name} keeps no such state"
+            if self.name == "none":
+                what = "no optimizer was given to set_monitor"
+            elif not self.optimizers:
+                what = f"no torch optimizer found in {self.name}"
+            else:
+                what = f"{self.name} with these hyperparameters keeps no state to write"
             logger.warning(
-                "trainermon: mv_distribution writes nothing: %s (hyperparameters included). Supported: %s",
+                "trainermon: mv_distribution writes nothing: %s. Supported: %s",
                 what,
                 SUPPORTED,
             )
