@@ -105,12 +105,8 @@ def file_schema():
         pa.field("nonfinite_rank", pa.int32()),
         pa.field("ranks", pa.int32()),
     ]
-    types = {
-        "float": pa.float64(),
-        "int": pa.int64(),
-        "list": pa.list_(pa.int64()),
-        "flist": pa.list_(pa.float64()),
-    }
+    types = {"float": pa.float64(), "int": pa.int64(), "list": pa.list_(pa.int64())}
+    types["flist"] = pa.list_(pa.float64())
     fields += [pa.field(name, types[kind]) for name, kind, _ in EXTRA_COLUMNS]  # older files: null
     return pa.schema(fields)
 
