@@ -225,6 +225,10 @@ def test_tiny_llama_after_rotary(tmp_path, monkeypatch, impl):
             refs[(name, step)] = refs[(name, step)].tolist()
     mon.close()
     _check(mon, refs, bounds, margin=8 * (32 + 8) * 2.0**-24)
+    from transformers.modeling_utils import AttentionInterface
+
+    # closing the monitor gives transformers its own lookup back
+    assert AttentionInterface.get_interface.__qualname__ == "AttentionInterface.get_interface"
 
 
 def test_tiny_gpt2_long_sequence_sampled(tmp_path, monkeypatch):
