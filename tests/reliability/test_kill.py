@@ -162,7 +162,7 @@ def test_sigkill_at_random_points_leaves_only_complete_rows_and_parts(crash_tria
     assert per_step_rows == {
         "actv": {8}, "actv_grad": {7}, "grad_unreduced": {8}, "grad_reduced": {8}, "param_origin": {8},
         "exp_avg": set(), "exp_avg_sq": set(), "param_updated": {8}, "update": set(), "moe_load": set(),
-        "attn_logit": set(),
+        "comm": set(), "attn_logit": set(),
     }, str(per_step_rows)  # fmt: skip
     assert totals["csv_rows"] > 1000 and totals["trials_with_parts"] >= len(kills) // 2, totals
     delays = sorted(k["delay"] for k in kills)
