@@ -225,6 +225,10 @@ def test_tiny_llama_after_rotary(tmp_path, monkeypatch, impl):
             refs[(name, step)] = refs[(name, step)].tolist()
     mon.close()
     _check(mon, refs, bounds, margin=8 * (32 + 8) * 2.0**-24)
+    from transformers.modeling_utils import AttentionInterface
+
+    # closing the monitor gives transformers its own lookup back
+    assert AttentionInterface.get_interface.__qualname__ == "AttentionInterface.get_interface"
 
 
 def test_tiny_gpt2_long_sequence_sampled(tmp_path, monkeypatch):
@@ -417,3 +421,37 @@ def test_a_layer_not_run_is_warned_about(tmp_path, monkeypatch, caplog):
         )
         == 1
     )
+
+
+def test_with_moe_load_in_the_same_step(tmp_path, monkeypatch):
+    """Both worker-formed families in one step (a tiny Mixtral): each keeps its own columns."""
+    pytest.importorskip("transformers")
+    import trainermon
+    from tests.unit.test_moe_load import _mixtral
+
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    cfg = write_config(
+        tmp_path / "c.json", attn_logit_distribution=True, moe_distribution=True, format=["csv", "parquet"]
+    )
+    model = _mixtral()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon(cfg)
+    mon.set_monitor(model, optimizer=opt)
+    ids = torch.randint(0, 64, (2, 12))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    mon.close()
+    assert mon.faults.total == 0
+    attn, moe = read_family(mon.run_dir, "attn_logit"), read_family(mon.run_dir, "moe_load")
+    assert [r["name"] for r in attn] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert all(len(json.loads(r["head_max_logit"])) == 2 and "expert_load" not in r for r in attn)
+    assert all(sum(json.loads(r["expert_load"])) == 2 * 12 * 2 and "head_max_logit" not in r for r in moe)
+    table = trainermon.load(str(tmp_path / "out")).to_pandas()
+    rows = table[table["family"].isin(["attn_logit", "moe_load"])]
+    for _, r in rows.iterrows():
+        mine, other = (
+            ("head_max_logit", "expert_load")
+            if r["family"] == "attn_logit"
+            else ("expert_load", "head_max_logit")
+        )
+        assert r[mine] is not None and len(r[mine]) > 0 and r[other] is None, r
