@@ -285,7 +285,11 @@ def test_cli_engine_flags(runs, spark, tmp_path, capsys):
     with open(os.path.join(out, "findings.json")) as fh:
         findings = json.load(fh)
     assert findings["engine"] == "duckdb" and findings["first_nonfinite"]["first"]["rank"] == NAN_RANK
-    assert "(engine duckdb," in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "(engine duckdb," in printed
+    assert f"across ranks: first NaN/Inf at step {NAN_STEP} " in printed and f"on rank {NAN_RANK}" in printed
+    with open(os.path.join(out, "report.html")) as fh:
+        assert "<h2>Across ranks</h2>" in fh.read()
     code = main(
         ["compare", run, bench, "--engine", "spark", "--spark-master", spark, "--out", str(tmp_path / "c")]
     )
