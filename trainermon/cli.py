@@ -218,6 +218,11 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         print(f"first NaN/Inf: step {r['step']} {r['family']} {r['name']} (rank {r['rank']})")
     else:
         print("no NaN/Inf")
+    xr = result.xrank
+    if xr is not None and xr["first_nonfinite"] is not None:
+        f = xr["first_nonfinite"]
+        where = f"step {f['step']} {f['family']} {f['name']}"
+        print(f"across ranks: first NaN/Inf at {where} on rank {f['rank']}")
     if len(result.spikes):
         print(f"global grad norm spikes at steps {result.spikes['step'].tolist()[:20]}")
     for fam, table in result.growth.items():

@@ -112,6 +112,21 @@ def write_analysis_report(
         )
         body.append(_table(analysis.first_nonfinite, 20))
 
+    xr = findings.get("xrank")
+    if xr is not None:  # the monitor's cross-rank summaries (family xrank): which rank
+        body.append("<h2>Across ranks</h2>")
+        first = xr["first_nonfinite"]
+        if first is None:
+            body.append("<p class='ok'>no rank saw a NaN or Inf in the summarised families</p>")
+        else:
+            micro = "" if first.get("micro_step") is None else f", micro-step {first['micro_step']}"
+            what = " ".join(html.escape(first[k]) for k in ("family", "name", "stat"))
+            body.append(
+                f"<p class='bad'>first non-finite: step {first['step']}{micro}: {what}, "
+                f"first on rank {first['rank']}</p>"
+            )
+        body.append(_table(pd.DataFrame(xr["largest"])))
+
     body.append("<h2>Global gradient norm</h2>")
     gn = findings["global_grad_norm"]
     if "global_grad_norm" in written:
