@@ -40,6 +40,8 @@ def main() -> None:
     for key in args.workloads.split(","):
         work = works[key]
         with tempfile.TemporaryDirectory() as tmp:
+            for sub in ("x", "y"):
+                os.makedirs(os.path.join(tmp, sub))
             arms = {
                 "none": ov.build_arm(work, "none", "-", tmp),
                 "all (batched)": ov.build_arm(work, "trainermon", "all", os.path.join(tmp, "x")),
