@@ -46,13 +46,21 @@ def _mesh_rank(rank: int, world: int) -> dict:
     tp_group, dp_group = tp_groups[dp], dp_groups[tp]
 
     calls: list[tuple] = []
-    real = dist.all_reduce
+    real, real_gather = dist.all_reduce, dist.all_gather_into_tensor
+
+    def ranks(group) -> tuple:
+        return tuple(dist.get_process_group_ranks(group)) if group is not None else ("world",)
 
     def counting(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        calls.append(tuple(dist.get_process_group_ranks(group)) if group is not None else ("world",))
+        calls.append(("all_reduce", *ranks(group)))
         return real(tensor, op=op, group=group, async_op=async_op)
 
+    def counting_gather(output, tensor, group=None, async_op=False):
+        calls.append(("all_gather", *ranks(group)))
+        return real_gather(output, tensor, group=group, async_op=async_op)
+
     dist.all_reduce = counting
+    dist.all_gather_into_tensor = counting_gather
     try:
         collector = StepCollector(StatsEngine(EngineOptions(nonfinite=True)), TransferCounter())
         entries = []
@@ -101,6 +109,7 @@ def _mesh_rank(rank: int, world: int) -> dict:
         payload = collector.finish(0, StepScalars(), job_grad_norm=True)
     finally:
         dist.all_reduce = real
+        dist.all_gather_into_tensor = real_gather
     numel = np.array([r.numel for r in payload.rows], dtype=np.float64)
     values = finalize(payload.partials.numpy(), numel)
     rows = {
@@ -132,11 +141,11 @@ def test_nd_placements_merge_exactly_and_write_once() -> None:
         assert math.isclose(got["norm"], float(x.norm()), rel_tol=5e-7), (name, got["norm"], float(x.norm()))
         assert abs(got["mean"] - float(x.mean())) <= 1e-6 * rms, (name, got["mean"], float(x.mean()))
         assert got["min"] == float(x.min()) and got["max"] == float(x.max()), name
-    # one packed reduction (2 all-reduces) per distinct group, then the job norm's one on the world
+    # one packed reduction (one all-gather) per distinct group, then the job norm's all-reduce on the world
     for rank, res in enumerate(results):
         dp, tp = divmod(rank, 2)
-        tp_ranks, dp_ranks = (2 * dp, 2 * dp + 1), (tp, tp + 2)
-        assert res["calls"] == [dp_ranks, dp_ranks, tp_ranks, tp_ranks, ("world",)], (rank, res["calls"])
+        want = [("all_gather", tp, tp + 2), ("all_gather", 2 * dp, 2 * dp + 1), ("all_reduce", "world")]
+        assert res["calls"] == want, (rank, res["calls"])
         grad_sumsq = sum(
             float(_full(n).double().pow(2).sum()) for n in ("dp_only", "both", "tp_only", "tp_dp_copy")
         )

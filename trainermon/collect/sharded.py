@@ -93,6 +93,9 @@ def device_hint(entries: Sequence[tuple[int, str, int | None, TensorPiece]]) -> 
 
 
 def by_device(rows: list, tensors: list[torch.Tensor]) -> list[tuple[list, list[torch.Tensor]]]:
+    first = tensors[0].device
+    if all(t.device == first for t in tensors):  # the common case: no regrouping
+        return [(rows, tensors)]
     devices: dict[torch.device, tuple[list, list[torch.Tensor]]] = {}
     for row, t in zip(rows, tensors):
         bucket = devices.setdefault(t.device, ([], []))
