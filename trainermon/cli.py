@@ -149,162 +149,16 @@ def _cmd_anomalies(args: argparse.Namespace) -> int:
     return 0
 
 
-def _split(values: list[str] | None) -> list[str] | None:
-    if not values:
-        return None
-    return [v.strip() for item in values for v in item.split(",") if v.strip()]
-
-
-def _step_range(text: str | None) -> tuple[int, int] | None:
-    if not text:
-        return None
-    lo, _, hi = text.partition("-")
-    return int(lo), int(hi or lo)
-
-
-def _progress(args: argparse.Namespace) -> bool | None:
-    return True if args.progress else False if args.no_progress else None
-
-
 def _cmd_analyze(args: argparse.Namespace) -> int:
-    import os
+    from .analysis.commands import run_analyze
 
-    from .analysis import analyze, open_run
-    from .analysis.analyze import _open
-    from .analysis.engines import is_url, resolve_engine
-    from .analysis.report import write_analysis_report
-
-    try:
-        steps = _step_range(args.steps)
-        ranks = [int(r) for r in _split(args.ranks) or []] or None
-    except ValueError:
-        print(
-            f"error: --steps {args.steps!r} / --ranks {args.ranks!r}: allowed: N or FIRST-LAST / R,R",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        if is_url(args.run):  # object storage: listed by the engine
-            engine = resolve_engine(args.engine, [args.run])
-            source = _open(args.run, engine, args.spark_master, args.run_id)
-        else:
-            source = open_run(args.run, prefer=args.format, run_id=args.run_id)
-            engine = resolve_engine(args.engine, [source])
-        result = analyze(
-            source,
-            families=_split(args.family),
-            stats=_split(args.stat),
-            steps=steps,
-            ranks=ranks,
-            top=args.top,
-            progress=_progress(args),
-            engine=engine,
-            spark_master=args.spark_master,
-        )
-    except (FileNotFoundError, KeyError, ValueError, ImportError) as exc:
-        print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
-        return 2
-    if not result.summary.rows_read:
-        print(f"error: no rows in {args.run!r} for the given filters", file=sys.stderr)
-        return 2
-    paths = write_analysis_report(result, args.out or "trainermon_report", max_columns=args.max_columns)
-    summary = result.summary
-    print(
-        f"{source.kind} run {args.run}: {summary.rows_read:,} rows, families {summary.families} "
-        f"(engine {engine}, {summary.seconds:.1f} s)"
-    )
-    if len(result.first_nonfinite):
-        r = result.first_nonfinite.iloc[0]
-        print(f"first NaN/Inf: step {r['step']} {r['family']} {r['name']} (rank {r['rank']})")
-    else:
-        print("no NaN/Inf")
-    xr = result.xrank
-    if xr is not None and xr["first_nonfinite"] is not None:
-        f = xr["first_nonfinite"]
-        where = f"step {f['step']} {f['family']} {f['name']}"
-        print(f"across ranks: first NaN/Inf at {where} on rank {f['rank']}")
-    if len(result.spikes):
-        print(f"global grad norm spikes at steps {result.spikes['step'].tolist()[:20]}")
-    for fam, table in result.growth.items():
-        top = ", ".join(f"{r.layer} x{r.growth:.3g}" for r in table.head(3).itertuples(index=False))
-        print(f"top growth of {result.growth_stat} in {fam}: {top}")
-    if result.anomalies:
-        print(f"{len(result.anomalies)} anomalies recorded")
-    for note in summary.notes:
-        print(f"note: {note}")
-    print(f"report: {os.path.abspath(paths['html'])} ({len(paths['png'])} plots), findings: {paths['json']}")
-    return 0
+    return run_analyze(args)
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    import os
+    from .analysis.commands import run_compare
 
-    from .analysis import compare, open_run
-    from .analysis.analyze import _open
-    from .analysis.engines import is_url, resolve_engine
-    from .analysis.report import write_comparison_report
-
-    try:
-        steps = _step_range(args.steps)
-    except ValueError:
-        print(f"error: --steps {args.steps!r}: allowed: N or FIRST-LAST", file=sys.stderr)
-        return 2
-    try:
-        urls = [p for p in (args.run, args.benchmark) if is_url(p)]
-        engine = resolve_engine(args.engine, urls)  # a URL needs an engine: resolve before opening
-        run, bench = (
-            _open(p, engine, args.spark_master) if is_url(p) else open_run(p, prefer=args.format)
-            for p in (args.run, args.benchmark)
-        )
-        engine = resolve_engine(args.engine, [run, bench])
-        result = compare(
-            run,
-            bench,
-            rtol=args.rtol,
-            atol=args.atol,
-            stats=_split(args.stat) or ["norm"],
-            families=_split(args.family),
-            steps=steps,
-            progress=_progress(args),
-            engine=engine,
-            spark_master=args.spark_master,
-        )
-    except (FileNotFoundError, KeyError, ValueError, ImportError) as exc:
-        print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
-        return 2
-    paths = write_comparison_report(result, args.out or "trainermon_compare", max_plots=args.max_plots)
-    table = result.per_family
-    print(
-        f"compared {int(table['cells_compared'].sum()):,} cells of {len(table)} families (rtol {args.rtol:g})"
-    )
-    if len(result.only_in_run) or len(result.only_in_benchmark):
-        print(
-            f"tensors only in the run: {len(result.only_in_run)}, only in the benchmark: "
-            f"{len(result.only_in_benchmark)} (listed in the report)"
-        )
-        for r in result.only_in_run.head(10).itertuples(index=False):
-            print(f"  only in run: {r.family} {r.name}")
-        for r in result.only_in_benchmark.head(10).itertuples(index=False):
-            print(f"  only in benchmark: {r.family} {r.name}")
-    if result.families_only_in_run or result.families_only_in_benchmark:
-        print(
-            f"families only in the run: {result.families_only_in_run}, "
-            f"only in the benchmark: {result.families_only_in_benchmark}"
-        )
-    for note in result.notes:
-        print(f"note: {note}")
-    first = result.first
-    if first is None:
-        print("no divergence")
-    else:
-        micro = "" if first.micro_step is None else f" micro-step {first.micro_step}"
-        print(
-            f"first divergence: step {first.step}{micro} {first.family} {first.label} {first.stat}: "
-            f"run {first.run_value:.6g} benchmark {first.benchmark_value:.6g} "
-            f"(rel. diff {first.rel_diff:.3g})"
-        )
-    print(f"report: {os.path.abspath(paths['html'])}, findings: {paths['json']}")
-    return 1 if result.diverged else 0
+    return run_compare(args)
 
 
 #: `analyze` / `compare` engine when none is given (see docs/ANALYSIS.md, "Engines", for why).
