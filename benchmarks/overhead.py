@@ -231,15 +231,15 @@ class OwnTimer:
 
     def __init__(self, monitor: Any) -> None:
         self.loop = monitor.loop
-        self._start = self.loop.own_time_total_s
+        self._start = self.loop.clock.total_s
 
     @property
     def total(self) -> float:
-        return self.loop.own_time_total_s - self._start
+        return self.loop.clock.total_s - self._start
 
     @total.setter
     def total(self, value: float) -> None:
-        self._start = self.loop.own_time_total_s - value
+        self._start = self.loop.clock.total_s - value
 
 
 @dataclass

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,6 +38,7 @@ from trainermon.stats.engine import EngineOptions, StatsEngine
 from .control import DynamicControl
 from .escalation import Escalation
 from .outputs import Outputs
+from .owntime import OwnTime
 from .plan import Schedule, StepPlan, plan_step
 from .selection import ParamSelection, select_params
 
@@ -88,10 +88,8 @@ class StepLoop:
         self.probes: list[Any] = []
         self.hooked = False  # the adapter fires the step events (else the user calls step())
         self.last_batch: StatBatch | None = None
-        self.own_time_total_s = 0.0  # the monitor's time on the training thread, summed
+        self.clock = OwnTime()  # the monitor's time on the training thread
         self._step_mark = 0.0
-        self._depth = 0
-        self._entered = 0.0
         self._lock = threading.Lock()
         self._handles: list[Any] = []
         self._subscribers: list[Callable[[MonitorConfig], None]] = []
@@ -183,12 +181,8 @@ class StepLoop:
     # ==== rows (called by probes, from hooks) ========================================================
     def record(self, family: str, entries: list, also_as: str | None = None) -> None:
         """Rows for (vpp_stage, name, micro_step, TensorPiece) entries (see `StepCollector.add`)."""
-        self._enter()
-        try:
-            with self._lock:
-                self.collector.add(family, entries, also_as=also_as)
-        finally:
-            self._exit()
+        with self.clock, self._lock:
+            self.collector.add(family, entries, also_as=also_as)
 
     def record_local(
         self,
@@ -200,12 +194,8 @@ class StepLoop:
         shards: Sequence[str] = (),
     ) -> None:
         """Rows for this rank's own tensors seen by a hook (see `StepCollector.add_local`)."""
-        self._enter()
-        try:
-            with self._lock:
-                self.collector.add_local(family, vpp_stage, labels, micro, tensors, shards)
-        finally:
-            self._exit()
+        with self.clock, self._lock:
+            self.collector.add_local(family, vpp_stage, labels, micro, tensors, shards)
 
     def record_missing(self, family: str, vpp_stage: int, labels: list, micro: int | None) -> None:
         """NaN rows for module outputs that are not tensors (see `StepCollector.add_missing`)."""
@@ -216,15 +206,11 @@ class StepLoop:
     def on_pre_optim(self) -> None:
         if not self.plan.scheduled:
             return
-        self._enter()
-        try:
+        with self.clock:
             self._each("pre_optim", "optimizer pre-step")
-        finally:
-            self._exit()
 
     def on_post_optim(self, scalars: StepScalars) -> None:
-        self._enter()
-        try:
+        with self.clock:
             try:
                 if self.plan.scheduled:
                     self._each("post_optim", "optimizer post-step")
@@ -239,8 +225,6 @@ class StepLoop:
             except Exception as exc:  # noqa: BLE001
                 self.faults.record("begin step", exc)
                 self.plan = StepPlan(step=self.step)
-        finally:
-            self._exit()
 
     def manual_step(self) -> None:
         """The step boundary for loops whose optimizer is not hooked (`TrainerMon.step()`)."""
@@ -266,7 +250,7 @@ class StepLoop:
         config = self.config
         scheduled = (self.control is None or config.dynamic_on) and self.schedule.wants(self.step)
         self.plan = plan_step(config, self.step, scheduled, self.escalation.active_at(self.step))
-        self._step_mark = self._time_now()
+        self._step_mark = self.clock.now()
         if self.adapter is not None:
             self.adapter.new_step()
         for probe in self.probes:
@@ -279,7 +263,7 @@ class StepLoop:
         job_norm = plan.grads and self.adapter is not None and self.adapter.splits_model
         tail = self.xrank.tail(plan.scheduled, self.config)  # cross-rank summaries (collective)
         payload = self.collector.finish(plan.step, scalars, job_grad_norm=job_norm, tail=tail)
-        own_ms = (self._time_now() - self._step_mark) * 1e3
+        own_ms = (self.clock.now() - self._step_mark) * 1e3
         payload = dataclasses.replace(
             payload, scalars=dataclasses.replace(payload.scalars, monitor_time_ms=own_ms)
         )
@@ -311,23 +295,6 @@ class StepLoop:
             config.dynamic_on,
             config.collect_times,
         )
-
-    # ==== own time ====================================================================================
-    def _enter(self) -> None:
-        if self._depth == 0:
-            self._entered = time.perf_counter()
-        self._depth += 1
-
-    def _exit(self) -> None:
-        self._depth -= 1
-        if self._depth == 0:
-            self.own_time_total_s += time.perf_counter() - self._entered
-
-    def _time_now(self) -> float:
-        """The running own-time total, including the call in progress."""
-        if self._depth:
-            return self.own_time_total_s + (time.perf_counter() - self._entered)
-        return self.own_time_total_s
 
     # ==== checkpoint ===================================================================================
     def state_dict(self) -> dict:

@@ -40,7 +40,7 @@ class CommProbe(Probe):
     def __init__(self, loop: Any) -> None:
         super().__init__(loop)
         self.recorder = CommRecorder(self._compute, loop.faults.record, loop.rank, loop._lock)
-        self.recorder.busy = lambda: loop._depth > 0  # the monitor's own collectives
+        self.recorder.busy = lambda: loop.clock.busy  # the monitor's own collectives
         self.recorder.micro = lambda: max(self._forwards - 1, 0)
         self.patches = Patches()
         self.enabled = False
@@ -159,7 +159,7 @@ class CommProbe(Probe):
             self.loop.faults.record("comm check", exc, "this step's checks are skipped on this rank")
             entries = []
             table = pack(entries, self.loop.rank, self.loop.world_size, device)
-        dist.all_reduce(table)  # the step's one extra reduction (the wrappers are idle: loop._depth > 0)
+        dist.all_reduce(table)  # the step's one extra reduction (the wrappers are idle: loop.clock.busy)
         if device.type == "cpu":
             self._evaluate(step, table.numpy(), entries)
         else:  # the check's own small copy (counted): read at the next step boundary, never waited for
