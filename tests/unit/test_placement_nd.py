@@ -5,8 +5,9 @@ copied over one or both, in one step, mixed in the order adapters add them. Ever
 test then checks, against statistics of the full tensors computed here in float64:
 
 - each row's values and full shape, written by exactly one rank (the one at coordinate 0 of every group);
-- exactly two all-reduces per distinct group per step (one packed reduction), none for replicated rows;
-- the job-wide gradient sum of squares (`job_grad_norm`) on every rank.
+- one packed all-gather per distinct group per step, none for replicated rows;
+- the job-wide gradient sum of squares (`job_grad_norm`) on every rank: one all-reduce on the default
+  group, or none when it rides in the cross-rank summaries' all-gather.
 
 The rows are sharded over several groups, so the collector merges one mesh dimension at a time; ranks
 that meet in a group must have merged the same dimensions before. Two orders that break this were
@@ -18,6 +19,7 @@ rank 3's does not), and first appearance on ranks that skip the rows of a copy t
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 from tests.distributed import run_ranks
 
@@ -38,6 +40,7 @@ def _mesh_rank(rank: int, world: int) -> dict:
     from trainermon.collect.collector import StepCollector, TransferCounter
     from trainermon.collect.placement import Replicated, Sharded, TensorPiece
     from trainermon.collect.records import StepScalars
+    from trainermon.collect.xrank import CrossRank
     from trainermon.stats import EngineOptions, StatsEngine, finalize
 
     dp, tp = divmod(rank, 2)
@@ -59,10 +62,11 @@ def _mesh_rank(rank: int, world: int) -> dict:
         calls.append(("all_gather", *ranks(group)))
         return real_gather(output, tensor, group=group, async_op=async_op)
 
-    dist.all_reduce = counting
-    dist.all_gather_into_tensor = counting_gather
-    try:
-        collector = StepCollector(StatsEngine(EngineOptions(nonfinite=True)), TransferCounter())
+    xrank = CrossRank(rank, world)
+    xrank.attach()  # its CPU group, before the collectives are counted
+    summaries = SimpleNamespace(xrank_summary=True, ops=("norm", "min", "max", "mean"))
+
+    def add_rows(collector) -> None:
         entries = []
         # dp-only first on purpose: the first-appearance order is dp before tp for this family...
         full = _full("dp_only")
@@ -105,18 +109,39 @@ def _mesh_rank(rank: int, world: int) -> dict:
         collector.add(
             "param_updated", [(0, "copy", None, TensorPiece(full, Replicated(None), (3, 3), full.dtype))]
         )
+
+    dist.all_reduce = counting
+    dist.all_gather_into_tensor = counting_gather
+    try:
+        collector = StepCollector(StatsEngine(EngineOptions(nonfinite=True)), TransferCounter())
+        add_rows(collector)
         calls.clear()
         payload = collector.finish(0, StepScalars(), job_grad_norm=True)
+        steps = [(payload, list(calls))]
+        # the same step with the cross-rank summaries' tail: the job norm rides in their all-gather
+        add_rows(collector)
+        calls.clear()
+        tail = xrank.tail(True, summaries)
+        steps.append((collector.finish(1, StepScalars(), job_grad_norm=True, tail=tail), list(calls)))
     finally:
         dist.all_reduce = real
         dist.all_gather_into_tensor = real_gather
-    numel = np.array([r.numel for r in payload.rows], dtype=np.float64)
-    values = finalize(payload.partials.numpy(), numel)
-    rows = {
-        (r.family, r.name): {"shape": list(r.shape), **{k: float(v[i]) for k, v in values.items()}}
-        for i, r in enumerate(payload.rows)
+
+    def table(payload) -> dict:
+        numel = np.array([r.numel for r in payload.rows], dtype=np.float64)
+        values = finalize(payload.partials[: len(payload.rows)].numpy(), numel)
+        return {
+            (r.family, r.name): {"shape": list(r.shape), **{k: float(v[i]) for k, v in values.items()}}
+            for i, r in enumerate(payload.rows)
+        }
+
+    return {
+        "rows": table(steps[0][0]),
+        "rows_with_summaries": table(steps[1][0]),
+        "calls": steps[0][1],
+        "calls_with_summaries": steps[1][1],
+        "job_sumsq": [float(p.job_grad_sumsq) for p, _ in steps],
     }
-    return {"rows": rows, "calls": calls, "job_sumsq": float(payload.job_grad_sumsq)}
 
 
 def test_nd_placements_merge_exactly_and_write_once() -> None:
@@ -141,12 +166,18 @@ def test_nd_placements_merge_exactly_and_write_once() -> None:
         assert math.isclose(got["norm"], float(x.norm()), rel_tol=5e-7), (name, got["norm"], float(x.norm()))
         assert abs(got["mean"] - float(x.mean())) <= 1e-6 * rms, (name, got["mean"], float(x.mean()))
         assert got["min"] == float(x.min()) and got["max"] == float(x.max()), name
-    # one packed reduction (one all-gather) per distinct group, then the job norm's all-reduce on the world
+    # one packed reduction (one all-gather) per distinct group, then the job norm's all-reduce on the world;
+    # with the cross-rank summaries on, the job norm rides in their one all-gather on the world (after
+    # their layout check on the CPU group) and no all-reduce is left on the world
+    grad_sumsq = sum(
+        float(_full(n).double().pow(2).sum()) for n in ("dp_only", "both", "tp_only", "tp_dp_copy")
+    )
     for rank, res in enumerate(results):
         dp, tp = divmod(rank, 2)
-        want = [("all_gather", tp, tp + 2), ("all_gather", 2 * dp, 2 * dp + 1), ("all_reduce", "world")]
-        assert res["calls"] == want, (rank, res["calls"])
-        grad_sumsq = sum(
-            float(_full(n).double().pow(2).sum()) for n in ("dp_only", "both", "tp_only", "tp_dp_copy")
-        )
-        assert math.isclose(res["job_sumsq"], grad_sumsq, rel_tol=1e-6), (rank, res["job_sumsq"], grad_sumsq)
+        merges = [("all_gather", tp, tp + 2), ("all_gather", 2 * dp, 2 * dp + 1)]
+        assert res["calls"] == [*merges, ("all_reduce", "world")], (rank, res["calls"])
+        summaries = [("all_reduce", 0, 1, 2, 3), ("all_gather", "world")]
+        assert res["calls_with_summaries"] == summaries + merges, (rank, res["calls_with_summaries"])
+        assert res["rows_with_summaries"] == res["rows"], rank
+        for got in res["job_sumsq"]:
+            assert math.isclose(got, grad_sumsq, rel_tol=1e-6), (rank, got, grad_sumsq)

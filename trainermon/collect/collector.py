@@ -23,7 +23,7 @@ from trainermon.stats.kinds import local_view
 from .batch import HOLD_BYTES, HOLD_COUNT, HookBatch, Span, compute_now, same_device, stamp_of
 from .placement import Local, Placement, Sharded, TensorPiece, takes_part, writes_rows
 from .records import RowMeta, StepPayload, StepScalars
-from .sharded import ShardedRows, by_device, device_hint, job_grad_sumsq, merge_sharded
+from .sharded import ShardedRows, by_device, device_hint, job_sumsq_row, local_grad_sumsq, merge_sharded
 from .transfer import TransferCounter, transfer_to_host
 
 
@@ -301,17 +301,20 @@ class StepCollector:
         """Merge sharded rows (collectives on their groups), then move everything to the host at once.
 
         Collective: every rank of each sharded group must call this at the same step, with the same
-        sharded rows. Cost: two all-reduces per distinct group of the step's sharded rows, in the order
-        the groups first appear in the rows' placements. `job_grad_norm`: also sum the written
-        `grad_reduced` rows' squares over every rank of the job (a one-element all-reduce on the default
-        group, every rank at the same step), for a model split over ranks. A rank with no rows to write,
-        no job norm and no tail gets a payload with no rows and no transfer. `tail(rows, parts) -> (extra
-        rows or None, meta)` sees the local rows first (`xrank`); its rows ride in the same transfer.
+        sharded rows. Cost: one all-gather of the packed rows per distinct group of the step's sharded
+        rows, in the order the groups first appear in the rows' placements. `job_grad_norm`: also sum
+        the written `grad_reduced` rows' squares over every rank of the job (every rank at the same
+        step), for a model split over ranks: carried by the tail's collective on the default group
+        when there is one, else a one-element all-reduce there. A rank with no rows to write, no job
+        norm and no tail gets a payload with no rows and no transfer. `tail(rows, parts, add) -> (extra
+        rows or None, meta, add summed over the job or None)` sees the local rows first (`xrank`); its
+        rows ride in the same transfer.
         """
         self.flush()
         rows = list(self._rows)
         parts = [p if type(p) is not Span else p.batch.result[p.start : p.stop] for p in self._parts]
-        extra, meta = tail(rows, parts) if tail is not None else (None, None)
+        local = local_grad_sumsq(rows, parts, self._sharded) if job_grad_norm else None
+        extra, meta, summed = tail(rows, parts, local) if tail is not None else (None, None, None)
         merged_rows, merged, merged_order = merge_sharded(self._sharded)
         permutation = None
         if merged is not None:
@@ -326,7 +329,7 @@ class StepCollector:
             table = torch.cat([p.to(device) for p in parts])
             parts = [table[torch.tensor(permutation, device=device)]]
             rows = [rows[i] for i in permutation]
-        tails = [job_grad_sumsq(rows, parts)] if job_grad_norm else []
+        tails = [job_sumsq_row(local, summed)] if local is not None else []
         parts += tails + ([extra] if extra is not None else [])
         if not parts:
             # Nothing for this rank to write (replicated rows belong to another rank): the step's

@@ -67,21 +67,31 @@ def merge_sharded(sharded: ShardedRows) -> tuple[list[RowMeta], torch.Tensor | N
     return rows, out, order
 
 
-def job_grad_sumsq(rows: list[RowMeta], parts: list[torch.Tensor]) -> torch.Tensor:
-    """One partials row whose SUMSQ is the sum of norm^2 over every rank's written grad_reduced rows."""
-    device = parts[0].device if parts else torch.device("cpu")
+def local_grad_sumsq(rows: list[RowMeta], parts: list[torch.Tensor], sharded: ShardedRows) -> torch.Tensor:
+    """This rank's share of the job-wide gradient sum of squares, before any merge: its written local
+    `grad_reduced` rows plus its pieces of the sharded ones (a sharded row holds pieces only on the
+    ranks that take part, one replica per copy, so the job's sum counts every element once)."""
+    device = parts[0].device if parts else (sharded.parts[0].device if sharded.parts else None)
     total = torch.zeros((), dtype=torch.float64, device=device)
-    if rows:
-        table = torch.cat([p.to(device) for p in parts])
-        mine = [i for i, r in enumerate(rows) if r.family == "grad_reduced"]
+    for metas, tables in ((rows, parts), (sharded.rows, sharded.parts)):
+        mine = [i for i, r in enumerate(metas) if r.family == "grad_reduced"]
         if mine:
-            total = table[torch.tensor(mine, device=device), SUMSQ].sum()
-    import torch.distributed as dist
+            table = torch.cat([p.to(device) for p in tables])
+            total = total + table[torch.tensor(mine, device=device), SUMSQ].sum()
+    return total
 
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    out = empty_partials(1, device)
-    out[0, SUMSQ] = total
+
+def job_sumsq_row(local: torch.Tensor, summed: torch.Tensor | None) -> torch.Tensor:
+    """One partials row whose SUMSQ is the job-wide gradient sum of squares: `summed` when the step's
+    summaries already carried `local` over the default group, else one all-reduce of `local` (8 bytes)."""
+    if summed is None:
+        import torch.distributed as dist
+
+        summed = local.clone()
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+    out = empty_partials(1, summed.device)
+    out[0, SUMSQ] = summed
     return out
 
 

@@ -155,14 +155,20 @@ class CrossRank:
         if not (scheduled and config.xrank_summary and self.cpu_group is not None):
             return None
         stats = tuple(s for s in FLOAT_STATS if s in config.ops) or ("norm",)
-        return lambda rows, parts: self.reduce(rows, parts, stats)
+        return lambda rows, parts, add: self.reduce(rows, parts, stats, add)
 
     def reduce(
-        self, rows: Sequence[RowMeta], parts: Sequence[torch.Tensor], stats: Sequence[str]
-    ) -> tuple[torch.Tensor | None, XRankLayout | None]:
+        self,
+        rows: Sequence[RowMeta],
+        parts: Sequence[torch.Tensor],
+        stats: Sequence[str],
+        add: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | None, XRankLayout | None, torch.Tensor | None]:
         """The packed summaries of this step's local rows (`rows`, partials `parts` in the same order):
-        rows to append to the step's transfer and the layout to decode them, on rank 0; (None, None)
-        elsewhere. Collective."""
+        rows to append to the step's transfer and the layout to decode them, on rank 0 (None, None
+        elsewhere), and `add` (a float64 scalar, e.g. the job's gradient sum of squares) summed over
+        every rank, or None if not given. Collective: one all-gather on the default group (the scalar
+        rides in it as one more row), one 8-byte all-reduce on the CPU group."""
         import torch.distributed as dist
 
         stats = tuple(stats)
@@ -174,10 +180,13 @@ class CrossRank:
             self._agree(local_keys)
         device = parts[0].device if parts else _default_device()
         n, s = len(self.keys), len(stats)
+        spare = 0 if add is None else 1  # the scalar's row, after the n rows of the summaries
         bits = _bits(self.world_size)
         tag = self.world_size - 1 - self.rank
-        keys = torch.full((n, 2 * s + 1), _ABSENT, dtype=torch.int64, device=device)
-        sums = torch.zeros((n, 2 * s + 3), dtype=torch.float64, device=device)
+        keys = torch.full((n + spare, 2 * s + 1), _ABSENT, dtype=torch.int64, device=device)
+        sums = torch.zeros((n + spare, 2 * s + 3), dtype=torch.float64, device=device)
+        if add is not None:
+            sums[n, 0] = add.to(device)
         if mine:
             table = torch.cat([p.to(device) for p in parts])[torch.tensor(mine, device=device)]
             numel = torch.tensor([float(rows[i].numel) for i in mine], dtype=torch.float64, device=device)
@@ -203,16 +212,18 @@ class CrossRank:
                 ],
                 dim=1,
             )
-        if n == 0:
-            return None, None
+        if n + spare == 0:
+            return None, None, None
         keys, sums = _gather_merge(keys, sums)
-        if self.rank != 0:
-            return None, None
+        summed = None if add is None else sums[n, 0]
+        if n == 0 or self.rank != 0:
+            return None, None, summed
+        keys, sums = keys[:n], sums[:n]
         layout = XRankLayout(self.keys, stats, self.world_size)
         flat = torch.cat([keys.view(torch.float64).flatten(), sums.flatten()])
         pad = layout.tail_rows * NUM_PARTIALS - flat.numel()
         flat = torch.cat([flat, torch.zeros(pad, dtype=torch.float64, device=device)])
-        return flat.view(-1, NUM_PARTIALS), layout
+        return flat.view(-1, NUM_PARTIALS), layout, summed
 
     def _agree(self, local_keys: list[Key]) -> None:
         """The union of every rank's keys (and the agreed ones): the keys as JSON bytes, all-gathered on
