@@ -1,5 +1,6 @@
 """Parameters frozen at set_monitor and unfrozen later, and parameters given to the optimizer later with
-`add_param_group`, are monitored from the step in which they start training, exactly, with one log line."""
+`add_param_group` (of a frozen module, or of a module added to the model after set_monitor), are
+monitored from the step in which they start training, exactly, with one log line."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ OPS = ("norm", "mean", "min", "max")
 ITERATIONS, THAW = 4, 2
 
 
-@pytest.mark.parametrize("how", ["unfreeze", "add_param_group"])
+@pytest.mark.parametrize("how", ["unfreeze", "add_param_group", "new_module"])
 def test_parameters_that_start_training_later_are_picked_up(tmp_path, monkeypatch, caplog, how):
     from trainermon import TrainerMon
 
@@ -26,9 +27,12 @@ def test_parameters_that_start_training_later_are_picked_up(tmp_path, monkeypatc
     )  # fmt: skip
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
-    late = model[2]
+    late, late_name = model[2], "2"
     late.requires_grad_(False)
-    if how == "unfreeze":  # in the optimizer from the start, frozen
+    if how == "new_module":  # not in the model until it is appended, then added to the optimizer
+        late, late_name = nn.Linear(2, 2), "5"
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    elif how == "unfreeze":  # in the optimizer from the start, frozen
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
     else:  # not in the optimizer until it is added
         opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.01)
@@ -41,7 +45,9 @@ def test_parameters_that_start_training_later_are_picked_up(tmp_path, monkeypatc
         for it in range(ITERATIONS):
             if it == THAW:
                 late.requires_grad_(True)
-                if how == "add_param_group":
+                if how == "new_module":
+                    model.append(late)
+                if how != "unfreeze":
                     opt.add_param_group({"params": list(late.parameters()), "lr": 0.02})
             model(torch.randn(4, 6, generator=gen)).pow(2).mean().backward()
             for n, p in model.named_parameters():
@@ -57,11 +63,12 @@ def test_parameters_that_start_training_later_are_picked_up(tmp_path, monkeypatc
     assert monitor.faults.total == 0, dict(monitor.faults.counts)
 
     lines = [r.getMessage() for r in caplog.records if "became trainable" in r.getMessage()]
-    assert len(lines) == 1 and "2.weight" in lines[0] and "2.bias" in lines[0], lines
+    assert len(lines) == 1 and f"{late_name}.weight" in lines[0] and f"{late_name}.bias" in lines[0], lines
     for family in ("grad_reduced", "param_origin", "exp_avg"):
         rows = keyed(read_family(monitor.run_dir, family))
         want = {(n, s, None) for (f, n, s) in expected if f == family}
         assert set(rows) == want, (family, sorted(set(rows) ^ want))
-        assert ("2.weight", THAW, None) in rows and ("2.weight", THAW - 1, None) not in rows
+        assert (f"{late_name}.weight", THAW, None) in rows, family
+        assert (f"{late_name}.weight", THAW - 1, None) not in rows, family
         for (n, s, _m), row in rows.items():
             assert_row_matches(row, expected[(family, n, s)], OPS)
