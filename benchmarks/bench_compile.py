@@ -1,17 +1,23 @@
-"""torch.compile with and without the monitor: steady-state step time, graphs compiled, graph breaks.
+"""torch.compile with and without the monitor: steady-state step time, graphs, graph breaks, recompiles,
+and the monitor's overhead on the compiled model against its overhead on the same model run eagerly.
 
-    PYTHONPATH=. python benchmarks/bench_compile.py [--backend inductor] [--steps 60]
+    PYTHONPATH=. python benchmarks/bench_compile.py [--backend inductor] [--steps 60] [--rounds 3]
 
-Three runs of the same compiled MLP (8 Linear+GELU layers, width 256, batch 64, CPU): no monitor; the
-monitor with xy_distribution on every step; the monitor with xy_distribution scheduled but no step
-collected (start_step beyond the run). Step times are after a warm-up that covers the first collected
-step's recompile; the median and the 10-90 percentile band are printed.
+Arms over the same MLP (8 Linear+GELU layers, width 256, batch 64, CPU, one thread): compiled without the
+monitor; compiled with the monitor's xy_distribution scheduled but no step collected (start_step beyond
+the run); compiled with every step collected; and eager without the monitor and with every step
+collected. Each round runs every arm once, in a fresh random order; within an arm, step times are taken
+after a warm-up third of the steps (which covers the first collected step's recompile). Printed per arm:
+the median over rounds of each round's median step, the spread of those round medians, and dynamo's
+counters from the last round. Then the overheads (collected against no monitor, same mode) and their
+ratio, compiled over eager (issue 23's target: at most 2).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import tempfile
 import time
@@ -20,8 +26,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
+ARMS = (
+    ("compiled", "off"),
+    ("compiled", "idle"),
+    ("compiled", "every"),
+    ("eager", "off"),
+    ("eager", "every"),
+)
 
-def run(mode: str, backend: str, steps: int, out: Path) -> dict:
+
+def run(compiled: bool, mode: str, backend: str, steps: int, out: Path) -> dict:
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -44,26 +58,22 @@ def run(mode: str, backend: str, steps: int, out: Path) -> dict:
         cfg.write_text(json.dumps(keys))
         monitor = TrainerMon(str(cfg))
         monitor.set_monitor(model, optimizer=opt)
-    compiled = torch.compile(model, backend=backend)
+    forward = torch.compile(model, backend=backend) if compiled else model
     x = torch.randn(64, 256)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        compiled(x).square().mean().backward()
+        forward(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
     if monitor is not None:
         monitor.close()
-    steady = sorted(times[steps // 3 :])
-    n = len(steady)
     return {
-        "mode": mode,
-        "median_ms": 1e3 * statistics.median(steady),
-        "p10_ms": 1e3 * steady[n // 10],
-        "p90_ms": 1e3 * steady[(9 * n) // 10],
+        "median_ms": 1e3 * statistics.median(times[steps // 3 :]),
         "graphs": counters["stats"]["unique_graphs"],
         "graph_breaks": sum(counters["graph_break"].values()),
+        "recompiles": sum(counters["recompiles"].values()),
     }
 
 
@@ -71,15 +81,34 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    medians: dict[str, list[float]] = {f"{c}/{m}": [] for c, m in ARMS}
+    last: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         import os
 
         os.environ.setdefault("MONITOR_OUTPUT_DIR", tmp)
-        for mode in ("off", "idle", "every"):
-            result = run(mode, args.backend, args.steps, Path(tmp))
-            print(json.dumps(result))
+        for _ in range(args.rounds):
+            for compiled, mode in random.sample(ARMS, len(ARMS)):
+                result = run(compiled == "compiled", mode, args.backend, args.steps, Path(tmp))
+                medians[f"{compiled}/{mode}"].append(result["median_ms"])
+                last[f"{compiled}/{mode}"] = result
+    arms = {}
+    for name, values in medians.items():
+        spread = {"low_ms": min(values), "high_ms": max(values)}
+        arms[name] = dict(last[name], median_ms=statistics.median(values), **spread)
+        print(json.dumps({"arm": name, **arms[name]}))
+    added = {
+        c: arms[f"{c}/every"]["median_ms"] - arms[f"{c}/off"]["median_ms"] for c in ("compiled", "eager")
+    }
+    ratio = added["compiled"] / added["eager"] if added["eager"] > 0 else float("nan")
+    summary = {"added_ms_compiled": added["compiled"], "added_ms_eager": added["eager"], "ratio": ratio}
+    print(json.dumps(summary))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"arms": arms, **summary}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

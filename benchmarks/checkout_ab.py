@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("before")
     parser.add_argument("after")
-    parser.add_argument("--workload", default="b", choices=("a", "b"))
+    parser.add_argument("--workload", default="b", choices=("a", "b", "c"))
     parser.add_argument("--configs", default="wg+mv+param,all")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--blocks", type=int, default=12)

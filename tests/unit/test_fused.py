@@ -255,3 +255,40 @@ def test_kernel_bound_in_c_on_each_architecture(arch, tmp_path):
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert ", 0 failed" in proc.stdout and ("neon" in proc.stdout) == (arch == "aarch64"), proc.stdout
+
+
+@needs_kernel
+@pytest.mark.parametrize("nonfinite", [True, False], ids=["nan-counting", "propagating"])
+def test_kernel_row_equals_compute_rows(nonfinite):
+    """`kernel_row` (one tensor, written at a row of the caller's table, what hooks use) gives exactly the
+    row `compute_rows` gives, NaN/Inf included (a tensor that requires grad, as an activation does, must
+    not trip autograd in the recompute), and refuses what the kernel cannot read."""
+    torch.manual_seed(3)
+    engine = StatsEngine(EngineOptions(nonfinite=nonfinite))
+    tensors = [torch.randn(n) for n in (1, 17, 4097, 70_000)]
+    tensors[1][3] = float("nan")
+    tensors[2][:] = float("inf")
+    tensors += [torch.randn(8, 9, 10).permute(2, 0, 1), torch.randn(33).bfloat16()]
+    tensors.append(torch.randn(20, requires_grad=True) * float("nan"))
+    table = torch.full((len(tensors) + 2, NUM_PARTIALS), -7.0, dtype=torch.float64)
+    calls = engine.calls
+    for row, t in enumerate(tensors):
+        assert engine.kernel_row(t, table, row + 1)
+    assert engine.calls == calls + len(tensors)
+    expected = engine.compute(tensors)
+    assert torch.equal(table[1:-1].isnan(), expected.isnan())
+    assert torch.equal(table[1:-1].nan_to_num(), expected.nan_to_num())
+    assert (table[0] == -7.0).all() and (table[-1] == -7.0).all()  # nothing outside its row
+    for t in (torch.randn(10).double(), torch.randn(8, 8)[:, ::2], torch.empty(0), torch.arange(4)):
+        assert not engine.kernel_row(t, table, 0)
+    assert (table[0] == -7.0).all()
+    with pytest.raises(ValueError):
+        engine.kernel_row(tensors[0], table, len(table))  # past the end: never a raw write
+    with pytest.raises(ValueError):
+        engine.kernel_row(tensors[0], table.float(), 0)
+    with pytest.raises(ValueError):
+        engine.kernel_row(tensors[0], table.t(), 0)
+    assert engine.writes_rows_directly()
+    assert not StatsEngine(EngineOptions(zeros_eps=1e-6)).writes_rows_directly()
+    assert not StatsEngine(EngineOptions(fused=False)).writes_rows_directly()
+    assert not StatsEngine(EngineOptions(force_masked=True)).writes_rows_directly()

@@ -1,14 +1,18 @@
-"""Hook tensors recorded by reference and reduced in batches (StepCollector.add_local / flush).
+"""Where hook rows are reduced (StepCollector.add_local / flush).
 
-Checks against references computed in the test: batched rows are exact, a model with many modules costs
-a few engine calls per step instead of one per hook, a tensor changed in place after its hook is never
-reported with its new values (learned on the first step; on a data-dependent path, the row is dropped and
-counted, then reduced at its hook), a tensor whose memory is swapped (`.data = `) is reduced from the
-values it had, and the memory held for a batch stays bounded.
+Tensors the native kernel reads are reduced at their hook, into the step's row table: exact, with the
+values they had at the hook whatever happens to them later, nothing held. Elsewhere (accelerators, other
+dtypes, no kernel: checked here with the kernel off, the path an accelerator takes) they are recorded by
+reference and reduced in batches. Checks against references computed in the test: batched rows are exact,
+a model with many modules costs a few engine calls per step instead of one per hook, a tensor changed in
+place after its hook is never reported with its new values (learned on the first step; on a
+data-dependent path, the row is dropped and counted, then reduced at its hook), a tensor whose memory is
+swapped (`.data = `) is reduced from the values it had, and the memory held for a batch stays bounded.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -21,7 +25,7 @@ from trainermon.collect.batch import HOLD_BYTES
 from trainermon.collect.collector import StepCollector, TransferCounter
 from trainermon.collect.records import StepScalars
 from trainermon.failsafe import FaultLog
-from trainermon.stats import NANS, EngineOptions, StatsEngine
+from trainermon.stats import NANS, EngineOptions, StatsEngine, fused
 
 
 class Block(nn.Module):
@@ -65,7 +69,10 @@ def _stats(t: torch.Tensor) -> dict[str, float]:
     return {"norm": float(x.norm()), "min": float(x.min()), "max": float(x.max()), "mean": float(x.mean())}
 
 
-def test_batched_rows_are_exact_and_cost_few_engine_calls(tmp_path, monkeypatch):
+@pytest.mark.parametrize("path", ["batched", "at-hook"])
+def test_hook_rows_are_exact_and_batches_cost_few_engine_calls(tmp_path, monkeypatch, path):
+    if path == "at-hook" and not fused.AVAILABLE:
+        pytest.skip(f"the native kernel is needed for rows written at the hook: {fused.KIND}")
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
     cfg = write_config(
         tmp_path / "c.json", xy_distribution=True, all_xy=True, ops=["norm", "min", "max", "mean"]
@@ -87,6 +94,9 @@ def test_batched_rows_are_exact_and_cost_few_engine_calls(tmp_path, monkeypatch)
     monitor = TrainerMon(cfg)
     monitor.set_monitor(model, optimizer=opt)
     engine = monitor.loop.engine
+    if path == "batched":  # what an accelerator does: no native kernel
+        engine.options = dataclasses.replace(engine.options, fused=False)
+    assert engine.writes_rows_directly() == (path == "at-hook")
     x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))
     calls = []
     for _ in range(4):
@@ -106,7 +116,7 @@ def test_batched_rows_are_exact_and_cost_few_engine_calls(tmp_path, monkeypatch)
     assert len(outputs) == 12 * 3 + 3  # every block, its norm and fc, the Sequential, flaky and its child
     for i, step in enumerate(steps):
         for name in outputs:
-            if i == 2 and name == "flaky.child.output":
+            if i == 2 and name == "flaky.child.output" and path == "batched":
                 assert (name, step, 0) not in rows  # changed after its batched hook: dropped, not wrong
                 continue
             got = rows[(name, step, 0)]
@@ -116,6 +126,10 @@ def test_batched_rows_are_exact_and_cost_few_engine_calls(tmp_path, monkeypatch)
                     step,
                     op,
                 )  # CSV: 6 digits
+    if path == "at-hook":  # read at the hook (the in-place change came later): exact, nothing dropped
+        assert faults.get("tensor changed after its hook") is None
+        assert min(calls) > 60  # one kernel call per distinct tensor
+        return
     assert faults.get("tensor changed after its hook") == 1
     # Step 0 learns (one engine call per hook, as without batching); later steps batch the trusted
     # tensors: about 150 rows per step (forward and backward), a handful of engine calls.
@@ -123,8 +137,8 @@ def test_batched_rows_are_exact_and_cost_few_engine_calls(tmp_path, monkeypatch)
     assert max(calls[1:]) <= 12, calls
 
 
-def _collector() -> tuple[StepCollector, StatsEngine, FaultLog]:
-    engine = StatsEngine(EngineOptions(nonfinite=False))
+def _collector(kernel: bool = False) -> tuple[StepCollector, StatsEngine, FaultLog]:
+    engine = StatsEngine(EngineOptions(nonfinite=False, fused=kernel))
     faults = FaultLog()
     return StepCollector(engine, TransferCounter(), faults), engine, faults
 
@@ -178,3 +192,26 @@ def test_held_memory_is_bounded_and_batches_share_engine_calls():
     assert engine.calls - before <= 4 * 1024 * 1024 // HOLD_BYTES + 1
     norms = payload.partials[:, 0].sqrt().tolist()
     assert norms == pytest.approx([i * 128.0 for i in range(64)])
+
+
+@pytest.mark.skipif(not fused.AVAILABLE, reason=f"native kernel: {fused.KIND}")
+def test_rows_written_at_the_hook_keep_the_hooks_values_and_hold_nothing():
+    """With the kernel, a hook's tensors are reduced at once into the row table (which grows past its first
+    256 rows): an in-place change, a swapped memory or a NaN after the hook changes nothing, and no tensor
+    is kept alive for a batch."""
+    collector, engine, faults = _collector(kernel=True)
+    tensors = [torch.full((100,), float(i)) for i in range(300)]
+    before = engine.calls
+    for i, t in enumerate(tensors):
+        collector.add_local("actv", 0, [f"m{i}.output"], 0, [t])
+        assert collector._held == 0 and not collector._batch.tensors
+    assert engine.calls - before == 300
+    tensors[0].add_(1.0)
+    tensors[1].data = torch.empty(1)
+    tensors[2][0] = float("nan")
+    payload = collector.finish(0, StepScalars())
+    assert payload.partials[:, 0].sqrt().tolist() == pytest.approx([i * 10.0 for i in range(300)])
+    assert payload.partials[:, 2].tolist() == [float(i) for i in range(300)]  # min
+    assert payload.partials[:, NANS].sum().item() == 0
+    assert [row.name for row in payload.rows] == [f"m{i}.output" for i in range(300)]
+    assert faults.total == 0

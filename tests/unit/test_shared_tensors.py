@@ -55,6 +55,14 @@ def _run(tmp_path, monkeypatch, name: str, dedup: bool):
         return original(tensors)
 
     monitor.loop.engine.compute_rows = counting
+    one_row = monitor.loop.engine.kernel_row
+
+    def counting_one(t, table, row):  # the native kernel's rows written at the hook
+        written = one_row(t, table, row)
+        computed.append(int(written))
+        return written
+
+    monitor.loop.engine.kernel_row = counting_one
     # Reference: our own hooks registered before the monitor's step hooks, cloning at hook time.
     reference: dict[str, torch.Tensor] = {}
 

@@ -1,10 +1,14 @@
-"""Hook tensors recorded by reference and reduced together (see `StepCollector.add_local` and `flush`)."""
+"""Where hook rows wait for the step's end: the row table the native kernel writes at the hook, and hook
+tensors recorded by reference and reduced together where it cannot read them (see
+`StepCollector.add_local` and `flush`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+
+from trainermon.stats.partials import NUM_PARTIALS
 
 #: Bytes of hook tensors held by reference for one batched reduction (see `StepCollector.flush`): small
 #: enough to stay within a CPU's L2 cache and to add little to peak memory, large enough that a narrow
@@ -26,12 +30,37 @@ class HookBatch:
         self.result: torch.Tensor | None = None
 
 
+class RowTable:
+    """Rows the native kernel wrote at their hook (`StatsEngine.kernel_row`): a float64 CPU table of
+    [capacity, NUM_PARTIALS] that doubles when full. Spans refer to it as to a batch's result."""
+
+    __slots__ = ("result", "used")
+
+    def __init__(self, capacity: int = 256) -> None:
+        self.result = torch.empty((capacity, NUM_PARTIALS), dtype=torch.float64)
+        self.used = 0
+
+    def write(self, engine: Any, t: torch.Tensor) -> int | None:
+        """`t`'s row, written now by the engine's kernel (`StatsEngine.kernel_row`); None when the kernel
+        cannot read `t` (nothing written)."""
+        row = self.used
+        if row == len(self.result):
+            grown = torch.empty((2 * row, NUM_PARTIALS), dtype=torch.float64)
+            grown[:row] = self.result
+            self.result = grown
+        if not engine.kernel_row(t, self.result, row):
+            return None
+        self.used = row + 1
+        return row
+
+
 class Span:
-    """Rows [start, stop) of a batch's result: one entry of `_parts` for consecutive batched rows."""
+    """Rows [start, stop) of a batch's result or of the row table: one entry of `_parts` for consecutive
+    rows."""
 
     __slots__ = ("batch", "start", "stop")
 
-    def __init__(self, batch: HookBatch, start: int, stop: int) -> None:
+    def __init__(self, batch: HookBatch | RowTable, start: int, stop: int) -> None:
         self.batch, self.start, self.stop = batch, start, stop
 
 

@@ -20,7 +20,7 @@ from trainermon.failsafe import FaultLog
 from trainermon.stats import NANS, NUM_PARTIALS, SUMSQ, StatsEngine, Unreadable, empty_partials
 from trainermon.stats.kinds import local_view
 
-from .batch import HOLD_BYTES, HOLD_COUNT, HookBatch, Span, compute_now, same_device, stamp_of
+from .batch import HOLD_BYTES, HOLD_COUNT, HookBatch, RowTable, Span, compute_now, same_device, stamp_of
 from .placement import Local, Placement, Sharded, TensorPiece, takes_part, writes_rows
 from .records import RowMeta, StepPayload, StepScalars
 from .sharded import ShardedRows, by_device, device_hint, job_sumsq_row, local_grad_sumsq, merge_sharded
@@ -39,6 +39,7 @@ class StepCollector:
         self._next = 0
         self._parts: list[torch.Tensor] = []
         self._sharded = ShardedRows()
+        self._table = RowTable()
         self._batch = HookBatch()
         self._watch: list[tuple[torch.Tensor, tuple[int, int], tuple[str, str]]] = []  # reduced, checked
         self._held = 0  # bytes of the tensors held in `_batch` and `_watch`
@@ -145,16 +146,18 @@ class StepCollector:
         """Rows for this rank's own tensors seen by a hook (activations and their gradients). `shards`
         labels tensors that are pieces of a larger one (by position; a DTensor labels itself).
 
-        A tensor whose values were already reduced this step (the same memory, unmodified: a module's
-        output that is the next module's input, or a view of it) reuses that row instead of computing
-        again. Tensors of a (family, label) whose values are known to stay unchanged until the next
-        `flush` are recorded by reference and reduced with every other such tensor in one engine call
-        (see `flush`); the others cost one engine call for this call's new tensors, as before.
-        """
+        A tensor already reduced this step (the same memory, unmodified: a module's output that is the
+        next module's input, or a view of it) reuses that row. One the native kernel reads is reduced now,
+        while in cache, into the step's row table (`StatsEngine.kernel_row`). Elsewhere, tensors of a
+        (family, label) known to stay unchanged until the next `flush` are held by reference and reduced
+        together (see `flush`); the others cost one engine call for this call's new tensors."""
         seen = self._seen
         by_id = self._by_id
         trusted = self._trusted
         batch = self._batch
+        table = self._table
+        engine = self.engine
+        direct = engine.writes_rows_directly()
         now: list[torch.Tensor] = []
         refs: list[Any] = []  # per tensor: a [1, 7] row, (batch, index), int (index into `now`) or None
         fresh: list[tuple | None] = []  # per tensor: its value key when this call reduces it
@@ -183,7 +186,10 @@ class StepCollector:
                     continue
             trust = (family, labels[i])
             fresh.append(key)
-            if key is not None and self.batching and trusted.get(trust) and same_device(batch, t):
+            row = table.write(engine, t) if direct else None
+            if row is not None:
+                ref = (table, row)  # read now, while the hook's tensor is in cache
+            elif key is not None and self.batching and trusted.get(trust) and same_device(batch, t):
                 ref = (batch, len(batch.tensors))
                 # An alias: the values stay reachable (and exact) if the tensor's own memory is swapped
                 # (`.data = ...`), while in-place writes still show in the version counter they share.
@@ -351,6 +357,7 @@ class StepCollector:
         self._sharded = ShardedRows()
         self._seen = {}
         self._by_id = {}
+        self._table = RowTable(len(self._table.result))  # this step's size: no growth next step
         self._batch = HookBatch()
         self._watch = []
         self._held = 0

@@ -121,4 +121,9 @@ def rows_unchecked(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> int:
 def run(plans: Sequence[tuple[int, int, int]], out: torch.Tensor) -> int:
     """The kernel over `plan` results (each of a tensor with elements), into `out` (float64 [len, 7]).
     Returns how many rows are not all finite."""
-    return _native.stats([p[0] for p in plans], [p[1] for p in plans], [p[2] for p in plans], out.data_ptr())
+    return run_at(plans, out.data_ptr())
+
+
+def run_at(plans: Sequence[tuple[int, int, int]], address: int) -> int:
+    """`run`, writing its rows from `address` on (the caller owns len(plans) x 7 float64 there)."""
+    return _native.stats([p[0] for p in plans], [p[1] for p in plans], [p[2] for p in plans], address)
