@@ -1,9 +1,10 @@
-"""Batched hook reductions on vs off, side by side (issue 23): `all` on the many-module workloads.
+"""Where hook tensors are reduced, side by side (issue 23): `all` on the many-module workloads.
 
 Arms, all in one process, interleaved in blocks in a fresh random order (the method of overhead.py):
-no monitor; trainermon `all` as shipped (hook tensors recorded by reference, reduced in batches);
-trainermon `all` with batching off (`StepCollector.batching = False`: one engine call per hook, the
-reduction as before the batching); trainermon `wg+mv+param`. Medians with the 90% block-bootstrap band.
+no monitor; trainermon `all` as shipped (a tensor the native kernel reads is reduced at its hook, into
+the step's row table); `all` batched (`StepCollector.at_hook = False`: hook tensors recorded by reference
+and reduced in batches, what accelerators do); `all` per hook (`at_hook` and `batching` off: one engine
+call per hook); trainermon `wg+mv+param`. Medians with the 90% block-bootstrap band.
 
     PYTHONPATH=. python benchmarks/hook_batches.py --workloads b,c --blocks 12 --steps 5
 """
@@ -30,7 +31,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=12)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument(
-        "--json", default=os.path.join(os.path.dirname(__file__), "hook_batches_results.json")
+        "--json", default=os.path.join(os.path.dirname(__file__), "hook_batches_results_at_hook.json")
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -40,14 +41,17 @@ def main() -> None:
     for key in args.workloads.split(","):
         work = works[key]
         with tempfile.TemporaryDirectory() as tmp:
-            for sub in ("x", "y"):
+            for sub in ("x", "y", "z"):
                 os.makedirs(os.path.join(tmp, sub))
             arms = {
                 "none": ov.build_arm(work, "none", "-", tmp),
+                "all (at hook)": ov.build_arm(work, "trainermon", "all", os.path.join(tmp, "z")),
                 "all (batched)": ov.build_arm(work, "trainermon", "all", os.path.join(tmp, "x")),
                 "all (per hook)": ov.build_arm(work, "trainermon", "all", os.path.join(tmp, "y")),
                 "wg+mv+param": ov.build_arm(work, "trainermon", "wg+mv+param", tmp),
             }
+            arms["all (batched)"].monitor.loop.collector.at_hook = False
+            arms["all (per hook)"].monitor.loop.collector.at_hook = False
             arms["all (per hook)"].monitor.loop.collector.batching = False
             for arm in arms.values():
                 ov.run_step(arm)

@@ -48,6 +48,8 @@ class StepCollector:
         self._trusted: dict[tuple[str, str], bool] = {}
         #: Record trusted hook tensors by reference and reduce them in batches (tests turn it off).
         self.batching = True
+        #: Reduce hook tensors the native kernel reads at their hook (benchmarks turn it off to compare).
+        self.at_hook = True
         self._roles: dict[tuple, tuple[bool, bool]] = {}  # placement -> (takes part, writes)
         #: Tensors already computed this step, by what their values are (see `_value_key`), so that one
         #: activation seen as a module's output and as the next module's input is reduced once.
@@ -157,7 +159,7 @@ class StepCollector:
         batch = self._batch
         table = self._table
         engine = self.engine
-        direct = engine.writes_rows_directly()
+        direct = self.at_hook and engine.writes_rows_directly()
         now: list[torch.Tensor] = []
         refs: list[Any] = []  # per tensor: a [1, 7] row, (batch, index), int (index into `now`) or None
         fresh: list[tuple | None] = []  # per tensor: its value key when this call reduces it
