@@ -55,13 +55,29 @@ class RowTable:
 
 
 class Span:
-    """Rows [start, stop) of a batch's result or of the row table: one entry of `_parts` for consecutive
-    rows."""
+    """Rows [start, stop) of a batch's result: one entry of `_parts` for consecutive batched rows."""
 
     __slots__ = ("batch", "start", "stop")
 
-    def __init__(self, batch: HookBatch | RowTable, start: int, stop: int) -> None:
+    def __init__(self, batch: HookBatch, start: int, stop: int) -> None:
         self.batch, self.start, self.stop = batch, start, stop
+
+    def values(self) -> torch.Tensor:
+        return self.batch.result[self.start : self.stop]
+
+
+class TableRun:
+    """Consecutive rows of the step that live in the row table, at any of its rows (a tensor seen again
+    reuses its row): one entry of `_parts`, one object however many rows (see `RowMetaCache` for why
+    few objects matter)."""
+
+    __slots__ = ("table", "rows")
+
+    def __init__(self, table: RowTable, rows: list[int]) -> None:
+        self.table, self.rows = table, rows
+
+    def values(self) -> torch.Tensor:
+        return self.table.result[self.rows]
 
 
 def stamp_of(t: torch.Tensor) -> tuple[int, int]:

@@ -20,9 +20,20 @@ from trainermon.failsafe import FaultLog
 from trainermon.stats import NANS, NUM_PARTIALS, SUMSQ, StatsEngine, Unreadable, empty_partials
 from trainermon.stats.kinds import local_view
 
-from .batch import HOLD_BYTES, HOLD_COUNT, HookBatch, RowTable, Span, compute_now, same_device, stamp_of
+from .batch import (
+    HOLD_BYTES,
+    HOLD_COUNT,
+    HookBatch,
+    RowTable,
+    Span,
+    TableRun,
+    compute_now,
+    same_device,
+    stamp_of,
+)
+from .identity import value_key as _value_key  # a name tests replace to turn the sharing off
 from .placement import Local, Placement, Sharded, TensorPiece, takes_part, writes_rows
-from .records import RowMeta, StepPayload, StepScalars
+from .records import RowMeta, RowMetaCache, StepPayload, StepScalars
 from .sharded import ShardedRows, by_device, device_hint, job_sumsq_row, local_grad_sumsq, merge_sharded
 from .transfer import TransferCounter, transfer_to_host
 
@@ -35,6 +46,7 @@ class StepCollector:
         self.transfers = transfers
         self.faults = faults
         self._rows: list[RowMeta] = []
+        self._metas = RowMetaCache()  # kept across steps: see RowMetaCache
         self._order: list[int] = []  # each row's position in the order rows were added
         self._next = 0
         self._parts: list[torch.Tensor] = []
@@ -51,11 +63,14 @@ class StepCollector:
         #: Reduce hook tensors the native kernel reads at their hook (benchmarks turn it off to compare).
         self.at_hook = True
         self._roles: dict[tuple, tuple[bool, bool]] = {}  # placement -> (takes part, writes)
-        #: Tensors already computed this step, by what their values are (see `_value_key`), so that one
-        #: activation seen as a module's output and as the next module's input is reduced once.
-        self._seen: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
-        #: The same, by object (id, checked by weak reference, version and address): no value key to build
-        self._by_id: dict[int, tuple[weakref.ref, tuple[int, int], Any]] = {}
+        #: Tensors already computed this step, by what their values are (`identity.value_key`), so that
+        #: one activation seen as a module's output and as the next module's input is reduced once: the
+        #: tensor computed (weakly) and its row. Separate dicts: a tuple holding a weak reference is never
+        #: untracked by the garbage collector (see `records.RowMetaCache` for why that matters).
+        self._seen: dict[tuple, weakref.ref] = {}
+        self._seen_row: dict[tuple, Any] = {}
+        #: The same by object: id -> (value key, stamp) (checked by weak reference, version and address)
+        self._by_id: dict[int, tuple[tuple, tuple[int, int]]] = {}
 
     def __len__(self) -> int:
         return len(self._rows) + len(self._sharded.rows)
@@ -78,6 +93,7 @@ class StepCollector:
         local_tensors: list[torch.Tensor] = []
         pending: list[tuple[int, torch.Tensor]] = []  # (index into the sharded rows, this rank's piece)
         sharded = self._sharded
+        metas = self._metas
         for vpp_stage, name, micro_step, piece in entries:
             placement = piece.placement
             kind = type(placement)
@@ -92,7 +108,9 @@ class StepCollector:
             takes, writes = (True, True) if kind is Local else self._roles_of(placement)
             if kind is not Sharded and not writes:
                 continue  # a copy: another rank computes and writes the same values
-            meta = RowMeta(family, vpp_stage, name, micro_step, shape, piece.dtype, math.prod(shape), shard)
+            meta = metas.get(
+                (family, vpp_stage, name, micro_step, shape, piece.dtype, math.prod(shape), shard)
+            )
             seq = self._next
             self._next += 1
             if kind is Sharded:
@@ -132,7 +150,7 @@ class StepCollector:
                 self._order.extend(seq for _, seq in device_rows)
                 self._parts.append(partials)
                 if also_as is not None:
-                    self._rows.extend(r._replace(family=also_as) for r, _ in device_rows)
+                    self._rows.extend(metas.get((also_as, *r[1:8])) for r, _ in device_rows)
                     self._order.extend(seq for _, seq in device_rows)
                     self._parts.append(partials)
 
@@ -153,15 +171,16 @@ class StepCollector:
         while in cache, into the step's row table (`StatsEngine.kernel_row`). Elsewhere, tensors of a
         (family, label) known to stay unchanged until the next `flush` are held by reference and reduced
         together (see `flush`); the others cost one engine call for this call's new tensors."""
-        seen = self._seen
-        by_id = self._by_id
+        seen, seen_row, by_id = self._seen, self._seen_row, self._by_id
         trusted = self._trusted
         batch = self._batch
         table = self._table
         engine = self.engine
         direct = self.at_hook and engine.writes_rows_directly()
         now: list[torch.Tensor] = []
-        refs: list[Any] = []  # per tensor: a [1, 7] row, (batch, index), int (index into `now`) or None
+        # per tensor: a row of the table (int >= 0), -1 - its index into `now`, a [1, 7] row, (batch,
+        # index), or None (unreadable)
+        refs: list[Any] = []
         fresh: list[tuple | None] = []  # per tensor: its value key when this call reduces it
         in_call: dict[tuple, Any] = {}  # one tensor passed twice in this call (attn(h, h, h)): once
         labels_of: list[str] = []
@@ -171,15 +190,15 @@ class StepCollector:
             labels_of.append(shard or (shards[i] if i < len(shards) else ""))
             values.append(t)
             known = by_id.get(id(t))
-            if known is not None and known[0]() is t and known[1] == stamp_of(t):
-                refs.append(known[2])  # the same object, unchanged: its row (no value key to build)
+            if known is not None and seen[known[0]]() is t and known[1] == stamp_of(t):
+                refs.append(seen_row[known[0]])  # the same object, unchanged: its row (no value key to build)
                 fresh.append(None)
                 continue
             key = _value_key(t)
             if key is not None:
                 hit = seen.get(key)
                 if hit is not None and _still_holds(hit, key):
-                    refs.append(hit[1])
+                    refs.append(seen_row[key])
                     fresh.append(None)
                     continue
                 if key in in_call:
@@ -190,7 +209,7 @@ class StepCollector:
             fresh.append(key)
             row = table.write(engine, t) if direct else None
             if row is not None:
-                ref = (table, row)  # read now, while the hook's tensor is in cache
+                ref = row  # read now, while the hook's tensor is in cache
             elif key is not None and self.batching and trusted.get(trust) and same_device(batch, t):
                 ref = (batch, len(batch.tensors))
                 # An alias: the values stay reachable (and exact) if the tensor's own memory is swapped
@@ -201,7 +220,7 @@ class StepCollector:
                 batch.trust.append(trust)
                 self._held += t.numel() * t.element_size()
             else:
-                ref = len(now)
+                ref = -1 - len(now)
                 now.append(t)
                 if key is not None and self.batching and trust not in trusted:
                     alias = t.detach()  # learning: checked at the next flush, as a batched tensor would be
@@ -214,31 +233,37 @@ class StepCollector:
             rows, skipped = compute_now(self.engine, now)
             for why in skipped:
                 self._skip(family, why)
-            refs = [rows[r] if type(r) is int else r for r in refs]
+            refs = [rows[-1 - r] if type(r) is int and r < 0 else r for r in refs]
         parts = self._parts
+        metas = self._metas
         for i, ref in enumerate(refs):
             if ref is None:
                 continue  # unreadable: skipped and counted above
             t = values[i]
+            shape = tuple(t.shape)
             self._rows.append(
-                RowMeta(
-                    family, vpp_stage, labels[i], micro_step, tuple(t.shape), t.dtype, t.numel(), labels_of[i]
-                )
+                metas.get((family, vpp_stage, labels[i], micro_step, shape, t.dtype, t.numel(), labels_of[i]))
             )
             self._order.append(self._next)
             self._next += 1
-            if type(ref) is tuple:  # a batched row: extend the previous span of the same batch if adjacent
-                last = parts[-1] if parts else None
+            last = parts[-1] if parts else None
+            if type(ref) is int:  # a row of the table: extend the run of table rows before it
+                if type(last) is TableRun:
+                    last.rows.append(ref)
+                else:
+                    parts.append(TableRun(table, [ref]))
+            elif type(ref) is tuple:  # a batched row: extend the previous span of the same batch if adjacent
                 if type(last) is Span and last.batch is ref[0] and last.stop == ref[1]:
                     last.stop += 1
                 else:
                     parts.append(Span(ref[0], ref[1], ref[1] + 1))
             else:
                 parts.append(ref)
-            if fresh[i] is not None:
-                tref = weakref.ref(t)
-                seen[fresh[i]] = (tref, ref)
-                by_id[id(t)] = (tref, stamp_of(t), ref)
+            key = fresh[i]
+            if key is not None:
+                seen[key] = weakref.ref(t)
+                seen_row[key] = ref
+                by_id[id(t)] = (key, stamp_of(t))
         if self._held > HOLD_BYTES or len(batch.tensors) + len(self._watch) > HOLD_COUNT:
             self.flush()
 
@@ -320,7 +345,7 @@ class StepCollector:
         """
         self.flush()
         rows = list(self._rows)
-        parts = [p if type(p) is not Span else p.batch.result[p.start : p.stop] for p in self._parts]
+        parts = [p.values() if type(p) in _DEFERRED else p for p in self._parts]
         local = local_grad_sumsq(rows, parts, self._sharded) if job_grad_norm else None
         extra, meta, summed = tail(rows, parts, local) if tail is not None else (None, None, None)
         merged_rows, merged, merged_order = merge_sharded(self._sharded)
@@ -357,49 +382,17 @@ class StepCollector:
         self._next = 0
         self._parts = []
         self._sharded = ShardedRows()
-        self._seen = {}
-        self._by_id = {}
+        self._seen, self._seen_row, self._by_id = {}, {}, {}
         self._table = RowTable(len(self._table.result))  # this step's size: no growth next step
         self._batch = HookBatch()
         self._watch = []
         self._held = 0
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_DEFERRED = (Span, TableRun)  # parts whose values are read at `finish`
 
 
-def _value_key(t: torch.Tensor) -> tuple | None:
-    """What identifies a tensor's values: its storage (the object and its size, not only its address),
-    the place and layout of its elements in it, and its version counter (shared by views, bumped by
-    in-place writes). None where that cannot be read: such tensors are always computed.
-
-    A key found in the cache is trusted only if the tensor that was computed still has that same key
-    (`_still_holds`): Megatron's pipeline schedules free an output's memory with `out.data =
-    torch.empty(1)` while the tensor object lives on, and the next micro-batch's tensor of that shape gets
-    the same address (and may get a storage object at the same address too). Not detected: a storage
-    refilled in place without autograd seeing it (`storage.resize_(0)`, then `resize_(n)` and a raw copy)."""
-    if type(t) not in _PLAIN or t.layout is not torch.strided or t.is_neg() or t.is_conj():
-        return None  # only plain tensors: a view bit or a subclass changes what the same memory means
-    try:
-        if not t.numel():
-            return None
-        storage = t.untyped_storage()
-        return (
-            storage._cdata,
-            storage.nbytes(),
-            t.data_ptr(),
-            t.storage_offset(),
-            t.shape,
-            t.stride(),
-            t.dtype,
-            t.device,
-            t._version,
-        )
-    except (RuntimeError, NotImplementedError, AttributeError):
-        return None
-
-
-def _still_holds(hit: tuple[weakref.ref, torch.Tensor], key: tuple) -> bool:
+def _still_holds(computed_ref: weakref.ref, key: tuple) -> bool:
     """The tensor computed under `key` is alive and still has that key (its memory was not replaced)."""
-    computed = hit[0]()
+    computed = computed_ref()
     return computed is not None and _value_key(computed) == key
