@@ -247,7 +247,7 @@ class ActivationProbe(Probe):
                         view_labels.append(label)
                         holder[key] = view
                 for view, view_labels, piece in views.values():
-                    view.register_hook(self._grad_hook(vpp_stage, view_labels, micro, piece))
+                    view.register_hook(self._grad_hook(vpp_stage, tuple(view_labels), micro, piece))
                 return tuple(new_args), new_kwargs
             except Exception as exc:  # noqa: BLE001
                 loop.faults.record("forward pre-hook", exc)
@@ -299,7 +299,7 @@ class ActivationProbe(Probe):
                             if t.is_leaf:  # a parameter as an output: hook this call's view of it
                                 view = leaves[id(t)] = t.view_as(t)
                                 t = view
-                            t.register_hook(self._grad_hook(vpp_stage, [label], micro, piece))
+                            t.register_hook(self._grad_hook(vpp_stage, (label,), micro, piece))
                     if leaves:
                         return replace_tensors(output, leaves)
             except Exception as exc:  # noqa: BLE001
@@ -308,17 +308,29 @@ class ActivationProbe(Probe):
 
         return fwd_hook
 
-    def _grad_hook(self, vpp_stage: int, labels: list[str], micro: int, piece: str = ""):
-        """One row per label (one tensor passed as several inputs: one row each, computed once). The
-        gradient of a piece of a tensor is the same piece of its gradient: `piece` labels both."""
+    def _grad_hook(self, vpp_stage: int, labels: tuple[str, ...], micro: int, piece: str = "") -> GradRows:
+        return GradRows(self.loop, vpp_stage, labels, micro, piece)
+
+
+class GradRows:
+    """The hook on one tensor's gradient: one row per label (one tensor passed as several inputs: one row
+    each, computed once). The gradient of a piece of a tensor is the same piece of its gradient: `piece`
+    labels both. An object with slots rather than a closure: it lives from the forward to the backward,
+    and a closure with its cells is seven objects for the garbage collector to promote each time (see
+    `collect.records.RowMetaCache` for why that matters)."""
+
+    __slots__ = ("loop", "vpp_stage", "labels", "micro", "piece")
+
+    def __init__(self, loop: Any, vpp_stage: int, labels: tuple[str, ...], micro: int, piece: str) -> None:
+        self.loop, self.vpp_stage, self.labels, self.micro, self.piece = loop, vpp_stage, labels, micro, piece
+
+    def __call__(self, grad: torch.Tensor) -> None:
         loop = self.loop
-
-        def grad_hook(grad: torch.Tensor) -> None:
-            try:
-                if loop.plan.collecting and grad is not None:
-                    n = len(labels)
-                    loop.record_local("actv_grad", vpp_stage, labels, micro, (grad,) * n, (piece,) * n)
-            except Exception as exc:  # noqa: BLE001
-                loop.faults.record("activation-gradient hook", exc)
-
-        return grad_hook
+        try:
+            if loop.plan.collecting and grad is not None:
+                n = len(self.labels)
+                loop.record_local(
+                    "actv_grad", self.vpp_stage, self.labels, self.micro, (grad,) * n, (self.piece,) * n
+                )
+        except Exception as exc:  # noqa: BLE001
+            loop.faults.record("activation-gradient hook", exc)
