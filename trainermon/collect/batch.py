@@ -32,7 +32,7 @@ class HookBatch:
 
 class RowTable:
     """Rows the native kernel wrote at their hook (`StatsEngine.kernel_row`): a float64 CPU table of
-    [capacity, NUM_PARTIALS] that doubles when full. Spans refer to it as to a batch's result."""
+    [capacity, NUM_PARTIALS] that doubles when full; `TableRun`s refer to its rows."""
 
     __slots__ = ("result", "used")
 
