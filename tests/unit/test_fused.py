@@ -288,6 +288,16 @@ def test_kernel_row_equals_compute_rows(nonfinite):
         engine.kernel_row(tensors[0], table.float(), 0)
     with pytest.raises(ValueError):
         engine.kernel_row(tensors[0], table.t(), 0)
+    other = torch.full((3, NUM_PARTIALS), -7.0, dtype=torch.float64)  # another table: checked, then used
+    assert engine.kernel_row(tensors[3], other, 2)
+    assert torch.equal(other[2], expected[3]) and (other[:2] == -7.0).all()
+    assert engine.kernel_row(tensors[3], table, 0) and torch.equal(table[0], expected[3])  # back again
+    with pytest.raises(ValueError):
+        engine.kernel_row(tensors[0], other, -1)
+    x = torch.randn(5)
+    with pytest.raises(ValueError):  # the native entry refuses a code it has no reader for
+        fused._native.stats_one(x.data_ptr(), 5, 9, other.data_ptr())
+    assert fused._native.stats_one(tensors[1].data_ptr(), 17, 0, other.data_ptr()) == 1  # the NaN row
     assert engine.writes_rows_directly()
     assert not StatsEngine(EngineOptions(zeros_eps=1e-6)).writes_rows_directly()
     assert not StatsEngine(EngineOptions(fused=False)).writes_rows_directly()

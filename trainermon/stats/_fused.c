@@ -362,9 +362,48 @@ static PyObject *stats(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(not_finite);
 }
 
+/* `stats` for one tensor, without building lists: what a hook calls for each tensor it reduces. */
+#define RELEASE_GIL_NUMEL (1 << 20)
+static PyObject *stats_one(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "stats_one: expected (ptr, numel, code, out_addr)");
+        return NULL;
+    }
+    int64_t v[4];
+    for (int i = 0; i < 4; i++) {
+        v[i] = (int64_t)PyLong_AsLongLong(args[i]);
+        if (v[i] == -1 && PyErr_Occurred())
+            return NULL;
+    }
+    if (block_f32 == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "stats_one: no SIMD kernel for this CPU");
+        return NULL;
+    }
+    if (v[2] < CODE_F32 || v[2] > CODE_F16 || (v[2] == CODE_F16 && !have_f16) || v[1] < 0 || v[0] == 0 ||
+        v[3] == 0) {
+        PyErr_SetString(PyExc_ValueError, "stats_one: unsupported code, size or address");
+        return NULL;
+    }
+    double *out = (double *)(uintptr_t)v[3];
+    if (v[1] < RELEASE_GIL_NUMEL) {
+        /* Microseconds of work: giving the GIL away could let another thread keep it for a whole switch
+           interval (5 ms) before this one gets it back. */
+        tm_tensor_stats((const void *)(uintptr_t)v[0], v[1], (int)v[2], out);
+    } else {
+        Py_BEGIN_ALLOW_THREADS;
+        tm_tensor_stats((const void *)(uintptr_t)v[0], v[1], (int)v[2], out);
+        Py_END_ALLOW_THREADS;
+    }
+    return PyLong_FromLong(!row_finite(out));
+}
+
 static PyMethodDef methods[] = {
     {"stats", stats, METH_VARARGS,
      "One-pass (sumsq, sum, min, max) float64 rows of dense CPU tensors; returns how many rows are not all "
+     "finite."},
+    {"stats_one", (PyCFunction)(void (*)(void))stats_one, METH_FASTCALL,
+     "stats_one(ptr, numel, code, out_addr): `stats` for one tensor; returns 1 when its row is not all "
      "finite."},
     {NULL, NULL, 0, NULL},
 };

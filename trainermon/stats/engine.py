@@ -50,6 +50,7 @@ GROUP_MAX = 1 << 13
 #: Elements a float32 accumulator adds before its result moves to float64.
 RUN = 16
 _HALF = (torch.float16, torch.bfloat16)
+_ROW_BYTES = NUM_PARTIALS * 8  # one float64 row of partials
 #: Largest magnitude whose float32 squares stay finite over a run (16 x 2^124 < 2^128) ...
 _BIG = 2.0**62
 #: ... and below which squares may underflow float32 enough to matter.
@@ -87,6 +88,10 @@ class StatsEngine:
         # 4 MiB allocation per block costs more in page faults than the reductions themselves.
         self._staging: dict[torch.dtype, torch.Tensor] = {}
         self._lock = threading.Lock()
+        # The last `kernel_row` table (checked once, kept so that its id is not reused) and its layout
+        self._table: torch.Tensor | None = None
+        self._table_rows = 0
+        self._table_address = 0
 
     def compute(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Float64 [len(tensors), NUM_PARTIALS] partials on the device of the first tensor; a tensor that
@@ -108,21 +113,32 @@ class StatsEngine:
     def kernel_row(self, t: torch.Tensor, out: torch.Tensor, row: int) -> bool:
         """Write `t`'s partials into `out[row]` now with one native kernel call (the values of
         `compute_rows([t])`), or return False, writing nothing, when the kernel cannot read `t`. `out`: a
-        contiguous float64 CPU [n, NUM_PARTIALS] table. ~2 us of Python instead of ~15 us: a hook can
-        read its tensor while it is in cache rather than hold it for a batch. Costs one read, no sync."""
+        contiguous float64 CPU [n, NUM_PARTIALS] table, never resized in place once used here (its layout
+        is checked when it is first seen). ~2 us of Python instead of ~15 us: a hook can read its tensor
+        while it is in cache rather than hold it for a batch. Costs one read, no sync."""
         plan = fused.plan(t)
         if plan is None or not plan[1]:
             return False
-        if out.dtype is not DTYPE or not out.is_cpu or not out.is_contiguous() or not 0 <= row < len(out):
-            raise ValueError(f"kernel_row: row {row} of a {out.dtype} table of shape {tuple(out.shape)}")
-        if out.shape[1:] != (NUM_PARTIALS,):
-            raise ValueError(f"kernel_row: table of shape {tuple(out.shape)}")
+        if out is not self._table:
+            self._check_table(out)
+        if not 0 <= row < self._table_rows:
+            raise ValueError(f"kernel_row: row {row} of a table of shape {tuple(out.shape)}")
         self.calls += 1
-        if fused.run_at((plan,), out.data_ptr() + row * NUM_PARTIALS * out.element_size()):
+        if fused.run_one(plan, self._table_address + row * _ROW_BYTES):
             mode = _Mode(self.options.nonfinite, None, False, CHUNK)
             with torch.no_grad():  # an activation may require grad
                 _recompute_nonfinite(out[row : row + 1], (t,), mode)
         return True
+
+    def _check_table(self, out: torch.Tensor) -> None:
+        """Check a `kernel_row` table once and keep its address: the kernel writes raw memory there."""
+        if out.dtype is not DTYPE or not out.is_cpu or not out.is_contiguous():
+            raise ValueError(
+                f"kernel_row: needs a contiguous float64 CPU table, got {out.dtype} on {out.device}"
+            )
+        if out.dim() != 2 or out.shape[1] != NUM_PARTIALS:
+            raise ValueError(f"kernel_row: table of shape {tuple(out.shape)}")
+        self._table, self._table_rows, self._table_address = out, len(out), out.data_ptr()
 
     def _compute(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, dict[int, Unreadable]]:
         n = len(tensors)

@@ -31,6 +31,7 @@ try:
     from trainermon.stats import _fused as _native
 except ImportError:  # not compiled (no C compiler at install time): eager torch only
     _native = None
+_stats_one = getattr(_native, "stats_one", None)
 
 _CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1}
 if _native is not None and _native.HAVE_F16:
@@ -122,6 +123,14 @@ def run(plans: Sequence[tuple[int, int, int]], out: torch.Tensor) -> int:
     """The kernel over `plan` results (each of a tensor with elements), into `out` (float64 [len, 7]).
     Returns how many rows are not all finite."""
     return run_at(plans, out.data_ptr())
+
+
+def run_one(plan: tuple[int, int, int], address: int) -> int:
+    """`run_at` for one tensor's plan: no lists built (~1 us less per call). Returns 1 when the row is not
+    all finite. An extension built before this entry existed takes `run_at`."""
+    if _stats_one is None:
+        return run_at((plan,), address)
+    return _stats_one(plan[0], plan[1], plan[2], address)
 
 
 def run_at(plans: Sequence[tuple[int, int, int]], address: int) -> int:
