@@ -171,3 +171,82 @@ def test_compiled_before_set_monitor_recompiles_once(tmp_path, out_dir, caplog):
         for key, row in want.items():
             for op in OPS:
                 assert float(got[key][op]) == pytest.approx(float(row[op]), rel=1e-5, abs=1e-7), (key, op)
+
+
+def test_block_compiled_on_its_own_while_unhooked(tmp_path, out_dir, caplog):
+    """A submodule compiled by itself (`module.compile()`, as torchtitan compiles each block) on a step
+    that collects nothing: its root runs eagerly, so the trace is not seen and the graph has no hooks.
+    The next collected step sees dynamo's graph count moved, resets its caches once (logged) and keeps the
+    hooks from then on; the rows equal the eager run's."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    class Block(nn.Module):  # a model's own block (dynamo does not trace torch's modules as a top frame)
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.proj(x))
+
+    rows = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = nn.Sequential(Block(), nn.Linear(8, 2))
+        if compiled:
+            model[0].compile(backend="aot_eager")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        monitor = TrainerMon(
+            write_config(tmp_path / f"b{compiled}.json", xy_distribution=True, ops=list(OPS), start_step=2)
+        )
+        monitor.set_monitor(model, optimizer=opt)
+        gen = torch.Generator().manual_seed(1)
+        hooked = []
+        with caplog.at_level("INFO", logger="trainermon"):
+            for _ in range(5):
+                hooked.append(bool(model[0].proj._forward_hooks))
+                model(torch.randn(3, 4, generator=gen)).square().sum().backward()
+                opt.step()
+                opt.zero_grad()
+        monitor.close()
+        rows[compiled] = (
+            keyed(read_family(monitor.run_dir, "actv")),
+            keyed(read_family(monitor.run_dir, "actv_grad")),
+        )
+        assert hooked == [False, False, True, True, True], hooked
+        if compiled:
+            assert counters["stats"]["unique_graphs"] >= 1
+            assert monitor.loop.probes[1].hooks.pinned
+            assert sum("recompiles once" in r.message for r in caplog.records) == 1
+    for got, want in zip(rows[True], rows[False]):
+        assert set(got) == set(want) and {s for _, s, _ in want} == {2, 3, 4}
+        for key, row in want.items():
+            for op in OPS:
+                assert float(got[key][op]) == pytest.approx(float(row[op]), rel=1e-5, abs=1e-7), (key, op)
+
+
+def test_trace_watcher_adds_no_graph_break(tmp_path, out_dir):
+    """The roots' trace watcher pins the hooks from inside dynamo's trace without a graph break: a model
+    compiled with fullgraph=True (where any break is an error) runs its steps that collect nothing, as one
+    graph, with the hooks installed from its first trace on."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(write_config(tmp_path / "c.json", xy_distribution=True, ops=["norm"], start_step=50))
+    monitor.set_monitor(model, optimizer=opt)
+    assert not model[0]._forward_hooks  # eager so far: no hooks on a step that collects nothing
+    run = torch.compile(model, backend="aot_eager", fullgraph=True)
+    for _ in range(3):
+        run(torch.randn(3, 4)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        assert model[0]._forward_hooks and model[2]._forward_pre_hooks  # pinned at the first trace
+    monitor.close()
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert monitor.faults.total == 0

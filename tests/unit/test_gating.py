@@ -102,9 +102,11 @@ def test_module_ranks(tmp_path, monkeypatch, ranks, hooked):
     assert read_family(monitor.run_dir, "grad_reduced")  # module_ranks limits module hooks only
 
 
-def test_hooks_return_at_once_on_steps_not_collected(tmp_path, out_dir):
-    """The module hooks are installed once at set_monitor (so a model compiled later sees them) and do
-    nothing on steps that are not collected: no record, no gradient hook on any tensor."""
+def test_module_hooks_exist_on_collected_steps_only(tmp_path, out_dir):
+    """Eager: a module hook, even one that returns at once, sends every call of its module down PyTorch's
+    slow path, so the activation hooks are added when a collected step begins and removed when a step
+    that collects nothing begins: no hook, no record, no gradient hook on any tensor on other steps. The
+    root keeps one forward pre-hook, which watches for a torch.compile trace (see test_compile.py)."""
     path = write_config(tmp_path / "cfg.json", xy_distribution=True, start_step=1, collect_times=1)
     model = nn.Sequential(nn.Linear(4, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -114,19 +116,21 @@ def test_hooks_return_at_once_on_steps_not_collected(tmp_path, out_dir):
     counts, records, grad_hooked = [], [], []
     original = monitor.loop.record_local
     monitor.loop.record_local = lambda family, *a, **k: records.append(family) or original(family, *a, **k)
-    inner.register_forward_hook(
-        lambda m, a, out: grad_hooked.append(out._backward_hooks is not None) and None
-    )
+    outputs = []
+    inner.register_forward_hook(lambda m, a, out: outputs.append(out) and None)
     for _ in range(3):
         counts.append(len(inner._forward_hooks) + len(inner._forward_pre_hooks))
         records.clear()
         model(torch.randn(2, 4)).sum().backward()
+        grad_hooked.append(outputs.pop()._backward_hooks is not None)
         counts.append(bool(records))
         opt.step()
+    assert len(model._forward_pre_hooks) == 1 and not model._forward_hooks  # the trace watcher
     monitor.close()
-    assert counts == [3, False, 3, True, 3, False]  # installed throughout, active on the collected step only
+    assert counts == [1, False, 3, True, 1, False]  # the test's own hook, plus the monitor's two on step 1
     assert grad_hooked == [False, True, False]
     assert len(inner._forward_hooks) + len(inner._forward_pre_hooks) == 1  # close removes them
+    assert not model._forward_pre_hooks
 
 
 def test_second_optimizer_does_not_advance_the_step(tmp_path, out_dir):

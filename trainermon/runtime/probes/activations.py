@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Any
 
 import torch
@@ -31,36 +30,9 @@ from trainermon.config import MonitorConfig
 from ..plan import StepPlan
 from ..selection import select_modules
 from .base import Probe
+from .module_hooks import ModuleHooks
 
 logger = logging.getLogger("trainermon")
-
-
-def _recompile_with_hooks() -> None:
-    """Graphs compiled before the hooks were installed never call them (dynamo does not guard on module
-    hooks by default): drop dynamo's caches once, so every compiled function recompiles at its next call,
-    this time with the hooks in its graph. Cost: one recompile of each compiled function in the process."""
-    try:
-        import torch._dynamo
-
-        torch._dynamo.reset()
-        logger.info(
-            "trainermon: graphs compiled before set_monitor do not call the activation hooks; dynamo's caches"
-            " were reset, so compiled code recompiles once at its next call, with the hooks"
-        )
-    except Exception as exc:  # noqa: BLE001 - the model trains as before; the rows would stay empty
-        logger.warning(
-            "trainermon: torch.compile compiled graphs before set_monitor and dynamo's caches could not be"
-            " reset (%s); actv/actv_grad stay empty for them: call set_monitor before the first compiled"
-            " forward",
-            exc,
-        )
-
-
-def compiled_before() -> bool:
-    """Whether torch.compile has already compiled a graph in this process (dynamo only counts once it
-    is imported: no import here)."""
-    dynamo_utils = sys.modules.get("torch._dynamo.utils")
-    return dynamo_utils is not None and dynamo_utils.counters["stats"]["unique_graphs"] > 0
 
 
 def is_activation(t: Any) -> bool:
@@ -114,6 +86,22 @@ def replace_tensors(obj: Any, by_id: dict[int, torch.Tensor]) -> Any:
     return obj
 
 
+class _Names:
+    """`io_names(base, count)` kept per count: a hook names its slots on every call."""
+
+    __slots__ = ("base", "by_count")
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self.by_count: dict[int, list[str]] = {}
+
+    def __call__(self, count: int) -> list[str]:
+        names = self.by_count.get(count)
+        if names is None:
+            names = self.by_count[count] = io_names(self.base, count)
+        return names
+
+
 def _padded(pieces: tuple[str, ...], count: int) -> list[str]:
     return [pieces[i] if i < len(pieces) else "" for i in range(count)]
 
@@ -128,14 +116,16 @@ class ActivationProbe(Probe):
         super().__init__(loop)
         self.modules: list[tuple[int, str, torch.nn.Module]] = []
         self._every: list | None = None  # every module, built on first escalation
-        self._handles: list[Any] = []
+        self.hooks = ModuleHooks(self._register)  # when the module hooks exist (see `module_hooks`)
         self._calls: dict[int, int] = {}  # module id -> forward calls this step (the micro_step)
         self._shards: dict[int, tuple[tuple[str, ...], tuple[str, ...]]] = {}  # module id -> piece labels
         self._actv = self._actv_grad = self._wide = False
-        self._hooked: set[int] = set()  # ids of the modules whose hooks are installed
         # module id -> micro-steps of its forwards run without grad (reentrant checkpointing's first pass),
         # waiting for their recompute in backward; last in, first recomputed
         self._pending: dict[int, list[int]] = {}
+        # module id -> {id(view): tensor} for the input views its pre-hook made, until its forward hook:
+        # the actv row of an input is then its tensor's row, found by object (no value key to build)
+        self._bases: dict[int, dict[int, torch.Tensor]] = {}
 
     def configure(self, config: MonitorConfig) -> None:
         modules: list[tuple[int, str, torch.nn.Module]] = []
@@ -144,48 +134,39 @@ class ActivationProbe(Probe):
         ):
             modules = select_modules(self.loop.adapter, config, every=config.all_xy or not config.targets)
         if [(v, n, id(m)) for v, n, m in modules] == [(v, n, id(m)) for v, n, m in self.modules]:
-            return  # a reload that selects the same modules keeps the installed hooks (no churn)
-        self._remove()
+            return  # a reload that selects the same modules keeps the hooks as they are (no churn)
         self._every = None
         self.modules = modules
-        # Installed now and kept: a model compiled later sees them (hooks added after compilation are not
-        # seen by its graphs), and they return at once on steps that are not collected.
-        self._install(self.modules, extra=False)
-        if modules and compiled_before():
-            _recompile_with_hooks()
+        self.hooks.reset(modules, self.loop.adapter.roots())
 
     def begin(self, plan: StepPlan) -> None:
         self._calls.clear()
         self._pending.clear()
+        self._bases.clear()
         self._actv, self._actv_grad = plan.actv, plan.actv_grad
         self._wide = plan.escalating and (plan.actv or plan.actv_grad)
+        self.hooks.arm(self._actv or self._actv_grad)
         if self._wide:
             if self._every is None:
                 self._every = select_modules(self.loop.adapter, self.loop.config, every=True)
-            self._install(self._every, extra=True)
+            self.hooks.add(self._every, extra=True)
 
-    def _install(self, modules: list[tuple[int, str, torch.nn.Module]], extra: bool) -> None:
-        adapter = self.loop.adapter
-        for vpp_stage, name, module in modules:
-            if id(module) in self._hooked:
-                continue
-            self._hooked.add(id(module))
-            self._shards[id(module)] = adapter.activation_shards(module)
-            self._handles.append(
-                module.register_forward_pre_hook(
-                    self._gate(self._pre_hook(vpp_stage, name), extra), with_kwargs=True
-                )
-            )
-            self._handles.append(
-                module.register_forward_hook(
-                    self._gate(self._fwd_hook(vpp_stage, name), extra), with_kwargs=True
-                )
-            )
+    def _register(self, vpp_stage: int, name: str, module: torch.nn.Module, extra: bool) -> list[Any]:
+        self._shards[id(module)] = self.loop.adapter.activation_shards(module)
+        return [
+            module.register_forward_pre_hook(
+                self._gate(self._pre_hook(vpp_stage, name), extra), with_kwargs=True
+            ),
+            module.register_forward_hook(
+                self._gate(self._fwd_hook(vpp_stage, name), extra), with_kwargs=True
+            ),
+        ]
 
     def _gate(self, body: Any, extra: bool) -> Any:
-        """The hook kept installed: a flag test on steps that are not collected. Under torch.compile the
-        test is traced (dynamo guards on the flags: one recompile when collection first switches on, both
-        graphs cached after) and the body runs outside the graph (a graph break on collected steps only)."""
+        """The installed hook: a flag test, false on steps that are not collected while the hooks stay
+        installed (pinned under torch.compile, see `module_hooks`). Under torch.compile the test is traced
+        (dynamo guards on the flags: one recompile when collection first switches on, both graphs cached
+        after) and the body runs outside the graph (a graph break on collected steps only)."""
         import torch.compiler  # not at module level: the core imports no framework machinery eagerly
 
         body = torch.compiler.disable(body)
@@ -199,17 +180,12 @@ class ActivationProbe(Probe):
         return hook
 
     def close(self) -> None:
-        self._remove()
-
-    def _remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self._hooked.clear()
+        self.hooks.close()
 
     # ---- hooks ---------------------------------------------------------------------------------
     def _pre_hook(self, vpp_stage: int, name: str):
         loop = self.loop
+        input_names = _Names(f"{name}.input")
 
         def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
             try:
@@ -223,7 +199,7 @@ class ActivationProbe(Probe):
                 else:
                     micro = self._calls.get(id(module), 0)
                 positional = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-                numbered = dict(zip(positional, io_names(f"{name}.input", len(positional))))
+                numbered = dict(zip(positional, input_names(len(positional))))
                 keys = [i for i in positional if is_activation(args[i])]
                 labels = [numbered[i] for i in keys]
                 for k, v in kwargs.items():
@@ -235,19 +211,21 @@ class ActivationProbe(Probe):
                 # One view per distinct tensor: a module called as attn(h, h, h) must still see the same
                 # object three times (nn.MultiheadAttention takes its packed self-attention path only
                 # when query is key is value; distinct views cost an extra projection and ~4% memory).
-                views: dict[int, tuple[torch.Tensor, list[str], str]] = {}
+                views: dict[int, tuple[torch.Tensor, list[str], str, torch.Tensor]] = {}
                 for position, (key, label) in enumerate(zip(keys, labels)):
                     holder = new_args if isinstance(key, int) else new_kwargs
                     tensor = holder[key]
                     if tensor.requires_grad:
                         if id(tensor) not in views:
                             piece = pieces[position] if position < len(pieces) else ""
-                            views[id(tensor)] = (tensor.view_as(tensor), [], piece)
-                        view, view_labels, _ = views[id(tensor)]
+                            views[id(tensor)] = (tensor.view_as(tensor), [], piece, tensor)
+                        view, view_labels, _, _ = views[id(tensor)]
                         view_labels.append(label)
                         holder[key] = view
-                for view, view_labels, piece in views.values():
+                for view, view_labels, piece, _ in views.values():
                     view.register_hook(self._grad_hook(vpp_stage, tuple(view_labels), micro, piece))
+                if self._actv and views:
+                    self._bases[id(module)] = {id(v[0]): v[3] for v in views.values()}
                 return tuple(new_args), new_kwargs
             except Exception as exc:  # noqa: BLE001
                 loop.faults.record("forward pre-hook", exc)
@@ -257,10 +235,12 @@ class ActivationProbe(Probe):
 
     def _fwd_hook(self, vpp_stage: int, name: str):
         loop = self.loop
+        input_names, output_names = _Names(f"{name}.input"), _Names(f"{name}.output")
 
         def fwd_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
             try:
                 key = id(module)
+                bases = self._bases.pop(key, None) if self._bases else None
                 recompute = in_backward()
                 if recompute:  # recomputed forward inside backward: its actv row is already written
                     pending = self._pending.get(key)
@@ -273,12 +253,14 @@ class ActivationProbe(Probe):
                     if self._actv_grad and not torch.is_grad_enabled():
                         self._pending.setdefault(key, []).append(micro)
                 outputs = output_slots(output)
-                out_labels = io_names(f"{name}.output", len(outputs))
+                out_labels = output_names(len(outputs))
                 in_pieces, out_pieces = self._shards.get(key, ((), ()))
                 out_pieces = _padded(out_pieces, len(outputs))
                 if self._actv and not recompute:
                     inputs = input_slots(args, kwargs)
-                    in_labels = io_names(f"{name}.input", len(inputs))
+                    if bases:  # the pre-hook's views: their tensors, the same values (see `_bases`)
+                        inputs = [bases.get(id(t), t) for t in inputs]
+                    in_labels = input_names(len(inputs))
                     tensors, labels, pieces = [], [], []
                     for label, t, piece in zip(
                         in_labels + out_labels, inputs + outputs, _padded(in_pieces, len(inputs)) + out_pieces
