@@ -28,13 +28,18 @@ _CHILD = r"""
 import json, statistics, sys, time
 import torch
 torch.set_num_threads(1)
-sys.path.insert(0, {bench!r})
-from overhead import gpt_workload, many_workload
+# trainermon first, from the checkout (PYTHONPATH): overhead.py puts its own repository first on sys.path,
+# so importing it first would time that repository's engine for every checkout
 try:
     from trainermon.stats import EngineOptions, StatsEngine, fused
 except ImportError:  # a checkout from before the stats package
     from trainermon import fused
     from trainermon.stats import EngineOptions, StatsEngine
+import os
+if not os.path.realpath(fused.__file__).startswith(os.path.realpath({checkout!r}) + os.sep):
+    raise SystemExit(f"timed the wrong checkout: {{fused.__file__}}")
+sys.path.insert(0, {bench!r})
+from overhead import gpt_workload, many_workload
 out = {{}}
 for key, work in (("a", gpt_workload()), ("b", many_workload())):
     torch.manual_seed(0)
@@ -65,7 +70,7 @@ print(json.dumps(out))
 
 
 def run_child(checkout: str, reps: int) -> dict:
-    code = _CHILD.format(bench=os.path.join(REPO, "benchmarks"), reps=reps)
+    code = _CHILD.format(bench=os.path.join(REPO, "benchmarks"), reps=reps, checkout=checkout)
     env = dict(os.environ, PYTHONPATH=checkout, OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=checkout, env=env, capture_output=True, text=True, check=False
