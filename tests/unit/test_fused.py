@@ -16,7 +16,10 @@ import torch
 from tests.helpers import ref_stats
 from trainermon.stats import NUM_PARTIALS, EngineOptions, StatsEngine, engine, fused
 
-SIZES = [1, 7, 15, 16, 17, 31, 33, 255, 256, 257, 271, 4095, 4096, 4097, 8192 + 5, 1_000_003]
+# Around every edge of the kernel's loops: groups of 16 and 32 elements, runs of 16 groups of 32 (512), a
+# group of 16 left after the groups of 32, blocks of 4096
+SIZES = [1, 7, 15, 16, 17, 31, 32, 33, 48, 63, 255, 256, 257, 271, 511, 512, 528, 4080, 4095, 4096, 4097]
+SIZES += [4096 + 48, 8192 + 5, 1_000_003]
 DTYPES = sorted(fused.DTYPES, key=str) if fused.AVAILABLE else []
 
 

@@ -51,6 +51,19 @@
 
 enum { CODE_F32 = 0, CODE_BF16 = 1, CODE_F16 = 2 };
 enum { ROW = 7, BLOCK = 4096, RUN = 16 };
+/* Elements the AVX2 loop asks for ahead of its reads, two cache lines per step. From memory (a tensor
+   larger than the last-level cache) the loop read at ~55% of torch's speed without it: 14.7 against 26.6
+   GB/s for a 64 MiB tensor here; with it and four chains per sum, 28.0 GB/s. A prefetch never faults, and
+   its address is formed as an integer, so reading ahead past a tensor's end is harmless. */
+#ifndef PREFETCH
+#define PREFETCH 2048
+#endif
+#define PREFETCH_AHEAD(x, i)                                                                     \
+    do {                                                                                         \
+        uintptr_t ahead = (uintptr_t)(x) + (uintptr_t)((i) + PREFETCH) * sizeof(float);          \
+        _mm_prefetch((const char *)ahead, _MM_HINT_T0);                                          \
+        _mm_prefetch((const char *)(ahead + 64), _MM_HINT_T0);                                   \
+    } while (0)
 
 /* Largest magnitude a block may have for its float32 squares to stay finite over a run (16 * 2^124 < 2^128). */
 #define BIG 0x1p62f
@@ -101,24 +114,51 @@ __attribute__((target("avx2,fma"))) static void block_f32_avx2(const float *x, i
     __m256 mn0 = _mm256_set1_ps(INFINITY), mn1 = mn0;
     __m256 mx0 = _mm256_set1_ps(-INFINITY), mx1 = mx0;
     int64_t i = 0;
-    while (i + 16 <= n) {
-        __m256 s0 = _mm256_setzero_ps(), s1 = s0, q0 = s0, q1 = s0;
-        int64_t stop = i + 16 * RUN < n ? i + 16 * RUN : n;
-        for (; i + 16 <= stop; i += 16) {
+    /* Four independent float32 chains per sum: a chain's add waits for the previous add (4 cycles), so
+       two chains left the loop short of memory speed. Every lane still adds RUN terms per run. */
+    while (i + 32 <= n) {
+        __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, q0 = s0, q1 = s0, q2 = s0, q3 = s0;
+        int64_t stop = i + 32 * RUN < n ? i + 32 * RUN : n;
+        for (; i + 32 <= stop; i += 32) {
+            PREFETCH_AHEAD(x, i);
             __m256 u = _mm256_loadu_ps(x + i), v = _mm256_loadu_ps(x + i + 8);
+            __m256 w = _mm256_loadu_ps(x + i + 16), z = _mm256_loadu_ps(x + i + 24);
             s0 = _mm256_add_ps(s0, u);
             s1 = _mm256_add_ps(s1, v);
+            s2 = _mm256_add_ps(s2, w);
+            s3 = _mm256_add_ps(s3, z);
             q0 = _mm256_fmadd_ps(u, u, q0);
             q1 = _mm256_fmadd_ps(v, v, q1);
-            mn0 = _mm256_min_ps(u, mn0); /* returns the second operand when the first is NaN */
-            mn1 = _mm256_min_ps(v, mn1);
-            mx0 = _mm256_max_ps(u, mx0);
-            mx1 = _mm256_max_ps(v, mx1);
+            q2 = _mm256_fmadd_ps(w, w, q2);
+            q3 = _mm256_fmadd_ps(z, z, q3);
+            /* A pair first, then the running value (one dependent step per iteration). min/max return
+               their second operand when either is NaN, so a NaN may hide its pair's other value; it also
+               makes the sums NaN, and the caller recomputes such a row (see top). */
+            mn0 = _mm256_min_ps(_mm256_min_ps(u, v), mn0);
+            mn1 = _mm256_min_ps(_mm256_min_ps(w, z), mn1);
+            mx0 = _mm256_max_ps(_mm256_max_ps(u, v), mx0);
+            mx1 = _mm256_max_ps(_mm256_max_ps(w, z), mx1);
         }
         WIDEN_ADD(S0, S1, s0);
         WIDEN_ADD(S2, S3, s1);
+        WIDEN_ADD(S0, S1, s2);
+        WIDEN_ADD(S2, S3, s3);
         WIDEN_ADD(Q0, Q1, q0);
         WIDEN_ADD(Q2, Q3, q1);
+        WIDEN_ADD(Q0, Q1, q2);
+        WIDEN_ADD(Q2, Q3, q3);
+    }
+    if (i + 16 <= n) { /* one group of 16 left: a run of one step */
+        __m256 u = _mm256_loadu_ps(x + i), v = _mm256_loadu_ps(x + i + 8);
+        WIDEN_ADD(S0, S1, u);
+        WIDEN_ADD(S2, S3, v);
+        WIDEN_ADD(Q0, Q1, _mm256_mul_ps(u, u));
+        WIDEN_ADD(Q2, Q3, _mm256_mul_ps(v, v));
+        mn0 = _mm256_min_ps(u, mn0);
+        mn1 = _mm256_min_ps(v, mn1);
+        mx0 = _mm256_max_ps(u, mx0);
+        mx1 = _mm256_max_ps(v, mx1);
+        i += 16;
     }
     a->sum += hsum4d(_mm256_add_pd(_mm256_add_pd(S0, S1), _mm256_add_pd(S2, S3)));
     a->sumsq += hsum4d(_mm256_add_pd(_mm256_add_pd(Q0, Q1), _mm256_add_pd(Q2, Q3)));
