@@ -82,13 +82,6 @@ class ModuleHooks:
         self._modules: Sequence[tuple[int, str, torch.nn.Module]] = ()
         self._graphs_without = 0  # dynamo's graph count when the hooks were last removed
 
-    @property
-    def installed(self) -> bool:
-        return bool(self._handles)
-
-    def hooked(self, module: torch.nn.Module) -> bool:
-        return id(module) in self._handles
-
     def reset(
         self, modules: Sequence[tuple[int, str, torch.nn.Module]], roots: Sequence[torch.nn.Module]
     ) -> None:
