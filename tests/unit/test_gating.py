@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+import trainermon.runtime.probes.activations as activations
 from tests.helpers import read_family, write_config
 from trainermon import TrainerMon
 
@@ -102,7 +103,7 @@ def test_module_ranks(tmp_path, monkeypatch, ranks, hooked):
     assert read_family(monitor.run_dir, "grad_reduced")  # module_ranks limits module hooks only
 
 
-def test_module_hooks_exist_on_collected_steps_only(tmp_path, out_dir):
+def test_module_hooks_exist_on_collected_steps_only(tmp_path, out_dir, monkeypatch):
     """Eager: a module hook, even one that returns at once, sends every call of its module down PyTorch's
     slow path, so the activation hooks are added when a collected step begins and removed when a step
     that collects nothing begins: no hook, no record, no gradient hook on any tensor on other steps. The
@@ -116,20 +117,29 @@ def test_module_hooks_exist_on_collected_steps_only(tmp_path, out_dir):
     counts, records, grad_hooked = [], [], []
     original = monitor.loop.record_local
     monitor.loop.record_local = lambda family, *a, **k: records.append(family) or original(family, *a, **k)
-    outputs = []
-    inner.register_forward_hook(lambda m, a, out: outputs.append(out) and None)
+    grad_hooks = []  # the gradient hooks made (one per hooked tensor, on the node that makes it)
+
+    class CountedGradRows(activations.GradRows):
+        __slots__ = ()
+
+        def __init__(self, *args) -> None:
+            grad_hooks.append(args)
+            super().__init__(*args)
+
+    monkeypatch.setattr(activations, "GradRows", CountedGradRows)
     for _ in range(3):
         counts.append(len(inner._forward_hooks) + len(inner._forward_pre_hooks))
         records.clear()
+        grad_hooks.clear()
         model(torch.randn(2, 4)).sum().backward()
-        grad_hooked.append(outputs.pop()._backward_hooks is not None)
+        grad_hooked.append(len(grad_hooks))
         counts.append(bool(records))
         opt.step()
     assert len(model._forward_pre_hooks) == 1 and not model._forward_hooks  # the trace watcher
     monitor.close()
-    assert counts == [1, False, 3, True, 1, False]  # the test's own hook, plus the monitor's two on step 1
-    assert grad_hooked == [False, True, False]
-    assert len(inner._forward_hooks) + len(inner._forward_pre_hooks) == 1  # close removes them
+    assert counts == [0, False, 2, True, 0, False]  # the monitor's two hooks, on step 1 only
+    assert grad_hooked == [0, 1, 0]  # Linear's output (its input needs no gradient), on step 1 only
+    assert not inner._forward_hooks and not inner._forward_pre_hooks  # close removes them
     assert not model._forward_pre_hooks
 
 

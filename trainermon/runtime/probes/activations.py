@@ -102,8 +102,14 @@ class _Names:
         return names
 
 
-def _padded(pieces: tuple[str, ...], count: int) -> list[str]:
-    return [pieces[i] if i < len(pieces) else "" for i in range(count)]
+_BLANK: list[tuple[str, ...]] = [("",) * n for n in range(9)]
+
+
+def _padded(pieces: tuple[str, ...], count: int) -> tuple[str, ...]:
+    """`count` piece labels: `pieces`, then "" (no labels at all, the common case: a shared tuple)."""
+    if not pieces and count < len(_BLANK):
+        return _BLANK[count]
+    return tuple(pieces[i] if i < len(pieces) else "" for i in range(count))
 
 
 def in_backward() -> bool:
@@ -186,6 +192,7 @@ class ActivationProbe(Probe):
     def _pre_hook(self, vpp_stage: int, name: str):
         loop = self.loop
         input_names = _Names(f"{name}.input")
+        first_input = input_names(1)[0]
 
         def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
             try:
@@ -198,6 +205,16 @@ class ActivationProbe(Probe):
                     micro = pending[-1]
                 else:
                     micro = self._calls.get(id(module), 0)
+                if len(args) == 1 and not kwargs:  # most modules: one tensor in (the general path, shorter)
+                    tensor = args[0]
+                    if not (is_activation(tensor) and tensor.requires_grad):
+                        return None
+                    pieces = self._shards.get(id(module), ((), ()))[0]
+                    piece = pieces[0] if pieces else ""
+                    view = self._hook_view(vpp_stage, tensor, (first_input,), micro, piece)
+                    if self._actv:
+                        self._bases[id(module)] = {id(view): tensor}
+                    return (view,), kwargs
                 positional = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
                 numbered = dict(zip(positional, input_names(len(positional))))
                 keys = [i for i in positional if is_activation(args[i])]
@@ -211,27 +228,39 @@ class ActivationProbe(Probe):
                 # One view per distinct tensor: a module called as attn(h, h, h) must still see the same
                 # object three times (nn.MultiheadAttention takes its packed self-attention path only
                 # when query is key is value; distinct views cost an extra projection and ~4% memory).
-                views: dict[int, tuple[torch.Tensor, list[str], str, torch.Tensor]] = {}
+                views: dict[int, tuple[list[str], str, torch.Tensor]] = {}
                 for position, (key, label) in enumerate(zip(keys, labels)):
                     holder = new_args if isinstance(key, int) else new_kwargs
                     tensor = holder[key]
                     if tensor.requires_grad:
                         if id(tensor) not in views:
                             piece = pieces[position] if position < len(pieces) else ""
-                            views[id(tensor)] = (tensor.view_as(tensor), [], piece, tensor)
-                        view, view_labels, _, _ = views[id(tensor)]
-                        view_labels.append(label)
+                            views[id(tensor)] = ([], piece, tensor)
+                        views[id(tensor)][0].append(label)
+                made: dict[int, torch.Tensor] = {}  # id(tensor) -> its view, hooked for all its labels
+                for tid, (view_labels, piece, tensor) in views.items():
+                    made[tid] = self._hook_view(vpp_stage, tensor, tuple(view_labels), micro, piece)
+                for key in keys:
+                    holder = new_args if isinstance(key, int) else new_kwargs
+                    view = made.get(id(holder[key]))
+                    if view is not None:
                         holder[key] = view
-                for view, view_labels, piece, _ in views.values():
-                    view.register_hook(self._grad_hook(vpp_stage, tuple(view_labels), micro, piece))
-                if self._actv and views:
-                    self._bases[id(module)] = {id(v[0]): v[3] for v in views.values()}
+                if self._actv and made:
+                    self._bases[id(module)] = {id(v): views[tid][2] for tid, v in made.items()}
                 return tuple(new_args), new_kwargs
             except Exception as exc:  # noqa: BLE001
                 loop.faults.record("forward pre-hook", exc)
                 return None
 
         return pre_hook
+
+    def _hook_view(
+        self, vpp_stage: int, tensor: torch.Tensor, labels: tuple[str, ...], micro: int, piece: str
+    ) -> torch.Tensor:
+        """A view of `tensor` for this module alone, whose gradient is this module's input gradient."""
+        view = tensor.view_as(tensor)
+        view.grad_fn.register_prehook(GradRows(self.loop, vpp_stage, labels, micro, piece, 0))
+        return view
 
     def _fwd_hook(self, vpp_stage: int, name: str):
         loop = self.loop
@@ -257,7 +286,10 @@ class ActivationProbe(Probe):
                 in_pieces, out_pieces = self._shards.get(key, ((), ()))
                 out_pieces = _padded(out_pieces, len(outputs))
                 if self._actv and not recompute:
-                    inputs = input_slots(args, kwargs)
+                    if len(args) == 1 and not kwargs:  # most modules: one argument (input_slots, shorter)
+                        inputs = [args[0]] if isinstance(args[0], torch.Tensor) else []
+                    else:
+                        inputs = input_slots(args, kwargs)
                     if bases:  # the pre-hook's views: their tensors, the same values (see `_bases`)
                         inputs = [bases.get(id(t), t) for t in inputs]
                     in_labels = input_names(len(inputs))
@@ -271,9 +303,11 @@ class ActivationProbe(Probe):
                             pieces.append(piece)
                     if tensors:
                         loop.record_local("actv", vpp_stage, labels, micro, tensors, pieces)
-                    missing = [lb for lb, t in zip(out_labels, outputs) if not isinstance(t, torch.Tensor)]
-                    if missing:  # None in an output tuple: msprobe's NaN row
-                        loop.record_missing("actv", vpp_stage, missing, micro)
+                    if not isinstance(output, torch.Tensor):  # None in an output tuple: msprobe's NaN row
+                        tensor = torch.Tensor
+                        missing = [lb for lb, t in zip(out_labels, outputs) if not isinstance(t, tensor)]
+                        if missing:
+                            loop.record_missing("actv", vpp_stage, missing, micro)
                 if self._actv_grad and torch.is_grad_enabled():
                     leaves: dict[int, torch.Tensor] = {}
                     for label, t, piece in zip(out_labels, outputs, out_pieces):
@@ -281,7 +315,9 @@ class ActivationProbe(Probe):
                             if t.is_leaf:  # a parameter as an output: hook this call's view of it
                                 view = leaves[id(t)] = t.view_as(t)
                                 t = view
-                            t.register_hook(self._grad_hook(vpp_stage, (label,), micro, piece))
+                            t.grad_fn.register_prehook(
+                                GradRows(loop, vpp_stage, (label,), micro, piece, t.output_nr)
+                            )
                     if leaves:
                         return replace_tensors(output, leaves)
             except Exception as exc:  # noqa: BLE001
@@ -290,25 +326,32 @@ class ActivationProbe(Probe):
 
         return fwd_hook
 
-    def _grad_hook(self, vpp_stage: int, labels: tuple[str, ...], micro: int, piece: str = "") -> GradRows:
-        return GradRows(self.loop, vpp_stage, labels, micro, piece)
-
 
 class GradRows:
-    """The hook on one tensor's gradient: one row per label (one tensor passed as several inputs: one row
-    each, computed once). The gradient of a piece of a tensor is the same piece of its gradient: `piece`
-    labels both. An object with slots rather than a closure: it lives from the forward to the backward,
-    and a closure with its cells is seven objects for the garbage collector to promote each time (see
+    """The hook on the autograd node that makes one tensor, seeing its gradient: one row per label (one
+    tensor passed as several inputs: one row each, computed once). The gradient of a piece of a tensor is
+    the same piece of its gradient: `piece` labels both.
+
+    A pre-hook of the node (`grad_fn.register_prehook`), given the gradients of all its outputs, of which
+    `index` (the tensor's `output_nr`) is ours: the same gradient a tensor hook would get, also when the
+    tensor is changed in place after the hook (the node that made its old value keeps the hook), for
+    ~1 us less per hooked tensor than `Tensor.register_hook`, which builds a hook dict and a handle. An
+    object with slots rather than a closure: it lives from the forward to the backward, and a closure
+    with its cells is seven objects for the garbage collector to promote each time (see
     `collect.records.RowMetaCache` for why that matters)."""
 
-    __slots__ = ("loop", "vpp_stage", "labels", "micro", "piece")
+    __slots__ = ("loop", "vpp_stage", "labels", "micro", "piece", "index")
 
-    def __init__(self, loop: Any, vpp_stage: int, labels: tuple[str, ...], micro: int, piece: str) -> None:
+    def __init__(
+        self, loop: Any, vpp_stage: int, labels: tuple[str, ...], micro: int, piece: str, index: int
+    ) -> None:
         self.loop, self.vpp_stage, self.labels, self.micro, self.piece = loop, vpp_stage, labels, micro, piece
+        self.index = index
 
-    def __call__(self, grad: torch.Tensor) -> None:
+    def __call__(self, grad_outputs: tuple) -> None:
         loop = self.loop
         try:
+            grad = grad_outputs[self.index]
             if loop.plan.collecting and grad is not None:
                 n = len(self.labels)
                 loop.record_local(
