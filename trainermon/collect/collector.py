@@ -18,6 +18,7 @@ import torch
 
 from trainermon.failsafe import FaultLog
 from trainermon.stats import NANS, NUM_PARTIALS, SUMSQ, StatsEngine, Unreadable, empty_partials
+from trainermon.stats.kinds import PLAIN_TYPES as _PLAIN
 from trainermon.stats.kinds import local_view
 
 from .batch import (
@@ -31,6 +32,10 @@ from .batch import (
     same_device,
     stamp_of,
 )
+from .identity import KEY_ADDRESS as _KEY_ADDRESS
+from .identity import KEY_DTYPE as _KEY_DTYPE
+from .identity import KEY_SHAPE as _KEY_SHAPE
+from .identity import KEY_VERSION as _KEY_VERSION
 from .identity import value_key as _value_key  # a name tests replace to turn the sharing off
 from .placement import Local, Placement, Sharded, TensorPiece, takes_part, writes_rows
 from .records import RowMeta, RowMetaCache, StepPayload, StepScalars
@@ -186,11 +191,13 @@ class StepCollector:
         labels_of: list[str] = []
         values: list[torch.Tensor] = []
         for i, t in enumerate(tensors):
-            t, shard = local_view(t)
+            shard = ""
+            if type(t) not in _PLAIN:  # a DTensor: its local values, labelled (plain tensors: no call)
+                t, shard = local_view(t)
             labels_of.append(shard or (shards[i] if i < len(shards) else ""))
             values.append(t)
             known = by_id.get(id(t))
-            if known is not None and seen[known[0]]() is t and known[1] == stamp_of(t):
+            if known is not None and seen[known[0]]() is t and known[1] == (t._version, t.data_ptr()):
                 refs.append(seen_row[known[0]])  # the same object, unchanged: its row (no value key to build)
                 fresh.append(None)
                 continue
@@ -234,18 +241,25 @@ class StepCollector:
             for why in skipped:
                 self._skip(family, why)
             refs = [rows[-1 - r] if type(r) is int and r < 0 else r for r in refs]
-        parts = self._parts
-        metas = self._metas
+        parts, metas, out_rows, order = self._parts, self._metas, self._rows, self._order
+        seq = self._next
         for i, ref in enumerate(refs):
             if ref is None:
                 continue  # unreadable: skipped and counted above
             t = values[i]
-            shape = tuple(t.shape)
-            self._rows.append(
-                metas.get((family, vpp_stage, labels[i], micro_step, shape, t.dtype, t.numel(), labels_of[i]))
+            key = fresh[i]
+            if key is not None:  # the key holds the shape, dtype, address and version: no second read
+                shape, dtype = key[_KEY_SHAPE], key[_KEY_DTYPE]
+                seen[key] = weakref.ref(t)
+                seen_row[key] = ref
+                by_id[id(t)] = (key, (key[_KEY_VERSION], key[_KEY_ADDRESS]))
+            else:
+                shape, dtype = tuple(t.shape), t.dtype
+            out_rows.append(
+                metas.get((family, vpp_stage, labels[i], micro_step, shape, dtype, t.numel(), labels_of[i]))
             )
-            self._order.append(self._next)
-            self._next += 1
+            order.append(seq)
+            seq += 1
             last = parts[-1] if parts else None
             if type(ref) is int:  # a row of the table: extend the run of table rows before it
                 if type(last) is TableRun:
@@ -259,11 +273,7 @@ class StepCollector:
                     parts.append(Span(ref[0], ref[1], ref[1] + 1))
             else:
                 parts.append(ref)
-            key = fresh[i]
-            if key is not None:
-                seen[key] = weakref.ref(t)
-                seen_row[key] = ref
-                by_id[id(t)] = (key, stamp_of(t))
+        self._next = seq
         if self._held > HOLD_BYTES or len(batch.tensors) + len(self._watch) > HOLD_COUNT:
             self.flush()
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+#: Positions in a value key of what the collector reads back from it instead of from the tensor again.
+KEY_ADDRESS, KEY_SHAPE, KEY_DTYPE, KEY_VERSION = 2, 4, 6, 8
 
 
 def value_key(t: torch.Tensor) -> tuple | None:

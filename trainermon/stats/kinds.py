@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _TENSOR, _PARAMETER, _STRIDED = torch.Tensor, torch.nn.Parameter, torch.strided
 #: Real dtypes: the engine reads these (float8 variants and other exotic dtypes go to the slow path).
 _REAL_DTYPES = frozenset(
@@ -71,7 +71,7 @@ def readable(t: Any) -> Readable:
         return _dtensor(t)
     if type(t).__name__ == "AsyncCollectiveTensor":  # a functional collective's pending result
         return readable(t.trigger_wait())
-    if type(t) not in _PLAIN_TYPES:
+    if type(t) not in PLAIN_TYPES:
         if torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python):
             raise Unreadable(
                 type(t).__name__,
@@ -186,7 +186,7 @@ def shard_label(placements: Any, mesh: Any) -> str:
 def local_view(t: Any) -> tuple[Any, str]:
     """(the values this rank holds, shard label): a DTensor's local tensor and its placement label; any
     other object is returned as it is, with "" (the engine classifies it further)."""
-    if type(t) in _PLAIN_TYPES or not _is_dtensor(t):
+    if type(t) in PLAIN_TYPES or not _is_dtensor(t):
         return t, ""
     with torch.no_grad():
         return t.to_local(), shard_label(t.placements, t.device_mesh)
