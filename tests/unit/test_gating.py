@@ -80,6 +80,27 @@ def test_micro_step_numbering(tmp_path, monkeypatch):
     assert read_family(monitor.run_dir, "actv_grad") == []  # forward_only
 
 
+def test_gradient_hooks_are_kept_across_steps(tmp_path, monkeypatch):
+    """One gradient hook per hooked slot and micro-step, made on the first collected step and reused after
+    (no new hook objects per step for the garbage collector), with each step's rows still its own: the
+    norm of 2.output's gradient, d(sum)/d(out) = ones(3, 2) per micro-batch, sqrt(6) at every micro_step."""
+    made = []
+    real_init = activations.GradRows.__init__
+
+    def counting(hook, *args):
+        made.append(args)
+        real_init(hook, *args)
+
+    monkeypatch.setattr(activations.GradRows, "__init__", counting)
+    monitor, _ = _train(tmp_path, monkeypatch, 3, grad_acc=2, xy_distribution=True, backward_only=True)
+    # per micro-step: 0.input (x needs no grad: none), 0.output, 1.input, 1.output, 2.input, 2.output
+    assert len(made) == 2 * 5
+    rows = [r for r in read_family(monitor.run_dir, "actv_grad") if r["name"] == "2.output"]
+    expected = [(s, m) for s in range(3) for m in (0, 1)]
+    assert [(int(r["step"]), int(r["micro_step"])) for r in rows] == expected
+    assert all(float(r["norm"]) == pytest.approx(6**0.5, rel=1e-6) for r in rows)
+
+
 def test_backward_only_and_targets(tmp_path, monkeypatch):
     monitor, _ = _train(
         tmp_path,
@@ -117,16 +138,14 @@ def test_module_hooks_exist_on_collected_steps_only(tmp_path, out_dir, monkeypat
     counts, records, grad_hooked = [], [], []
     original = monitor.loop.record_local
     monitor.loop.record_local = lambda family, *a, **k: records.append(family) or original(family, *a, **k)
-    grad_hooks = []  # the gradient hooks made (one per hooked tensor, on the node that makes it)
+    grad_hooks = []  # the gradient hooks registered (one per hooked tensor, on the node that makes it)
+    get_hook = activations.GradRowsCache.get
 
-    class CountedGradRows(activations.GradRows):
-        __slots__ = ()
+    def counted(cache, *args):
+        grad_hooks.append(args)
+        return get_hook(cache, *args)
 
-        def __init__(self, *args) -> None:
-            grad_hooks.append(args)
-            super().__init__(*args)
-
-    monkeypatch.setattr(activations, "GradRows", CountedGradRows)
+    monkeypatch.setattr(activations.GradRowsCache, "get", counted)
     for _ in range(3):
         counts.append(len(inner._forward_hooks) + len(inner._forward_pre_hooks))
         records.clear()
