@@ -305,8 +305,9 @@ class ActivationProbe(Probe):
                     if tensors:
                         loop.record_local("actv", vpp_stage, labels, micro, tensors, pieces)
                     if not isinstance(output, torch.Tensor):  # None in an output tuple: msprobe's NaN row
-                        tensor = torch.Tensor
-                        missing = [lb for lb, t in zip(out_labels, outputs) if not isinstance(t, tensor)]
+                        missing = [
+                            lb for lb, t in zip(out_labels, outputs) if not isinstance(t, torch.Tensor)
+                        ]
                         if missing:
                             loop.record_missing("actv", vpp_stage, missing, micro)
                 if self._actv_grad and torch.is_grad_enabled():
