@@ -193,12 +193,14 @@ class StepLoop:
         tensors: Any,
         shards: Sequence[str] = (),
     ) -> None:
-        """Rows for this rank's own tensors seen by a hook (see `StepCollector.add_local`)."""
-        with self.clock, self._lock:
+        """Rows for this rank's own tensors seen by a hook (see `StepCollector.add_local`). The hook that
+        calls it holds `clock` for its whole body (what it costs besides the rows is the monitor's too)."""
+        with self._lock:
             self.collector.add_local(family, vpp_stage, labels, micro, tensors, shards)
 
     def record_missing(self, family: str, vpp_stage: int, labels: list, micro: int | None) -> None:
-        """NaN rows for module outputs that are not tensors (see `StepCollector.add_missing`)."""
+        """NaN rows for module outputs that are not tensors (see `StepCollector.add_missing`); the calling
+        hook holds `clock`, as for `record_local`."""
         with self._lock:
             self.collector.add_missing(family, vpp_stage, labels, micro)
 

@@ -176,13 +176,19 @@ class ActivationProbe(Probe):
         after) and the body runs outside the graph (a graph break on collected steps only)."""
         import torch.compiler  # not at module level: the core imports no framework machinery eagerly
 
-        body = torch.compiler.disable(body)
+        clock = self.loop.clock
+
+        def timed(*args: Any) -> Any:  # the whole body is the monitor's own time, not only its rows
+            with clock:
+                return body(*args)
+
+        outside_graph = torch.compiler.disable(timed)
         probe = self
 
         def hook(*args: Any) -> Any:
             if not (probe._actv or probe._actv_grad) or (extra and not probe._wide):
                 return None
-            return body(*args)
+            return outside_graph(*args)
 
         return hook
 
@@ -353,15 +359,16 @@ class GradRows:
 
     def __call__(self, grad_outputs: tuple) -> None:
         loop = self.loop
-        try:
-            grad = grad_outputs[self.index]
-            if loop.plan.collecting and grad is not None:
-                n = len(self.labels)
-                loop.record_local(
-                    "actv_grad", self.vpp_stage, self.labels, self.micro, (grad,) * n, (self.piece,) * n
-                )
-        except Exception as exc:  # noqa: BLE001
-            loop.faults.record("activation-gradient hook", exc)
+        with loop.clock:
+            try:
+                grad = grad_outputs[self.index]
+                if loop.plan.collecting and grad is not None:
+                    n = len(self.labels)
+                    loop.record_local(
+                        "actv_grad", self.vpp_stage, self.labels, self.micro, (grad,) * n, (self.piece,) * n
+                    )
+            except Exception as exc:  # noqa: BLE001
+                loop.faults.record("activation-gradient hook", exc)
 
 
 class GradRowsCache:
