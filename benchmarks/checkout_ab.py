@@ -8,7 +8,9 @@ its `adapters/` and `exporters/`. Method: for each run, one fresh process per ch
 checkouts), each running the arms none and trainermon under each config side by side, with the checkout's
 own `benchmarks/overhead.py` (`build_arm`, `run_step`): 5 warm-up steps per arm, then `--blocks` blocks of
 5 steps per arm in a fresh random order per block, one torch thread. Prints, per checkout and run, the
-median step time and median own time per arm (ms), then the medians over runs.
+median step time, median own time and mean step time per arm (ms), then the medians over runs. The mean
+holds what the median leaves out: the background worker writes every `write_interval_s`, so its share of
+the GIL falls on one step in several.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ for _ in range(blocks):
             ob.run_step(arm)
 def med(xs):
     return statistics.median(xs) * 1e3 if xs else None
-result = {a.name: [med(a.times), med(a.own)] for a in arms}
+result = {a.name: [med(a.times), med(a.own), statistics.mean(a.times) * 1e3] for a in arms}
 for arm in arms:
     ob.close_arm(arm)
 print(json.dumps(result))
@@ -78,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
             steps = statistics.median(r[arm][0] for r in runs)
             owns = [r[arm][1] for r in runs if r[arm][1] is not None]
             own = f"{statistics.median(owns):.2f}" if owns else "-"
-            print(f"{tree}  {arm:26s} step {steps:8.2f} ms  own {own} ms")
+            means = [r[arm][2] for r in runs if len(r[arm]) > 2]
+            mean = f"  mean {statistics.median(means):8.2f} ms" if means else ""
+            print(f"{tree}  {arm:26s} step {steps:8.2f} ms  own {own} ms{mean}")
     return 0
 
 

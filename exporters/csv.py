@@ -20,6 +20,7 @@ import csv
 import io
 import json
 import os
+from operator import attrgetter, itemgetter
 
 import numpy as np
 
@@ -36,6 +37,8 @@ XRANK_HEADER = ["vpp_stage", "name", "step", "micro_step", "family", "stat", *XR
 #: Columns some families have beyond the statistics (appended at the end of their files).
 EXTRA_COLUMNS = {family: tuple(name for name, _ in cols) for family, cols in FAMILY_COLUMNS.items()}
 _KIND = {name: kind for cols in FAMILY_COLUMNS.values() for name, kind in cols}
+_FAMILY = attrgetter("family")
+_HEAD, _MICRO, _SHAPE, _DTYPE, _SHARD = (itemgetter(i) for i in range(5))  # fields of `CsvExporter._texts`
 
 
 def _floats(values: list, fmt: str) -> str:
@@ -81,7 +84,8 @@ class _RowFile:
 class CsvExporter(Exporter):
     def __init__(self) -> None:
         self._files: dict[str, tuple[int, _RowFile]] = {}
-        self._heads: dict[tuple[int, str], str] = {}
+        self._by_row: dict[int, tuple[str, ...]] = {}  # id(row) -> its fixed fields' text: see `_texts`
+        self._alive: list = []  # the rows of `_by_row`
         self._shapes: dict[tuple[int, ...], str] = {}
 
     def open(self, run: RunInfo) -> None:
@@ -104,8 +108,8 @@ class CsvExporter(Exporter):
         # dtype): this runs on the worker thread, and every microsecond it holds the GIL is a
         # microsecond the training thread may wait.
         by_family: dict[str, list[int]] = {}
-        for i, row in enumerate(batch.rows):
-            by_family.setdefault(row.family, []).append(i)
+        for i, family in enumerate(map(_FAMILY, batch.rows)):
+            by_family.setdefault(family, []).append(i)
         step = str(batch.step)
         written: list[tuple[list[int], str]] = []  # (indices, text) of the families formatted so far
         for family, indices in by_family.items():
@@ -147,32 +151,36 @@ class CsvExporter(Exporter):
     def _same_lines(self, batch: StatBatch, a: list[int], b: list[int]) -> bool:
         if len(a) != len(b):
             return False
-        rows = batch.rows
-        if any(rows[i][1:] != rows[j][1:] for i, j in zip(a, b)):  # every field but the family
-            return False
-        return all(
+        # The values first: whole columns at once, and they differ at once between families that
+        # describe the same parameters (param, exp_avg, ...), where the names would all match.
+        if not all(
             np.array_equal(batch.values[op][a], batch.values[op][b], equal_nan=True)
             for op in self.ops
             if op in batch.values
-        )
+        ):
+            return False
+        rows = batch.rows
+        return all(rows[i][1:] == rows[j][1:] for i, j in zip(a, b))  # every field but the family
 
     def _format(
         self, batch: StatBatch, rows: list, indices: list[int], step: str, with_micro: bool, extra: tuple = ()
     ) -> str:
-        fields: list[list[str]] = [[self._head(r) for r in rows], [step] * len(rows)]
+        known = self._by_row.get
+        texts = [known(id(r)) or self._texts(r) for r in rows]
+        fields: list[list[str]] = [list(map(_HEAD, texts)), [step] * len(rows)]
         if with_micro:
-            fields.append([str(r.micro_step or 0) for r in rows])
+            fields.append(list(map(_MICRO, texts)))
         for op in self.ops:
             if op == "shape":
-                fields.append([self._shape(r.shape) for r in rows])
+                fields.append(list(map(_SHAPE, texts)))
             elif op == "dtype":
-                fields.append([str(r.dtype) for r in rows])
+                fields.append(list(map(_DTYPE, texts)))
             elif BY_NAME[op].kind is Kind.FLOAT:
                 fmt = f"%.{self.ndigits}g"  # ndigits significant digits; nan, inf, -inf
-                fields.append([fmt % v for v in batch.values[op][indices].tolist()])
+                fields.append(list(map(fmt.__mod__, batch.values[op][indices].tolist())))
             elif BY_NAME[op].kind is Kind.COUNT:
                 fields.append([str(int(v)) for v in batch.values[op][indices].tolist()])
-        fields.append([_csv_field(r.shard) if r.shard else "" for r in rows])
+        fields.append(list(map(_SHARD, texts)))
         skipped = batch.scalars.update_skipped  # the step's update was skipped: 1, done: 0, not known: empty
         fields.append(["" if skipped is None else str(int(skipped))] * len(rows))
         if rows and rows[0].family == "comm":
@@ -193,24 +201,30 @@ class CsvExporter(Exporter):
                 fields.append([str(int(v)) if v == v else "" for v in got[indices].tolist()])
             else:
                 fields.append([fmt % v for v in got[indices].tolist()])
-        return "".join(",".join(line) + "\n" for line in zip(*fields))
+        return "\n".join(map(",".join, zip(*fields))) + "\n" if rows else ""
 
-    def _head(self, row) -> str:
-        key = (row.vpp_stage, row.name)
-        head = self._heads.get(key)
-        if head is None:
-            if len(self._heads) > 100_000:
-                self._heads.clear()  # bounded: names are few, but never let the cache grow unchecked
-            head = self._heads[key] = f"{row.vpp_stage},{_csv_field(row.name)}"
-        return head
-
-    def _shape(self, shape: tuple[int, ...]) -> str:
-        text = self._shapes.get(shape)
-        if text is None:
-            if len(self._shapes) > 100_000:
-                self._shapes.clear()
-            text = self._shapes[shape] = _csv_field(str(list(shape)))
-        return text
+    def _texts(self, row) -> tuple[str, str, str, str, str]:
+        """The row's fixed fields as CSV text: (`vpp_stage,name`, micro_step, shape, dtype, shard), kept
+        by the row object's id: the collector hands over the same RowMeta objects every step
+        (`RowMetaCache`), so a step's lines cost one lookup per row for these fields. `_alive` holds
+        every row with an entry, so no other object can have its id while the entry exists."""
+        if len(self._by_row) > 100_000:
+            self._by_row.clear()  # bounded: rows are few, but never let the cache grow unchecked
+            self._alive.clear()
+            self._shapes.clear()
+        shape = self._shapes.get(row.shape)
+        if shape is None:
+            shape = self._shapes[row.shape] = _csv_field(str(list(row.shape)))
+        texts = (
+            f"{row.vpp_stage},{_csv_field(row.name)}",
+            str(row.micro_step or 0),
+            shape,
+            str(row.dtype),
+            _csv_field(row.shard) if row.shard else "",
+        )
+        self._by_row[id(row)] = texts
+        self._alive.append(row)
+        return texts
 
     def _file_for(self, family: str, step: int, with_micro: bool, header: list | None = None) -> _RowFile:
         first = (step // self.per_record) * self.per_record

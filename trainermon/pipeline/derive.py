@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from itertools import compress
+from operator import attrgetter
 
 import numpy as np
 
@@ -13,7 +15,17 @@ from trainermon.failsafe import FaultLog
 from trainermon.stats import NANS, SUMSQ, finalize
 
 from .anomaly import AnomalyDetector
-from .health import UPDATE_BASE, UPDATE_FAMILY, attn_logit, moe_load, update_ratio  # noqa: F401
+from .health import (
+    ATTN_HIDDEN,
+    MOE_HIDDEN,
+    UPDATE_BASE,
+    UPDATE_FAMILY,  # noqa: F401 - re-exported
+    attn_logit,
+    moe_load,
+    update_ratio,
+)
+
+_FAMILY, _NUMEL = attrgetter("family"), attrgetter("numel")
 
 
 class Deriver:
@@ -34,10 +46,17 @@ class Deriver:
             keep = np.flatnonzero(~dropped)
             partials = partials[keep]
             rows = tuple(rows[i] for i in keep)
-        rows, partials, ratio = update_ratio(rows, partials)
-        rows, partials, moe = moe_load(rows, partials)
-        rows, partials, attn = attn_logit(rows, partials)
-        numel = np.fromiter((r.numel for r in rows), dtype=np.float64, count=len(rows))
+        # One pass over the rows for the families present: each helper below scans every row, and a
+        # step of `all` on a many-module model has thousands (the worker's time is the GIL's time).
+        present = set(map(_FAMILY, rows))
+        ratio = moe = attn = None
+        if UPDATE_BASE in present:
+            rows, partials, ratio = update_ratio(rows, partials)
+        if MOE_HIDDEN in present:
+            rows, partials, moe = moe_load(rows, partials)
+        if ATTN_HIDDEN in present:
+            rows, partials, attn = attn_logit(rows, partials)
+        numel = np.fromiter(map(_NUMEL, rows), dtype=np.float64, count=len(rows))
         values = finalize(partials, numel)
         if ratio is not None:
             values["ratio"] = ratio
@@ -47,7 +66,7 @@ class Deriver:
             rows, values = attn(rows, values)
         # Global gradient norm from the per-parameter sums of squares (exact across shards, since each
         # written row is already the full parameter's merged statistic).
-        reduced = [i for i, r in enumerate(rows) if r.family == "grad_reduced"]
+        reduced = list(compress(range(len(rows)), map("grad_reduced".__eq__, map(_FAMILY, rows))))
         norm = float(np.sqrt(np.sum(partials[reduced, SUMSQ]))) if reduced else None
         if payload.job_grad_sumsq is not None:  # a model split over ranks: every rank's written rows
             norm = float(np.sqrt(max(float(payload.job_grad_sumsq), 0.0)))
