@@ -13,9 +13,10 @@ thread):
   doing nothing.
 - `floor`: `hooks`, plus one read of every value an exact `all` must read, with as little Python as
   possible: each hooked activation and gradient read at its hook by the native kernel into a
-  preallocated table (a tensor already read, same memory and version, is not read again), and after the
-  update the parameters (twice: before and after), gradients, exp_avg and exp_avg_sq read in one kernel
-  call per family. No names, no rows, no output: a lower bound, not a monitor.
+  preallocated table (a tensor already read, same memory and version, is not read again while it
+  lives: a dead tensor's memory may hold a new one), and after the update the parameters (twice:
+  before and after), gradients, exp_avg and exp_avg_sq read in one kernel call per family. No names,
+  no rows, no output: a lower bound, not a monitor.
 - `trainermon[all]`: the product, config `all` of benchmarks/overhead.py.
 - `floor[wg+mv+param]`: the update-side reads of `floor` alone (no hooks), next to
   `trainermon[wg+mv+param]`.
@@ -37,6 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -74,7 +76,8 @@ class FloorMonitor:
         self.address = self.table.data_ptr()
         self.used = 0
         self.own_s = 0.0  # time inside the hooks and update-side reads, as trainermon's own time
-        self.done: set[tuple[int, int, int]] = set()  # (address, elements, version) read this step
+        #: (address, elements, version) -> the tensor read there this step (weakly)
+        self.done: dict[tuple[int, int, int], weakref.ref] = {}
         self.handles = []
         for module in model.modules() if hooks else ():
             if type(module) is nn.ModuleList:
@@ -87,9 +90,12 @@ class FloorMonitor:
         if plan is None or not plan[1]:
             return
         seen = (plan[0], plan[1], t._version)
-        if seen in self.done:
-            return
-        self.done.add(seen)
+        read = self.done.get(seen)
+        if read is not None and read() is not None:
+            return  # the tensor read lives on, so this one at its address is a view of the same values
+        # A dead tensor's memory may hold another tensor now (the backward pass frees and reuses
+        # gradient buffers of one size): such a tensor is new and is read.
+        self.done[seen] = weakref.ref(t)
         fused.run_one(plan, self.address + (self.used % len(self.table)) * ROW * 8)
         self.used += 1
 
