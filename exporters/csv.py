@@ -38,6 +38,8 @@ XRANK_HEADER = ["vpp_stage", "name", "step", "micro_step", "family", "stat", *XR
 EXTRA_COLUMNS = {family: tuple(name for name, _ in cols) for family, cols in FAMILY_COLUMNS.items()}
 _KIND = {name: kind for cols in FAMILY_COLUMNS.values() for name, kind in cols}
 _FAMILY = attrgetter("family")
+#: Rows whose fixed fields' text `CsvExporter` keeps at least (more when a step writes more than half).
+KEEP_ROWS = 8192
 _HEAD, _MICRO, _SHAPE, _DTYPE, _SHARD = (itemgetter(i) for i in range(5))  # fields of `CsvExporter._texts`
 
 
@@ -86,6 +88,7 @@ class CsvExporter(Exporter):
         self._files: dict[str, tuple[int, _RowFile]] = {}
         self._by_row: dict[int, tuple[str, ...]] = {}  # id(row) -> its fixed fields' text: see `_texts`
         self._alive: list = []  # the rows of `_by_row`
+        self._keep = KEEP_ROWS  # `_by_row` is emptied beyond this many entries (see `write`)
         self._shapes: dict[tuple[int, ...], str] = {}
 
     def open(self, run: RunInfo) -> None:
@@ -107,6 +110,7 @@ class CsvExporter(Exporter):
         # Column-wise formatting (one C-level format per value, cached per-row text for name, shape and
         # dtype): this runs on the worker thread, and every microsecond it holds the GIL is a
         # microsecond the training thread may wait.
+        self._keep = max(KEEP_ROWS, 2 * len(batch.rows))  # two steps' rows: a step's own always fit
         by_family: dict[str, list[int]] = {}
         for i, family in enumerate(map(_FAMILY, batch.rows)):
             by_family.setdefault(family, []).append(i)
@@ -208,8 +212,10 @@ class CsvExporter(Exporter):
         by the row object's id: the collector hands over the same RowMeta objects every step
         (`RowMetaCache`), so a step's lines cost one lookup per row for these fields. `_alive` holds
         every row with an entry, so no other object can have its id while the entry exists."""
-        if len(self._by_row) > 100_000:
-            self._by_row.clear()  # bounded: rows are few, but never let the cache grow unchecked
+        if len(self._by_row) > self._keep:
+            # Bounded by the rows a step writes: where shapes change every step (MoE experts' token
+            # counts) each step brings new row objects, and the texts would otherwise pile up.
+            self._by_row.clear()
             self._alive.clear()
             self._shapes.clear()
         shape = self._shapes.get(row.shape)

@@ -182,3 +182,40 @@ def test_csv_reuses_text_only_for_identical_lines(tmp_path):
         ("3", "w", "1.5", "0"),
         ("3", "b", "nan", "1"),
     ]
+
+
+def test_csv_row_texts_follow_new_rows_and_stay_bounded(tmp_path, monkeypatch):
+    """The exporter keeps each row object's fixed fields as text. Rows whose shape changes every step
+    (an MoE expert's token count) are new objects each step: their lines must carry their own shape and
+    micro-step, and the kept texts must not grow beyond two steps' rows (or the floor KEEP_ROWS)."""
+    import numpy as np
+
+    import trainermon.exporters.csv as csv_exporter
+    from trainermon.collect.records import RowMeta, StatBatch
+    from trainermon.config import parse_config
+    from trainermon.exporters.base import RunInfo
+
+    monkeypatch.setattr(csv_exporter, "KEEP_ROWS", 4)
+    exporter = csv_exporter.CsvExporter()
+    exporter.open(RunInfo(str(tmp_path), str(tmp_path), 0, 1, "r", parse_config({"ops": ["norm", "shape"]})))
+    sizes = []
+    for step in range(12):
+        rows = [
+            RowMeta("actv", 0, f"e{i}", i % 2, (step + i, 4), torch.float32, 4 * (step + i)) for i in range(3)
+        ]
+        exporter.write(StatBatch(step=step, rows=rows, values={"norm": np.arange(3.0) + step}))
+        sizes.append(len(exporter._by_row))
+    exporter.close()
+    got = sorted(
+        (
+            (r["step"], r["name"], r["micro_step"], r["shape"], r["norm"])
+            for r in read_family(str(tmp_path), "actv")
+        ),
+        key=lambda line: (int(line[0]), line[1]),
+    )
+    assert got == [
+        (str(s), f"e{i}", str(i % 2), str([s + i, 4]), str(float(s + i)).rstrip("0").rstrip("."))
+        for s in range(12)
+        for i in range(3)
+    ]
+    assert max(sizes) <= max(4, 2 * 3) + 3, sizes  # emptied once past the bound, then refilled by a step
