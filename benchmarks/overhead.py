@@ -227,7 +227,8 @@ def write_config(directory: str, tool: str, config: str) -> str:
 
 class OwnTimer:
     """trainermon's own time on the training thread: the step loop sums it at its entry points (the step
-    events, the step boundary, and every batch of rows added from a hook; outermost call only)."""
+    events, the step boundary, every batch of rows added from a gradient tap, and every activation
+    hook's whole body; outermost call only)."""
 
     def __init__(self, monitor: Any) -> None:
         self.loop = monitor.loop
