@@ -167,9 +167,13 @@ class StepCollector:
         micro_step: int | None,
         tensors: Sequence,
         shards: Sequence[str] = (),
+        transient: bool = False,
     ) -> None:
         """Rows for this rank's own tensors seen by a hook (activations and their gradients). `shards`
         labels tensors that are pieces of a larger one (by position; a DTensor labels itself).
+        `transient`: their memory may be rewritten once the call returns without their version counter
+        seeing it (a compiled graph's buffers, reused by the compiler): reduced now, never matched
+        against other tensors nor matched by them, never held.
 
         A tensor already reduced this step (the same memory, unmodified: a module's output that is the
         next module's input, or a view of it) reuses that row. One the native kernel reads is reduced now,
@@ -196,27 +200,30 @@ class StepCollector:
                 t, shard = local_view(t)
             labels_of.append(shard or (shards[i] if i < len(shards) else ""))
             values.append(t)
-            known = by_id.get(id(t))
+            known = None if transient else by_id.get(id(t))
             if known is not None and seen[known[0]]() is t and known[1] == (t._version, t.data_ptr()):
                 refs.append(seen_row[known[0]])  # the same object, unchanged: its row (no value key to build)
                 fresh.append(None)
                 continue
             key = _value_key(t)
-            if key is not None:
+            if key is not None and not transient:
                 hit = seen.get(key)
                 if hit is not None and _still_holds(hit, key):
                     refs.append(seen_row[key])
                     fresh.append(None)
                     continue
-                if key in in_call:
-                    refs.append(in_call[key])
-                    fresh.append(None)
-                    continue
+            if key is not None and key in in_call:
+                refs.append(in_call[key])
+                fresh.append(None)
+                continue
             trust = (family, labels[i])
             fresh.append(key)
             row = table.write(engine, t) if direct else None
             if row is not None:
                 ref = row  # read now, while the hook's tensor is in cache
+            elif transient:
+                ref = -1 - len(now)
+                now.append(t)
             elif key is not None and self.batching and trusted.get(trust) and same_device(batch, t):
                 ref = (batch, len(batch.tensors))
                 # An alias: the values stay reachable (and exact) if the tensor's own memory is swapped
@@ -250,11 +257,12 @@ class StepCollector:
             key = fresh[i]
             if key is not None:  # the key holds the shape, dtype, address and version: no second read
                 shape, dtype = key[_KEY_SHAPE], key[_KEY_DTYPE]
+            else:
+                shape, dtype = tuple(t.shape), t.dtype
+            if key is not None and not transient:
                 seen[key] = weakref.ref(t)
                 seen_row[key] = ref
                 by_id[id(t)] = (key, (key[_KEY_VERSION], key[_KEY_ADDRESS]))
-            else:
-                shape, dtype = tuple(t.shape), t.dtype
             out_rows.append(
                 metas.get((family, vpp_stage, labels[i], micro_step, shape, dtype, t.numel(), labels_of[i]))
             )

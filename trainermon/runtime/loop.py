@@ -192,11 +192,13 @@ class StepLoop:
         micro: int | None,
         tensors: Any,
         shards: Sequence[str] = (),
+        transient: bool = False,
     ) -> None:
-        """Rows for this rank's own tensors seen by a hook (see `StepCollector.add_local`). The hook that
-        calls it holds `clock` for its whole body (what it costs besides the rows is the monitor's too)."""
+        """Rows for this rank's own tensors seen by a hook (see `StepCollector.add_local`, and there for
+        `transient`). The hook that calls it holds `clock` for its whole body (what it costs besides the
+        rows is the monitor's too)."""
         with self._lock:
-            self.collector.add_local(family, vpp_stage, labels, micro, tensors, shards)
+            self.collector.add_local(family, vpp_stage, labels, micro, tensors, shards, transient)
 
     def record_missing(self, family: str, vpp_stage: int, labels: list, micro: int | None) -> None:
         """NaN rows for module outputs that are not tensors (see `StepCollector.add_missing`); the calling

@@ -133,6 +133,7 @@ class ActivationProbe(Probe):
         # the actv row of an input is then its tensor's row, found by object (no value key to build)
         self._bases: dict[int, dict[int, torch.Tensor]] = {}
         self._grad_rows = GradRowsCache(loop)
+        self._taps: Any = None  # graph_taps.TapSites once hooks are made where the tap operators exist
 
     def configure(self, config: MonitorConfig) -> None:
         modules: list[tuple[int, str, torch.nn.Module]] = []
@@ -150,6 +151,8 @@ class ActivationProbe(Probe):
         self._calls.clear()
         self._pending.clear()
         self._bases.clear()
+        if self._taps:
+            self._taps.begin_step()
         self._actv, self._actv_grad = plan.actv, plan.actv_grad
         self._wide = plan.escalating and (plan.actv or plan.actv_grad)
         self.hooks.arm(self._actv or self._actv_grad)
@@ -160,20 +163,31 @@ class ActivationProbe(Probe):
 
     def _register(self, vpp_stage: int, name: str, module: torch.nn.Module, extra: bool) -> list[Any]:
         self._shards[id(module)] = self.loop.adapter.activation_shards(module)
+        traced_pre = traced_fwd = None
+        if self._taps is None:
+            from . import graph_taps
+
+            self._taps = graph_taps.TapSites(self) if graph_taps.available() else False
+        if self._taps:
+            from .graph_taps import traced_forward_hook, traced_pre_hook
+
+            traced_pre = traced_pre_hook(self, vpp_stage, name, id(module))
+            traced_fwd = traced_forward_hook(self, vpp_stage, name, id(module))
         return [
             module.register_forward_pre_hook(
-                self._gate(self._pre_hook(vpp_stage, name), extra), with_kwargs=True
+                self._gate(self._pre_hook(vpp_stage, name), extra, traced_pre), with_kwargs=True
             ),
             module.register_forward_hook(
-                self._gate(self._fwd_hook(vpp_stage, name), extra), with_kwargs=True
+                self._gate(self._fwd_hook(vpp_stage, name), extra, traced_fwd), with_kwargs=True
             ),
         ]
 
-    def _gate(self, body: Any, extra: bool) -> Any:
+    def _gate(self, body: Any, extra: bool, traced: Any = None) -> Any:
         """The installed hook: a flag test, false on steps that are not collected while the hooks stay
         installed (pinned under torch.compile, see `module_hooks`). Under torch.compile the test is traced
         (dynamo guards on the flags: one recompile when collection first switches on, both graphs cached
-        after) and the body runs outside the graph (a graph break on collected steps only). Until the
+        after); on collected steps dynamo traces `traced` (operators in the graph that run the monitor's
+        code, see `graph_taps`), or without it the body runs outside the graph (a graph break). Until the
         hooks are pinned no compiled code can call them, so the body is called directly: dynamo's disable
         wrapper switches its frame callback twice per call (~1.5 ms per step on a 145-module model)."""
         import torch.compiler  # not at module level: the core imports no framework machinery eagerly
@@ -190,7 +204,9 @@ class ActivationProbe(Probe):
         def hook(*args: Any) -> Any:
             if not (probe._actv or probe._actv_grad) or (extra and not probe._wide):
                 return None
-            if hooks.pinned or compiling():  # compiled code may call it, or dynamo traces it now
+            if compiling():  # dynamo traces this call
+                return outside_graph(*args) if traced is None else traced(*args)
+            if hooks.pinned:  # compiled code may call it (a resumed frame after a graph break)
                 return outside_graph(*args)
             return timed(*args)
 
@@ -198,6 +214,8 @@ class ActivationProbe(Probe):
 
     def close(self) -> None:
         self.hooks.close()
+        if self._taps:
+            self._taps.close()
 
     # ---- hooks ---------------------------------------------------------------------------------
     def _pre_hook(self, vpp_stage: int, name: str):

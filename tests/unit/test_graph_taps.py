@@ -1,0 +1,297 @@
+"""actv and actv_grad inside torch.compile'd graphs (`runtime/probes/graph_taps.py`): the hooks put
+operator calls in the graph instead of graph breaks, and the rows are the eager run's.
+
+The model has what the taps must name and number as the eager hooks do: blocks run in a `for` loop over a
+ModuleList (a graph break there makes dynamo give up the whole loop), a module with two positional inputs,
+one of them passed twice, and a keyword tensor input, a tuple output with a None (msprobe's NaN row) and an
+integer tensor (no row), a dict output, and two micro-batches per step.
+
+Tolerances: both runs do the same float32 operations on values of order 1. aot_eager runs the traced aten
+ops eagerly (differences: reduction order only, ~1e-7 relative); inductor also fuses the pointwise ops into
+its own loops (vectorised tanh/exp within a few ulp), and the differences pass through at most eight ops to
+a row: rel 1e-4 bounds both with a wide margin and still catches a row read from the wrong buffer (those
+differ by tens of percent here).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers import keyed, read_family, write_config
+from trainermon import TrainerMon
+
+OPS = ("norm", "min", "max")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    yield
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+
+class Mix(nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor, *, gate: torch.Tensor) -> tuple:
+        return a * torch.sigmoid(b), None, (gate > 0).long(), a + gate
+
+
+class Heads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        return {"p": self.p(x), "q": torch.tanh(x)}
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.mix, self.heads = nn.Linear(8, 8), nn.Linear(8, 8), Mix(), Heads()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.b(torch.tanh(self.a(x)))  # b's input is no module's output: a buffer of its own
+        mixed, _, _, skip = self.mix(h, h, gate=x)
+        heads = self.heads(mixed)
+        return heads["p"] * heads["q"] + skip
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _run(tmp_path, tag: str, backend: str | None, steps: int = 3, micro: int = 2, fullgraph: bool = True):
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = Model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    monitor = TrainerMon(write_config(tmp_path / f"{tag}.json", xy_distribution=True, ops=list(OPS)))
+    monitor.set_monitor(model, optimizer=opt)
+    run = model if backend is None else torch.compile(model, backend=backend, fullgraph=fullgraph)
+    gen = torch.Generator().manual_seed(1)
+    outputs = []
+    for _ in range(steps):
+        for _ in range(micro):
+            out = run(torch.randn(4, 8, generator=gen))
+            outputs.append(out.detach().double())
+            out.square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    actv = keyed(read_family(monitor.run_dir, "actv"))
+    grads = keyed(read_family(monitor.run_dir, "actv_grad"))
+    return actv, grads, outputs, monitor.loop.faults.total, dict(counters["graph_break"])
+
+
+def _same_rows(got: dict, want: dict) -> None:
+    assert set(got) == set(want) and want, sorted(set(got) ^ set(want))[:8]
+    for key, row in want.items():
+        for op in OPS:
+            expected, actual = float(row[op]), float(got[key][op])
+            if math.isnan(expected):
+                assert math.isnan(actual), (key, op, actual)
+            else:
+                assert actual == pytest.approx(expected, rel=1e-4, abs=1e-6), (key, op)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_rows_equal_eager_with_no_graph_break(tmp_path, out_dir, backend):
+    """fullgraph=True: any graph break would be an error. The rows (names, micro-steps, values) are the
+    eager run's; the model's output row is checked against the output itself."""
+    want_actv, want_grad, _, eager_faults, _ = _run(tmp_path, "eager", None)
+    actv, grads, outputs, faults, breaks = _run(tmp_path, backend, backend)
+    assert not breaks and faults == 0 and eager_faults == 0
+    _same_rows(actv, want_actv)
+    _same_rows(grads, want_grad)
+    # the NaN row of the None output, and none for the integer tensor, as in eager mode
+    assert math.isnan(float(actv[("blocks.0.mix.output_1", 0, 0)]["norm"]))
+    assert ("blocks.0.mix.output_2", 0, 0) not in actv
+    # independent of the eager run: the last block's output is the model's output, its gradient 2 * out
+    for step in range(3):
+        for micro in range(2):
+            out = outputs[2 * step + micro]
+            assert float(actv[("blocks.1.output", step, micro)]["norm"]) == pytest.approx(
+                float(out.norm()), rel=1e-5
+            )
+            assert float(grads[("blocks.1.output", step, micro)]["norm"]) == pytest.approx(
+                2 * float(out.norm()), rel=1e-5
+            )
+
+
+def test_a_failing_tap_is_contained(tmp_path, out_dir, monkeypatch):
+    """A tap whose rows fail (here: the collector raises) is logged and counted; the compiled step runs on
+    and computes what it computes without the monitor."""
+    from trainermon.runtime.loop import StepLoop
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("collector down")
+
+    torch.manual_seed(0)
+    reference = Model()
+    torch.manual_seed(0)
+    model = Model()
+    monitor = TrainerMon(write_config(tmp_path / "c.json", xy_distribution=True, ops=["norm"]))
+    monitor.set_monitor(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    monkeypatch.setattr(StepLoop, "record_local", broken)
+    x = torch.randn(4, 8)
+    out = torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+    out.square().sum().backward()
+    monitor.close()
+    assert torch.allclose(out, reference(x), rtol=1e-6, atol=1e-7)
+    assert monitor.loop.faults.total > 0
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_without_the_tap_operators_hooks_break_the_graph(tmp_path, out_dir, monkeypatch):
+    """Where the operators cannot be registered, the hooks run outside the graph as before: graph breaks,
+    the same rows."""
+    from trainermon.runtime.probes import graph_taps
+
+    want_actv, want_grad, *_ = _run(tmp_path, "eager", None, steps=2)
+    monkeypatch.setattr(graph_taps, "available", lambda: False)
+    actv, grads, _, faults, breaks = _run(tmp_path, "breaks", "aot_eager", steps=2, fullgraph=False)
+    assert breaks and faults == 0
+    _same_rows(actv, want_actv)
+    _same_rows(grads, want_grad)
+
+
+def test_checkpointed_blocks_inside_the_graph(tmp_path, out_dir):
+    """Non-reentrant activation checkpointing inside the compiled region (dynamo traces it as one
+    operator): rows equal the eager checkpointed run's, with no second row for the recompute."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(Model):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=False)
+            return x
+
+    runs = {}
+    for backend in (None, "aot_eager"):
+        import torch._dynamo
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = Checkpointed()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        monitor = TrainerMon(write_config(tmp_path / f"k{backend}.json", xy_distribution=True, ops=list(OPS)))
+        monitor.set_monitor(model, optimizer=opt)
+        run = model if backend is None else torch.compile(model, backend=backend)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            run(torch.randn(4, 8, generator=gen, requires_grad=True)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        monitor.close()
+        assert monitor.loop.faults.total == 0 and not counters["graph_break"]
+        runs[backend] = (
+            keyed(read_family(monitor.run_dir, "actv")),
+            keyed(read_family(monitor.run_dir, "actv_grad")),
+        )
+    for got, want in zip(runs["aot_eager"], runs[None]):
+        _same_rows(got, want)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_module_called_twice_in_one_graph(tmp_path, out_dir, backend):
+    """A module applied twice in one forward (shared weights), actv only: with no autograd function
+    between them, only the operators' order in the compiled graph keeps the calls' micro-steps in order."""
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.shared(torch.tanh(self.shared(x)))
+
+    rows = {}
+    for tag in (None, backend):
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Twice()
+        monitor = TrainerMon(
+            write_config(tmp_path / f"t{tag}.json", xy_distribution=True, forward_only=True, ops=list(OPS))
+        )
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        monitor.set_monitor(model, optimizer=opt)
+        run = model if tag is None else torch.compile(model, backend=tag, fullgraph=True)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+        run(x).sum().backward()
+        opt.step()
+        monitor.close()
+        rows[tag] = keyed(read_family(monitor.run_dir, "actv"))
+    assert {(name, micro) for name, _, micro in rows[backend]} == {
+        (f"shared.{io}", micro) for io in ("input", "output") for micro in (0, 1)
+    }
+    _same_rows(rows[backend], rows[None])
+
+
+def _ddp_rows(rank: int, world_size: int, out: str) -> dict:
+    import os
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    os.environ["MONITOR_OUTPUT_DIR"] = os.path.join(out, f"rank{rank}")
+    found = {}
+    for backend in (None, "aot_eager"):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        # 1 MiB per Linear, buckets of 1 MiB: DDP's graph splitter cuts the compiled graph into pieces
+        model = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(512, 512), nn.GELU())])
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        cfg = os.path.join(out, f"c{rank}{backend}.json")
+        monitor = TrainerMon(write_config(Path(cfg), xy_distribution=True, ops=list(OPS)))
+        monitor.set_monitor(ddp, optimizer=opt)
+        run = ddp if backend is None else torch.compile(ddp, backend=backend)
+        gen = torch.Generator().manual_seed(1 + rank)
+        for _ in range(2):
+            run(torch.randn(4, 512, generator=gen)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        monitor.close()
+        found[backend] = (
+            keyed(read_family(monitor.run_dir, "actv")),
+            keyed(read_family(monitor.run_dir, "actv_grad")),
+            monitor.loop.faults.total,
+            counters["stats"]["unique_graphs"],
+        )
+    return found
+
+
+def test_ddp_graph_splitter(tmp_path):
+    """DDP under torch.compile: dynamo's DDP optimizer splits the graph at bucket boundaries; the taps
+    survive the split (an effect token did not) and the rows equal the eager run's on every rank."""
+    from tests.distributed import run_ranks
+
+    for found in run_ranks(_ddp_rows, world_size=2, out=str(tmp_path)):
+        assert found["aot_eager"][2] == 0 and found[None][2] == 0
+        assert found["aot_eager"][3] >= 1
+        for got, want in zip(found["aot_eager"][:2], found[None][:2]):
+            _same_rows(got, want)

@@ -1,0 +1,381 @@
+"""Activation hooks inside torch.compile'd graphs, without graph breaks.
+
+While dynamo traces a module's hooks on a collected step, the hook does not call its eager body (that
+would be a graph break around every hooked module; dynamo then also gives up on a whole `for` loop over
+the blocks and compiles each block's pieces as frames of their own: on an 8-layer MLP, 11 frames where one
+suffices). It puts one opaque operator call in the graph instead, `trainermon::tap(tensors, site)`, which
+runs the monitor's eager code at run time on the real tensors: the same rows, from the same statistics
+code, as in eager mode.
+
+- `site` is an integer constant in the graph: a `TapSite` holding what the eager hook would work out per
+  call (row names, shard labels, which slots are missing). It is made once per traced structure, while
+  dynamo traces (`torch.compiler.assume_constant_result`: a constant, no graph break), and reused by later
+  traces of the same structure.
+- Gradients: the tensors whose gradients are wanted pass through `Tap`, an autograd function whose forward
+  returns views of them and whose backward calls `trainermon::tap_grad` with their gradients (the same
+  gradient the eager hook on the tensor's autograd node would see).
+- Both operators are marked side-effectful (`torch.fx.node.has_side_effect`), so that the compiler keeps
+  them although they return nothing. (Registering them as effectful ops instead threads an effect token
+  through the graph, which DDP's graph splitter, `optimize_ddp`, mis-wires: "a and b must have same
+  reduction dim, but got [1, 0] X [512, 512]".) Where the operators cannot be registered
+  (`available()` false), the hooks keep the graph-break path.
+
+The tensors an operator gets are read before it returns and never kept nor matched against other
+tensors (`transient` in `StepCollector.add_local`): the compiler reuses a buffer for a later result
+without the version counter seeing it (measured: b's input, tanh(a's output), written over a's output).
+
+Costs, measured on the 2-core CPU host: one operator call in a compiled graph ~25 us (2 us called
+directly; the rest is the compiled graph's fallback-kernel call), one per hooked module's forward, one
+per pre-hook that taps inputs, one per `Tap` backward.
+Recomputation under non-reentrant activation checkpointing inside the compiled region writes no second
+row (the rows equal the eager run's, tested).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import deque
+from typing import Any
+
+import torch
+
+# imported by activations.py on first use, after it has loaded: no import cycle at load time
+from .activations import _padded as padded
+from .activations import input_slots, io_names, is_activation, output_slots
+
+logger = logging.getLogger("trainermon")
+
+#: site number -> the site, for the operators (which get only tensors and the number)
+_SITES: dict[int, TapSite] = {}
+_NUMBERS = itertools.count(1)
+_state: dict[str, Any] = {}  # "ops": the registered operators, or "error": why registering failed
+
+
+def available() -> bool:
+    """Whether the tap operators are registered (registering them on first use)."""
+    if "ops" not in _state and "error" not in _state:
+        try:
+            _state["ops"] = _register_ops()
+        except Exception as exc:  # noqa: BLE001 - the graph-break path stays, rows as before
+            _state["error"] = exc
+            logger.info("trainermon: activation taps in compiled graphs unavailable (%s); graph breaks", exc)
+    return "ops" in _state
+
+
+def _register_ops() -> Any:
+    """`trainermon::tap` and `trainermon::tap_grad`, defined through `torch.library.Library` with a kernel
+    for every backend: `torch.library.custom_op`'s Python layers cost ~20 us more per call."""
+
+    def tap(tensors: list[torch.Tensor], site: int) -> None:
+        found = _SITES.get(site)
+        if found is not None:
+            found.forward(tensors)
+
+    def tap_grad(grads: list[torch.Tensor | None], site: int) -> None:
+        found = _SITES.get(site)
+        if found is not None:
+            found.backward(grads)
+
+    library = torch.library.Library("trainermon", "DEF")
+    library.define("tap(Tensor[] tensors, int site) -> ()")
+    library.define("tap_grad(Tensor?[] grads, int site) -> ()")
+    for name, kernel in (("tap", tap), ("tap_grad", tap_grad)):
+        library.impl(name, kernel, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"trainermon::{name}", lambda *args: None, lib=library)
+        # the compiler keeps the call although it returns nothing
+        torch.fx.node.has_side_effect(getattr(torch.ops.trainermon, name).default)
+    return library
+
+
+class Tap(torch.autograd.Function):
+    """`Tap.apply(site, graded, *tensors)`: records `tensors` through the site; returns views of the
+    first `graded` of them, whose gradients go to the site in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, site: int, graded: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.site, ctx.rest = site, len(tensors) - graded
+        torch.ops.trainermon.tap(list(tensors), site)
+        return tuple(t.view_as(t) for t in tensors[:graded])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        torch.ops.trainermon.tap_grad(list(grads), ctx.site)
+        return (None, None, *grads, *(None,) * ctx.rest)  # the tensors only recorded get no gradient
+
+
+class TapSite:
+    """What one traced hook call records at run time.
+
+    - `forward(tensors)`: on a module's outputs (`counts` true), the call's micro-step is the module's
+      forward count (then counted); on its inputs (the pre-hook), the count as it stands. actv rows as
+      `actv` says, NaN rows for `missing`; the micro-step is queued for the backward when gradients are
+      tapped.
+    - `backward(grads)`: actv_grad rows, one per label of each tapped tensor, with the micro-step of the
+      forward that made it (first in, first out: micro-batches run backward in the order they ran forward).
+    """
+
+    __slots__ = ("probe", "module_key", "vpp_stage", "counts", "actv", "missing", "grads", "micros")
+
+    def __init__(
+        self,
+        probe: Any,
+        module_key: int,
+        vpp_stage: int,
+        counts: bool,
+        actv: tuple[tuple[int, str, str], ...],
+        missing: tuple[str, ...],
+        grads: tuple[tuple[tuple[str, ...], str], ...],
+    ) -> None:
+        self.probe, self.module_key, self.vpp_stage, self.counts = probe, module_key, vpp_stage, counts
+        self.actv = actv  # (position in tensors, label, shard label) per actv row
+        self.missing = missing  # labels of output slots that are not tensors
+        self.grads = grads  # (labels, shard label) per graded tensor, in order
+        self.micros: deque[int] = deque()
+
+    def forward(self, tensors: list[torch.Tensor]) -> None:
+        probe = self.probe
+        loop = probe.loop
+        with loop.clock:
+            try:
+                if not loop.plan.collecting:
+                    return
+                calls = probe._calls
+                micro = calls.get(self.module_key, 0)
+                if self.counts:
+                    calls[self.module_key] = micro + 1
+                if self.actv and probe._actv:
+                    loop.record_local(
+                        "actv",
+                        self.vpp_stage,
+                        [label for _, label, _ in self.actv],
+                        micro,
+                        [tensors[i] for i, _, _ in self.actv],
+                        [piece for _, _, piece in self.actv],
+                        transient=True,  # the compiler may reuse these buffers once the call returns
+                    )
+                if self.missing and probe._actv:
+                    loop.record_missing("actv", self.vpp_stage, list(self.missing), micro)
+                if self.grads:
+                    self.micros.append(micro)
+            except Exception as exc:  # noqa: BLE001
+                loop.faults.record("compiled forward hook", exc)
+
+    def backward(self, grads: list[torch.Tensor | None]) -> None:
+        loop = self.probe.loop
+        with loop.clock:
+            try:
+                micro = self.micros.popleft() if self.micros else 0
+                if not loop.plan.collecting:
+                    return
+                labels, tensors, pieces = [], [], []
+                for (names, piece), grad in zip(self.grads, grads):
+                    if grad is not None:
+                        labels += names
+                        tensors += [grad] * len(names)
+                        pieces += [piece] * len(names)
+                if tensors:
+                    loop.record_local(
+                        "actv_grad", self.vpp_stage, labels, micro, tensors, pieces, transient=True
+                    )
+            except Exception as exc:  # noqa: BLE001
+                loop.faults.record("compiled activation-gradient hook", exc)
+
+
+class TapSites:
+    """A probe's sites, one per (module, hook, traced structure), numbered for the operators."""
+
+    def __init__(self, probe: Any) -> None:
+        self.probe = probe
+        self._by_key: dict[tuple, int] = {}
+
+    def number(self, key: tuple, make: Any) -> int:
+        """The site number for `key`, made by `make()` the first time (at trace time only)."""
+        number = self._by_key.get(key)
+        if number is None:
+            number = self._by_key[key] = next(_NUMBERS)
+            _SITES[number] = make()
+        return number
+
+    def begin_step(self) -> None:
+        """Forget gradients still awaited from an earlier step (a forward without its backward)."""
+        for number in self._by_key.values():
+            _SITES[number].micros.clear()
+
+    def close(self) -> None:
+        for number in self._by_key.values():
+            _SITES.pop(number, None)
+        self._by_key.clear()
+
+
+# ---- the hook bodies dynamo traces ------------------------------------------------------------------
+# Slot kinds, worked out by the traced code (tensor properties dynamo knows while tracing) and passed as
+# constants to the site maker, which turns them into names and positions (plain Python, run once).
+NOT_TENSOR, OTHER_TENSOR, ACTIVATION, GRADED = 0, 1, 2, 3
+
+
+def _kind(value: Any, graded: bool) -> int:
+    if not isinstance(value, torch.Tensor):
+        return NOT_TENSOR
+    if not is_activation(value):
+        return OTHER_TENSOR
+    return GRADED if graded and value.requires_grad else ACTIVATION
+
+
+def _first_same(slots: list[Any], kinds: tuple[int, ...]) -> tuple[int, ...]:
+    """For each graded slot, the first slot holding the same tensor (one tap per tensor, several names)."""
+    first = []
+    for i, kind in enumerate(kinds):
+        j = i
+        if kind == GRADED:
+            for k in range(i):
+                if kinds[k] == GRADED and slots[k] is slots[i]:
+                    j = k
+                    break
+        first.append(j)
+    return tuple(first)
+
+
+def traced_pre_hook(probe: Any, vpp_stage: int, name: str, module_key: int) -> Any:
+    """The pre-hook as dynamo traces it: the module's inputs whose gradients are wanted pass through a
+    `Tap` (the eager pre-hook's views, made in the graph). Names as the eager pre-hook gives them."""
+
+    def make_site(kinds: tuple[int, ...], keywords: tuple[str, ...], first: tuple[int, ...]) -> int:
+        def make() -> TapSite:
+            positional = len(kinds) - len(keywords)
+            tensor_positions = [i for i in range(positional) if kinds[i] != NOT_TENSOR]
+            numbered = dict(zip(tensor_positions, io_names(f"{name}.input", len(tensor_positions))))
+            activations = [i for i, kind in enumerate(kinds) if kind >= ACTIVATION]
+            pieces = probe._shards.get(module_key, ((), ()))[0]
+            grads: dict[int, tuple[list[str], str]] = {}
+            for position, i in enumerate(activations):
+                if kinds[i] != GRADED:
+                    continue
+                label = numbered[i] if i < positional else f"{name}.input_{keywords[i - positional]}"
+                if first[i] not in grads:
+                    grads[first[i]] = ([], pieces[position] if position < len(pieces) else "")
+                grads[first[i]][0].append(label)
+            rows = tuple((tuple(labels), piece) for labels, piece in grads.values())
+            return TapSite(probe, module_key, vpp_stage, False, (), (), rows)
+
+        return probe._taps.number(("pre", module_key, kinds, keywords, first), make)
+
+    site = torch.compiler.assume_constant_result(make_site)
+
+    def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        if not probe._actv_grad or not torch.is_grad_enabled():
+            return None
+        keywords = tuple(kwargs.keys())
+        slots = list(args) + list(kwargs.values())
+        kinds = tuple(_kind(v, True) for v in slots)
+        if GRADED not in kinds:
+            return None
+        first = _first_same(slots, kinds)
+        graded = [i for i in range(len(slots)) if kinds[i] == GRADED and first[i] == i]
+        views = Tap.apply(site(kinds, keywords, first), len(graded), *[slots[i] for i in graded])
+        view_of = dict(zip(graded, views))
+        for i in range(len(slots)):
+            if kinds[i] == GRADED:
+                slots[i] = view_of[first[i]]
+        new_kwargs = dict(zip(keywords, slots[len(args) :]))
+        return tuple(slots[: len(args)]), new_kwargs
+
+    return pre_hook
+
+
+def _same(tensors: list[torch.Tensor]) -> tuple[int, ...]:
+    """For each tensor, the first position holding the same object (an autograd function takes a tensor
+    once: `mix(h, h)`, or a module returning its input)."""
+    first = []
+    for i in range(len(tensors)):
+        j = i
+        for k in range(i):
+            if tensors[k] is tensors[i]:
+                j = k
+                break
+        first.append(j)
+    return tuple(first)
+
+
+def traced_forward_hook(probe: Any, vpp_stage: int, name: str, module_key: int) -> Any:
+    """The forward hook as dynamo traces it: one `trainermon::tap` with the module's activation inputs and
+    outputs (actv rows; the module's forward counted), the outputs whose gradients are wanted through a
+    `Tap` (their views replace them in the output). Names as the eager forward hook gives them.
+
+    The tapped tensors, in order: the graded outputs, the activation inputs, the other activation outputs
+    (the last two only for actv), each object once."""
+
+    def make_site(
+        in_kinds: tuple[int, ...], out_kinds: tuple[int, ...], alone: bool, actv: bool, same: tuple[int, ...]
+    ) -> tuple[int, tuple[int, ...], int]:
+        graded = [i for i, kind in enumerate(out_kinds) if kind == GRADED]
+        in_take = [i for i, kind in enumerate(in_kinds) if kind >= ACTIVATION] if actv else []
+        unique = [p for p, first in enumerate(same) if first == p]
+        slot = {p: unique.index(same[p]) for p in range(len(same))}  # position -> tapped tensor
+        view_of_graded = tuple(slot[p] for p in range(len(graded)))
+
+        def make() -> TapSite:
+            in_labels = io_names(f"{name}.input", len(in_kinds))
+            out_labels = io_names(f"{name}.output", len(out_kinds))
+            in_pieces, out_pieces = probe._shards.get(module_key, ((), ()))
+            in_pieces, out_pieces = padded(in_pieces, len(in_kinds)), padded(out_pieces, len(out_kinds))
+            rows: list[tuple[int, str, str]] = []
+            if actv:
+                out_take = [i for i, kind in enumerate(out_kinds) if kind == ACTIVATION]
+                at = {i: slot[p] for p, i in enumerate(graded)}
+                at.update({i: slot[len(graded) + len(in_take) + p] for p, i in enumerate(out_take)})
+                rows = [(slot[len(graded) + p], in_labels[i], in_pieces[i]) for p, i in enumerate(in_take)]
+                rows += [(at[i], out_labels[i], out_pieces[i]) for i in sorted(at)]
+            missing = ()
+            if actv and not alone:
+                missing = tuple(out_labels[i] for i, kind in enumerate(out_kinds) if kind == NOT_TENSOR)
+            grads: dict[int, tuple[list[str], str]] = {}
+            for p, i in enumerate(graded):
+                grads.setdefault(slot[p], ([], out_pieces[i]))[0].append(out_labels[i])
+            rows_of_grads = tuple((tuple(labels), piece) for labels, piece in grads.values())
+            return TapSite(probe, module_key, vpp_stage, True, tuple(rows), missing, rows_of_grads)
+
+        key = ("fwd", module_key, in_kinds, out_kinds, alone, actv, same)
+        return probe._taps.number(key, make), view_of_graded, len(set(view_of_graded))
+
+    site = torch.compiler.assume_constant_result(make_site)
+
+    def forward_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        # gradients are tapped where the output can be rebuilt with the views (as the eager hook's)
+        rebuilt = isinstance(output, torch.Tensor) or type(output) in (tuple, list, dict)
+        grad = probe._actv_grad and torch.is_grad_enabled() and rebuilt
+        actv = probe._actv
+        inputs = input_slots(args, kwargs)
+        outputs = output_slots(output)
+        in_kinds = tuple(_kind(t, False) for t in inputs)
+        out_kinds = tuple(_kind(t, grad) for t in outputs)
+        graded = [i for i, kind in enumerate(out_kinds) if kind == GRADED]
+        tensors = [outputs[i] for i in graded]
+        if actv:
+            tensors += [t for t, kind in zip(inputs, in_kinds) if kind >= ACTIVATION]
+            tensors += [t for t, kind in zip(outputs, out_kinds) if kind == ACTIVATION]
+        if not tensors:
+            return None
+        same = _same(tensors)
+        number, view_of_graded, n_graded = site(
+            in_kinds, out_kinds, isinstance(output, torch.Tensor), actv, same
+        )
+        unique = [t for p, t in enumerate(tensors) if same[p] == p]
+        if not graded:
+            torch.ops.trainermon.tap(unique, number)
+            return None
+        views = Tap.apply(number, n_graded, *unique)
+        if isinstance(output, torch.Tensor):
+            return views[0]
+        if isinstance(output, dict):
+            rebuilt_output = dict(output)
+            keys = [k for k, v in output.items() if is_activation(v)]
+            for i, u in zip(graded, view_of_graded):
+                rebuilt_output[keys[i]] = views[u]
+            return rebuilt_output
+        slots = list(output)
+        for i, u in zip(graded, view_of_graded):
+            slots[i] = views[u]
+        return type(output)(slots)
+
+    return forward_hook
