@@ -2,8 +2,11 @@
 and the monitor's overhead on the compiled model against its overhead on the same model run eagerly.
 
     PYTHONPATH=. python benchmarks/bench_compile.py [--backend inductor] [--steps 60] [--rounds 3]
+        [--layers 8] [--width 256]
 
-Arms over the same MLP (8 Linear+GELU layers, width 256, batch 64, CPU, one thread): compiled without the
+Arms over the same MLP (`--layers` Linear+GELU layers, default 8 of width 256, batch 64, CPU, one thread;
+`--layers 32 --width 64` is a model of many small modules, where per-module costs dominate): compiled
+without the
 monitor; compiled with the monitor's xy_distribution scheduled but no step collected (start_step beyond
 the run); compiled with every step collected; and eager without the monitor and with every step
 collected. Each round runs every arm once, in a fresh random order; within an arm, step times are taken
@@ -35,7 +38,9 @@ ARMS = (
 )
 
 
-def run(compiled: bool, mode: str, backend: str, steps: int, out: Path) -> dict:
+def run(
+    compiled: bool, mode: str, backend: str, steps: int, out: Path, layers: int = 8, width: int = 256
+) -> dict:
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -44,10 +49,10 @@ def run(compiled: bool, mode: str, backend: str, steps: int, out: Path) -> dict:
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    layers = []
-    for _ in range(8):
-        layers += [nn.Linear(256, 256), nn.GELU()]
-    model = nn.Sequential(*layers)
+    modules = []
+    for _ in range(layers):
+        modules += [nn.Linear(width, width), nn.GELU()]
+    model = nn.Sequential(*modules)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     monitor = None
     if mode != "off":
@@ -59,7 +64,7 @@ def run(compiled: bool, mode: str, backend: str, steps: int, out: Path) -> dict:
         monitor = TrainerMon(str(cfg))
         monitor.set_monitor(model, optimizer=opt)
     forward = torch.compile(model, backend=backend) if compiled else model
-    x = torch.randn(64, 256)
+    x = torch.randn(64, width)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -83,6 +88,8 @@ def main() -> None:
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -94,7 +101,9 @@ def main() -> None:
         os.environ.setdefault("MONITOR_OUTPUT_DIR", tmp)
         for _ in range(args.rounds):
             for compiled, mode in random.sample(ARMS, len(ARMS)):
-                result = run(compiled == "compiled", mode, args.backend, args.steps, Path(tmp))
+                result = run(
+                    compiled == "compiled", mode, args.backend, args.steps, Path(tmp), args.layers, args.width
+                )
                 medians[f"{compiled}/{mode}"].append(result["median_ms"])
                 last[f"{compiled}/{mode}"] = result
     arms = {}

@@ -14,8 +14,10 @@ py=${PYTHON:-python3}
 "$py" -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 || {
   echo "editable install failed (see $out/install.log)"; exit 1; }
 nvidia-smi >"$out/nvidia-smi.txt" 2>&1
-# The tests that exercise the device path (the sync-debug test is skipped on machines without CUDA).
+# The tests that exercise the device path (the sync-debug test and the compiled-taps test on CUDA are
+# skipped on machines without CUDA).
 "$py" -m pytest -q -rs tests/unit/test_transfers.py tests/unit/test_stats.py tests/unit/test_engine_accuracy.py \
+  tests/unit/test_graph_taps.py \
   2>&1 | tee "$out/tests.log"
 tests_rc=${PIPESTATUS[0]}
 PYTHONUNBUFFERED=1 "$py" benchmarks/gpu_overhead.py --json "$out/gpu_overhead.json" 2>&1 | tee "$out/bench.log"

@@ -75,14 +75,22 @@ class Model(nn.Module):
         return x
 
 
-def _run(tmp_path, tag: str, backend: str | None, steps: int = 3, micro: int = 2, fullgraph: bool = True):
+def _run(
+    tmp_path,
+    tag: str,
+    backend: str | None,
+    steps: int = 3,
+    micro: int = 2,
+    fullgraph: bool = True,
+    device: str = "cpu",
+):
     import torch._dynamo
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    model = Model()
+    model = Model().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     monitor = TrainerMon(write_config(tmp_path / f"{tag}.json", xy_distribution=True, ops=list(OPS)))
     monitor.set_monitor(model, optimizer=opt)
@@ -91,8 +99,8 @@ def _run(tmp_path, tag: str, backend: str | None, steps: int = 3, micro: int = 2
     outputs = []
     for _ in range(steps):
         for _ in range(micro):
-            out = run(torch.randn(4, 8, generator=gen))
-            outputs.append(out.detach().double())
+            out = run(torch.randn(4, 8, generator=gen).to(device))
+            outputs.append(out.detach().double().cpu())
             out.square().sum().backward()
         opt.step()
         opt.zero_grad()
@@ -135,6 +143,17 @@ def test_compiled_rows_equal_eager_with_no_graph_break(tmp_path, out_dir, backen
             assert float(grads[("blocks.1.output", step, micro)]["norm"]) == pytest.approx(
                 2 * float(out.norm()), rel=1e-5
             )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: no CUDA device on this machine")
+def test_compiled_rows_equal_eager_on_cuda(tmp_path, out_dir):
+    """The inductor case on a GPU (benchmarks/gpu.sh runs it): the operators read CUDA tensors on the
+    stream of the compiled graph, before it reuses their buffers."""
+    want_actv, want_grad, *_ = _run(tmp_path, "eager", None, device="cuda")
+    actv, grads, _, faults, breaks = _run(tmp_path, "inductor", "inductor", device="cuda")
+    assert not breaks and faults == 0
+    _same_rows(actv, want_actv)
+    _same_rows(grads, want_grad)
 
 
 def test_a_failing_tap_is_contained(tmp_path, out_dir, monkeypatch):
