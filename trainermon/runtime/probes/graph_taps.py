@@ -24,9 +24,12 @@ The tensors an operator gets are read before it returns and never kept nor match
 tensors (`transient` in `StepCollector.add_local`): the compiler reuses a buffer for a later result
 without the version counter seeing it (measured: b's input, tanh(a's output), written over a's output).
 
-Costs, measured on the 2-core CPU host: one operator call in a compiled graph ~25 us (2 us called
-directly; the rest is the compiled graph's fallback-kernel call), one per hooked module's forward, one
-per pre-hook that taps inputs, one per `Tap` backward.
+Costs, measured on the 2-core CPU host: the operator's dispatch is 2-4 us; a tensor it takes must exist
+in memory (the compiler cannot fuse its producer into the next kernel), which cost 10-25 us in a
+microbenchmark built to show it (`x * 2`, tap, `+ 1`); module outputs mostly exist anyway. One call per
+hooked forward, one per pre-hook that taps inputs, one per `Tap` backward: on a 32-layer MLP, ~23 us per
+call all told, the monitor's statistics and rows included, the same as the eager hooks (see
+docs/PERFORMANCE.md).
 Recomputation under non-reentrant activation checkpointing inside the compiled region writes no second
 row (the rows equal the eager run's, tested).
 """
