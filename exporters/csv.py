@@ -41,6 +41,9 @@ _FAMILY = attrgetter("family")
 #: Rows whose fixed fields' text `CsvExporter` keeps at least (more when a step writes more than half).
 KEEP_ROWS = 8192
 _HEAD, _MICRO, _SHAPE, _DTYPE, _SHARD = (itemgetter(i) for i in range(5))  # fields of `CsvExporter._texts`
+# One string per micro-step and dtype for every row's kept texts (a new string per row: ~0.5 MB on (c))
+_MICRO_TEXT = tuple(str(i) for i in range(256))
+_DTYPE_TEXT: dict = {}
 
 
 def _floats(values: list, fmt: str) -> str:
@@ -221,11 +224,12 @@ class CsvExporter(Exporter):
         shape = self._shapes.get(row.shape)
         if shape is None:
             shape = self._shapes[row.shape] = _csv_field(str(list(row.shape)))
+        micro = row.micro_step or 0
         texts = (
             f"{row.vpp_stage},{_csv_field(row.name)}",
-            str(row.micro_step or 0),
+            _MICRO_TEXT[micro] if micro < len(_MICRO_TEXT) else str(micro),
             shape,
-            str(row.dtype),
+            _DTYPE_TEXT.get(row.dtype) or _DTYPE_TEXT.setdefault(row.dtype, str(row.dtype)),
             _csv_field(row.shard) if row.shard else "",
         )
         self._by_row[id(row)] = texts
