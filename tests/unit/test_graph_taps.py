@@ -269,48 +269,70 @@ def test_a_module_called_twice_in_one_graph(tmp_path, out_dir, backend):
     _same_rows(rows[backend], rows[None])
 
 
-def _ddp_rows(rank: int, world_size: int, out: str) -> dict:
+def _rows_on_ranks(rank: int, world_size: int, out: str) -> dict:
+    """On each rank, eager then compiled (aot_eager): DDP with its graph splitter, then FSDP2 with each
+    block compiled on its own (as torchtitan does). Returns the rows, faults and graph counts."""
     import os
 
     import torch._dynamo
     from torch._dynamo.utils import counters
+    from torch.distributed.fsdp import fully_shard
 
     os.environ["MONITOR_OUTPUT_DIR"] = os.path.join(out, f"rank{rank}")
-    found = {}
-    for backend in (None, "aot_eager"):
-        torch._dynamo.reset()
-        counters.clear()
-        torch.manual_seed(0)
+
+    def ddp(compiled: bool) -> tuple:
         # 1 MiB per Linear, buckets of 1 MiB: DDP's graph splitter cuts the compiled graph into pieces
         model = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(512, 512), nn.GELU())])
-        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-        cfg = os.path.join(out, f"c{rank}{backend}.json")
-        monitor = TrainerMon(write_config(Path(cfg), xy_distribution=True, ops=list(OPS)))
-        monitor.set_monitor(ddp, optimizer=opt)
-        run = ddp if backend is None else torch.compile(ddp, backend=backend)
-        gen = torch.Generator().manual_seed(1 + rank)
-        for _ in range(2):
-            run(torch.randn(4, 512, generator=gen)).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-        monitor.close()
-        found[backend] = (
-            keyed(read_family(monitor.run_dir, "actv")),
-            keyed(read_family(monitor.run_dir, "actv_grad")),
-            monitor.loop.faults.total,
-            counters["stats"]["unique_graphs"],
-        )
+        wrapped = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
+        return wrapped, (torch.compile(wrapped, backend="aot_eager") if compiled else wrapped), 512
+
+    def fsdp(compiled: bool) -> tuple:
+        model = nn.Sequential(Block(), Block())
+        for block in model:
+            if compiled:
+                block.compile(backend="aot_eager")
+            fully_shard(block)
+        fully_shard(model)
+        return model, model, 8
+
+    found = {}
+    for setup in (ddp, fsdp):
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            counters.clear()
+            torch.manual_seed(0)
+            model, run, width = setup(compiled)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            cfg = Path(out) / f"{setup.__name__}{rank}{compiled}.json"
+            monitor = TrainerMon(write_config(cfg, xy_distribution=True, ops=list(OPS)))
+            monitor.set_monitor(model, optimizer=opt)
+            gen = torch.Generator().manual_seed(1 + rank)
+            for _ in range(2):
+                run(torch.randn(4, width, generator=gen)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            monitor.close()
+            found[setup.__name__, compiled] = (
+                keyed(read_family(monitor.run_dir, "actv")),
+                keyed(read_family(monitor.run_dir, "actv_grad")),
+                monitor.loop.faults.total,
+                counters["stats"]["unique_graphs"],
+                sum(counters["graph_break"].values()),
+            )
     return found
 
 
-def test_ddp_graph_splitter(tmp_path):
-    """DDP under torch.compile: dynamo's DDP optimizer splits the graph at bucket boundaries; the taps
-    survive the split (an effect token did not) and the rows equal the eager run's on every rank."""
+def test_ddp_and_fsdp2_on_two_ranks(tmp_path):
+    """On 2 gloo ranks: DDP under torch.compile, whose graph splitter cuts the graph at bucket
+    boundaries (the taps survive the split; an effect token did not), and FSDP2 with each block compiled
+    on its own (no graph break there). Rows equal the eager run's on every rank; no hook fails."""
     from tests.distributed import run_ranks
 
-    for found in run_ranks(_ddp_rows, world_size=2, out=str(tmp_path)):
-        assert found["aot_eager"][2] == 0 and found[None][2] == 0
-        assert found["aot_eager"][3] >= 1
-        for got, want in zip(found["aot_eager"][:2], found[None][:2]):
-            _same_rows(got, want)
+    for found in run_ranks(_rows_on_ranks, world_size=2, out=str(tmp_path)):
+        for setup in ("ddp", "fsdp"):
+            compiled, eager = found[setup, True], found[setup, False]
+            assert compiled[2] == 0 and eager[2] == 0
+            assert compiled[3] >= 1
+            for got, want in zip(compiled[:2], eager[:2]):
+                _same_rows(got, want)
+        assert found["fsdp", True][4] == 0  # the blocks' graphs: no break

@@ -17,8 +17,8 @@ code, as in eager mode.
 - Both operators are marked side-effectful (`torch.fx.node.has_side_effect`), so that the compiler keeps
   them although they return nothing. (Registering them as effectful ops instead threads an effect token
   through the graph, which DDP's graph splitter, `optimize_ddp`, mis-wires: "a and b must have same
-  reduction dim, but got [1, 0] X [512, 512]".) Where the operators cannot be registered
-  (`available()` false), the hooks keep the graph-break path.
+  reduction dim, but got [1, 0] X [512, 512]"; `test_ddp_and_fsdp2_on_two_ranks`.) Where the operators
+  cannot be registered (`available()` false), the hooks keep the graph-break path.
 
 The tensors an operator gets are read before it returns and never kept nor matched against other
 tensors (`transient` in `StepCollector.add_local`): the compiler reuses a buffer for a later result
