@@ -336,3 +336,31 @@ def test_ddp_and_fsdp2_on_two_ranks(tmp_path):
             for got, want in zip(compiled[:2], eager[:2]):
                 _same_rows(got, want)
         assert found["fsdp", True][4] == 0  # the blocks' graphs: no break
+
+
+def test_a_forward_left_without_backward_does_not_shift_the_next_step(tmp_path, out_dir):
+    """Step 0 runs a second forward whose result is dropped (its backward never runs); step 1's gradient
+    rows still carry step 1's own micro-steps, as in eager mode (the queue of step 0 is dropped)."""
+    import torch._dynamo
+
+    rows = {}
+    for backend in (None, "aot_eager"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        monitor = TrainerMon(write_config(tmp_path / f"d{backend}.json", xy_distribution=True, ops=list(OPS)))
+        monitor.set_monitor(model, optimizer=opt)
+        run = model if backend is None else torch.compile(model, backend=backend, fullgraph=True)
+        gen = torch.Generator().manual_seed(1)
+        run(torch.randn(4, 8, generator=gen)).square().sum().backward()
+        run(torch.randn(4, 8, generator=gen))  # micro-step 1 of step 0: never goes backward
+        opt.step()
+        opt.zero_grad()
+        run(torch.randn(4, 8, generator=gen)).square().sum().backward()
+        opt.step()
+        monitor.close()
+        assert monitor.loop.faults.total == 0
+        rows[backend] = keyed(read_family(monitor.run_dir, "actv_grad"))
+    assert {micro for _, step, micro in rows["aot_eager"] if step == 1} == {0}
+    _same_rows(rows["aot_eager"], rows[None])

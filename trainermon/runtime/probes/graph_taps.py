@@ -116,6 +116,9 @@ class TapSite:
       tapped.
     - `backward(grads)`: actv_grad rows, one per label of each tapped tensor, with the micro-step of the
       forward that made it (first in, first out: micro-batches run backward in the order they ran forward).
+      Unlike eager mode, where each tensor's hook carries its micro-step, this assumes every forward run
+      with grad enabled gets its backward in the same step: one that never does (a forward whose result
+      is dropped) shifts the later backward rows of that module by one micro-step.
     """
 
     __slots__ = ("probe", "module_key", "vpp_stage", "counts", "actv", "missing", "grads", "micros")
@@ -160,6 +163,8 @@ class TapSite:
                 if self.missing and probe._actv:
                     loop.record_missing("actv", self.vpp_stage, list(self.missing), micro)
                 if self.grads:
+                    if not self.micros:
+                        probe._taps.waiting.append(self)
                     self.micros.append(micro)
             except Exception as exc:  # noqa: BLE001
                 loop.faults.record("compiled forward hook", exc)
@@ -191,6 +196,7 @@ class TapSites:
     def __init__(self, probe: Any) -> None:
         self.probe = probe
         self._by_key: dict[tuple, int] = {}
+        self.waiting: list[TapSite] = []  # sites that queued a micro-step this step (see `begin_step`)
 
     def number(self, key: tuple, make: Any) -> int:
         """The site number for `key`, made by `make()` the first time (at trace time only)."""
@@ -201,9 +207,12 @@ class TapSites:
         return number
 
     def begin_step(self) -> None:
-        """Forget gradients still awaited from an earlier step (a forward without its backward)."""
-        for number in self._by_key.values():
-            _SITES[number].micros.clear()
+        """Forget gradients still awaited from an earlier step (a forward without its backward). Only the
+        sites that queued one: this runs on every step, collected or not."""
+        if self.waiting:
+            for site in self.waiting:
+                site.micros.clear()
+            self.waiting.clear()
 
     def close(self) -> None:
         for number in self._by_key.values():
