@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-import trainermon.runtime.probes.activations as activations
+import trainermon.runtime.probes.grad_rows as grad_rows
 from tests.helpers import read_family, write_config
 from trainermon import TrainerMon
 
@@ -85,13 +85,13 @@ def test_gradient_hooks_are_kept_across_steps(tmp_path, monkeypatch):
     (no new hook objects per step for the garbage collector), with each step's rows still its own: the
     norm of 2.output's gradient, d(sum)/d(out) = ones(3, 2) per micro-batch, sqrt(6) at every micro_step."""
     made = []
-    real_init = activations.GradRows.__init__
+    real_init = grad_rows.GradRows.__init__
 
     def counting(hook, *args):
         made.append(args)
         real_init(hook, *args)
 
-    monkeypatch.setattr(activations.GradRows, "__init__", counting)
+    monkeypatch.setattr(grad_rows.GradRows, "__init__", counting)
     monitor, _ = _train(tmp_path, monkeypatch, 3, grad_acc=2, xy_distribution=True, backward_only=True)
     # per micro-step: 0.input (x needs no grad: none), 0.output, 1.input, 1.output, 2.input, 2.output
     assert len(made) == 2 * 5
@@ -139,13 +139,13 @@ def test_module_hooks_exist_on_collected_steps_only(tmp_path, out_dir, monkeypat
     original = monitor.loop.record_local
     monitor.loop.record_local = lambda family, *a, **k: records.append(family) or original(family, *a, **k)
     grad_hooks = []  # the gradient hooks registered (one per hooked tensor, on the node that makes it)
-    get_hook = activations.GradRowsCache.get
+    get_hook = grad_rows.GradRowsCache.get
 
     def counted(cache, *args):
         grad_hooks.append(args)
         return get_hook(cache, *args)
 
-    monkeypatch.setattr(activations.GradRowsCache, "get", counted)
+    monkeypatch.setattr(grad_rows.GradRowsCache, "get", counted)
     for _ in range(3):
         counts.append(len(inner._forward_hooks) + len(inner._forward_pre_hooks))
         records.clear()
