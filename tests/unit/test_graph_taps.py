@@ -270,8 +270,9 @@ def test_a_module_called_twice_in_one_graph(tmp_path, out_dir, backend):
 
 
 def _rows_on_ranks(rank: int, world_size: int, out: str) -> dict:
-    """On each rank, eager then compiled (aot_eager): DDP with its graph splitter, then FSDP2 with each
-    block compiled on its own (as torchtitan does). Returns the rows, faults and graph counts."""
+    """On each rank, eager then compiled (aot_eager): DDP with its graph splitter, FSDP2 with each block
+    compiled on its own (as torchtitan does), tensor parallelism. Returns the rows, faults and graph
+    counts."""
     import os
 
     import torch._dynamo
@@ -295,8 +296,18 @@ def _rows_on_ranks(rank: int, world_size: int, out: str) -> dict:
         fully_shard(model)
         return model, model, 8
 
+    def tp(compiled: bool) -> tuple:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+        # the first Linear's output stays a DTensor (sharded on its last dim) into Tanh and the second
+        parallel = {"0": ColwiseParallel(use_local_output=False), "2": RowwiseParallel()}
+        parallelize_module(model, init_device_mesh("cpu", (world_size,)), parallel)
+        return model, (torch.compile(model, backend="aot_eager") if compiled else model), 8
+
     found = {}
-    for setup in (ddp, fsdp):
+    for setup in (ddp, fsdp, tp):
         for compiled in (False, True):
             torch._dynamo.reset()
             counters.clear()
@@ -306,7 +317,7 @@ def _rows_on_ranks(rank: int, world_size: int, out: str) -> dict:
             cfg = Path(out) / f"{setup.__name__}{rank}{compiled}.json"
             monitor = TrainerMon(write_config(cfg, xy_distribution=True, ops=list(OPS)))
             monitor.set_monitor(model, optimizer=opt)
-            gen = torch.Generator().manual_seed(1 + rank)
+            gen = torch.Generator().manual_seed(1 + (0 if setup is tp else rank))  # TP: one batch
             for _ in range(2):
                 run(torch.randn(4, width, generator=gen)).square().mean().backward()
                 opt.step()
@@ -324,12 +335,14 @@ def _rows_on_ranks(rank: int, world_size: int, out: str) -> dict:
 
 def test_ddp_and_fsdp2_on_two_ranks(tmp_path):
     """On 2 gloo ranks: DDP under torch.compile, whose graph splitter cuts the graph at bucket
-    boundaries (the taps survive the split; an effect token did not), and FSDP2 with each block compiled
-    on its own (no graph break there). Rows equal the eager run's on every rank; no hook fails."""
+    boundaries (the taps survive the split; an effect token did not); FSDP2 with each block compiled
+    on its own (no graph break there); tensor parallelism with DTensor activations (those hooks fall back
+    to the eager body outside the graph: an operator without a sharding rule would fail in DTensor's
+    dispatch). Rows equal the eager run's on every rank; no hook fails."""
     from tests.distributed import run_ranks
 
     for found in run_ranks(_rows_on_ranks, world_size=2, out=str(tmp_path)):
-        for setup in ("ddp", "fsdp"):
+        for setup in ("ddp", "fsdp", "tp"):
             compiled, eager = found[setup, True], found[setup, False]
             assert compiled[2] == 0 and eager[2] == 0
             assert compiled[3] >= 1

@@ -104,6 +104,12 @@ def _outside_graph() -> Any:
     return _OUTSIDE[0]
 
 
+def _untapped() -> Any:
+    from .graph_taps import UNTAPPED
+
+    return UNTAPPED
+
+
 class _Names:
     """`io_names(base, count)` kept per count: a hook names its slots on every call."""
 
@@ -218,12 +224,17 @@ class ActivationProbe(Probe):
 
         outside_graph = _outside_graph()
         probe, hooks, compiling = self, self.hooks, torch.compiler.is_compiling
+        untapped = _untapped()
 
         def hook(*args: Any) -> Any:
             if not (probe._actv or probe._actv_grad) or (extra and not probe._wide):
                 return None
             if compiling():  # dynamo traces this call
-                return outside_graph(timed, *args) if traced is None else traced(*args)
+                if traced is not None:
+                    result = traced(*args)
+                    if result is not untapped:
+                        return result
+                return outside_graph(timed, *args)
             if hooks.pinned:  # compiled code may call it (a resumed frame after a graph break)
                 return outside_graph(timed, *args)
             return timed(*args)

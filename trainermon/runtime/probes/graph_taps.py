@@ -224,6 +224,19 @@ class TapSites:
 # Slot kinds, worked out by the traced code (tensor properties dynamo knows while tracing) and passed as
 # constants to the site maker, which turns them into names and positions (plain Python, run once).
 NOT_TENSOR, OTHER_TENSOR, ACTIVATION, GRADED = 0, 1, 2, 3
+#: What a traced hook returns when it cannot tap this call: the gate then runs the eager body outside
+#: the graph (a graph break, as before). Tensor subclasses (a DTensor under tensor parallelism): an
+#: operator without a sharding rule fails inside DTensor's dispatch, and the eager body reads their
+#: local shards with their shard labels.
+UNTAPPED = object()
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _all_plain(values: list[Any]) -> bool:
+    for value in values:
+        if isinstance(value, torch.Tensor) and type(value) not in _PLAIN:
+            return False
+    return True
 
 
 def _kind(value: Any, graded: bool) -> int:
@@ -279,6 +292,8 @@ def traced_pre_hook(probe: Any, vpp_stage: int, name: str, module_key: int) -> A
             return None
         keywords = tuple(kwargs.keys())
         slots = list(args) + list(kwargs.values())
+        if not _all_plain(slots):
+            return UNTAPPED
         kinds = tuple(_kind(v, True) for v in slots)
         if GRADED not in kinds:
             return None
@@ -359,6 +374,8 @@ def traced_forward_hook(probe: Any, vpp_stage: int, name: str, module_key: int) 
         actv = probe._actv
         inputs = input_slots(args, kwargs)
         outputs = output_slots(output)
+        if not (_all_plain(inputs) and _all_plain(outputs)):
+            return UNTAPPED
         in_kinds = tuple(_kind(t, False) for t in inputs)
         out_kinds = tuple(_kind(t, grad) for t in outputs)
         graded = [i for i, kind in enumerate(out_kinds) if kind == GRADED]
