@@ -12,8 +12,10 @@ code, as in eager mode.
   dynamo traces (`torch.compiler.assume_constant_result`: a constant, no graph break), and reused by later
   traces of the same structure.
 - Gradients: the tensors whose gradients are wanted pass through `Tap`, an autograd function whose forward
-  returns views of them and whose backward calls `trainermon::tap_grad` with their gradients (the same
-  gradient the eager hook on the tensor's autograd node would see).
+  returns aliases of them (their memory, no copy) and whose backward calls `trainermon::tap_grad` with
+  their gradients (the same gradient the eager hook on the tensor's autograd node would see). An
+  in-place module next (ReLU(inplace=True)) writes into the alias: the input gradient of such a module,
+  which eager mode misses (its pre-hook's view is rebased by the write), is written here.
 - Both operators are marked side-effectful (`torch.fx.node.has_side_effect`), so that the compiler keeps
   them although they return nothing. (Registering them as effectful ops instead threads an effect token
   through the graph, which DDP's graph splitter, `optimize_ddp`, mis-wires: "a and b must have same
@@ -92,14 +94,17 @@ def _register_ops() -> Any:
 
 
 class Tap(torch.autograd.Function):
-    """`Tap.apply(site, graded, *tensors)`: records `tensors` through the site; returns views of the
-    first `graded` of them, whose gradients go to the site in backward."""
+    """`Tap.apply(site, graded, *tensors)`: records `tensors` through the site; returns aliases of the
+    first `graded` of them, whose gradients go to the site in backward. Detached aliases, not views:
+    autograd forbids writing in place into a view made inside a custom function (dynamo refused to
+    compile ReLU(inplace=True) after a tap); an alias shares the tensor's version counter, so a write
+    into it is seen where the tensor was saved for backward, as it would be without the tap."""
 
     @staticmethod
     def forward(ctx: Any, site: int, graded: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.site, ctx.rest = site, len(tensors) - graded
         torch.ops.trainermon.tap(list(tensors), site)
-        return tuple(t.view_as(t) for t in tensors[:graded])
+        return tuple(t.detach() for t in tensors[:graded])
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
@@ -263,7 +268,8 @@ def _first_same(slots: list[Any], kinds: tuple[int, ...]) -> tuple[int, ...]:
 
 def traced_pre_hook(probe: Any, vpp_stage: int, name: str, module_key: int) -> Any:
     """The pre-hook as dynamo traces it: the module's inputs whose gradients are wanted pass through a
-    `Tap` (the eager pre-hook's views, made in the graph). Names as the eager pre-hook gives them."""
+    `Tap` (the eager pre-hook's views, here aliases made in the graph). Names as the eager pre-hook gives
+    them."""
 
     def make_site(kinds: tuple[int, ...], keywords: tuple[str, ...], first: tuple[int, ...]) -> int:
         def make() -> TapSite:
@@ -327,7 +333,7 @@ def _same(tensors: list[torch.Tensor]) -> tuple[int, ...]:
 def traced_forward_hook(probe: Any, vpp_stage: int, name: str, module_key: int) -> Any:
     """The forward hook as dynamo traces it: one `trainermon::tap` with the module's activation inputs and
     outputs (actv rows; the module's forward counted), the outputs whose gradients are wanted through a
-    `Tap` (their views replace them in the output). Names as the eager forward hook gives them.
+    `Tap` (its aliases replace them in the output). Names as the eager forward hook gives them.
 
     The tapped tensors, in order: the graded outputs, the activation inputs, the other activation outputs
     (the last two only for actv), each object once."""
