@@ -420,3 +420,55 @@ def test_an_in_place_module_after_a_tapped_output(tmp_path, out_dir, backend):
     assert {name for name, _, _ in extra} == {"1.input"}
     _same_rows({key: row for key, row in grads.items() if key in eager_grads}, eager_grads, abs_tol=1e-5)
     _same_rows(extra, {key: row for key, row in rows[False, None][1].items() if key in extra}, abs_tol=1e-5)
+
+
+def test_an_output_the_hook_cannot_rebuild(tmp_path, out_dir):
+    """A namedtuple output (as a ModelOutput would be) cannot be rebuilt with the tap's aliases: that
+    hook runs its eager body outside the graph, so the output's gradient rows are still written."""
+    from collections import namedtuple
+
+    import torch._dynamo
+
+    Out = namedtuple("Out", "h aux")
+
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> Out:
+            h = self.lin(x)
+            return Out(torch.tanh(h), h.sum(-1))
+
+    class Top(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pair, self.head = Pair(), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.pair(x)
+            return self.head(out.h) + out.aux[:, None]
+
+    rows = {}
+    for backend in (None, "aot_eager"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Top()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        monitor = TrainerMon(write_config(tmp_path / f"n{backend}.json", xy_distribution=True, ops=list(OPS)))
+        monitor.set_monitor(model, optimizer=opt)
+        run = model if backend is None else torch.compile(model, backend=backend)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            run(torch.randn(4, 8, generator=gen)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        monitor.close()
+        assert monitor.loop.faults.total == 0
+        rows[backend] = (
+            keyed(read_family(monitor.run_dir, "actv")),
+            keyed(read_family(monitor.run_dir, "actv_grad")),
+        )
+    assert ("pair.output_0", 0, 0) in rows[None][1]
+    for got, want in zip(rows["aot_eager"], rows[None]):
+        _same_rows(got, want)

@@ -374,14 +374,18 @@ def traced_forward_hook(probe: Any, vpp_stage: int, name: str, module_key: int) 
     site = torch.compiler.assume_constant_result(make_site)
 
     def forward_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        # gradients are tapped where the output can be rebuilt with the views (as the eager hook's)
-        rebuilt = isinstance(output, torch.Tensor) or type(output) in (tuple, list, dict)
-        grad = probe._actv_grad and torch.is_grad_enabled() and rebuilt
+        grad = probe._actv_grad and torch.is_grad_enabled()
         actv = probe._actv
         inputs = input_slots(args, kwargs)
         outputs = output_slots(output)
         if not (_all_plain(inputs) and _all_plain(outputs)):
             return UNTAPPED
+        if grad and not (isinstance(output, torch.Tensor) or type(output) in (tuple, list, dict)):
+            # an output this hook cannot rebuild with the aliases (a namedtuple, a ModelOutput): the eager
+            # body hooks its tensors' autograd nodes instead, outside the graph
+            for t in outputs:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    return UNTAPPED
         in_kinds = tuple(_kind(t, False) for t in inputs)
         out_kinds = tuple(_kind(t, grad) for t in outputs)
         graded = [i for i, kind in enumerate(out_kinds) if kind == GRADED]
