@@ -121,6 +121,45 @@ def _same_rows(got: dict, want: dict, abs_tol: float = 1e-6) -> None:
                 assert actual == pytest.approx(expected, rel=1e-4, abs=abs_tol), (key, op)
 
 
+def _train_rows(
+    tmp_path,
+    tag: str,
+    make_model,
+    backend: str | None,
+    *,
+    steps: int = 2,
+    fullgraph: bool = False,
+    input_grad: bool = False,
+    **config,
+) -> tuple[dict, dict, int, int]:
+    """`make_model()` trained `steps` steps on (4, 8) inputs, eagerly (`backend` None) or compiled, with
+    actv and actv_grad monitored: (actv rows, actv_grad rows, faults, graph breaks)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = write_config(tmp_path / f"{tag}{backend}.json", xy_distribution=True, ops=list(OPS), **config)
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(model, optimizer=opt)
+    run = model if backend is None else torch.compile(model, backend=backend, fullgraph=fullgraph)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        run(torch.randn(4, 8, generator=gen, requires_grad=input_grad)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    return (
+        keyed(read_family(monitor.run_dir, "actv")),
+        keyed(read_family(monitor.run_dir, "actv_grad")),
+        monitor.loop.faults.total,
+        sum(counters["graph_break"].values()),
+    )
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_rows_equal_eager_with_no_graph_break(tmp_path, out_dir, backend):
     """fullgraph=True: any graph break would be an error. The rows (names, micro-steps, values) are the
@@ -204,31 +243,10 @@ def test_checkpointed_blocks_inside_the_graph(tmp_path, out_dir):
                 x = checkpoint(block, x, use_reentrant=False)
             return x
 
-    runs = {}
-    for backend in (None, "aot_eager"):
-        import torch._dynamo
-        from torch._dynamo.utils import counters
-
-        torch._dynamo.reset()
-        counters.clear()
-        torch.manual_seed(0)
-        model = Checkpointed()
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        monitor = TrainerMon(write_config(tmp_path / f"k{backend}.json", xy_distribution=True, ops=list(OPS)))
-        monitor.set_monitor(model, optimizer=opt)
-        run = model if backend is None else torch.compile(model, backend=backend)
-        gen = torch.Generator().manual_seed(1)
-        for _ in range(2):
-            run(torch.randn(4, 8, generator=gen, requires_grad=True)).square().sum().backward()
-            opt.step()
-            opt.zero_grad()
-        monitor.close()
-        assert monitor.loop.faults.total == 0 and not counters["graph_break"]
-        runs[backend] = (
-            keyed(read_family(monitor.run_dir, "actv")),
-            keyed(read_family(monitor.run_dir, "actv_grad")),
-        )
-    for got, want in zip(runs["aot_eager"], runs[None]):
+    eager = _train_rows(tmp_path, "k", Checkpointed, None, input_grad=True)
+    compiled = _train_rows(tmp_path, "k", Checkpointed, "aot_eager", input_grad=True)
+    assert compiled[2:] == (0, 0) and eager[2] == 0  # no fault, no graph break
+    for got, want in zip(compiled[:2], eager[:2]):
         _same_rows(got, want)
 
 
@@ -245,28 +263,13 @@ def test_a_module_called_twice_in_one_graph(tmp_path, out_dir, backend):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.shared(torch.tanh(self.shared(x)))
 
-    rows = {}
-    for tag in (None, backend):
-        import torch._dynamo
-
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = Twice()
-        monitor = TrainerMon(
-            write_config(tmp_path / f"t{tag}.json", xy_distribution=True, forward_only=True, ops=list(OPS))
-        )
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        monitor.set_monitor(model, optimizer=opt)
-        run = model if tag is None else torch.compile(model, backend=tag, fullgraph=True)
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
-        run(x).sum().backward()
-        opt.step()
-        monitor.close()
-        rows[tag] = keyed(read_family(monitor.run_dir, "actv"))
-    assert {(name, micro) for name, _, micro in rows[backend]} == {
+    eager = _train_rows(tmp_path, "t", Twice, None, forward_only=True)
+    compiled = _train_rows(tmp_path, "t", Twice, backend, fullgraph=True, forward_only=True)
+    assert compiled[2] == 0 and not compiled[1]
+    assert {(name, micro) for name, step, micro in compiled[0] if step == 0} == {
         (f"shared.{io}", micro) for io in ("input", "output") for micro in (0, 1)
     }
-    _same_rows(rows[backend], rows[None])
+    _same_rows(compiled[0], eager[0])
 
 
 def _rows_on_ranks(rank: int, world_size: int, out: str) -> dict:
@@ -389,32 +392,22 @@ def test_an_in_place_module_after_a_tapped_output(tmp_path, out_dir, backend):
     - The in-place module's input gradient: eager mode writes none (the pre-hook's view is rebased by the
       write, and its hook never fires); compiled mode does, and it equals the row of the same model with
       an out-of-place ReLU."""
-    import torch._dynamo
 
-    rows = {}
-    for inplace, run_backend in ((True, None), (True, backend), (False, None)):
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=inplace), nn.Linear(8, 8), nn.LayerNorm(8))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        cfg = tmp_path / f"i{inplace}{run_backend}.json"
-        monitor = TrainerMon(write_config(cfg, xy_distribution=True, ops=list(OPS)))
-        monitor.set_monitor(model, optimizer=opt)
-        run = model if run_backend is None else torch.compile(model, backend=run_backend, fullgraph=True)
-        gen = torch.Generator().manual_seed(1)
-        for _ in range(2):
-            run(torch.randn(4, 8, generator=gen)).square().sum().backward()
-            opt.step()
-            opt.zero_grad()
-        monitor.close()
-        assert monitor.loop.faults.total == 0
-        rows[inplace, run_backend] = (
-            keyed(read_family(monitor.run_dir, "actv")),
-            keyed(read_family(monitor.run_dir, "actv_grad")),
+    def make(inplace: bool):
+        return lambda: nn.Sequential(
+            nn.Linear(8, 8), nn.ReLU(inplace=inplace), nn.Linear(8, 8), nn.LayerNorm(8)
         )
+
+    rows = {
+        (inplace, run_backend): _train_rows(
+            tmp_path, f"i{inplace}", make(inplace), run_backend, fullgraph=True
+        )
+        for inplace, run_backend in ((True, None), (True, backend), (False, None))
+    }
+    assert all(found[2] == 0 for found in rows.values())
     # LayerNorm's input gradient is a difference of order-1 terms (~1e-2 here): inductor's reduction
     # order moves it by up to ~8 values x few ulp of 1, ~1e-6 each, so it gets an absolute bound of 1e-5
-    (actv, grads), (eager_actv, eager_grads) = rows[True, backend], rows[True, None]
+    (actv, grads), (eager_actv, eager_grads) = rows[True, backend][:2], rows[True, None][:2]
     _same_rows(actv, eager_actv)
     extra = {key: row for key, row in grads.items() if key not in eager_grads}
     assert {name for name, _, _ in extra} == {"1.input"}
@@ -449,26 +442,8 @@ def test_an_output_the_hook_cannot_rebuild(tmp_path, out_dir):
             out = self.pair(x)
             return self.head(out.h) + out.aux[:, None]
 
-    rows = {}
-    for backend in (None, "aot_eager"):
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = Top()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        monitor = TrainerMon(write_config(tmp_path / f"n{backend}.json", xy_distribution=True, ops=list(OPS)))
-        monitor.set_monitor(model, optimizer=opt)
-        run = model if backend is None else torch.compile(model, backend=backend)
-        gen = torch.Generator().manual_seed(1)
-        for _ in range(2):
-            run(torch.randn(4, 8, generator=gen)).square().sum().backward()
-            opt.step()
-            opt.zero_grad()
-        monitor.close()
-        assert monitor.loop.faults.total == 0
-        rows[backend] = (
-            keyed(read_family(monitor.run_dir, "actv")),
-            keyed(read_family(monitor.run_dir, "actv_grad")),
-        )
+    rows = {backend: _train_rows(tmp_path, "n", Top, backend) for backend in (None, "aot_eager")}
+    assert rows[None][2] == 0 and rows["aot_eager"][2] == 0
     assert ("pair.output_0", 0, 0) in rows[None][1]
-    for got, want in zip(rows["aot_eager"], rows[None]):
+    for got, want in zip(rows["aot_eager"][:2], rows[None][:2]):
         _same_rows(got, want)
