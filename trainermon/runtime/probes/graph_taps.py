@@ -252,16 +252,16 @@ def _kind(value: Any, graded: bool) -> int:
     return GRADED if graded and value.requires_grad else ACTIVATION
 
 
-def _first_same(slots: list[Any], kinds: tuple[int, ...]) -> tuple[int, ...]:
-    """For each graded slot, the first slot holding the same tensor (one tap per tensor, several names)."""
+def _same(values: list[Any]) -> tuple[int, ...]:
+    """For each value, the first position holding the same object (an autograd function takes a tensor
+    once: `mix(h, h)`, or a module returning its input; a tensor given twice gets one tap, two names)."""
     first = []
-    for i, kind in enumerate(kinds):
+    for i in range(len(values)):
         j = i
-        if kind == GRADED:
-            for k in range(i):
-                if kinds[k] == GRADED and slots[k] is slots[i]:
-                    j = k
-                    break
+        for k in range(i):
+            if values[k] is values[i]:
+                j = k
+                break
         first.append(j)
     return tuple(first)
 
@@ -303,7 +303,7 @@ def traced_pre_hook(probe: Any, vpp_stage: int, name: str, module_key: int) -> A
         kinds = tuple(_kind(v, True) for v in slots)
         if GRADED not in kinds:
             return None
-        first = _first_same(slots, kinds)
+        first = _same(slots)
         graded = [i for i in range(len(slots)) if kinds[i] == GRADED and first[i] == i]
         views = Tap.apply(site(kinds, keywords, first), len(graded), *[slots[i] for i in graded])
         view_of = dict(zip(graded, views))
@@ -314,20 +314,6 @@ def traced_pre_hook(probe: Any, vpp_stage: int, name: str, module_key: int) -> A
         return tuple(slots[: len(args)]), new_kwargs
 
     return pre_hook
-
-
-def _same(tensors: list[torch.Tensor]) -> tuple[int, ...]:
-    """For each tensor, the first position holding the same object (an autograd function takes a tensor
-    once: `mix(h, h)`, or a module returning its input)."""
-    first = []
-    for i in range(len(tensors)):
-        j = i
-        for k in range(i):
-            if tensors[k] is tensors[i]:
-                j = k
-                break
-        first.append(j)
-    return tuple(first)
 
 
 def traced_forward_hook(probe: Any, vpp_stage: int, name: str, module_key: int) -> Any:
