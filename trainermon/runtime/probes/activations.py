@@ -13,6 +13,9 @@
   exactly the gradient that flows into this module (not the sum over every consumer of the tensor); the
   forward hook hooks each output. A parameter returned as an output (Megatron's skip_bias_add bias) is
   replaced by a view of it for this call: a hook on the parameter would fire for every later backward.
+- A module that writes an input view in place (ReLU(inplace=True)) rebases it, and the view's hooked node
+  leaves the graph: the forward hook, seeing the input's version move, hooks the write's node instead, for
+  that row and for view outputs of earlier modules the write bypasses (`grad_rows.hook_written_input`).
 - A forward recomputed during backward (activation checkpointing) is not counted twice. Under reentrant
   checkpointing the first forward runs without grad, so its outputs never see a gradient: the probe
   remembers that forward's micro-step and hooks the recomputed tensors instead (no second actv row).
@@ -30,7 +33,7 @@ from trainermon.config import MonitorConfig
 from ..plan import StepPlan
 from ..selection import select_modules
 from .base import Probe
-from .grad_rows import GradRowsCache
+from .grad_rows import GradRowsCache, mark_view, settle_input_views
 from .module_hooks import ModuleHooks
 
 logger = logging.getLogger("trainermon")
@@ -153,9 +156,10 @@ class ActivationProbe(Probe):
         # module id -> micro-steps of its forwards run without grad (reentrant checkpointing's first pass),
         # waiting for their recompute in backward; last in, first recomputed
         self._pending: dict[int, list[int]] = {}
-        # module id -> {id(view): tensor} for the input views its pre-hook made, until its forward hook:
-        # the actv row of an input is then its tensor's row, found by object (no value key to build)
-        self._bases: dict[int, dict[int, torch.Tensor]] = {}
+        # module id -> {id(view): (tensor, ...)} for the input views its pre-hook made (`_hook_view`), until
+        # its forward hook: the actv row of an input is then its tensor's row, found by object (no value
+        # key to build), and a view the module wrote in place gets its input-gradient hook moved
+        self._bases: dict[int, dict[int, tuple]] = {}
         self._grad_rows = GradRowsCache(loop)
         self._taps: Any = None  # graph_taps.TapSites once hooks are made where the tap operators exist
 
@@ -269,9 +273,8 @@ class ActivationProbe(Probe):
                         return None
                     pieces = self._shards.get(id(module), ((), ()))[0]
                     piece = pieces[0] if pieces else ""
-                    view = self._hook_view(vpp_stage, tensor, (first_input,), micro, piece)
-                    if self._actv:
-                        self._bases[id(module)] = {id(view): tensor}
+                    view, entry = self._hook_view(vpp_stage, tensor, (first_input,), micro, piece)
+                    self._bases[id(module)] = {id(view): entry}
                     return (view,), kwargs
                 positional = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
                 numbered = dict(zip(positional, input_names(len(positional))))
@@ -295,16 +298,16 @@ class ActivationProbe(Probe):
                             piece = pieces[position] if position < len(pieces) else ""
                             views[id(tensor)] = ([], piece, tensor)
                         views[id(tensor)][0].append(label)
-                made: dict[int, torch.Tensor] = {}  # id(tensor) -> its view, hooked for all its labels
+                made: dict[int, tuple] = {}  # id(tensor) -> its view, hooked for all its labels, and entry
                 for tid, (view_labels, piece, tensor) in views.items():
                     made[tid] = self._hook_view(vpp_stage, tensor, tuple(view_labels), micro, piece)
                 for key in keys:
                     holder = new_args if isinstance(key, int) else new_kwargs
                     view = made.get(id(holder[key]))
                     if view is not None:
-                        holder[key] = view
-                if self._actv and made:
-                    self._bases[id(module)] = {id(v): views[tid][2] for tid, v in made.items()}
+                        holder[key] = view[0]
+                if made:
+                    self._bases[id(module)] = {id(view): entry for view, entry in made.values()}
                 return tuple(new_args), new_kwargs
             except Exception as exc:  # noqa: BLE001
                 loop.faults.record("forward pre-hook", exc)
@@ -314,11 +317,15 @@ class ActivationProbe(Probe):
 
     def _hook_view(
         self, vpp_stage: int, tensor: torch.Tensor, labels: tuple[str, ...], micro: int, piece: str
-    ) -> torch.Tensor:
-        """A view of `tensor` for this module alone, whose gradient is this module's input gradient."""
+    ) -> tuple[torch.Tensor, tuple]:
+        """A view of `tensor` for this module alone, whose gradient is this module's input gradient, and
+        its `_bases` entry: the tensor, its version, the view, its hooked node and the hook (should the
+        module write the view in place, the forward hook finds the write's node from these)."""
         view = tensor.view_as(tensor)
-        view.grad_fn.register_prehook(self._grad_rows.get(vpp_stage, labels, micro, piece, 0))
-        return view
+        node = view.grad_fn
+        rows = self._grad_rows.get(vpp_stage, labels, micro, piece, 0)
+        node.register_prehook(rows)
+        return view, (tensor, tensor._version, view, node, rows)
 
     def _fwd_hook(self, vpp_stage: int, name: str):
         loop = self.loop
@@ -349,7 +356,7 @@ class ActivationProbe(Probe):
                     else:
                         inputs = input_slots(args, kwargs)
                     if bases:  # the pre-hook's views: their tensors, the same values (see `_bases`)
-                        inputs = [bases.get(id(t), t) for t in inputs]
+                        inputs = [entry[0] if (entry := bases.get(id(t))) else t for t in inputs]
                     in_labels = input_names(len(inputs))
                     tensors, labels, pieces = [], [], []
                     for label, t, piece in zip(
@@ -369,14 +376,20 @@ class ActivationProbe(Probe):
                             loop.record_missing("actv", vpp_stage, missing, micro)
                 if self._actv_grad and torch.is_grad_enabled():
                     leaves: dict[int, torch.Tensor] = {}
+                    aliased = False  # an output is a view: a later write into its base bypasses its node
                     for label, t, piece in zip(out_labels, outputs, out_pieces):
                         if is_activation(t) and t.requires_grad:
                             if t.is_leaf:  # a parameter as an output: hook this call's view of it
                                 view = leaves[id(t)] = t.view_as(t)
                                 t = view
-                            t.grad_fn.register_prehook(
-                                self._grad_rows.get(vpp_stage, (label,), micro, piece, t.output_nr)
-                            )
+                            node = t.grad_fn
+                            rows = self._grad_rows.get(vpp_stage, (label,), micro, piece, t.output_nr)
+                            node.register_prehook(rows)
+                            if t._base is not None:
+                                mark_view(node, rows, t)
+                                aliased = True
+                    if bases:
+                        settle_input_views(loop, bases, aliased)
                     if leaves:
                         return replace_tensors(output, leaves)
             except Exception as exc:  # noqa: BLE001

@@ -64,3 +64,96 @@ class GradRowsCache:
                 self.hooks.clear()
             hook = self.hooks[key] = GradRows(self.loop, vpp_stage, labels, micro, piece, index)
         return hook
+
+
+_WRITE_NODE = "CopySlices"  # the node autograd makes for an in-place write into a view
+_VIEW_ROWS = "trainermon.rows"  # Node.metadata key: a view output's hook, for a write that bypasses it
+
+
+def mark_view(node: Any, rows: GradRows, view: Any) -> None:
+    """Notes on a hooked node whose tensor is a view (an output that is a view: a rebased in-place output,
+    a transpose; an input that such an output aliases) its hook and the view's place in its base: a later
+    write into that base through another view bypasses the node (`hook_written_input` then serves the
+    row). Node.metadata lives as long as the node; ~0.1 us."""
+    node.metadata.setdefault(_VIEW_ROWS, []).append(
+        (rows, (view.shape, view.stride(), view.storage_offset()))
+    )
+
+
+class WrittenRows:
+    """Gradient rows served by the node of an in-place write into a view (ReLU(inplace=True)).
+
+    Autograd rebases a view written in place: the write's `CopySlices` node passes the gradient of the
+    base's value before the write straight to the base's older node, laid out as the base, and the view
+    nodes in between (the writer's input view, a view an earlier module returned) never fire. A post-hook
+    of the write's node sees that gradient: each target is a (GradRows, region) pair, `region` the row's
+    tensor's place in the base (None when it is the whole base)."""
+
+    __slots__ = ("targets",)
+
+    def __init__(self, targets: list[tuple[GradRows, tuple | None]]) -> None:
+        self.targets = targets
+
+    def __call__(self, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        grad = grad_inputs[0]
+        for rows, region in self.targets:
+            piece = grad
+            if grad is not None and region is not None:
+                try:
+                    piece = grad.as_strided(*region)
+                except Exception as exc:  # noqa: BLE001
+                    rows.loop.faults.record("activation-gradient hook", exc)
+                    continue
+            rows((piece,))
+
+
+def hook_written_input(loop: Any, view: Any, node: Any, rows: GradRows) -> None:
+    """Moves the input-gradient hook of a module that wrote its input `view` in place (its version moved)
+    to the write's node (see `WrittenRows`), with the rows of any view output the write bypasses.
+
+    A walk of a few autograd nodes, no tensor work, run only for such modules. A layout the walk cannot
+    place is logged once and counted, and those rows are not written."""
+    before = []  # the nodes the view's value came from: its hooked node's chain, the base's old node on it
+    fn = node
+    for _ in range(16):
+        nexts = fn.next_functions
+        fn = nexts[0][0] if nexts else None
+        if fn is None:
+            break
+        before.append(fn)
+    base = view._base
+    where = (base.shape, base.stride(), base.storage_offset())
+
+    def region(shape: Any, stride: tuple, offset: int) -> tuple | None:
+        return None if (shape, stride, offset) == where else (shape, stride, offset - where[2])
+
+    fn = base.grad_fn
+    for _ in range(64):  # the base's nodes made since: one CopySlices per write into it, newest first
+        if fn is None or type(fn).__name__ != _WRITE_NODE or not fn.next_functions:
+            break
+        older = fn.next_functions[0][0]
+        found = next((i for i, b in enumerate(before) if b is older), None)
+        if found is not None:
+            targets = [(rows, region(view.shape, view.stride(), view.storage_offset()))]
+            for bypassed in before[:found]:
+                for marked, place in bypassed.metadata.get(_VIEW_ROWS, ()):
+                    targets.append((marked, region(*place)))
+            fn.register_hook(WrittenRows(targets))
+            return
+        fn = older
+    loop.faults.record(
+        "in-place input write",
+        RuntimeError(f"no autograd node found for the write into input rows {rows.labels}"),
+        "their input-gradient rows are not written",
+    )
+
+
+def settle_input_views(loop: Any, bases: dict[int, tuple], aliased: bool) -> None:
+    """After a forward, for each input view its pre-hook made (`ActivationProbe._hook_view` entries): a
+    view the module wrote in place (its version moved) gets its hook moved to the write's node; when an
+    output is a view (`aliased`: it may alias an input, as Flatten's does), the others are marked."""
+    for tensor, version, view, node, rows in bases.values():
+        if tensor._version != version:
+            hook_written_input(loop, view, node, rows)
+        elif aliased:
+            mark_view(node, rows, view)

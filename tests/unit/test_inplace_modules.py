@@ -1,0 +1,143 @@
+"""Modules that write their input in place (ReLU(inplace=True), a scaled slice) still get their
+input-gradient row in eager mode, and it is the gradient of the input's value before the write.
+
+The probe gives each module a view of its input and hooks the view's autograd node. A write into the view
+rebases it: that node leaves the graph and never fires. The forward hook sees the input's version move and
+hooks the write's node instead (`grad_rows.hook_written_input`).
+
+Reference: a twin model with the same weights in which every in-place module is replaced by its
+out-of-place equivalent, its inputs' `.grad` retained, trained in lockstep on the same batches. The twin's
+gradients go through the same kernels (threshold_backward, a multiply by 3 or by 1), so they equal the
+monitored model's; the rows are reduced by the engine and compared with float64 statistics of them:
+float32 sums over 64 values of order 1 differ from float64 by at most ~64 x 6e-8 relative, so rel 1e-5.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers import keyed, read_family, ref_stats, write_config
+from tests.unit.test_graph_taps import _fresh_dynamo, _same_rows, _train_rows  # noqa: F401 (autouse fixture)
+from trainermon import TrainerMon
+
+OPS = ("norm", "min", "max", "mean")
+
+
+class ScaleHead(nn.Module):
+    """Writes part of its input in place: x[:, 0] *= 3 (the input is a view of a (4, 8) tensor)."""
+
+    def __init__(self, inplace: bool) -> None:
+        super().__init__()
+        self.inplace = inplace
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.inplace:
+            x[:, 0].mul_(3)
+            return x
+        return x * torch.tensor([3.0, 1.0]).view(1, 2, 1)
+
+
+class Shift(nn.Module):
+    """x += b, in place when asked (add_ saves nothing for its backward, so later writes are allowed)."""
+
+    def __init__(self, inplace: bool) -> None:
+        super().__init__()
+        self.inplace, self.bias = inplace, nn.Parameter(torch.linspace(-0.5, 0.5, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.add_(self.bias) if self.inplace else x + self.bias
+
+
+class Net(nn.Module):
+    """Three writes into the same memory, each by a module of its own: the Linear's output (Shift's input,
+    a tensor of its own), a (4, 2, 4) view of it (ScaleHead's input: a region of the written memory),
+    and its reshape back (ReLU's input, a view of it again)."""
+
+    def __init__(self, inplace: bool) -> None:
+        super().__init__()
+        self.lin, self.head = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.shift, self.scale, self.act = Shift(inplace), ScaleHead(inplace), nn.ReLU(inplace=inplace)
+        self.same = nn.Identity()  # returns its input view itself: ScaleHead's write bypasses that node
+        self.flat = nn.Flatten()  # returns a view: the ReLU's write into its base bypasses its node
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.shift(self.lin(x))
+        return self.head(self.act(self.flat(self.scale(self.same(h.view(4, 2, 4))))))
+
+
+def test_in_place_modules_get_their_input_gradient_rows(tmp_path, out_dir):
+    torch.manual_seed(0)
+    model, twin = Net(inplace=True), Net(inplace=False)
+    twin.load_state_dict(copy.deepcopy(model.state_dict()))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin)]
+    monitor = TrainerMon(write_config(tmp_path / "c.json", xy_distribution=True, ops=list(OPS)))
+    monitor.set_monitor(model, optimizer=opts[0])
+
+    captured: dict[str, torch.Tensor] = {}  # every module's input and output in the twin, grads retained
+
+    def keep(name: str):
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            for label, t in ((f"{name}.input", args[0]), (f"{name}.output", output)):
+                if t.requires_grad:
+                    t.retain_grad()
+                    captured[label] = t
+
+        return hook
+
+    for name, module in twin.named_children():
+        module.register_forward_hook(keep(name))
+    want: dict[tuple, dict[str, float]] = {}
+    gen = torch.Generator().manual_seed(1)
+    for step in range(2):
+        batch = torch.randn(4, 8, generator=gen)
+        for m, opt in zip((model, twin), opts):
+            m(batch).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        for label, tensor in captured.items():
+            want[label, step] = ref_stats(tensor.grad)
+    monitor.close()
+
+    assert monitor.loop.faults.total == 0
+    rows = keyed(read_family(monitor.run_dir, "actv_grad"))
+    got = {(name, step): row for (name, step, _micro), row in rows.items()}
+    assert set(got) == set(want) and len(want) == 2 * 13  # all but lin.input (the batch needs no grad)
+    for key, stats in want.items():
+        for op in OPS:
+            assert float(got[key][op]) == pytest.approx(stats[op], rel=1e-5, abs=1e-7), (key, op)
+
+
+def test_a_write_the_walk_cannot_place_is_counted_not_raised(tmp_path, out_dir, monkeypatch):
+    """If the write's node cannot be found (here: the walk is made to see no CopySlices), the row is not
+    written, the fault is logged once and counted, and training goes on."""
+    from trainermon.runtime.probes import grad_rows
+
+    monkeypatch.setattr(grad_rows, "_WRITE_NODE", "NoSuchNode")
+    model = Net(inplace=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(write_config(tmp_path / "c.json", xy_distribution=True, ops=list(OPS)))
+    monitor.set_monitor(model, optimizer=opt)
+    for _ in range(2):
+        model(torch.randn(4, 8)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    names = {name for name, _, _ in keyed(read_family(monitor.run_dir, "actv_grad"))}
+    assert "lin.output" in names and not names & {"shift.input", "scale.input", "act.input"}
+    assert monitor.loop.faults.counts["in-place input write"] == 6  # three modules, two steps
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_rows_equal_the_eager_ones(tmp_path, out_dir, backend):
+    """torch.compile'd, the same model writes the same rows (graph taps, `graph_taps.py`), with no graph
+    break: the eager rows are the reference here, checked above against the twin. Tolerances as argued
+    in test_graph_taps.py."""
+    eager = _train_rows(tmp_path, "eager", lambda: Net(inplace=True), None)
+    compiled = _train_rows(tmp_path, backend, lambda: Net(inplace=True), backend, fullgraph=True)
+    assert eager[2] == compiled[2] == 0 and compiled[3] == 0
+    _same_rows(compiled[0], eager[0])
+    _same_rows(compiled[1], eager[1], abs_tol=1e-5)
