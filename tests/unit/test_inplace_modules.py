@@ -69,46 +69,100 @@ class Net(nn.Module):
         return self.head(self.act(self.flat(self.scale(self.same(h.view(4, 2, 4))))))
 
 
-def test_in_place_modules_get_their_input_gradient_rows(tmp_path, out_dir):
+class Block(nn.Module):
+    """A ResNet basic block as torchvision writes it: one ReLU(inplace=True) called twice, and the
+    shortcut added in place (`out += identity`) in the block's own code."""
+
+    def __init__(self, inplace: bool) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+        self.bn1, self.bn2, self.relu = nn.BatchNorm2d(4), nn.BatchNorm2d(4), nn.ReLU(inplace=inplace)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
+        out = out.add_(x) if self.relu.inplace else out + x
+        return self.relu(out)
+
+
+class ResNet(nn.Module):
+    def __init__(self, inplace: bool) -> None:
+        super().__init__()
+        self.stem, self.act = nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(inplace=inplace)
+        self.blocks = nn.Sequential(Block(inplace), Block(inplace))
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.act(self.stem(x)))).reshape(4, 8)
+
+
+def _rows_and_twin(tmp_path, make, batch_shape: tuple, inputs_of) -> tuple[dict, dict, int]:
+    """`make(inplace=True)` monitored and its out-of-place twin trained in lockstep for two steps: (the
+    actv_grad rows by (name, step, micro_step), the twin's statistics of the same gradients, faults). The
+    twin retains the grads of every module's output, and of the inputs of the modules `inputs_of(name)`
+    selects: those whose input no other module reads (the monitor's row holds this module's share)."""
     torch.manual_seed(0)
-    model, twin = Net(inplace=True), Net(inplace=False)
+    model, twin = make(inplace=True), make(inplace=False)
     twin.load_state_dict(copy.deepcopy(model.state_dict()))
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin)]
     monitor = TrainerMon(write_config(tmp_path / "c.json", xy_distribution=True, ops=list(OPS)))
     monitor.set_monitor(model, optimizer=opts[0])
-
-    captured: dict[str, torch.Tensor] = {}  # every module's input and output in the twin, grads retained
+    captured: list[tuple[str, torch.Tensor]] = []  # per forward call, in call order
 
     def keep(name: str):
         def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-            for label, t in ((f"{name}.input", args[0]), (f"{name}.output", output)):
+            slots = [(f"{name}.input", args[0])] if inputs_of(name) else []
+            for label, t in [*slots, (f"{name}.output", output)]:
                 if t.requires_grad:
                     t.retain_grad()
-                    captured[label] = t
+                    captured.append((label, t))
 
         return hook
 
-    for name, module in twin.named_children():
-        module.register_forward_hook(keep(name))
+    for name, module in twin.named_modules():
+        if name:
+            module.register_forward_hook(keep(name))
     want: dict[tuple, dict[str, float]] = {}
     gen = torch.Generator().manual_seed(1)
     for step in range(2):
-        batch = torch.randn(4, 8, generator=gen)
+        batch = torch.randn(*batch_shape, generator=gen)
+        captured.clear()
         for m, opt in zip((model, twin), opts):
             m(batch).square().sum().backward()
             opt.step()
             opt.zero_grad()
-        for label, tensor in captured.items():
-            want[label, step] = ref_stats(tensor.grad)
+        calls: dict[str, int] = {}
+        for label, tensor in captured:  # a module called twice: micro-steps 0 and 1, as the monitor counts
+            calls[label] = calls.get(label, -1) + 1
+            want[label, step, calls[label]] = ref_stats(tensor.grad)
     monitor.close()
+    return keyed(read_family(monitor.run_dir, "actv_grad")), want, monitor.loop.faults.total
 
-    assert monitor.loop.faults.total == 0
-    rows = keyed(read_family(monitor.run_dir, "actv_grad"))
-    got = {(name, step): row for (name, step, _micro), row in rows.items()}
-    assert set(got) == set(want) and len(want) == 2 * 13  # all but lin.input (the batch needs no grad)
+
+def _assert_rows(got: dict, want: dict) -> None:
     for key, stats in want.items():
         for op in OPS:
             assert float(got[key][op]) == pytest.approx(stats[op], rel=1e-5, abs=1e-7), (key, op)
+
+
+def test_in_place_modules_get_their_input_gradient_rows(tmp_path, out_dir):
+    rows, want, faults = _rows_and_twin(tmp_path, Net, (4, 8), lambda name: True)
+    assert faults == 0
+    assert set(rows) == set(want) and len(want) == 2 * 13  # all but lin.input (the batch needs no grad)
+    _assert_rows(rows, want)
+
+
+def test_a_resnet_block_gets_every_row(tmp_path, out_dir):
+    """Every ReLU(inplace=True) input row was missing before (two per block, plus the stem's); the
+    shortcut's in-place add (not a module) must not disturb bn2's output row."""
+    rows, want, faults = _rows_and_twin(
+        tmp_path, ResNet, (4, 2, 5, 5), lambda name: name.endswith(("relu", "act"))
+    )
+    assert faults == 0
+    assert {k for k in want if k[0].endswith("relu.input")} == {
+        (f"blocks.{b}.relu.input", step, micro) for b in (0, 1) for step in (0, 1) for micro in (0, 1)
+    }
+    assert set(want) <= set(rows)
+    _assert_rows(rows, want)
 
 
 def test_a_write_the_walk_cannot_place_is_counted_not_raised(tmp_path, out_dir, monkeypatch):
