@@ -95,6 +95,35 @@ class ResNet(nn.Module):
         return self.head(self.blocks(self.act(self.stem(x)))).reshape(4, 8)
 
 
+class ReadThenWrite(nn.Module):
+    """Reads its input, then writes it in place: its input gradient comes down two paths."""
+
+    def __init__(self, inplace: bool) -> None:
+        super().__init__()
+        self.inplace = inplace
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        x = x.add_(1) if self.inplace else x + 1
+        return x * y
+
+
+class ReadBeforeWrite(nn.Module):
+    """Flatten's output (a view) is read by the parent (`o * 3`) before Shift writes it in place: its
+    gradient is the sum of the read's share (through Flatten's node) and the write's (through the
+    write's node). ReadThenWrite's own input likewise."""
+
+    def __init__(self, inplace: bool) -> None:
+        super().__init__()
+        self.lin, self.flat, self.shift = nn.Linear(8, 8), nn.Flatten(), Shift(inplace)
+        self.rw, self.head = ReadThenWrite(inplace), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        o = self.flat(self.lin(x).view(4, 2, 4))
+        side = o * 3
+        return self.head(self.rw(self.shift(o))) + side
+
+
 def _rows_and_twin(tmp_path, make, batch_shape: tuple, inputs_of) -> tuple[dict, dict, int]:
     """`make(inplace=True)` monitored and its out-of-place twin trained in lockstep for two steps: (the
     actv_grad rows by (name, step, micro_step), the twin's statistics of the same gradients, faults). The
@@ -162,6 +191,19 @@ def test_a_resnet_block_gets_every_row(tmp_path, out_dir):
         (f"blocks.{b}.relu.input", step, micro) for b in (0, 1) for step in (0, 1) for micro in (0, 1)
     }
     assert set(want) <= set(rows)
+    _assert_rows(rows, want)
+
+
+def test_a_view_read_before_the_write_gets_one_row_of_both_shares(tmp_path, out_dir):
+    """Without summing, Flatten's output and input and ReadThenWrite's input each got two rows, one per
+    path, each holding only its path's share. Shift's input is also read by the parent: the twin's total
+    gradient of it is not Shift's share, so only its presence is checked."""
+    rows, want, faults = _rows_and_twin(
+        tmp_path, ReadBeforeWrite, (4, 8), lambda name: name in ("flat", "rw", "head")
+    )
+    assert faults == 0
+    assert {"flat.output", "flat.input", "rw.input"} <= {name for name, _, _ in want}
+    assert set(rows) == set(want) | {("shift.input", step, 0) for step in (0, 1)}
     _assert_rows(rows, want)
 
 

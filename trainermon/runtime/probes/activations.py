@@ -319,13 +319,12 @@ class ActivationProbe(Probe):
         self, vpp_stage: int, tensor: torch.Tensor, labels: tuple[str, ...], micro: int, piece: str
     ) -> tuple[torch.Tensor, tuple]:
         """A view of `tensor` for this module alone, whose gradient is this module's input gradient, and
-        its `_bases` entry: the tensor, its version, the view, its hooked node and the hook (should the
-        module write the view in place, the forward hook finds the write's node from these)."""
+        its `_bases` entry: the tensor, its version, the view, its hooked node, the hook and its handle
+        (should the module write the view in place, the forward hook finds the write's node from these)."""
         view = tensor.view_as(tensor)
         node = view.grad_fn
         rows = self._grad_rows.get(vpp_stage, labels, micro, piece, 0)
-        node.register_prehook(rows)
-        return view, (tensor, tensor._version, view, node, rows)
+        return view, (tensor, tensor._version, view, node, rows, node.register_prehook(rows))
 
     def _fwd_hook(self, vpp_stage: int, name: str):
         loop = self.loop
@@ -384,9 +383,9 @@ class ActivationProbe(Probe):
                                 t = view
                             node = t.grad_fn
                             rows = self._grad_rows.get(vpp_stage, (label,), micro, piece, t.output_nr)
-                            node.register_prehook(rows)
+                            handle = node.register_prehook(rows)
                             if t._base is not None:
-                                mark_view(node, rows, t)
+                                mark_view(node, rows, t, handle)
                                 aliased = True
                     if bases:
                         settle_input_views(loop, bases, aliased)

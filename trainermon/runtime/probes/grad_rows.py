@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 
 class GradRows:
     """The hook on the autograd node that makes one tensor, seeing its gradient: one row per label (one
@@ -67,17 +69,50 @@ class GradRowsCache:
 
 
 _WRITE_NODE = "CopySlices"  # the node autograd makes for an in-place write into a view
-_VIEW_ROWS = "trainermon.rows"  # Node.metadata key: a view output's hook, for a write that bypasses it
+_VIEW_ROWS = "trainermon.rows"  # Node.metadata key: a view's hooks, for a write that bypasses its node
+# Whether the running backward will run (or has run) a node; absent: a bypassed node's read share and the
+# write's share are written as two rows (see `TwoPaths`)
+_will_run = getattr(torch._C, "_will_engine_execute_node", None)
 
 
-def mark_view(node: Any, rows: GradRows, view: Any) -> None:
+def mark_view(node: Any, rows: GradRows, view: Any, handle: Any) -> None:
     """Notes on a hooked node whose tensor is a view (an output that is a view: a rebased in-place output,
-    a transpose; an input that such an output aliases) its hook and the view's place in its base: a later
-    write into that base through another view bypasses the node (`hook_written_input` then serves the
-    row). Node.metadata lives as long as the node; ~0.1 us."""
+    a transpose; an input that such an output aliases) its hook, the hook's handle and the view's place in
+    its base: a later write into that base through another view bypasses the node (`hook_written_input`
+    then serves the row). Node.metadata lives as long as the node; ~0.1 us."""
     node.metadata.setdefault(_VIEW_ROWS, []).append(
-        (rows, (view.shape, view.stride(), view.storage_offset()))
+        (rows, (view.shape, view.stride(), view.storage_offset()), handle)
     )
+
+
+class TwoPaths:
+    """One row from the two paths a bypassed view's gradient takes. Reads of the view before the write
+    (`y = o * 3`, then ReLU(inplace=True) on `o`) still reach its node; the write's share comes through
+    the write's node. Each side, arriving, waits for the other if the engine will run it, else writes."""
+
+    __slots__ = ("rows", "node", "write", "part")
+
+    def __init__(self, rows: GradRows, node: Any, write: Any) -> None:
+        self.rows, self.node, self.write, self.part = rows, node, write, None
+
+    def __call__(self, grad_outputs: tuple) -> None:  # the bypassed node's pre-hook: the reads' share
+        self._arrive(grad_outputs[self.rows.index], self.write)
+
+    def from_write(self, grad: Any) -> None:
+        self._arrive(grad, self.node)
+
+    def _arrive(self, grad: Any, other: Any) -> None:
+        try:
+            if self.part is not None:  # the other share came first: one row of the sum
+                (part,), self.part = self.part, None
+                grad = part if grad is None else grad if part is None else grad + part
+            elif _will_run(other):
+                self.part = (grad,)  # held by reference: the engine does not write into a grad it shares
+                return
+        except Exception as exc:  # noqa: BLE001
+            self.rows.loop.faults.record("activation-gradient hook", exc)
+            return
+        self.rows((grad,))
 
 
 class WrittenRows:
@@ -85,31 +120,35 @@ class WrittenRows:
 
     Autograd rebases a view written in place: the write's `CopySlices` node passes the gradient of the
     base's value before the write straight to the base's older node, laid out as the base, and the view
-    nodes in between (the writer's input view, a view an earlier module returned) never fire. A post-hook
-    of the write's node sees that gradient: each target is a (GradRows, region) pair, `region` the row's
-    tensor's place in the base (None when it is the whole base)."""
+    nodes in between (the writer's input view, a view an earlier module returned) are bypassed. A
+    post-hook of the write's node sees that gradient: each target (a `TwoPaths`, or a `GradRows` where the
+    engine cannot be asked) gets its `region`, the tensor's place in the base (None: the whole base)."""
 
     __slots__ = ("targets",)
 
-    def __init__(self, targets: list[tuple[GradRows, tuple | None]]) -> None:
+    def __init__(self, targets: list[tuple[Any, tuple | None]]) -> None:
         self.targets = targets
 
     def __call__(self, grad_inputs: tuple, grad_outputs: tuple) -> None:
         grad = grad_inputs[0]
-        for rows, region in self.targets:
+        for target, region in self.targets:
             piece = grad
             if grad is not None and region is not None:
                 try:
                     piece = grad.as_strided(*region)
                 except Exception as exc:  # noqa: BLE001
-                    rows.loop.faults.record("activation-gradient hook", exc)
+                    target.rows.loop.faults.record("activation-gradient hook", exc)
                     continue
-            rows((piece,))
+            if type(target) is TwoPaths:
+                target.from_write(piece)
+            else:
+                target((piece,))
 
 
-def hook_written_input(loop: Any, view: Any, node: Any, rows: GradRows) -> None:
+def hook_written_input(loop: Any, view: Any, node: Any, rows: GradRows, handle: Any) -> None:
     """Moves the input-gradient hook of a module that wrote its input `view` in place (its version moved)
-    to the write's node (see `WrittenRows`), with the rows of any view output the write bypasses.
+    to the write's node (see `WrittenRows`), with the hooks of the views the write bypasses: each
+    bypassed node's hook is replaced by a `TwoPaths`, which sums its share with the write's.
 
     A walk of a few autograd nodes, no tensor work, run only for such modules. A layout the walk cannot
     place is logged once and counted, and those rows are not written."""
@@ -123,10 +162,6 @@ def hook_written_input(loop: Any, view: Any, node: Any, rows: GradRows) -> None:
         before.append(fn)
     base = view._base
     where = (base.shape, base.stride(), base.storage_offset())
-
-    def region(shape: Any, stride: tuple, offset: int) -> tuple | None:
-        return None if (shape, stride, offset) == where else (shape, stride, offset - where[2])
-
     fn = base.grad_fn
     for _ in range(64):  # the base's nodes made since: one CopySlices per write into it, newest first
         if fn is None or type(fn).__name__ != _WRITE_NODE or not fn.next_functions:
@@ -134,10 +169,18 @@ def hook_written_input(loop: Any, view: Any, node: Any, rows: GradRows) -> None:
         older = fn.next_functions[0][0]
         found = next((i for i, b in enumerate(before) if b is older), None)
         if found is not None:
-            targets = [(rows, region(view.shape, view.stride(), view.storage_offset()))]
-            for bypassed in before[:found]:
-                for marked, place in bypassed.metadata.get(_VIEW_ROWS, ()):
-                    targets.append((marked, region(*place)))
+            bypassed = [(node, [(rows, (view.shape, view.stride(), view.storage_offset()), handle)])]
+            bypassed += [(b, b.metadata.get(_VIEW_ROWS, ())) for b in before[:found]]
+            targets: list[tuple[Any, tuple | None]] = []
+            for passed, marks in bypassed:
+                for marked, (shape, stride, offset), marked_handle in marks:
+                    target: Any = marked
+                    if _will_run is not None:
+                        marked_handle.remove()
+                        target = TwoPaths(marked, passed, fn)
+                        passed.register_prehook(target)
+                    same = (shape, stride, offset) == where
+                    targets.append((target, None if same else (shape, stride, offset - where[2])))
             fn.register_hook(WrittenRows(targets))
             return
         fn = older
@@ -152,8 +195,8 @@ def settle_input_views(loop: Any, bases: dict[int, tuple], aliased: bool) -> Non
     """After a forward, for each input view its pre-hook made (`ActivationProbe._hook_view` entries): a
     view the module wrote in place (its version moved) gets its hook moved to the write's node; when an
     output is a view (`aliased`: it may alias an input, as Flatten's does), the others are marked."""
-    for tensor, version, view, node, rows in bases.values():
+    for tensor, version, view, node, rows, handle in bases.values():
         if tensor._version != version:
-            hook_written_input(loop, view, node, rows)
+            hook_written_input(loop, view, node, rows, handle)
         elif aliased:
-            mark_view(node, rows, view)
+            mark_view(node, rows, view, handle)
