@@ -67,6 +67,8 @@ class Recorder:
         self.rows: dict[tuple, dict[str, float]] = {}
         self.step = 0
         self.calls: dict[int, int] = {}
+        self.bases: dict[int, list] = {}  # module id -> (tensor, version, row key) of its hooked inputs
+        self.written: set[tuple] = set()  # row keys of inputs their module wrote in place
 
     def attach(self, chunks: list[Any]) -> None:
         import torch
@@ -104,6 +106,17 @@ class Recorder:
                     view = t.view_as(t)
                     view.register_hook(self._grad(vpp, label, micro))
                     holder[key] = view
+                    # A module that writes its input in place (Megatron's softmax masks the scores with
+                    # masked_fill_) rebases the view, whose hook then never fires. A hook on the memory's
+                    # own tensor (the base of the monitor's view: baddbmm's output, which the scores view
+                    # whole) sees the gradient of its value before the write, over all its readers: that
+                    # is the module's row where the module is its only reader (as the softmax is). The
+                    # statistics do not depend on the shape.
+                    row_key = ("actv_grad", vpp, label, self.step, micro)
+                    whole = t._base is not None and t._base.numel() == t.numel()
+                    base = t._base if whole else t
+                    base.register_hook(self._grad(vpp, label, micro, only_if_written=row_key))
+                    self.bases.setdefault(id(module), []).append((t, t._version, row_key))
             return tuple(new_args), new_kwargs
 
         return hook
@@ -115,6 +128,9 @@ class Recorder:
                 return
             micro = self._key(module)
             self.calls[id(module)] = micro + 1
+            for t, version, row_key in self.bases.pop(id(module), ()):
+                if t._version != version:
+                    self.written.add(row_key)
             inputs, outputs = _inputs(args, kwargs), _outputs(output)
             labels = _labels(f"{name}.input", len(inputs)) + _labels(f"{name}.output", len(outputs))
             for label, t in zip(labels, inputs + outputs):
@@ -137,11 +153,12 @@ class Recorder:
 
         return hook
 
-    def _grad(self, vpp: int, label: str, micro: int):
+    def _grad(self, vpp: int, label: str, micro: int, only_if_written: tuple | None = None):
         step = self.step
 
         def hook(grad):
-            self.rows[("actv_grad", vpp, label, step, micro)] = ref_stats(grad)
+            if only_if_written is None or only_if_written in self.written:
+                self.rows[("actv_grad", vpp, label, step, micro)] = ref_stats(grad)
 
         return hook
 
