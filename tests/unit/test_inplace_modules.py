@@ -207,6 +207,31 @@ def test_a_view_read_before_the_write_gets_one_row_of_both_shares(tmp_path, out_
     _assert_rows(rows, want)
 
 
+def test_the_summing_hooks_do_not_outlive_their_step(tmp_path, out_dir):
+    """A `TwoPaths` holds both nodes and each node holds it: a cycle through C++ that Python's collector
+    cannot free. Released at the next step's start, none is left after a step, with or without a
+    collection (before the release, 7 per step piled up here)."""
+    import gc
+
+    from trainermon.runtime.probes.grad_rows import TwoPaths, WrittenRows
+
+    model = ReadBeforeWrite(inplace=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(write_config(tmp_path / "c.json", xy_distribution=True, ops=list(OPS)))
+    monitor.set_monitor(model, optimizer=opt)
+    probe = next(p for p in monitor.loop.probes if type(p).__name__ == "ActivationProbe")
+    made = []
+    for _ in range(3):
+        model(torch.randn(4, 8)).square().sum().backward()
+        made.append(len(probe._two_paths))  # shift's and rw's inputs, flat's output and input, shift's output
+        opt.step()
+        opt.zero_grad()
+    assert made == [5, 5, 5]
+    gc.collect()
+    assert not [o for o in gc.get_objects() if type(o) in (TwoPaths, WrittenRows)]
+    monitor.close()
+
+
 def test_a_write_the_walk_cannot_place_is_counted_not_raised(tmp_path, out_dir, monkeypatch):
     """If the write's node cannot be found (here: the walk is made to see no CopySlices), the row is not
     written, the fault is logged once and counted, and training goes on."""

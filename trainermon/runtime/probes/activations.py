@@ -33,61 +33,11 @@ from trainermon.config import MonitorConfig
 from ..plan import StepPlan
 from ..selection import select_modules
 from .base import Probe
-from .grad_rows import GradRowsCache, mark_view, settle_input_views
+from .grad_rows import GradRowsCache, mark_view, release, settle_input_views
 from .module_hooks import ModuleHooks
+from .slots import Names, input_slots, is_activation, output_slots, padded, replace_tensors
 
 logger = logging.getLogger("trainermon")
-
-
-def is_activation(t: Any) -> bool:
-    """Activations are floating point, complex or quantized tensors (the engine reads or refuses them,
-    never silently); integer tensors (token ids, masks) are not activations."""
-    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex() or t.is_quantized)
-
-
-def activations_in(obj: Any) -> list[torch.Tensor]:
-    """Top-level activation tensors of a module's inputs or outputs (tensor, tuple/list, dict values)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj] if is_activation(obj) else []
-    if isinstance(obj, (tuple, list)):
-        return [t for t in obj if is_activation(t)]
-    if isinstance(obj, dict):
-        return [t for t in obj.values() if is_activation(t)]
-    return []
-
-
-def io_names(base: str, count: int) -> list[str]:
-    return [base] if count == 1 else [f"{base}_{i}" for i in range(count)]
-
-
-def input_slots(args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """A module's tensor arguments, positional then keyword: what msprobe numbers as inputs."""
-    return [a for a in args if isinstance(a, torch.Tensor)] + [
-        v for v in kwargs.values() if isinstance(v, torch.Tensor)
-    ]
-
-
-def output_slots(output: Any) -> list[Any]:
-    """A module's outputs as msprobe numbers them: a tuple's or list's elements by position (None
-    included), a tensor alone; a dict's activation values (ours only)."""
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, (tuple, list)):
-        return list(output)
-    if isinstance(output, dict):
-        return [v for v in output.values() if is_activation(v)]
-    return []
-
-
-def replace_tensors(obj: Any, by_id: dict[int, torch.Tensor]) -> Any:
-    """`obj` (a tensor, tuple, list or dict of them) with the tensors whose id is in `by_id` replaced."""
-    if isinstance(obj, torch.Tensor):
-        return by_id.get(id(obj), obj)
-    if type(obj) in (tuple, list):
-        return type(obj)(by_id.get(id(t), t) if isinstance(t, torch.Tensor) else t for t in obj)
-    if isinstance(obj, dict):
-        return {k: by_id.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in obj.items()}
-    return obj
 
 
 def _call(body: Any, *args: Any) -> Any:
@@ -113,32 +63,6 @@ def _untapped() -> Any:
     return UNTAPPED
 
 
-class _Names:
-    """`io_names(base, count)` kept per count: a hook names its slots on every call."""
-
-    __slots__ = ("base", "by_count")
-
-    def __init__(self, base: str) -> None:
-        self.base = base
-        self.by_count: dict[int, list[str]] = {}
-
-    def __call__(self, count: int) -> list[str]:
-        names = self.by_count.get(count)
-        if names is None:
-            names = self.by_count[count] = io_names(self.base, count)
-        return names
-
-
-_BLANK: list[tuple[str, ...]] = [("",) * n for n in range(9)]
-
-
-def _padded(pieces: tuple[str, ...], count: int) -> tuple[str, ...]:
-    """`count` piece labels: `pieces`, then "" (no labels at all, the common case: a shared tuple)."""
-    if not pieces and count < len(_BLANK):
-        return _BLANK[count]
-    return tuple(pieces[i] if i < len(pieces) else "" for i in range(count))
-
-
 def in_backward() -> bool:
     """A forward recomputed inside backward (activation checkpointing)."""
     return torch._C._current_graph_task_id() != -1
@@ -161,6 +85,7 @@ class ActivationProbe(Probe):
         # key to build), and a view the module wrote in place gets its input-gradient hook moved
         self._bases: dict[int, dict[int, tuple]] = {}
         self._grad_rows = GradRowsCache(loop)
+        self._two_paths: list[Any] = []  # this step's grad_rows.TwoPaths, released at the next step's begin
         self._taps: Any = None  # graph_taps.TapSites once hooks are made where the tap operators exist
 
     def configure(self, config: MonitorConfig) -> None:
@@ -176,6 +101,7 @@ class ActivationProbe(Probe):
         self.hooks.reset(modules, self.loop.adapter.roots())
 
     def begin(self, plan: StepPlan) -> None:
+        release(self._two_paths)
         self._calls.clear()
         self._pending.clear()
         self._bases.clear()
@@ -246,6 +172,7 @@ class ActivationProbe(Probe):
         return hook
 
     def close(self) -> None:
+        release(self._two_paths)
         self.hooks.close()
         if self._taps:
             self._taps.close()
@@ -253,7 +180,7 @@ class ActivationProbe(Probe):
     # ---- hooks ---------------------------------------------------------------------------------
     def _pre_hook(self, vpp_stage: int, name: str):
         loop = self.loop
-        input_names = _Names(f"{name}.input")
+        input_names = Names(f"{name}.input")
         first_input = input_names(1)[0]
 
         def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
@@ -328,7 +255,7 @@ class ActivationProbe(Probe):
 
     def _fwd_hook(self, vpp_stage: int, name: str):
         loop = self.loop
-        input_names, output_names = _Names(f"{name}.input"), _Names(f"{name}.output")
+        input_names, output_names = Names(f"{name}.input"), Names(f"{name}.output")
 
         def fwd_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
             try:
@@ -348,7 +275,7 @@ class ActivationProbe(Probe):
                 outputs = output_slots(output)
                 out_labels = output_names(len(outputs))
                 in_pieces, out_pieces = self._shards.get(key, ((), ()))
-                out_pieces = _padded(out_pieces, len(outputs))
+                out_pieces = padded(out_pieces, len(outputs))
                 if self._actv and not recompute:
                     if len(args) == 1 and not kwargs:  # most modules: one argument (input_slots, shorter)
                         inputs = [args[0]] if isinstance(args[0], torch.Tensor) else []
@@ -359,7 +286,7 @@ class ActivationProbe(Probe):
                     in_labels = input_names(len(inputs))
                     tensors, labels, pieces = [], [], []
                     for label, t, piece in zip(
-                        in_labels + out_labels, inputs + outputs, _padded(in_pieces, len(inputs)) + out_pieces
+                        in_labels + out_labels, inputs + outputs, padded(in_pieces, len(inputs)) + out_pieces
                     ):
                         if is_activation(t):
                             tensors.append(t)
@@ -388,7 +315,7 @@ class ActivationProbe(Probe):
                                 mark_view(node, rows, t, handle)
                                 aliased = True
                     if bases:
-                        settle_input_views(loop, bases, aliased)
+                        settle_input_views(loop, bases, aliased, self._two_paths)
                     if leaves:
                         return replace_tensors(output, leaves)
             except Exception as exc:  # noqa: BLE001

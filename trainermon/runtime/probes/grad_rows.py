@@ -88,7 +88,10 @@ def mark_view(node: Any, rows: GradRows, view: Any, handle: Any) -> None:
 class TwoPaths:
     """One row from the two paths a bypassed view's gradient takes. Reads of the view before the write
     (`y = o * 3`, then ReLU(inplace=True) on `o`) still reach its node; the write's share comes through
-    the write's node. Each side, arriving, waits for the other if the engine will run it, else writes."""
+    the write's node. Each side, arriving, waits for the other if the engine will run it, else writes.
+
+    It holds both nodes, and each node holds it as a hook: a cycle through C++ that Python's collector
+    cannot see. The probe calls `release` at the next step's start, which breaks it."""
 
     __slots__ = ("rows", "node", "write", "part")
 
@@ -100,6 +103,9 @@ class TwoPaths:
 
     def from_write(self, grad: Any) -> None:
         self._arrive(grad, self.node)
+
+    def release(self) -> None:
+        self.node = self.write = self.part = None
 
     def _arrive(self, grad: Any, other: Any) -> None:
         try:
@@ -145,10 +151,18 @@ class WrittenRows:
                 target((piece,))
 
 
-def hook_written_input(loop: Any, view: Any, node: Any, rows: GradRows, handle: Any) -> None:
+def release(made: list) -> None:
+    """Releases a step's `TwoPaths` (see there) and empties `made`."""
+    for two in made:
+        two.release()
+    made.clear()
+
+
+def hook_written_input(loop: Any, view: Any, node: Any, rows: GradRows, handle: Any, made: list) -> None:
     """Moves the input-gradient hook of a module that wrote its input `view` in place (its version moved)
     to the write's node (see `WrittenRows`), with the hooks of the views the write bypasses: each
-    bypassed node's hook is replaced by a `TwoPaths`, which sums its share with the write's.
+    bypassed node's hook is replaced by a `TwoPaths`, which sums its share with the write's (appended to
+    `made`, for the probe to release).
 
     A walk of a few autograd nodes, no tensor work, run only for such modules. A layout the walk cannot
     place is logged once and counted, and those rows are not written."""
@@ -179,6 +193,7 @@ def hook_written_input(loop: Any, view: Any, node: Any, rows: GradRows, handle: 
                         marked_handle.remove()
                         target = TwoPaths(marked, passed, fn)
                         passed.register_prehook(target)
+                        made.append(target)
                     same = (shape, stride, offset) == where
                     targets.append((target, None if same else (shape, stride, offset - where[2])))
             fn.register_hook(WrittenRows(targets))
@@ -191,12 +206,12 @@ def hook_written_input(loop: Any, view: Any, node: Any, rows: GradRows, handle: 
     )
 
 
-def settle_input_views(loop: Any, bases: dict[int, tuple], aliased: bool) -> None:
+def settle_input_views(loop: Any, bases: dict[int, tuple], aliased: bool, made: list) -> None:
     """After a forward, for each input view its pre-hook made (`ActivationProbe._hook_view` entries): a
     view the module wrote in place (its version moved) gets its hook moved to the write's node; when an
     output is a view (`aliased`: it may alias an input, as Flatten's does), the others are marked."""
     for tensor, version, view, node, rows, handle in bases.values():
         if tensor._version != version:
-            hook_written_input(loop, view, node, rows, handle)
+            hook_written_input(loop, view, node, rows, handle, made)
         elif aliased:
             mark_view(node, rows, view, handle)

@@ -46,8 +46,7 @@ from typing import Any
 import torch
 
 # imported by activations.py on first use, after it has loaded: no import cycle at load time
-from .activations import _padded as padded
-from .activations import input_slots, io_names, is_activation, output_slots
+from .slots import input_slots, io_names, is_activation, output_slots, padded
 
 logger = logging.getLogger("trainermon")
 

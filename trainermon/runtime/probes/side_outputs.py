@@ -17,8 +17,9 @@ from trainermon.config import MonitorConfig
 
 from ..plan import StepPlan
 from ..selection import select_modules
-from .activations import activations_in, in_backward
+from .activations import in_backward
 from .base import Probe
+from .slots import activations_in
 
 logger = logging.getLogger("trainermon")
 

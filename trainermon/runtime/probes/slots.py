@@ -1,0 +1,85 @@
+"""The tensors of a module call that get rows, and their names, as msprobe numbers them: shared by the
+eager hooks (`activations`) and the traced ones (`graph_taps`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def is_activation(t: Any) -> bool:
+    """Activations are floating point, complex or quantized tensors (the engine reads or refuses them,
+    never silently); integer tensors (token ids, masks) are not activations."""
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex() or t.is_quantized)
+
+
+def activations_in(obj: Any) -> list[torch.Tensor]:
+    """Top-level activation tensors of a module's inputs or outputs (tensor, tuple/list, dict values)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj] if is_activation(obj) else []
+    if isinstance(obj, (tuple, list)):
+        return [t for t in obj if is_activation(t)]
+    if isinstance(obj, dict):
+        return [t for t in obj.values() if is_activation(t)]
+    return []
+
+
+def io_names(base: str, count: int) -> list[str]:
+    return [base] if count == 1 else [f"{base}_{i}" for i in range(count)]
+
+
+def input_slots(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """A module's tensor arguments, positional then keyword: what msprobe numbers as inputs."""
+    return [a for a in args if isinstance(a, torch.Tensor)] + [
+        v for v in kwargs.values() if isinstance(v, torch.Tensor)
+    ]
+
+
+def output_slots(output: Any) -> list[Any]:
+    """A module's outputs as msprobe numbers them: a tuple's or list's elements by position (None
+    included), a tensor alone; a dict's activation values (ours only)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return list(output)
+    if isinstance(output, dict):
+        return [v for v in output.values() if is_activation(v)]
+    return []
+
+
+def replace_tensors(obj: Any, by_id: dict[int, torch.Tensor]) -> Any:
+    """`obj` (a tensor, tuple, list or dict of them) with the tensors whose id is in `by_id` replaced."""
+    if isinstance(obj, torch.Tensor):
+        return by_id.get(id(obj), obj)
+    if type(obj) in (tuple, list):
+        return type(obj)(by_id.get(id(t), t) if isinstance(t, torch.Tensor) else t for t in obj)
+    if isinstance(obj, dict):
+        return {k: by_id.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in obj.items()}
+    return obj
+
+
+class Names:
+    """`io_names(base, count)` kept per count: a hook names its slots on every call."""
+
+    __slots__ = ("base", "by_count")
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self.by_count: dict[int, list[str]] = {}
+
+    def __call__(self, count: int) -> list[str]:
+        names = self.by_count.get(count)
+        if names is None:
+            names = self.by_count[count] = io_names(self.base, count)
+        return names
+
+
+_BLANK: list[tuple[str, ...]] = [("",) * n for n in range(9)]
+
+
+def padded(pieces: tuple[str, ...], count: int) -> tuple[str, ...]:
+    """`count` piece labels: `pieces`, then "" (no labels at all, the common case: a shared tuple)."""
+    if not pieces and count < len(_BLANK):
+        return _BLANK[count]
+    return tuple(pieces[i] if i < len(pieces) else "" for i in range(count))
