@@ -253,12 +253,13 @@ def test_a_write_the_walk_cannot_place_is_counted_not_raised(tmp_path, out_dir, 
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_rows_equal_the_eager_ones(tmp_path, out_dir, backend):
+@pytest.mark.parametrize("model", [Net, ReadBeforeWrite], ids=lambda m: m.__name__)
+def test_compiled_rows_equal_the_eager_ones(tmp_path, out_dir, backend, model):
     """torch.compile'd, the same model writes the same rows (graph taps, `graph_taps.py`), with no graph
     break: the eager rows are the reference here, checked above against the twin. Tolerances as argued
     in test_graph_taps.py."""
-    eager = _train_rows(tmp_path, "eager", lambda: Net(inplace=True), None)
-    compiled = _train_rows(tmp_path, backend, lambda: Net(inplace=True), backend, fullgraph=True)
+    eager = _train_rows(tmp_path, "eager", lambda: model(inplace=True), None)
+    compiled = _train_rows(tmp_path, backend, lambda: model(inplace=True), backend, fullgraph=True)
     assert eager[2] == compiled[2] == 0 and compiled[3] == 0
     _same_rows(compiled[0], eager[0])
     _same_rows(compiled[1], eager[1], abs_tol=1e-5)
