@@ -4,6 +4,10 @@ Reentrant checkpointing runs the first forward without grad and recomputes it in
 modules inside the region must come out complete (actv_grad from the recomputed tensors) and once (no
 second actv row from the recompute). The recompute repeats the same float32 operations on the same
 inputs on CPU, so values agree to float32 rounding of the reduction (rel 1e-6 is far above it).
+
+Which first forward a recomputed call repeats (`runtime/probes/recompute.py`): a module called twice in
+one region, and one module called in several regions, nested or not. Matched last in, first out, the two
+calls of a region swapped their actv_grad rows (the values differed by up to 2.5x).
 """
 
 from __future__ import annotations
@@ -20,13 +24,19 @@ OPS = ("norm", "min", "max", "mean")
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    """Calls its own `act` twice and the model's `shared` once: inside one checkpointed region a module
+    may run several times (recomputed in forward order), and one module may run in several regions
+    (recomputed last region first)."""
+
+    def __init__(self, shared: nn.Module) -> None:
         super().__init__()
-        self.fc = nn.Linear(8, 8)
+        self.fc, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
         self.act = nn.Tanh()
+        object.__setattr__(self, "shared", shared)  # not a submodule: named once, as the model's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.fc(x)) + x
+        h = self.act(self.fc(x))
+        return self.act(self.fc2(h)) + self.shared(h * 2) + x
 
 
 class Net(nn.Module):
@@ -34,16 +44,24 @@ class Net(nn.Module):
         super().__init__()
         self.mode = mode
         self.inp = nn.Linear(4, 8)
-        self.blocks = nn.ModuleList([Block(), Block()])
+        self.shared = nn.Sigmoid()
+        self.blocks = nn.ModuleList([Block(self.shared), Block(self.shared)])
         self.head = nn.Linear(8, 2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
+    def _blocks(self, h: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             if self.mode == "none":
                 h = block(h)
             else:
-                h = checkpoint(block, h, use_reentrant=self.mode == "reentrant")
+                h = checkpoint(block, h, use_reentrant=self.mode != "non_reentrant")
+        return h
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        if self.mode == "nested":  # one reentrant region around the blocks' own
+            h = checkpoint(self._blocks, h, use_reentrant=True)
+        else:
+            h = self._blocks(h)
         return self.head(h)
 
 
@@ -64,7 +82,7 @@ def _rows(tmp_path, mode: str) -> tuple[dict, dict]:
     return keyed(read_family(monitor.run_dir, "actv")), keyed(read_family(monitor.run_dir, "actv_grad"))
 
 
-@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant", "nested"])
 def test_checkpointed_rows_equal_the_plain_run(tmp_path, out_dir, mode):
     want_actv, want_grad = _rows(tmp_path, "none")
     got_actv, got_grad = _rows(tmp_path, mode)

@@ -18,7 +18,8 @@
   that row and for view outputs of earlier modules the write bypasses (`grad_rows.hook_written_input`).
 - A forward recomputed during backward (activation checkpointing) is not counted twice. Under reentrant
   checkpointing the first forward runs without grad, so its outputs never see a gradient: the probe
-  remembers that forward's micro-step and hooks the recomputed tensors instead (no second actv row).
+  remembers that forward's micro-step and hooks the recomputed tensors instead (no second actv row;
+  which first forward a recomputed call repeats: `recompute`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from ..selection import select_modules
 from .base import Probe
 from .grad_rows import GradRowsCache, mark_view, release, settle_input_views
 from .module_hooks import ModuleHooks
+from .recompute import Recomputes
 from .slots import Names, input_slots, is_activation, output_slots, padded, replace_tensors
 
 logger = logging.getLogger("trainermon")
@@ -77,9 +79,7 @@ class ActivationProbe(Probe):
         self._calls: dict[int, int] = {}  # module id -> forward calls this step (the micro_step)
         self._shards: dict[int, tuple[tuple[str, ...], tuple[str, ...]]] = {}  # module id -> piece labels
         self._actv = self._actv_grad = self._wide = False
-        # module id -> micro-steps of its forwards run without grad (reentrant checkpointing's first pass),
-        # waiting for their recompute in backward; last in, first recomputed
-        self._pending: dict[int, list[int]] = {}
+        self._recomputes = Recomputes(loop)  # reentrant checkpointing's first passes and recomputes
         # module id -> {id(view): (tensor, ...)} for the input views its pre-hook made (`_hook_view`), until
         # its forward hook: the actv row of an input is then its tensor's row, found by object (no value
         # key to build), and a view the module wrote in place gets its input-gradient hook moved
@@ -103,7 +103,7 @@ class ActivationProbe(Probe):
     def begin(self, plan: StepPlan) -> None:
         release(self._two_paths)
         self._calls.clear()
-        self._pending.clear()
+        self._recomputes.clear()
         self._bases.clear()
         if self._taps:
             self._taps.begin_step()
@@ -188,10 +188,9 @@ class ActivationProbe(Probe):
                 if not self._actv_grad or not torch.is_grad_enabled():
                     return None
                 if in_backward():  # a recompute: hook it only if the first pass could not be hooked
-                    pending = self._pending.get(id(module))
-                    if not pending:
+                    if not self._recomputes.waiting(id(module)):
                         return None
-                    micro = pending[-1]
+                    micro = self._recomputes.enter(id(module))
                 else:
                     micro = self._calls.get(id(module), 0)
                 if len(args) == 1 and not kwargs:  # most modules: one tensor in (the general path, shorter)
@@ -250,8 +249,15 @@ class ActivationProbe(Probe):
         (should the module write the view in place, the forward hook finds the write's node from these)."""
         view = tensor.view_as(tensor)
         node = view.grad_fn
-        rows = self._grad_rows.get(vpp_stage, labels, micro, piece, 0)
+        rows = self._rows(vpp_stage, labels, micro, piece, 0)
         return view, (tensor, tensor._version, view, node, rows, node.register_prehook(rows))
+
+    def _rows(self, vpp_stage: int, labels: tuple[str, ...], micro: Any, piece: str, index: int) -> Any:
+        """The gradient hook of one slot: cached per micro-step, or for a recomputed call (`micro` is its
+        `recompute.Call`) one that gets its micro-step when the recompute is over."""
+        if type(micro) is int:
+            return self._grad_rows.get(vpp_stage, labels, micro, piece, index)
+        return self._recomputes.rows(micro, vpp_stage, labels, piece, index)
 
     def _fwd_hook(self, vpp_stage: int, name: str):
         loop = self.loop
@@ -263,15 +269,14 @@ class ActivationProbe(Probe):
                 bases = self._bases.pop(key, None) if self._bases else None
                 recompute = in_backward()
                 if recompute:  # recomputed forward inside backward: its actv row is already written
-                    pending = self._pending.get(key)
-                    if not pending or not torch.is_grad_enabled():
+                    if not torch.is_grad_enabled() or not self._recomputes.waiting(key):
                         return None
-                    micro = pending.pop()
+                    micro = self._recomputes.leave(key)
                 else:
                     micro = self._calls.get(key, 0)
                     self._calls[key] = micro + 1
                     if self._actv_grad and not torch.is_grad_enabled():
-                        self._pending.setdefault(key, []).append(micro)
+                        self._recomputes.first_pass(key, micro)
                 outputs = output_slots(output)
                 out_labels = output_names(len(outputs))
                 in_pieces, out_pieces = self._shards.get(key, ((), ()))
@@ -309,7 +314,7 @@ class ActivationProbe(Probe):
                                 view = leaves[id(t)] = t.view_as(t)
                                 t = view
                             node = t.grad_fn
-                            rows = self._grad_rows.get(vpp_stage, (label,), micro, piece, t.output_nr)
+                            rows = self._rows(vpp_stage, (label,), micro, piece, t.output_nr)
                             handle = node.register_prehook(rows)
                             if t._base is not None:
                                 mark_view(node, rows, t, handle)
