@@ -249,15 +249,12 @@ class ActivationProbe(Probe):
         (should the module write the view in place, the forward hook finds the write's node from these)."""
         view = tensor.view_as(tensor)
         node = view.grad_fn
-        rows = self._rows(vpp_stage, labels, micro, piece, 0)
+        rows = (  # a recomputed call's `micro` is its recompute.Call: micro-step set once it is over
+            self._grad_rows.get(vpp_stage, labels, micro, piece, 0)
+            if type(micro) is int
+            else self._recomputes.rows(micro, vpp_stage, labels, piece, 0)
+        )
         return view, (tensor, tensor._version, view, node, rows, node.register_prehook(rows))
-
-    def _rows(self, vpp_stage: int, labels: tuple[str, ...], micro: Any, piece: str, index: int) -> Any:
-        """The gradient hook of one slot: cached per micro-step, or for a recomputed call (`micro` is its
-        `recompute.Call`) one that gets its micro-step when the recompute is over."""
-        if type(micro) is int:
-            return self._grad_rows.get(vpp_stage, labels, micro, piece, index)
-        return self._recomputes.rows(micro, vpp_stage, labels, piece, index)
 
     def _fwd_hook(self, vpp_stage: int, name: str):
         loop = self.loop
@@ -314,7 +311,12 @@ class ActivationProbe(Probe):
                                 view = leaves[id(t)] = t.view_as(t)
                                 t = view
                             node = t.grad_fn
-                            rows = self._rows(vpp_stage, (label,), micro, piece, t.output_nr)
+                            index = t.output_nr
+                            rows = (
+                                self._grad_rows.get(vpp_stage, (label,), micro, piece, index)
+                                if type(micro) is int
+                                else self._recomputes.rows(micro, vpp_stage, (label,), piece, index)
+                            )
                             handle = node.register_prehook(rows)
                             if t._base is not None:
                                 mark_view(node, rows, t, handle)
