@@ -134,3 +134,41 @@ def test_hf_gpt2_gradient_checkpointing(tmp_path, out_dir, reentrant):
                 assert float(got[key][op]) == pytest.approx(
                     float(row[op]), rel=1e-5, abs=1e-6, nan_ok=True
                 ), (key, op)
+
+
+def test_a_recompute_that_runs_a_module_more_often_is_counted(tmp_path, out_dir):
+    """A region whose recompute calls a module more often than its first pass did (here: a forward that
+    depends on grad mode) has calls with no micro-step to repeat: their rows are not written, and that
+    is logged once and counted; training goes on."""
+
+    class GradModeDependent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.act = nn.Linear(8, 8), nn.Tanh()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.act(self.fc(x))
+            return self.act(h) if torch.is_grad_enabled() else h
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = GradModeDependent()
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self.inner, h, use_reentrant=True)
+
+    model = nn.Sequential(nn.Linear(4, 8), Checkpointed(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(write_config(tmp_path / "c.json", xy_distribution=True, ops=list(OPS)))
+    monitor.set_monitor(model, optimizer=opt)
+    for _ in range(2):
+        model(torch.randn(3, 4)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    assert monitor.loop.faults.counts == {"checkpoint recompute": 2}
+    rows = keyed(read_family(monitor.run_dir, "actv_grad"))
+    assert {key for key in rows if key[0] == "1.inner.act.output"} == {
+        ("1.inner.act.output", s, 0) for s in (0, 1)
+    }

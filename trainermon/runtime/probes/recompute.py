@@ -90,7 +90,8 @@ class Recomputes:
 
     def settle(self) -> None:
         """Gives the calls of the recompute under way their micro-steps (see the module docstring). A call
-        without a first forward left keeps none, and its hooks write nothing."""
+        without a first forward left (a recompute that ran a module more often than the first pass did)
+        keeps none: its hooks write nothing, and that is logged once and counted."""
         by_module: dict[int, list[Call]] = {}
         for call in self.calls:
             by_module.setdefault(call.key, []).append(call)
@@ -101,6 +102,14 @@ class Recomputes:
             for call, micro in zip(calls[len(calls) - len(taken) :], taken):
                 for rows in call.rows:
                     rows.micro = micro
+            if len(taken) < len(calls):
+                self.loop.faults.record(
+                    "checkpoint recompute",
+                    RuntimeError(
+                        f"{len(calls)} recomputed calls of a module whose first pass ran {len(taken)}"
+                    ),
+                    "the extra calls' actv_grad rows are not written",
+                )
         self.calls = []
         self.node = None
 
