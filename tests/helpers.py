@@ -1,4 +1,5 @@
-"""Shared test helpers: config files, reading the CSV output back, reference statistics."""
+"""Shared test helpers: config files, a few monitored training steps, reading the CSV output back,
+reference statistics."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import csv
 import glob
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,22 @@ from torch import nn
 def write_config(path: Path, **keys: Any) -> str:
     path.write_text(json.dumps(keys))
     return str(path)
+
+
+def train_monitored(config_path: str, model: nn.Module, batch: Callable[[], torch.Tensor], steps: int = 2):
+    """`model` trained `steps` SGD steps on `batch()` (loss: the output's sum of squares) under a
+    TrainerMon built from `config_path`, then closed; returns the monitor (its run_dir, its faults)."""
+    from trainermon import TrainerMon
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(config_path)
+    monitor.set_monitor(model, optimizer=opt)
+    for _ in range(steps):
+        model(batch()).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    return monitor
 
 
 def read_family(run_dir: str, family: str) -> list[dict[str, str]]:

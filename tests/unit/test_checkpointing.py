@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tests.helpers import keyed, read_family, write_config
+from tests.helpers import keyed, read_family, train_monitored, write_config
 from trainermon import TrainerMon
 
 OPS = ("norm", "min", "max", "mean")
@@ -159,14 +159,8 @@ def test_a_recompute_that_runs_a_module_more_often_is_counted(tmp_path, out_dir)
             return checkpoint(self.inner, h, use_reentrant=True)
 
     model = nn.Sequential(nn.Linear(4, 8), Checkpointed(), nn.Linear(8, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    monitor = TrainerMon(write_config(tmp_path / "c.json", xy_distribution=True, ops=list(OPS)))
-    monitor.set_monitor(model, optimizer=opt)
-    for _ in range(2):
-        model(torch.randn(3, 4)).square().sum().backward()
-        opt.step()
-        opt.zero_grad()
-    monitor.close()
+    cfg = write_config(tmp_path / "c.json", xy_distribution=True, ops=list(OPS))
+    monitor = train_monitored(cfg, model, lambda: torch.randn(3, 4))
     assert monitor.loop.faults.counts == {"checkpoint recompute": 2}
     rows = keyed(read_family(monitor.run_dir, "actv_grad"))
     assert {key for key in rows if key[0] == "1.inner.act.output"} == {

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import keyed, read_family, ref_stats, write_config
+from tests.helpers import keyed, read_family, ref_stats, train_monitored, write_config
 from tests.unit.test_graph_taps import _fresh_dynamo, _same_rows, _train_rows  # noqa: F401 (autouse fixture)
 from trainermon import TrainerMon
 
@@ -238,15 +238,8 @@ def test_a_write_the_walk_cannot_place_is_counted_not_raised(tmp_path, out_dir, 
     from trainermon.runtime.probes import grad_rows
 
     monkeypatch.setattr(grad_rows, "_WRITE_NODE", "NoSuchNode")
-    model = Net(inplace=True)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    monitor = TrainerMon(write_config(tmp_path / "c.json", xy_distribution=True, ops=list(OPS)))
-    monitor.set_monitor(model, optimizer=opt)
-    for _ in range(2):
-        model(torch.randn(4, 8)).square().sum().backward()
-        opt.step()
-        opt.zero_grad()
-    monitor.close()
+    cfg = write_config(tmp_path / "c.json", xy_distribution=True, ops=list(OPS))
+    monitor = train_monitored(cfg, Net(inplace=True), lambda: torch.randn(4, 8))
     names = {name for name, _, _ in keyed(read_family(monitor.run_dir, "actv_grad"))}
     assert "lin.output" in names and not names & {"shift.input", "scale.input", "act.input"}
     assert monitor.loop.faults.counts["in-place input write"] == 6  # three modules, two steps
