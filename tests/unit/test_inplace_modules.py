@@ -3,7 +3,7 @@ input-gradient row in eager mode, and it is the gradient of the input's value be
 
 The probe gives each module a view of its input and hooks the view's autograd node. A write into the view
 rebases it: that node leaves the graph and never fires. The forward hook sees the input's version move and
-hooks the write's node instead (`grad_rows.hook_written_input`).
+hooks the write's node instead (`written.hook_written_input`).
 
 Reference: a twin model with the same weights in which every in-place module is replaced by its
 out-of-place equivalent, its inputs' `.grad` retained, trained in lockstep on the same batches. The twin's
@@ -213,7 +213,7 @@ def test_the_summing_hooks_do_not_outlive_their_step(tmp_path, out_dir):
     collection (before the release, 7 per step piled up here)."""
     import gc
 
-    from trainermon.runtime.probes.grad_rows import TwoPaths, WrittenRows
+    from trainermon.runtime.probes.written import TwoPaths, WrittenRows
 
     model = ReadBeforeWrite(inplace=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -235,9 +235,9 @@ def test_the_summing_hooks_do_not_outlive_their_step(tmp_path, out_dir):
 def test_a_write_the_walk_cannot_place_is_counted_not_raised(tmp_path, out_dir, monkeypatch):
     """If the write's node cannot be found (here: the walk is made to see no CopySlices), the row is not
     written, the fault is logged once and counted, and training goes on."""
-    from trainermon.runtime.probes import grad_rows
+    from trainermon.runtime.probes import written
 
-    monkeypatch.setattr(grad_rows, "_WRITE_NODE", "NoSuchNode")
+    monkeypatch.setattr(written, "_WRITE_NODE", "NoSuchNode")
     cfg = write_config(tmp_path / "c.json", xy_distribution=True, ops=list(OPS))
     monitor = train_monitored(cfg, Net(inplace=True), lambda: torch.randn(4, 8))
     names = {name for name, _, _ in keyed(read_family(monitor.run_dir, "actv_grad"))}

@@ -15,7 +15,7 @@
   replaced by a view of it for this call: a hook on the parameter would fire for every later backward.
 - A module that writes an input view in place (ReLU(inplace=True)) rebases it, and the view's hooked node
   leaves the graph: the forward hook, seeing the input's version move, hooks the write's node instead, for
-  that row and for view outputs of earlier modules the write bypasses (`grad_rows.hook_written_input`).
+  that row and for view outputs of earlier modules the write bypasses (`written.hook_written_input`).
 - A forward recomputed during backward (activation checkpointing) is not counted twice. Under reentrant
   checkpointing the first forward runs without grad, so its outputs never see a gradient: the probe
   remembers that forward's micro-step and hooks the recomputed tensors instead (no second actv row;
@@ -34,10 +34,11 @@ from trainermon.config import MonitorConfig
 from ..plan import StepPlan
 from ..selection import select_modules
 from .base import Probe
-from .grad_rows import GradRowsCache, mark_view, release, settle_input_views
+from .grad_rows import GradRowsCache
 from .module_hooks import ModuleHooks
 from .recompute import Recomputes
 from .slots import Names, input_slots, is_activation, output_slots, padded, replace_tensors
+from .written import mark_view, release, settle_input_views
 
 logger = logging.getLogger("trainermon")
 
@@ -85,7 +86,7 @@ class ActivationProbe(Probe):
         # key to build), and a view the module wrote in place gets its input-gradient hook moved
         self._bases: dict[int, dict[int, tuple]] = {}
         self._grad_rows = GradRowsCache(loop)
-        self._two_paths: list[Any] = []  # this step's grad_rows.TwoPaths, released at the next step's begin
+        self._two_paths: list[Any] = []  # this step's written.TwoPaths, released at the next step's begin
         self._taps: Any = None  # graph_taps.TapSites once hooks are made where the tap operators exist
 
     def configure(self, config: MonitorConfig) -> None:
