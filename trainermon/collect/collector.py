@@ -196,16 +196,21 @@ class StepCollector:
         values: list[torch.Tensor] = []
         for i, t in enumerate(tensors):
             shard = ""
+            wrapped = False
             if type(t) not in _PLAIN:  # a DTensor: its local values, labelled (plain tensors: no call)
-                t, shard = local_view(t)
+                local, shard = local_view(t)
+                # A DTensor's in-place write bumps its own version counter, not its local tensor's: the
+                # local tensor is reduced now, never matched nor held (a later write would go unseen).
+                wrapped = local is not t
+                t = local
             labels_of.append(shard or (shards[i] if i < len(shards) else ""))
             values.append(t)
-            known = None if transient else by_id.get(id(t))
+            known = None if transient or wrapped else by_id.get(id(t))
             if known is not None and seen[known[0]]() is t and known[1] == (t._version, t.data_ptr()):
                 refs.append(seen_row[known[0]])  # the same object, unchanged: its row (no value key to build)
                 fresh.append(None)
                 continue
-            key = _value_key(t)
+            key = None if wrapped else _value_key(t)
             if key is not None and not transient:
                 hit = seen.get(key)
                 if hit is not None and _still_holds(hit, key):

@@ -67,7 +67,7 @@ def readable(t: Any) -> Readable:
         return _strided(t)
     if not isinstance(t, torch.Tensor):
         raise Unreadable(type(t).__name__, "not a tensor")
-    if _is_dtensor(t):
+    if is_dtensor(t):
         return _dtensor(t)
     if type(t).__name__ == "AsyncCollectiveTensor":  # a functional collective's pending result
         return readable(t.trigger_wait())
@@ -149,7 +149,7 @@ def _new(t: torch.Tensor, multiplicity: int) -> Readable:
     return tuple.__new__(Readable, (t, multiplicity, 0, ""))  # twice as fast as Readable(...): hot path
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def is_dtensor(t: torch.Tensor) -> bool:
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(t, module.DTensor)
 
@@ -167,6 +167,8 @@ def _dtensor(t: Any) -> Readable:
 def shard_label(placements: Any, mesh: Any) -> str:
     """`Shard(0)[tp=1/2]` parts, one per mesh dimension that shards the tensor or holds a partial sum of it
     (`StridedShard(0,sf=2)`, `Partial(sum)`), with this rank's coordinate and the dimension's size."""
+    if all(placement.is_replicate() for placement in placements):
+        return ""  # the whole tensor; no mesh query (while torch.compile traces, the mesh may be a stand-in)
     names = getattr(mesh, "mesh_dim_names", None) or [str(i) for i in range(mesh.ndim)]
     coords = mesh.get_coordinate() or [0] * mesh.ndim
     parts = []
@@ -186,7 +188,7 @@ def shard_label(placements: Any, mesh: Any) -> str:
 def local_view(t: Any) -> tuple[Any, str]:
     """(the values this rank holds, shard label): a DTensor's local tensor and its placement label; any
     other object is returned as it is, with "" (the engine classifies it further)."""
-    if type(t) in PLAIN_TYPES or not _is_dtensor(t):
+    if type(t) in PLAIN_TYPES or not is_dtensor(t):
         return t, ""
     with torch.no_grad():
         return t.to_local(), shard_label(t.placements, t.device_mesh)
