@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import keyed, read_family, write_config
+from tests.helpers import assert_row_matches, keyed, read_family, write_config
 from trainermon import TrainerMon
 
 OPS = ("norm", "min", "max")
@@ -303,9 +303,10 @@ def _rows_on_ranks(rank: int, world_size: int, out: str) -> dict:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
-        # the first Linear's output stays a DTensor (sharded on its last dim) into Tanh and the second
-        parallel = {"0": ColwiseParallel(use_local_output=False), "2": RowwiseParallel()}
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Tanh(), nn.Linear(16, 8))
+        # the first Linear's output stays a DTensor (sharded on its last dim) into ReLU, which writes it in
+        # place, Tanh and the last Linear
+        parallel = {"0": ColwiseParallel(use_local_output=False), "3": RowwiseParallel()}
         parallelize_module(model, init_device_mesh("cpu", (world_size,)), parallel)
         return model, (torch.compile(model, backend="aot_eager") if compiled else model), 8
 
@@ -321,8 +322,12 @@ def _rows_on_ranks(rank: int, world_size: int, out: str) -> dict:
             monitor = TrainerMon(write_config(cfg, xy_distribution=True, ops=list(OPS)))
             monitor.set_monitor(model, optimizer=opt)
             gen = torch.Generator().manual_seed(1 + (0 if setup is tp else rank))  # TP: one batch
-            for _ in range(2):
-                run(torch.randn(4, width, generator=gen)).square().mean().backward()
+            refs: dict = {}
+            for step in range(2):
+                x = torch.randn(4, width, generator=gen)
+                if setup is tp:
+                    refs.update(_tp_pieces(model, x, step, rank, world_size))
+                run(x).square().mean().backward()
                 opt.step()
                 opt.zero_grad()
             monitor.close()
@@ -332,16 +337,67 @@ def _rows_on_ranks(rank: int, world_size: int, out: str) -> dict:
                 monitor.loop.faults.total,
                 counters["stats"]["unique_graphs"],
                 sum(counters["graph_break"].values()),
+                refs,
             )
+    # a DTensor that the operators' rule cannot read: counted, the step runs (never a failed compile)
+    from trainermon.runtime.probes import tap_ops
+
+    def unreadable(t):
+        raise RuntimeError("unreadable DTensor")
+
+    torch._dynamo.reset()
+    model, run, width = tp(True)
+    monitor = TrainerMon(write_config(Path(out) / f"faulty{rank}.json", xy_distribution=True, ops=list(OPS)))
+    monitor.set_monitor(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+    real, tap_ops.local_view = tap_ops.local_view, unreadable
+    try:
+        loss = run(torch.ones(4, width)).square().mean()
+        loss.backward()
+    finally:
+        tap_ops.local_view = real
+    monitor.close()
+    found["faulty"] = (monitor.loop.faults.total, math.isfinite(float(loss)))
     return found
+
+
+def _tp_pieces(model: nn.Module, x: torch.Tensor, step: int, rank: int, world_size: int) -> dict:
+    """The reference for the tensor-parallel model: its forward and backward in float64 on full weights
+    (gathered from the DTensors), and this rank's column piece of the activations and gradients that stay
+    sharded. ReLU writes its input in place: its input row holds the values after the write (its output),
+    its input-gradient row the gradient before the ReLU."""
+    from tests.helpers import ref_stats
+
+    full = {name: p.full_tensor().detach().double() for name, p in model.named_parameters()}
+    z = (x.double() @ full["0.weight"].T + full["0.bias"]).requires_grad_()
+    h = z.relu()
+    h.retain_grad()
+    t = h.tanh()
+    t.retain_grad()
+    (t @ full["3.weight"].T + full["3.bias"]).square().mean().backward()
+    cols = slice(rank * 16 // world_size, (rank + 1) * 16 // world_size)
+    label = f"Shard(1)[0={rank}/{world_size}]"
+    pieces = {
+        ("actv", "1.input"): h,
+        ("actv", "1.output"): h,
+        ("actv", "2.input"): h,
+        ("actv", "2.output"): t,
+        ("actv_grad", "0.output"): z.grad,
+        ("actv_grad", "1.input"): z.grad,
+        ("actv_grad", "1.output"): h.grad,
+        ("actv_grad", "2.input"): h.grad,
+        ("actv_grad", "2.output"): t.grad,
+    }
+    return {(family, name, step): (ref_stats(v[:, cols]), label) for (family, name), v in pieces.items()}
 
 
 def test_ddp_and_fsdp2_on_two_ranks(tmp_path):
     """On 2 gloo ranks: DDP under torch.compile, whose graph splitter cuts the graph at bucket
     boundaries (the taps survive the split; an effect token did not); FSDP2 with each block compiled
-    on its own (no graph break there); tensor parallelism with DTensor activations (those hooks fall back
-    to the eager body outside the graph: an operator without a sharding rule would fail in DTensor's
-    dispatch). Rows equal the eager run's on every rank; no hook fails."""
+    on its own (no graph break there); tensor parallelism with DTensor activations, written in place by
+    ReLU(inplace=True) (their hooks stay in the graph: with graph breaks there torch 2.13 failed to
+    compile the model). Rows equal the eager run's on every rank; no hook fails. The tensor-parallel rows,
+    in both modes, equal this rank's piece of a float64 reference built from the full weights (rtol 1e-5:
+    float32 against float64 over at most four ops on values of order 1, ~1e-6 at most)."""
     from tests.distributed import run_ranks
 
     for found in run_ranks(_rows_on_ranks, world_size=2, out=str(tmp_path)):
@@ -352,6 +408,16 @@ def test_ddp_and_fsdp2_on_two_ranks(tmp_path):
             for got, want in zip(compiled[:2], eager[:2]):
                 _same_rows(got, want)
         assert found["fsdp", True][4] == 0  # the blocks' graphs: no break
+        assert found["tp", True][4] == 0  # DTensor activations stay in the graph
+        assert found["faulty"][0] >= 1 and found["faulty"][1]
+        refs = found["tp", False][5]
+        assert len(refs) == 18
+        for compiled in (False, True):
+            rows = {"actv": found["tp", compiled][0], "actv_grad": found["tp", compiled][1]}
+            for (family, name, step), (ref, label) in refs.items():
+                row = rows[family][(name, step, 0)]
+                assert row["shard"] == label, (family, name, row["shard"])
+                assert_row_matches(row, ref, OPS)
 
 
 def test_a_forward_left_without_backward_does_not_shift_the_next_step(tmp_path, out_dir):

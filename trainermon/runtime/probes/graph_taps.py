@@ -3,7 +3,7 @@
 While dynamo traces a module's hooks on a collected step, the hook does not call its eager body (that
 would be a graph break around every hooked module; dynamo then also gives up on a whole `for` loop over
 the blocks and compiles each block's pieces as frames of their own: on an 8-layer MLP, 11 frames where one
-suffices). It puts one opaque operator call in the graph instead, `trainermon::tap(tensors, site)`, which
+suffices). It puts one opaque operator call in the graph instead, `trainermon::tap(tensors, site, [])`, which
 runs the monitor's eager code at run time on the real tensors: the same rows, from the same statistics
 code, as in eager mode.
 
@@ -16,11 +16,10 @@ code, as in eager mode.
   their gradients (the same gradient the eager hook on the tensor's autograd node would see). An
   in-place module next (ReLU(inplace=True)) writes into the alias: the input gradient of such a module,
   which eager mode misses (its pre-hook's view is rebased by the write), is written here.
-- Both operators are marked side-effectful (`torch.fx.node.has_side_effect`), so that the compiler keeps
-  them although they return nothing. (Registering them as effectful ops instead threads an effect token
-  through the graph, which DDP's graph splitter, `optimize_ddp`, mis-wires: "a and b must have same
-  reduction dim, but got [1, 0] X [512, 512]"; `test_ddp_and_fsdp2_on_two_ranks`.) Where the operators
-  cannot be registered (`available()` false), the hooks keep the graph-break path.
+- DTensor activations (tensor parallelism) are tapped too: the operators' rule for DTensors records each
+  one's local piece with its shard label, as the eager hooks do. With graph breaks at those hooks instead,
+  torch 2.13 failed to compile a model whose ReLU(inplace=True) writes a DTensor ("got mixed torch.Tensor
+  and DTensor"). The operators, `Tap` and that rule are in `tap_ops`.
 
 The tensors an operator gets are read before it returns and never kept nor matched against other
 tensors (`transient` in `StepCollector.add_local`): the compiler reuses a buffer for a later result
@@ -39,76 +38,18 @@ row (the rows equal the eager run's, tested).
 from __future__ import annotations
 
 import itertools
-import logging
 from collections import deque
 from typing import Any
 
 import torch
 
 # imported by activations.py on first use, after it has loaded: no import cycle at load time
+from ...stats.kinds import is_dtensor
 from .slots import input_slots, io_names, is_activation, output_slots, padded
+from .tap_ops import _SITES, Tap, available, dtensors_allowed
 
-logger = logging.getLogger("trainermon")
-
-#: site number -> the site, for the operators (which get only tensors and the number)
-_SITES: dict[int, TapSite] = {}
+__all__ = ["TapSite", "TapSites", "available", "traced_forward_hook", "traced_pre_hook"]
 _NUMBERS = itertools.count(1)
-_state: dict[str, Any] = {}  # "ops": the registered operators, or "error": why registering failed
-
-
-def available() -> bool:
-    """Whether the tap operators are registered (registering them on first use)."""
-    if "ops" not in _state and "error" not in _state:
-        try:
-            _state["ops"] = _register_ops()
-        except Exception as exc:  # noqa: BLE001 - the graph-break path stays, rows as before
-            _state["error"] = exc
-            logger.info("trainermon: activation taps in compiled graphs unavailable (%s); graph breaks", exc)
-    return "ops" in _state
-
-
-def _register_ops() -> Any:
-    """`trainermon::tap` and `trainermon::tap_grad`, defined through `torch.library.Library` with a kernel
-    for every backend: `torch.library.custom_op`'s Python layers cost ~20 us more per call."""
-
-    def tap(tensors: list[torch.Tensor], site: int) -> None:
-        found = _SITES.get(site)
-        if found is not None:
-            found.forward(tensors)
-
-    def tap_grad(grads: list[torch.Tensor | None], site: int) -> None:
-        found = _SITES.get(site)
-        if found is not None:
-            found.backward(grads)
-
-    library = torch.library.Library("trainermon", "DEF")
-    library.define("tap(Tensor[] tensors, int site) -> ()")
-    library.define("tap_grad(Tensor?[] grads, int site) -> ()")
-    for name, kernel in (("tap", tap), ("tap_grad", tap_grad)):
-        library.impl(name, kernel, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"trainermon::{name}", lambda *args: None, lib=library)
-        # the compiler keeps the call although it returns nothing
-        torch.fx.node.has_side_effect(getattr(torch.ops.trainermon, name).default)
-    return library
-
-
-class Tap(torch.autograd.Function):
-    """`Tap.apply(site, graded, *tensors)`: records `tensors` through the site; returns aliases of the
-    first `graded` of them, whose gradients go to the site in backward. Detached aliases, not views:
-    autograd forbids writing in place into a view made inside a custom function (dynamo refused to
-    compile ReLU(inplace=True) after a tap); an alias shares the tensor's version counter, so a write
-    into it is seen where the tensor was saved for backward, as it would be without the tap."""
-
-    @staticmethod
-    def forward(ctx: Any, site: int, graded: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.site, ctx.rest = site, len(tensors) - graded
-        torch.ops.trainermon.tap(list(tensors), site)
-        return tuple(t.detach() for t in tensors[:graded])
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        torch.ops.trainermon.tap_grad(list(grads), ctx.site)
-        return (None, None, *grads, *(None,) * ctx.rest)  # the tensors only recorded get no gradient
 
 
 class TapSite:
@@ -143,7 +84,7 @@ class TapSite:
         self.grads = grads  # (labels, shard label) per graded tensor, in order
         self.micros: deque[int] = deque()
 
-    def forward(self, tensors: list[torch.Tensor]) -> None:
+    def forward(self, tensors: list[torch.Tensor], shards: list[str]) -> None:
         probe = self.probe
         loop = probe.loop
         with loop.clock:
@@ -161,7 +102,7 @@ class TapSite:
                         [label for _, label, _ in self.actv],
                         micro,
                         [tensors[i] for i, _, _ in self.actv],
-                        [piece for _, _, piece in self.actv],
+                        [(shards and shards[i]) or piece for i, _, piece in self.actv],
                         transient=True,  # the compiler may reuse these buffers once the call returns
                     )
                 if self.missing and probe._actv:
@@ -173,7 +114,7 @@ class TapSite:
             except Exception as exc:  # noqa: BLE001
                 loop.faults.record("compiled forward hook", exc)
 
-    def backward(self, grads: list[torch.Tensor | None]) -> None:
+    def backward(self, grads: list[torch.Tensor | None], shards: list[str]) -> None:
         loop = self.probe.loop
         with loop.clock:
             try:
@@ -181,11 +122,11 @@ class TapSite:
                 if not loop.plan.collecting:
                     return
                 labels, tensors, pieces = [], [], []
-                for (names, piece), grad in zip(self.grads, grads):
+                for i, ((names, piece), grad) in enumerate(zip(self.grads, grads)):
                     if grad is not None:
                         labels += names
                         tensors += [grad] * len(names)
-                        pieces += [piece] * len(names)
+                        pieces += [(shards and shards[i]) or piece] * len(names)
                 if tensors:
                     loop.record_local(
                         "actv_grad", self.vpp_stage, labels, micro, tensors, pieces, transient=True
@@ -229,17 +170,20 @@ class TapSites:
 # constants to the site maker, which turns them into names and positions (plain Python, run once).
 NOT_TENSOR, OTHER_TENSOR, ACTIVATION, GRADED = 0, 1, 2, 3
 #: What a traced hook returns when it cannot tap this call: the gate then runs the eager body outside
-#: the graph (a graph break, as before). Tensor subclasses (a DTensor under tensor parallelism): an
-#: operator without a sharding rule fails inside DTensor's dispatch, and the eager body reads their
-#: local shards with their shard labels.
+#: the graph (a graph break, as before). Tensor subclasses other than DTensor (whose local pieces the
+#: operators' rule reads, see `tap_ops`): the operators could not read them.
 UNTAPPED = object()
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _all_plain(values: list[Any]) -> bool:
+def _tappable(values: list[Any]) -> bool:
+    """Whether the operators can take these values: plain tensors, and DTensors (`tap_ops.local_pieces`;
+    the rule is registered at trace time, on the first one seen). Other tensor subclasses: no."""
     for value in values:
         if isinstance(value, torch.Tensor) and type(value) not in _PLAIN:
-            return False
+            if not is_dtensor(value):
+                return False
+            dtensors_allowed()
     return True
 
 
@@ -297,7 +241,7 @@ def traced_pre_hook(probe: Any, vpp_stage: int, name: str, module_key: int) -> A
             return None
         keywords = tuple(kwargs.keys())
         slots = list(args) + list(kwargs.values())
-        if not _all_plain(slots):
+        if not _tappable(slots):
             return UNTAPPED
         kinds = tuple(_kind(v, True) for v in slots)
         if GRADED not in kinds:
@@ -363,7 +307,7 @@ def traced_forward_hook(probe: Any, vpp_stage: int, name: str, module_key: int) 
         actv = probe._actv
         inputs = input_slots(args, kwargs)
         outputs = output_slots(output)
-        if not (_all_plain(inputs) and _all_plain(outputs)):
+        if not (_tappable(inputs) and _tappable(outputs)):
             return UNTAPPED
         if grad and not (isinstance(output, torch.Tensor) or type(output) in (tuple, list, dict)):
             # an output this hook cannot rebuild with the aliases (a namedtuple, a ModelOutput): the eager
@@ -386,7 +330,7 @@ def traced_forward_hook(probe: Any, vpp_stage: int, name: str, module_key: int) 
         )
         unique = [t for p, t in enumerate(tensors) if same[p] == p]
         if not graded:
-            torch.ops.trainermon.tap(unique, number)
+            torch.ops.trainermon.tap(unique, number, [])
             return None
         views = Tap.apply(number, n_graded, *unique)
         if isinstance(output, torch.Tensor):

@@ -1,0 +1,118 @@
+"""The operators that put the monitor's activation hooks inside torch.compile'd graphs (see `graph_taps`).
+
+- `trainermon::tap(tensors, site, shards)` records tensors through a site; `trainermon::tap_grad` records
+  gradients. `Tap` is the autograd function that calls both.
+- Both operators are marked side-effectful (`torch.fx.node.has_side_effect`), so that the compiler keeps
+  them although they return nothing. (Registering them as effectful ops instead threads an effect token
+  through the graph, which DDP's graph splitter, `optimize_ddp`, mis-wires: "a and b must have same
+  reduction dim, but got [1, 0] X [512, 512]"; `test_ddp_and_fsdp2_on_two_ranks`.) Where the operators
+  cannot be registered (`available()` false), the hooks keep the graph-break path.
+- DTensors: `local_pieces` is the operators' rule for them (registered on the first DTensor a traced
+  hook sees). It calls the operator again with the local tensors and their shard labels, so the hooks of a
+  tensor-parallel model stay in the graph.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ...stats.kinds import local_view
+
+logger = logging.getLogger("trainermon")
+
+#: site number -> the site, for the operators (which get only tensors and the number)
+_SITES: dict[int, Any] = {}  # graph_taps.TapSite
+_state: dict[str, Any] = {}  # "ops": the registered operators, or "error": why registering failed
+
+
+def available() -> bool:
+    """Whether the tap operators are registered (registering them on first use)."""
+    if "ops" not in _state and "error" not in _state:
+        try:
+            _state["ops"] = _register_ops()
+        except Exception as exc:  # noqa: BLE001 - the graph-break path stays, rows as before
+            _state["error"] = exc
+            logger.info("trainermon: activation taps in compiled graphs unavailable (%s); graph breaks", exc)
+    return "ops" in _state
+
+
+def _register_ops() -> Any:
+    """`trainermon::tap` and `trainermon::tap_grad`, defined through `torch.library.Library` with a kernel
+    for every backend: `torch.library.custom_op`'s Python layers cost ~20 us more per call. `shards`: a
+    shard label per tensor, filled in where DTensors were given (`local_pieces`); [] for plain tensors."""
+
+    def tap(tensors: list[torch.Tensor], site: int, shards: list[str]) -> None:
+        found = _SITES.get(site)
+        if found is not None:
+            found.forward(tensors, shards)
+
+    def tap_grad(grads: list[torch.Tensor | None], site: int, shards: list[str]) -> None:
+        found = _SITES.get(site)
+        if found is not None:
+            found.backward(grads, shards)
+
+    library = torch.library.Library("trainermon", "DEF")
+    library.define("tap(Tensor[] tensors, int site, str[] shards) -> ()")
+    library.define("tap_grad(Tensor?[] grads, int site, str[] shards) -> ()")
+    for name, kernel in (("tap", tap), ("tap_grad", tap_grad)):
+        library.impl(name, kernel, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"trainermon::{name}", lambda *args: None, lib=library)
+        # the compiler keeps the call although it returns nothing
+        torch.fx.node.has_side_effect(getattr(torch.ops.trainermon, name).default)
+    return library
+
+
+def local_pieces(cls: Any, op: Any, types: Any, args: tuple, kwargs: dict) -> None:
+    """The operators' rule for DTensors: called again with each DTensor's local tensor and its shard label.
+    Under torch.compile this runs while the graph is traced (the labels become constants of the graph:
+    the placements and this rank's mesh coordinate are fixed there), so the compiled graph calls the
+    operator on plain tensors; no collective, no copy. Without it DTensor's dispatch would refuse the
+    operators (no sharding rule), and the hooks of a module that sees DTensors would break the graph,
+    which torch 2.13 then fails to compile around an in-place module (see `traced_forward_hook`)."""
+    tensors, site = args[0], args[1]
+    locals_, shards = [], []
+    try:
+        for t in tensors:
+            local, label = local_view(t) if t is not None else (None, "")
+            locals_.append(local)
+            shards.append(label)
+    except Exception as exc:  # noqa: BLE001 - no rows from this call, never a failed compile
+        found = _SITES.get(site)
+        if found is not None:
+            found.probe.loop.faults.record("DTensor activation tap", exc)
+        return
+    op(locals_, site, shards)
+
+
+@torch.compiler.assume_constant_result  # run as plain Python while dynamo traces: no graph break
+def dtensors_allowed() -> bool:
+    """Registers `local_pieces` for DTensors, once, when a traced hook first sees one."""
+    if "dtensor" not in _state:
+        from torch.distributed.tensor import DTensor
+
+        for op in (torch.ops.trainermon.tap.default, torch.ops.trainermon.tap_grad.default):
+            torch.library.register_torch_dispatch(op, DTensor, local_pieces, lib=_state["ops"])
+        _state["dtensor"] = True
+    return True
+
+
+class Tap(torch.autograd.Function):
+    """`Tap.apply(site, graded, *tensors)`: records `tensors` through the site; returns aliases of the
+    first `graded` of them, whose gradients go to the site in backward. Detached aliases, not views:
+    autograd forbids writing in place into a view made inside a custom function (dynamo refused to
+    compile ReLU(inplace=True) after a tap); an alias shares the tensor's version counter, so a write
+    into it is seen where the tensor was saved for backward, as it would be without the tap."""
+
+    @staticmethod
+    def forward(ctx: Any, site: int, graded: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.site, ctx.rest = site, len(tensors) - graded
+        torch.ops.trainermon.tap(list(tensors), site, [])
+        return tuple(t.detach() for t in tensors[:graded])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        torch.ops.trainermon.tap_grad(list(grads), ctx.site, [])
+        return (None, None, *grads, *(None,) * ctx.rest)  # the tensors only recorded get no gradient
