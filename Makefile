@@ -12,7 +12,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 EXTRAS := test,parquet,prometheus,dynamic,deepspeed,megatron,msprobe,hf,lightning,duckdb,spark
 # DeepSpeed builds as pure Python (no C++ ops compiled at install time).
 export DS_BUILD_OPS := 0
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml setup.py trainermon/stats/_fused.c Makefile | cksum | cut -d' ' -f1)
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml setup.py trainermon/stats/_fused.c exporters/_csvtext.c Makefile | cksum | cut -d' ' -f1)
 
 SHELL := /bin/bash
 #: The engine's tests, run again under each CPU capability torch dispatches to and with the native kernel

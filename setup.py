@@ -1,7 +1,8 @@
-"""Build the optional native kernel; everything else is declared in pyproject.toml.
+"""Build the optional native parts; everything else is declared in pyproject.toml.
 
-`trainermon.stats._fused` (one-pass CPU statistics) is optional: when it cannot be compiled (no C compiler),
-the install still succeeds and the engine uses its eager-torch path.
+Both are optional: when one cannot be compiled (no C compiler), the install still succeeds and its Python
+twin is used. `trainermon.stats._fused`: one-pass CPU statistics (else the engine's eager-torch path).
+`trainermon.exporters._csvtext`: the CSV exporter's lines, built without the GIL (else in Python).
 """
 
 from setuptools import Extension, setup
@@ -13,6 +14,12 @@ setup(
             sources=["trainermon/stats/_fused.c"],
             extra_compile_args=["-O3", "-std=c11"],
             optional=True,
-        )
+        ),
+        Extension(
+            "trainermon.exporters._csvtext",
+            sources=["exporters/_csvtext.c"],
+            extra_compile_args=["-O2", "-std=c11"],
+            optional=True,
+        ),
     ]
 )

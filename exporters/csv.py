@@ -46,8 +46,40 @@ _MICRO_TEXT = tuple(str(i) for i in range(256))
 _DTYPE_TEXT: dict = {}
 
 
+try:  # the lines built without the GIL (exporters/_csvtext.c); not compiled: `lines_in_python`
+    from trainermon.exporters import _csvtext as _native
+except ImportError:
+    _native = None
+#: One CSV column for `lines`: a text for every line, a text per line, or float64 values to format.
+Column = str | list | np.ndarray
+
+
+def lines(columns: list[Column], n: int, ndigits: int) -> bytes:
+    """`n` CSV lines (UTF-8), each the columns' fields joined by ',' (numbers as "%.{ndigits}g" writes
+    them). Built natively with the GIL released where the extension was compiled; same bytes either way."""
+    if _native is not None:
+        return _native.lines(columns, n, ndigits)
+    return lines_in_python(columns, n, ndigits)
+
+
+def lines_in_python(columns: list[Column], n: int, ndigits: int) -> bytes:
+    """`lines` without the extension (its reference in the tests)."""
+    if not n or not columns:
+        return b""
+    fmt = f"%.{ndigits}g"
+    fields = [
+        [c] * n if isinstance(c, str) else c if isinstance(c, list) else list(map(fmt.__mod__, c.tolist()))
+        for c in columns
+    ]
+    return ("\n".join(map(",".join, zip(*fields))) + "\n").encode("utf-8")
+
+
 def _floats(values: list, fmt: str) -> str:
     return "[" + ", ".join("NaN" if x != x else fmt % x for x in values) + "]"
+
+
+def _float64(values: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(values, dtype=np.float64)
 
 
 def _csv_field(text: str) -> str:
@@ -68,8 +100,8 @@ class _RowFile:
         self._fh = open(path, "ab", buffering=0)  # noqa: SIM115 - kept open across steps
         self._size = os.fstat(self._fh.fileno()).st_size
 
-    def write(self, text: str) -> None:
-        encoded = text.encode("utf-8")
+    def write(self, text: str | bytes) -> None:
+        encoded = text.encode("utf-8") if isinstance(text, str) else text
         data = memoryview(encoded)
         try:
             while data:
@@ -171,44 +203,43 @@ class CsvExporter(Exporter):
 
     def _format(
         self, batch: StatBatch, rows: list, indices: list[int], step: str, with_micro: bool, extra: tuple = ()
-    ) -> str:
+    ) -> bytes:
         known = self._by_row.get
         texts = [known(id(r)) or self._texts(r) for r in rows]
-        fields: list[list[str]] = [list(map(_HEAD, texts)), [step] * len(rows)]
+        columns: list[Column] = [list(map(_HEAD, texts)), step]
         if with_micro:
-            fields.append(list(map(_MICRO, texts)))
+            columns.append(list(map(_MICRO, texts)))
         for op in self.ops:
             if op == "shape":
-                fields.append(list(map(_SHAPE, texts)))
+                columns.append(list(map(_SHAPE, texts)))
             elif op == "dtype":
-                fields.append(list(map(_DTYPE, texts)))
-            elif BY_NAME[op].kind is Kind.FLOAT:
-                fmt = f"%.{self.ndigits}g"  # ndigits significant digits; nan, inf, -inf
-                fields.append(list(map(fmt.__mod__, batch.values[op][indices].tolist())))
+                columns.append(list(map(_DTYPE, texts)))
+            elif BY_NAME[op].kind is Kind.FLOAT:  # ndigits significant digits; nan, inf, -inf
+                columns.append(_float64(batch.values[op][indices]))
             elif BY_NAME[op].kind is Kind.COUNT:
-                fields.append([str(int(v)) for v in batch.values[op][indices].tolist()])
-        fields.append(list(map(_SHARD, texts)))
+                columns.append([str(int(v)) for v in batch.values[op][indices].tolist()])
+        columns.append(list(map(_SHARD, texts)))
         skipped = batch.scalars.update_skipped  # the step's update was skipped: 1, done: 0, not known: empty
-        fields.append(["" if skipped is None else str(int(skipped))] * len(rows))
+        columns.append("" if skipped is None else str(int(skipped)))
         if rows and rows[0].family == "comm":
-            fields += [[str(r.calls) for r in rows], [str(r.nbytes) for r in rows]]
+            columns += [[str(r.calls) for r in rows], [str(r.nbytes) for r in rows]]
         fmt = f"%.{self.ndigits}g"
         for column in extra:  # NaN (empty for ints and lists) where a batch has none
             got = batch.values.get(column)
             kind = _KIND[column]
             if got is None:
-                fields.append(["nan" if kind == "float" else ""] * len(rows))
+                columns.append("nan" if kind == "float" else "")
             elif kind == "list":
-                fields.append([_csv_field(str(v)) if v is not None else "" for v in got[indices].tolist()])
+                columns.append([_csv_field(str(v)) if v is not None else "" for v in got[indices].tolist()])
             elif kind == "flist":  # JSON (NaN for a missing value), ndigits significant digits
-                fields.append(
+                columns.append(
                     [_csv_field(_floats(v, fmt)) if v is not None else "" for v in got[indices].tolist()]
                 )
             elif kind == "int":
-                fields.append([str(int(v)) if v == v else "" for v in got[indices].tolist()])
+                columns.append([str(int(v)) if v == v else "" for v in got[indices].tolist()])
             else:
-                fields.append([fmt % v for v in got[indices].tolist()])
-        return "\n".join(map(",".join, zip(*fields))) + "\n" if rows else ""
+                columns.append(_float64(got[indices]))
+        return lines(columns, len(rows), self.ndigits)
 
     def _texts(self, row) -> tuple[str, str, str, str, str]:
         """The row's fixed fields as CSV text: (`vpp_stage,name`, micro_step, shape, dtype, shard), kept
