@@ -357,6 +357,43 @@ def _rows_on_ranks(rank: int, world_size: int, out: str) -> dict:
         tap_ops.local_view = real
     monitor.close()
     found["faulty"] = (monitor.loop.faults.total, math.isfinite(float(loss)))
+
+    # Where the rule cannot be registered (a torch without register_torch_dispatch), DTensor hooks break
+    # the graph as before; the rows stay eager mode's. (No in-place ReLU here: torch 2.13 cannot compile
+    # it around a break, the failure the rule avoids.)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def refuse(*args, **kwargs):
+        raise AttributeError("register_torch_dispatch")
+
+    rows = []
+    saved = tap_ops._state.pop("dtensor", None), torch.library.register_torch_dispatch
+    torch.library.register_torch_dispatch = refuse
+    try:
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            counters.clear()
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+            parallel = {"0": ColwiseParallel(use_local_output=False), "2": RowwiseParallel()}
+            parallelize_module(model, init_device_mesh("cpu", (world_size,)), parallel)
+            cfg = write_config(
+                Path(out) / f"norule{rank}{compiled}.json", xy_distribution=True, ops=list(OPS)
+            )
+            monitor = TrainerMon(cfg)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            monitor.set_monitor(model, optimizer=opt)
+            run = torch.compile(model, backend="aot_eager") if compiled else model
+            run(torch.ones(4, 8)).square().mean().backward()
+            opt.step()  # the step's rows are written at its optimizer step
+            monitor.close()
+            breaks = sum(counters["graph_break"].values())
+            rows.append((keyed(read_family(monitor.run_dir, "actv")), monitor.loop.faults.total, breaks))
+    finally:
+        torch.library.register_torch_dispatch = saved[1]
+        tap_ops._state["dtensor"] = saved[0]
+    found["no rule"] = (rows, tap_ops._state["dtensor"])
     return found
 
 
@@ -410,6 +447,9 @@ def test_ddp_and_fsdp2_on_two_ranks(tmp_path):
         assert found["fsdp", True][4] == 0  # the blocks' graphs: no break
         assert found["tp", True][4] == 0  # DTensor activations stay in the graph
         assert found["faulty"][0] >= 1 and found["faulty"][1]
+        (eager, compiled), _ = found["no rule"]
+        assert compiled[2] >= 1 and compiled[1] == 0 and eager[1] == 0  # breaks, no fault
+        _same_rows(compiled[0], eager[0])
         refs = found["tp", False][5]
         assert len(refs) == 18
         for compiled in (False, True):

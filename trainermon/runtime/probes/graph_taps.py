@@ -181,9 +181,8 @@ def _tappable(values: list[Any]) -> bool:
     the rule is registered at trace time, on the first one seen). Other tensor subclasses: no."""
     for value in values:
         if isinstance(value, torch.Tensor) and type(value) not in _PLAIN:
-            if not is_dtensor(value):
+            if not (is_dtensor(value) and dtensors_allowed()):
                 return False
-            dtensors_allowed()
     return True
 
 

@@ -89,14 +89,20 @@ def local_pieces(cls: Any, op: Any, types: Any, args: tuple, kwargs: dict) -> No
 
 @torch.compiler.assume_constant_result  # run as plain Python while dynamo traces: no graph break
 def dtensors_allowed() -> bool:
-    """Registers `local_pieces` for DTensors, once, when a traced hook first sees one."""
+    """Whether the operators take DTensors: registers `local_pieces` for them, once, when a traced hook
+    first sees one. False where that cannot be done (a torch without `register_torch_dispatch`): those
+    hooks then run outside the graph, as before."""
     if "dtensor" not in _state:
-        from torch.distributed.tensor import DTensor
+        try:
+            from torch.distributed.tensor import DTensor
 
-        for op in (torch.ops.trainermon.tap.default, torch.ops.trainermon.tap_grad.default):
-            torch.library.register_torch_dispatch(op, DTensor, local_pieces, lib=_state["ops"])
-        _state["dtensor"] = True
-    return True
+            for op in (torch.ops.trainermon.tap.default, torch.ops.trainermon.tap_grad.default):
+                torch.library.register_torch_dispatch(op, DTensor, local_pieces, lib=_state["ops"])
+            _state["dtensor"] = True
+        except Exception as exc:  # noqa: BLE001 - the graph-break path stays
+            _state["dtensor"] = False
+            logger.info("trainermon: DTensor activations in compiled graphs break the graph (%s)", exc)
+    return _state["dtensor"]
 
 
 class Tap(torch.autograd.Function):
