@@ -2,7 +2,7 @@
 and the monitor's overhead on the compiled model against its overhead on the same model run eagerly.
 
     PYTHONPATH=. python benchmarks/bench_compile.py [--backend inductor] [--steps 60] [--rounds 3]
-        [--layers 8] [--width 256]
+        [--layers 8] [--width 256] [--tp]
 
 Arms over the same MLP (`--layers` Linear+GELU layers, default 8 of width 256, batch 64, CPU, one thread;
 `--layers 32 --width 64` is a model of many small modules, where per-module costs dominate): compiled
@@ -39,7 +39,14 @@ ARMS = (
 
 
 def run(
-    compiled: bool, mode: str, backend: str, steps: int, out: Path, layers: int = 8, width: int = 256
+    compiled: bool,
+    mode: str,
+    backend: str,
+    steps: int,
+    out: Path,
+    layers: int = 8,
+    width: int = 256,
+    tp: bool = False,
 ) -> dict:
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -53,6 +60,15 @@ def run(
     for _ in range(layers):
         modules += [nn.Linear(width, width), nn.GELU()]
     model = nn.Sequential(*modules)
+    if tp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        plan = {}
+        for pair in range(layers // 2):
+            plan[str(4 * pair)] = ColwiseParallel(use_local_output=False)
+            plan[str(4 * pair + 2)] = RowwiseParallel()
+        parallelize_module(model, init_device_mesh("cpu", (1,)), plan)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     monitor = None
     if mode != "off":
@@ -90,9 +106,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--tp", action="store_true", help="tensor-parallel pairs (DTensor activations)")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.tp:
+        import os
+
+        import torch.distributed as dist
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group("gloo", rank=0, world_size=1)
     medians: dict[str, list[float]] = {f"{c}/{m}": [] for c, m in ARMS}
     last: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -102,7 +127,14 @@ def main() -> None:
         for _ in range(args.rounds):
             for compiled, mode in random.sample(ARMS, len(ARMS)):
                 result = run(
-                    compiled == "compiled", mode, args.backend, args.steps, Path(tmp), args.layers, args.width
+                    compiled == "compiled",
+                    mode,
+                    args.backend,
+                    args.steps,
+                    Path(tmp),
+                    args.layers,
+                    args.width,
+                    args.tp,
                 )
                 medians[f"{compiled}/{mode}"].append(result["median_ms"])
                 last[f"{compiled}/{mode}"] = result
