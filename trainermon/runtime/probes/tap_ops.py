@@ -25,7 +25,8 @@ logger = logging.getLogger("trainermon")
 
 #: site number -> the site, for the operators (which get only tensors and the number)
 _SITES: dict[int, Any] = {}  # graph_taps.TapSite
-_state: dict[str, Any] = {}  # "ops": the registered operators, or "error": why registering failed
+_state: dict[str, Any] = {}  # "ops": the registered operators, or "error": why registering failed;
+# "dtensor": whether the rule for DTensors is registered
 
 
 def available() -> bool:
@@ -71,7 +72,7 @@ def local_pieces(cls: Any, op: Any, types: Any, args: tuple, kwargs: dict) -> No
     the placements and this rank's mesh coordinate are fixed there), so the compiled graph calls the
     operator on plain tensors; no collective, no copy. Without it DTensor's dispatch would refuse the
     operators (no sharding rule), and the hooks of a module that sees DTensors would break the graph,
-    which torch 2.13 then fails to compile around an in-place module (see `traced_forward_hook`)."""
+    which torch 2.13 then fails to compile around an in-place module (see `graph_taps`)."""
     tensors, site = args[0], args[1]
     locals_, shards = [], []
     try:
@@ -82,7 +83,9 @@ def local_pieces(cls: Any, op: Any, types: Any, args: tuple, kwargs: dict) -> No
     except Exception as exc:  # noqa: BLE001 - no rows from this call, never a failed compile
         found = _SITES.get(site)
         if found is not None:
-            found.probe.loop.faults.record("DTensor activation tap", exc)
+            found.probe.loop.faults.record(
+                "DTensor activation tap", exc, "this call's rows are not written by the compiled graph"
+            )
         return
     op(locals_, site, shards)
 
