@@ -219,3 +219,27 @@ def test_csv_row_texts_follow_new_rows_and_stay_bounded(tmp_path, monkeypatch):
         for i in range(3)
     ]
     assert max(sizes) <= max(4, 2 * 3) + 3, sizes  # emptied once past the bound, then refilled by a step
+
+
+def test_row_cache_keeps_the_rows_steps_use_and_drops_the_rest():
+    """Rows whose shape changes every step (MoE experts' token counts) do not pile up in the collector's
+    row cache: it stays within half again a step's rows (plus 1024), while a row used every step keeps its
+    one object (the CSV writer's texts are kept by that object)."""
+    import torch
+
+    from trainermon.collect.records import RowMetaCache
+
+    cache = RowMetaCache()
+    stable = [("actv", 0, f"layer{i}.output", 0, (4, 8), torch.float32, 32, "") for i in range(2000)]
+    first = [cache.get(fields) for fields in stable]
+    sizes = []
+    for step in range(200):
+        churn = [
+            ("actv", 0, f"expert{i}.output", 0, (step, 8), torch.float32, 8 * step, "") for i in range(50)
+        ]
+        got = [cache.get(fields) for fields in stable + churn]
+        assert all(a is b for a, b in zip(got, first))
+        cache.end_step(len(stable) + len(churn))
+        sizes.append(len(cache))
+    assert max(sizes) <= 2050 + 1025 + 50  # a step's rows, the margin, one step's new rows
+    assert min(sizes[100:]) >= 2000  # never emptied of the rows in use

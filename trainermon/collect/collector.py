@@ -379,6 +379,7 @@ class StepCollector:
                 permutation = sorted(range(len(order)), key=order.__getitem__)
             rows.extend(merged_rows)
             parts.append(merged)
+        self._metas.end_step(len(rows))
         self.reset()
         if permutation is not None and permutation != list(range(len(permutation))):
             device = parts[0].device

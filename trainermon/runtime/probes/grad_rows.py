@@ -45,8 +45,8 @@ class GradRowsCache:
     """One `GradRows` per (vpp_stage, labels, micro_step, piece, output index), kept across steps. A hook
     made per hooked tensor lived from the forward to the backward: on (c), 816 objects per step alive
     when a young collection ran, promoted, and bringing CPython's next full collection (~140 ms) closer.
-    Bounded like `RowMetaCache`: emptied when it holds LIMIT hooks (a hook already registered keeps
-    working: the node holds it)."""
+    Bounded: emptied when it holds LIMIT hooks (its keys hold no shapes, so it stays small; a hook already
+    registered keeps working: the node holds it)."""
 
     LIMIT = 1 << 15
 
