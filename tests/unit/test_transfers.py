@@ -19,15 +19,25 @@ from trainermon.stats import EngineOptions, StatsEngine, finalize
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+class _WithNone(nn.Module):
+    """Returns (tensor, None), as attention blocks often do: the None gets a row made on the host, which
+    must reach the device table without a blocking copy."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return x * 2, None
+
+
 class _Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.fc1 = nn.Linear(8, 16)
         self.act = nn.GELU()
+        self.pair = _WithNone()
         self.fc2 = nn.Linear(16, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+        h, _ = self.pair(self.act(self.fc1(x)))
+        return self.fc2(h)
 
 
 def _monitor(

@@ -40,7 +40,7 @@ from .identity import value_key as _value_key  # a name tests replace to turn th
 from .placement import Local, Placement, Sharded, TensorPiece, takes_part, writes_rows
 from .records import RowMeta, RowMetaCache, StepPayload, StepScalars
 from .sharded import ShardedRows, by_device, device_hint, job_sumsq_row, local_grad_sumsq, merge_sharded
-from .transfer import TransferCounter, transfer_to_host
+from .transfer import TransferCounter, on_device, to_device, transfer_to_host
 
 
 class StepCollector:
@@ -383,8 +383,8 @@ class StepCollector:
         self.reset()
         if permutation is not None and permutation != list(range(len(permutation))):
             device = parts[0].device
-            table = torch.cat([p.to(device) for p in parts])
-            parts = [table[torch.tensor(permutation, device=device)]]
+            table = torch.cat([on_device(p, device) for p in parts])
+            parts = [table[to_device(permutation, device)]]
             rows = [rows[i] for i in permutation]
         tails = [job_sumsq_row(local, summed)] if local is not None else []
         parts += tails + ([extra] if extra is not None else [])
@@ -394,7 +394,7 @@ class StepCollector:
             empty = torch.zeros((0, NUM_PARTIALS), dtype=torch.float64)
             return StepPayload(step=step, rows=(), partials=empty, scalars=scalars)
         device = parts[0].device
-        partials = torch.cat([p.to(device) for p in parts])
+        partials = torch.cat([on_device(p, device) for p in parts])
         host, ready = transfer_to_host(partials, self.transfers)
         sumsq = host[len(rows), SUMSQ] if job_grad_norm else None  # rows, then the job's norm, then tail
         extra_host = None if extra is None else host[len(host) - len(extra) :]

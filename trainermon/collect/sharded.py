@@ -14,6 +14,7 @@ from trainermon.stats import NANS, SUMSQ, empty_partials, reduce_across
 
 from .placement import TensorPiece
 from .records import RowMeta
+from .transfer import on_device, to_device
 
 
 @dataclass
@@ -36,7 +37,7 @@ def merge_sharded(sharded: ShardedRows) -> tuple[list[RowMeta], torch.Tensor | N
     if not sharded.rows:
         return [], None, []
     local = torch.cat(sharded.parts)
-    flags = torch.tensor(sharded.flags, dtype=local.dtype).to(local.device, non_blocking=True)
+    flags = to_device(sharded.flags, local.device, local.dtype)
     # One dimension at a time, groups in first-appearance order. Ranks that meet in a group must have
     # merged the same dimensions before, else pieces are lost or counted twice; the order is the
     # same on every rank because every rank adds the same sharded rows in the same order and
@@ -48,7 +49,7 @@ def merge_sharded(sharded: ShardedRows) -> tuple[list[RowMeta], torch.Tensor | N
             local, bad = reduce_across(local, sharded.groups[gid], flags)
             flags = bad.to(local.dtype)
         else:
-            index = torch.tensor(members, device=local.device)
+            index = to_device(members, local.device)
             part, bad = reduce_across(local[index], sharded.groups[gid], flags[index])
             local[index] = part
             flags[index] = bad.to(local.dtype)
@@ -58,7 +59,7 @@ def merge_sharded(sharded: ShardedRows) -> tuple[list[RowMeta], torch.Tensor | N
         return [], None, []
     else:
         keep = [i for i, w in enumerate(sharded.writes) if w]
-        index = torch.tensor(keep, device=local.device)
+        index = to_device(keep, local.device)
         out, flags, rows = local[index], flags[index], [sharded.rows[i] for i in keep]
         order = [sharded.order[i] for i in keep]
     # A row that some rank could not compute is marked (a NaN count, which no data can give) and
@@ -76,8 +77,8 @@ def local_grad_sumsq(rows: list[RowMeta], parts: list[torch.Tensor], sharded: Sh
     for metas, tables in ((rows, parts), (sharded.rows, sharded.parts)):
         mine = [i for i, r in enumerate(metas) if r.family == "grad_reduced"]
         if mine:
-            table = torch.cat([p.to(device) for p in tables])
-            total = total + table[torch.tensor(mine, device=device), SUMSQ].sum()
+            table = torch.cat([on_device(p, device) for p in tables])
+            total = total + table[to_device(mine, table.device), SUMSQ].sum()
     return total
 
 

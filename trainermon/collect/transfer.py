@@ -14,6 +14,25 @@ class TransferCounter:
         self.count = 0
 
 
+def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A small host list (indices, flags) as a tensor on `device` without a sync: `torch.tensor(values,
+    device=...)` copies from pageable memory and waits for the stream, stalling the training thread once
+    per call; this copies from pinned memory, ordered on the current stream (costs one async copy)."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`; a host tensor goes through pinned memory without a sync (`t.to(device)` from
+    pageable memory waits for the stream: one stall of the training thread per call)."""
+    if t.device == device:
+        return t
+    if t.device.type == "cpu" and device.type != "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def transfer_to_host(partials: torch.Tensor, counter: TransferCounter) -> tuple[torch.Tensor, Any]:
     """The engine's single transfer point. On an accelerator the copy is non-blocking into pinned memory
     and an event is returned for the worker to wait on; the training thread does not wait."""

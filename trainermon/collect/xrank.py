@@ -42,6 +42,7 @@ from trainermon.stats import INFS, MAX, MIN, NANS, NUM_PARTIALS, SUM, SUMSQ, ZER
 from trainermon.stats.table import FLOAT_STATS
 
 from .records import XRANK_FAMILIES, RowMeta
+from .transfer import on_device, to_device
 
 _ABSENT = -(2**63)
 _FLIP = 0x7FFF_FFFF_FFFF_FFFF
@@ -186,18 +187,18 @@ class CrossRank:
         keys = torch.full((n + spare, 2 * s + 1), _ABSENT, dtype=torch.int64, device=device)
         sums = torch.zeros((n + spare, 2 * s + 3), dtype=torch.float64, device=device)
         if add is not None:
-            sums[n, 0] = add.to(device)
+            sums[n, 0] = on_device(add, device)
         if mine:
-            table = torch.cat([p.to(device) for p in parts])[torch.tensor(mine, device=device)]
-            numel = torch.tensor([float(rows[i].numel) for i in mine], dtype=torch.float64, device=device)
+            table = torch.cat([on_device(p, device) for p in parts])[to_device(mine, device)]
+            numel = to_device([float(rows[i].numel) for i in mine], device, torch.float64)
             values = _statistics(table, numel, stats)
-            slot = torch.tensor([self.slots[k] for k in local_keys], device=device)
+            slot = to_device([self.slots[k] for k in local_keys], device)
             present = ~torch.isnan(values)
             bad = (table[:, NANS] + table[:, INFS] > 0) | ~torch.isfinite(values).all(dim=1)
             packed = torch.cat(
                 [
-                    _to_key(values, torch.tensor(tag, device=device), bits),
-                    _to_key(-values, torch.tensor(tag, device=device), bits),
+                    _to_key(values, torch.full((), tag, device=device), bits),
+                    _to_key(-values, torch.full((), tag, device=device), bits),
                     torch.where(bad, tag, -1).unsqueeze(1).to(torch.int64),
                 ],
                 dim=1,

@@ -31,7 +31,7 @@ def sample_positions(length: int, sample: int, device: torch.device) -> torch.Te
     if length <= sample:
         return torch.arange(length, device=device)
     if sample == 1:
-        return torch.tensor([length - 1], device=device)
+        return torch.arange(length - 1, length, device=device)  # torch.tensor(..., device) would sync
     return torch.div(torch.arange(sample, device=device) * (length - 1), sample - 1, rounding_mode="floor")
 
 
