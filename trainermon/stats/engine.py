@@ -16,7 +16,9 @@ and order (tests/unit/test_engine_accuracy.py checks it on adversarial inputs). 
   a value back to decide (accelerators), scales every chunk by an exact power of two first.
 
 Costs: on the CPU, dense (contiguous or permuted) float32/bf16/fp16 tensors go to the native kernel
-(`fused`): one read of each tensor, one call for the whole batch. Everywhere else (accelerators, other
+(`fused`): one read of each tensor, one call for the whole batch. On CUDA with Triton, the same tensors go
+to the Triton kernel (`triton_stats`): one read of each tensor, two launches per dtype in the batch (1.24x
+`torch._foreach_norm` over an H200's gradients; the eager path below took 132x). Everywhere else (NPU, other
 dtypes, views with gaps, or no kernel built) each chunk of at most CHUNK (CPU) or DEVICE_CHUNK elements
 costs a few kernels: a square, two column sums, an aminmax, float64 sums of 1/16 of the chunk (and one
 scaling pass on accelerators); small tensors (at most GROUP_MAX elements) of one dtype and size are stacked
@@ -35,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import fused
+from . import fused, triton_stats
 from .kinds import Readable, Unreadable, readable
 from .partials import DTYPE, MAX, MIN, NUM_PARTIALS, empty_partials, scale_and_pad
 
@@ -140,15 +142,22 @@ class StatsEngine:
             raise ValueError(f"kernel_row: table of shape {tuple(out.shape)}")
         self._table, self._table_rows, self._table_address = out, len(out), out.data_ptr()
 
+    def mode_for(self, device: torch.device) -> _Mode:
+        """How a batch on `device` is computed under these options."""
+        opts = self.options
+        branch_free = device.type != "cpu" or opts.force_masked
+        chunk = CHUNK if device.type == "cpu" else DEVICE_CHUNK
+        return _Mode(opts.nonfinite and branch_free, opts.zeros_eps, branch_free, chunk)
+
     def _compute(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, dict[int, Unreadable]]:
         n = len(tensors)
         device = _device_of(tensors)
         opts = self.options
-        branch_free = device.type != "cpu" or opts.force_masked
-        eps = opts.zeros_eps
-        chunk = CHUNK if device.type == "cpu" else DEVICE_CHUNK
-        mode = _Mode(opts.nonfinite and branch_free, eps, branch_free, chunk)
+        mode = self.mode_for(device)
+        branch_free, eps = mode.branch_free, mode.eps
         use_fused = not branch_free and eps is None and opts.fused and fused.AVAILABLE
+        use_triton = device.type == "cuda" and opts.fused and triton_stats.enabled()
+        by_kernel: dict[torch.dtype, list[int]] = {}  # rows for the Triton kernel, per dtype
         if use_fused:
             fast = _all_kernel(tensors, n, opts.nonfinite)
             if fast is not None:
@@ -177,13 +186,15 @@ class StatsEngine:
             numel = item.tensor.numel()
             if numel == 0:
                 continue
-            if numel <= GROUP_MAX:
+            if use_triton and triton_stats.usable(item.tensor):
+                by_kernel.setdefault(item.tensor.dtype, []).append(i)
+            elif numel <= GROUP_MAX:
                 groups.setdefault((item.tensor.dtype, numel), []).append(i)
             else:
                 blocks.append(_tensor_partials(item.tensor, mode).unsqueeze(0))
                 order.append(i)
         for (dtype, numel), members in groups.items():
-            per_block = max(1, chunk // numel)
+            per_block = max(1, mode.chunk // numel)
             for start in range(0, len(members), per_block):
                 part = members[start : start + per_block]
                 flats = [items[j].tensor.reshape(-1) for j in part]
@@ -194,6 +205,9 @@ class StatsEngine:
                 else:
                     blocks.append(_rows_partials(torch.stack(flats), mode))
                 order.extend(part)
+        for members in by_kernel.values():
+            blocks.extend(self._kernel_rows([items[j].tensor for j in members], mode))
+            order.extend(members)
         not_finite = 0
         if kernel:
             block = torch.empty((len(kernel), NUM_PARTIALS), dtype=DTYPE)
@@ -230,6 +244,14 @@ class StatsEngine:
             if item is not None and (item.multiplicity != 1 or item.implicit_zeros):
                 scale_and_pad(out[i], item.multiplicity, item.implicit_zeros, eps is not None)
         return out, skipped
+
+    def _kernel_rows(self, tensors: list[torch.Tensor], mode: _Mode) -> list[torch.Tensor]:
+        """Rows of a batch of one dtype from the Triton kernel; from the eager path if it fails."""
+        try:
+            return [triton_stats.partials(tensors, mode.masked, mode.eps)]
+        except Exception as exc:  # noqa: BLE001 - a kernel that cannot compile here must not lose the rows
+            triton_stats.disable(exc)
+            return [_tensor_partials(t, mode).unsqueeze(0) for t in tensors]
 
     def _stage(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         buf = self._staging.get(dtype)
