@@ -2,7 +2,7 @@
 # The GPU part of the performance plan in one command, for a machine with an NVIDIA GPU and a CUDA build of
 # torch already installed (nothing is downloaded): the CUDA tests, then the GPU overhead benchmark (step
 # overhead of wg and all, engine vs the _foreach_norm floor, host syncs, accuracy on the GPU).
-#   bash benchmarks/gpu.sh [OUT_DIR]       results: OUT_DIR/{nvidia-smi.txt,tests.log,gpu_overhead.json}
+#   bash benchmarks/gpu.sh [OUT_DIR]       results: OUT_DIR/{nvidia-smi.txt,tests.log,gpu_overhead.json,profile.txt}
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-/tmp/trainermon-gpu}}
@@ -11,16 +11,18 @@ py=${PYTHON:-python3}
 "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible to torch')" || exit 2
 # trainermon itself, against the machine's own torch (no dependency resolution, no network); the native CPU
 # kernel is optional and builds when a compiler is there.
-"$py" -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 || {
-  echo "editable install failed (see $out/install.log)"; exit 1; }
+# Without it the tests and the benchmark import trainermon from this checkout all the same.
+"$py" -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 ||
+  echo "editable install failed (see $out/install.log); using the checkout"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi >"$out/nvidia-smi.txt" 2>&1
 # The tests that exercise the device path (the sync-debug test and the compiled-taps test on CUDA are
 # skipped on machines without CUDA).
 "$py" -m pytest -q -rs tests/unit/test_transfers.py tests/unit/test_stats.py tests/unit/test_engine_accuracy.py \
-  tests/unit/test_graph_taps.py \
+  tests/unit/test_graph_taps.py tests/unit/test_triton_stats.py \
   2>&1 | tee "$out/tests.log"
 tests_rc=${PIPESTATUS[0]}
-PYTHONUNBUFFERED=1 "$py" benchmarks/gpu_overhead.py --json "$out/gpu_overhead.json" 2>&1 | tee "$out/bench.log"
+PYTHONUNBUFFERED=1 "$py" benchmarks/gpu_overhead.py --json "$out/gpu_overhead.json" --profile "$out/profile.txt" 2>&1 | tee "$out/bench.log"
 bench_rc=${PIPESTATUS[0]}
 echo "tests rc=$tests_rc, benchmark rc=$bench_rc; results in $out"
 [ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]

@@ -29,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from typing import Any
 
@@ -56,10 +57,11 @@ def build_arm(arm: str, size: dict[str, int], device: torch.device, dtype: torch
     from trainermon.demo import TinyGPT
 
     torch.manual_seed(0)
-    model = TinyGPT(
-        vocab=size["vocab"], d=size["d"], layers=size["layers"], heads=size["heads"], seq=size["seq"]
-    )
-    model = model.to(device=device, dtype=dtype)
+    with device:  # initialised where it trains: a CPU init of 1.7e9 parameters takes longer than the runs
+        model = TinyGPT(
+            vocab=size["vocab"], d=size["d"], layers=size["layers"], heads=size["heads"], seq=size["seq"]
+        )
+    model = model.to(dtype=dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, size["vocab"], (size["batch"], size["seq"] + 1), generator=g).to(device)
@@ -118,37 +120,106 @@ def overhead(arms: dict[str, dict], size: dict[str, int], device: torch.device) 
     return result
 
 
-def engine_vs_floor(grads: list[torch.Tensor], device: torch.device, reps: int) -> dict[str, Any]:
-    from trainermon.stats import EngineOptions, StatsEngine
-
-    engine = StatsEngine(EngineOptions(nonfinite=False))
-    engine.compute(grads)
-    torch._foreach_norm(grads)
-    eng, floor = [], []
+def _median_ms(fn, device: torch.device, reps: int) -> float:
+    fn()
+    times = []
     for _ in range(reps):
-        for fn, times in ((lambda: engine.compute(grads), eng), (lambda: torch._foreach_norm(grads), floor)):
-            sync(device)
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            times.append(time.perf_counter() - t0)
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def engine_vs_floor(grads: list[torch.Tensor], device: torch.device, reps: int) -> dict[str, Any]:
+    """The engine over every gradient (its default path: the Triton kernel where it runs; and the eager
+    multi-kernel path) against `torch._foreach_norm`, timed alternately; plus a sweep of the kernel's block
+    and chunk sizes, and the host time of one call on a small batch (what a hook pays to launch)."""
+    from trainermon.stats import EngineOptions, StatsEngine, triton_stats
+
+    default = StatsEngine(EngineOptions(nonfinite=True))
+    eager = StatsEngine(EngineOptions(nonfinite=True, fused=False))
+    arms = {
+        "engine": lambda: default.compute(grads),
+        "eager": lambda: eager.compute(grads),
+        "floor": lambda: torch._foreach_norm(grads),
+    }
+    times: dict[str, list[float]] = {a: [] for a in arms}
+    for _ in range(reps):
+        for a, fn in arms.items():
+            times[a].append(_median_ms(fn, device, 1))
     nbytes = sum(g.numel() * g.element_size() for g in grads)
-    floor_s = statistics.median(floor)
-    return {
+    med = {a: statistics.median(v) for a, v in times.items()}
+    result: dict[str, Any] = {
         "tensors": len(grads),
         "bytes": nbytes,
-        "engine_ms": statistics.median(eng) * 1e3,
-        "floor_ms": floor_s * 1e3,
-        "ratio": statistics.median(eng) / floor_s,
-        "floor_GBps": nbytes / floor_s / 1e9,
+        "triton": triton_stats.enabled(),
+        "engine_ms": med["engine"],
+        "eager_ms": med["eager"],
+        "floor_ms": med["floor"],
+        "ratio": med["engine"] / med["floor"],
+        "eager_ratio": med["eager"] / med["floor"],
+        "engine_range_ms": [min(times["engine"]), max(times["engine"])],
+        "floor_range_ms": [min(times["floor"]), max(times["floor"])],
+        "floor_GBps": nbytes / med["floor"] / 1e6,
+        "engine_GBps": nbytes / med["engine"] / 1e6,
     }
+    if triton_stats.enabled():
+        result["kernel_sweep_ms"] = sweep(lambda: default.compute(grads), device, max(3, reps // 2))
+    # A hook's batch: one or two activations, where the kernel must still spread over every multiprocessor.
+    for shape, k in (((4, 1024, 4096), 2), ((4, 1024, 16384), 1)):
+        acts = [torch.randn(shape, device=device, dtype=grads[0].dtype) for _ in range(k)]
+        name = "x".join(map(str, shape)) + f"_x{k}"
+        result[f"activations_{name}"] = {
+            "engine_ms": _median_ms(lambda acts=acts: default.compute(acts), device, reps),
+            "floor_ms": _median_ms(lambda acts=acts: torch._foreach_norm(acts), device, reps),
+        }
+        if triton_stats.enabled():
+            found = sweep(lambda acts=acts: default.compute(acts), device, reps)
+            result[f"activations_{name}"]["sweep_ms"] = found
+    small = [torch.randn(4, 1024, 512, device=device, dtype=grads[0].dtype) for _ in range(3)]
+    for name, engine in (("engine", default), ("eager", eager)):
+        engine.compute(small)
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(50):
+            engine.compute(small)
+        result[f"{name}_host_us_per_small_call"] = (time.perf_counter() - t0) / 50 * 1e6
+        sync(device)
+    return result
+
+
+KERNEL_CONFIGS = (  # BLOCK, WARPS, MAX_CHUNK, PROGRAMS_PER_SM
+    (512, 4, 1 << 16, 8),
+    (1024, 4, 1 << 16, 8),
+    (512, 8, 1 << 16, 8),
+    (256, 2, 1 << 15, 8),
+    (512, 4, 1 << 17, 4),
+    (1024, 8, 1 << 17, 16),
+)
+
+
+def sweep(fn, device: torch.device, reps: int) -> dict[str, float]:
+    """`fn`'s median time under each kernel geometry (the module's settings are restored after)."""
+    from trainermon.stats import triton_stats as ts
+
+    saved = (ts.BLOCK, ts.WARPS, ts.MAX_CHUNK, ts.PROGRAMS_PER_SM)
+    found = {}
+    try:
+        for config in KERNEL_CONFIGS:
+            ts.BLOCK, ts.WARPS, ts.MAX_CHUNK, ts.PROGRAMS_PER_SM = config
+            found["block{}_warps{}_maxchunk{}_per_sm{}".format(*config)] = _median_ms(fn, device, reps)
+    finally:
+        ts.BLOCK, ts.WARPS, ts.MAX_CHUNK, ts.PROGRAMS_PER_SM = saved
+    return found
 
 
 def accuracy(grads: list[torch.Tensor]) -> dict[str, float]:
     """Largest relative error of the engine's sum of squares and sum (GPU) against float64 on the CPU."""
     from trainermon.stats import SUM, SUMSQ, EngineOptions, StatsEngine
 
-    partials = StatsEngine(EngineOptions(nonfinite=True)).compute(grads).cpu()
+    partials = StatsEngine(EngineOptions(nonfinite=True)).compute(grads).cpu()  # the default path
     worst = {"sumsq_rel": 0.0, "sum_abs_over_l1": 0.0}
     for i, g in enumerate(grads):
         ref = g.detach().double().cpu().flatten()
@@ -163,12 +234,22 @@ def accuracy(grads: list[torch.Tensor]) -> dict[str, float]:
     return worst
 
 
-def host_syncs(state: dict, device: torch.device) -> int | None:
-    """Synchronising calls reported during one collected step (CUDA only), the final synchronize excluded."""
+def host_syncs(state: dict, device: torch.device) -> dict[str, Any] | None:
+    """Synchronising calls reported during one collected step (CUDA only), the final synchronize excluded,
+    with where each came from (the innermost frames of the Python stack at the warning)."""
     if device.type != "cuda":
         return None
-    with warnings.catch_warnings(record=True) as caught:
+    sites: list[str] = []
+    shown = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message) and "prototype" not in str(message):  # not the mode's own notice
+            stack = [f for f in traceback.extract_stack()[:-1] if "warnings.py" not in f.filename]
+            sites.append(" <- ".join(f"{os.path.basename(f.filename)}:{f.lineno}" for f in stack[-6:][::-1]))
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             tokens = state["batch"]
@@ -178,8 +259,30 @@ def host_syncs(state: dict, device: torch.device) -> int | None:
             state["optimizer"].step()
         finally:
             torch.cuda.set_sync_debug_mode(0)
+            warnings.showwarning = shown
     sync(device)
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return {"count": len(sites), "sites": sorted(set(sites))}
+
+
+def profile(arms: dict[str, dict], device: torch.device, path: str) -> str:
+    """One step of each arm under torch.profiler: the top operators by self CPU and device time, to see
+    where an overhead goes without another run."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with open(path, "w", encoding="utf-8") as fh:
+        for name, state in arms.items():
+            with torch_profile(activities=activities) as prof:
+                step(state, device)
+            events = prof.key_averages()
+            fh.write(
+                f"=== {name}: by self CPU time\n{events.table(sort_by='self_cpu_time_total', row_limit=25)}\n"
+            )
+            if device.type == "cuda":
+                table = events.table(sort_by="self_device_time_total", row_limit=25)
+                fh.write(f"=== {name}: by device time\n{table}\n")
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,13 +292,17 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="a tiny model: checks the script, measures nothing"
     )
     parser.add_argument("--json", help="where to write the results")
+    parser.add_argument("--profile", help="write a profiler table of one step per arm here")
+    parser.add_argument("--blocks", type=int, help="interleaved blocks (default: the workload's)")
     args = parser.parse_args(argv)
     logging.getLogger("trainermon").setLevel(logging.ERROR)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing measured (use --device cpu --quick to check the script)")
         return 2
-    size = QUICK if args.quick else FULL
+    size = dict(QUICK if args.quick else FULL)
+    if args.blocks:
+        size["blocks"] = args.blocks
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out = tempfile.mkdtemp(prefix="trainermon-gpu-")
     arms = {a: build_arm(a, size, device, dtype, out) for a in ARMS}
@@ -211,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     result["engine"] = engine_vs_floor(grads, device, reps=20 if not args.quick else 3)
     result["accuracy"] = accuracy(grads)
     result["host_syncs_all_step"] = host_syncs(arms["all"], device)
+    result["host_syncs_none_step"] = host_syncs(arms["none"], device)  # the training step's own
+    if args.profile:
+        result["profile"] = profile(arms, device, args.profile)
     for state in arms.values():
         if state["monitor"] is not None:
             state["monitor"].close()
