@@ -110,13 +110,13 @@ def test_engine_checks_finiteness_only_when_needed(monkeypatch, nonfinite):
     """A batch the kernel handled alone, all finite: no finiteness pass. A NaN, or rows from another
     path: the check runs and recomputes the bad rows."""
     calls = []
-    real = engine._recompute_nonfinite
+    real = engine.recompute_nonfinite
 
     def spy(*args):
         calls.append(1)
         return real(*args)
 
-    monkeypatch.setattr(engine, "_recompute_nonfinite", spy)
+    monkeypatch.setattr(engine, "recompute_nonfinite", spy)
     stats = StatsEngine(EngineOptions(nonfinite=nonfinite))
     clean = [torch.randn(300), torch.randn(64, 64)]
     stats.compute(clean)

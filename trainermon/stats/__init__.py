@@ -7,7 +7,8 @@ Names are imported on first use: the table is needed by the offline tools, which
 from __future__ import annotations
 
 _EXPORTS = {
-    "engine": ("CHUNK", "DEVICE_CHUNK", "GROUP_MAX", "RUN", "EngineOptions", "StatsEngine"),
+    "engine": ("GROUP_MAX", "EngineOptions", "StatsEngine"),
+    "eager": ("CHUNK", "DEVICE_CHUNK", "RUN"),
     "kinds": ("Readable", "Unreadable", "readable"),
     "partials": (
         "ADDITIVE",
@@ -34,6 +35,8 @@ def __getattr__(name: str):
     module = _WHERE.get(name)
     if module == "engine":
         from . import engine as source
+    elif module == "eager":
+        from . import eager as source
     elif module == "kinds":
         from . import kinds as source
     elif module == "partials":

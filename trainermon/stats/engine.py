@@ -31,32 +31,21 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
 from . import fused, triton_stats
+from .eager import CHUNK, DEVICE_CHUNK, Mode, recompute_nonfinite, rows_partials, tensor_partials
 from .kinds import Readable, Unreadable, readable
-from .partials import DTYPE, MAX, MIN, NUM_PARTIALS, empty_partials, scale_and_pad
+from .partials import DTYPE, NUM_PARTIALS, empty_partials, scale_and_pad
 
 logger = logging.getLogger("trainermon")
 
-#: Elements per chunk on the CPU (eager path): measured fastest (5.7x the floor; 2^18: 7.9x, 2^22: 9.5x).
-CHUNK = 1 << 20
-#: Elements per chunk on accelerators (bounds the float32 temporaries of a half-precision chunk).
-DEVICE_CHUNK = 1 << 22
 #: Tensors of at most this many elements are stacked (per dtype and size) and reduced row-wise.
 GROUP_MAX = 1 << 13
-#: Elements a float32 accumulator adds before its result moves to float64.
-RUN = 16
-_HALF = (torch.float16, torch.bfloat16)
 _ROW_BYTES = NUM_PARTIALS * 8  # one float64 row of partials
-#: Largest magnitude whose float32 squares stay finite over a run (16 x 2^124 < 2^128) ...
-_BIG = 2.0**62
-#: ... and below which squares may underflow float32 enough to matter.
-_TINY = 2.0**-40
 
 
 @dataclass(frozen=True)
@@ -69,15 +58,6 @@ class EngineOptions:
     force_masked: bool = False
     #: Use the native one-pass CPU kernel where it is built; tests turn it off to check the eager path.
     fused: bool = True
-
-
-class _Mode(NamedTuple):
-    """How one batch is computed: derived from the options and the batch's device."""
-
-    masked: bool  # NaN/Inf counted, the other statistics over finite values, in every computation
-    eps: float | None  # count |x| < eps
-    branch_free: bool  # never read a value back to decide (accelerators, and the CPU tests of their path)
-    chunk: int
 
 
 class StatsEngine:
@@ -127,9 +107,9 @@ class StatsEngine:
             raise ValueError(f"kernel_row: row {row} of a table of shape {tuple(out.shape)}")
         self.calls += 1
         if fused.run_one(plan, self._table_address + row * _ROW_BYTES):
-            mode = _Mode(self.options.nonfinite, None, False, CHUNK)
+            mode = Mode(self.options.nonfinite, None, False, CHUNK)
             with torch.no_grad():  # an activation may require grad
-                _recompute_nonfinite(out[row : row + 1], (t,), mode)
+                recompute_nonfinite(out[row : row + 1], (t,), mode)
         return True
 
     def _check_table(self, out: torch.Tensor) -> None:
@@ -142,12 +122,12 @@ class StatsEngine:
             raise ValueError(f"kernel_row: table of shape {tuple(out.shape)}")
         self._table, self._table_rows, self._table_address = out, len(out), out.data_ptr()
 
-    def mode_for(self, device: torch.device) -> _Mode:
+    def mode_for(self, device: torch.device) -> Mode:
         """How a batch on `device` is computed under these options."""
         opts = self.options
         branch_free = device.type != "cpu" or opts.force_masked
         chunk = CHUNK if device.type == "cpu" else DEVICE_CHUNK
-        return _Mode(opts.nonfinite and branch_free, opts.zeros_eps, branch_free, chunk)
+        return Mode(opts.nonfinite and branch_free, opts.zeros_eps, branch_free, chunk)
 
     def _compute(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, dict[int, Unreadable]]:
         n = len(tensors)
@@ -191,7 +171,7 @@ class StatsEngine:
             elif numel <= GROUP_MAX:
                 groups.setdefault((item.tensor.dtype, numel), []).append(i)
             else:
-                blocks.append(_tensor_partials(item.tensor, mode).unsqueeze(0))
+                blocks.append(tensor_partials(item.tensor, mode).unsqueeze(0))
                 order.append(i)
         for (dtype, numel), members in groups.items():
             per_block = max(1, mode.chunk // numel)
@@ -201,9 +181,9 @@ class StatsEngine:
                 if device.type == "cpu":
                     with self._lock:  # the staging buffer is shared; CPU kernels finish before we return
                         rows = torch.stack(flats, out=self._stage(dtype, len(part) * numel).view(-1, numel))
-                        blocks.append(_rows_partials(rows, mode))
+                        blocks.append(rows_partials(rows, mode))
                 else:
-                    blocks.append(_rows_partials(torch.stack(flats), mode))
+                    blocks.append(rows_partials(torch.stack(flats), mode))
                 order.extend(part)
         for members in by_kernel.values():
             blocks.extend(self._kernel_rows([items[j].tensor for j in members], mode))
@@ -231,13 +211,13 @@ class StatsEngine:
                 sources = [item.tensor if item is not None else None for item in items]
                 for i in kernel:
                     sources[i] = tensors[i]
-                _recompute_nonfinite(out, sources, mode._replace(masked=True))
+                recompute_nonfinite(out, sources, mode._replace(masked=True))
         elif kernel and not_finite:
             # NaN counting off: the kernel's min/max skip NaN; recompute with torch's propagating semantics.
             sources = [None] * n
             for i in kernel:
                 sources[i] = tensors[i]
-            _recompute_nonfinite(out, sources, mode)
+            recompute_nonfinite(out, sources, mode)
         for i in skipped:
             out[i] = float("nan")
         for i, item in enumerate(items):
@@ -245,13 +225,13 @@ class StatsEngine:
                 scale_and_pad(out[i], item.multiplicity, item.implicit_zeros, eps is not None)
         return out, skipped
 
-    def _kernel_rows(self, tensors: list[torch.Tensor], mode: _Mode) -> list[torch.Tensor]:
+    def _kernel_rows(self, tensors: list[torch.Tensor], mode: Mode) -> list[torch.Tensor]:
         """Rows of a batch of one dtype from the Triton kernel; from the eager path if it fails."""
         try:
             return [triton_stats.partials(tensors, mode.masked, mode.eps)]
         except Exception as exc:  # noqa: BLE001 - a kernel that cannot compile here must not lose the rows
             triton_stats.disable(exc)
-            return [_tensor_partials(t, mode).unsqueeze(0) for t in tensors]
+            return [tensor_partials(t, mode).unsqueeze(0) for t in tensors]
 
     def _stage(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         buf = self._staging.get(dtype)
@@ -275,9 +255,9 @@ def _all_kernel(tensors: Sequence[torch.Tensor], n: int, nonfinite: bool) -> tor
     not_finite = fused.run(plans, out)
     if not_finite:
         if nonfinite:
-            _recompute_nonfinite(out, tensors, _Mode(True, None, False, CHUNK))
+            recompute_nonfinite(out, tensors, Mode(True, None, False, CHUNK))
         else:  # the kernel's min/max skip NaN: recompute with torch's propagating semantics
-            _recompute_nonfinite(out, tensors, _Mode(False, None, False, CHUNK))
+            recompute_nonfinite(out, tensors, Mode(False, None, False, CHUNK))
     return out
 
 
@@ -286,155 +266,3 @@ def _device_of(tensors: Sequence[torch.Tensor]) -> torch.device:
         if isinstance(t, torch.Tensor) and not t.is_meta:
             return t.device
     return torch.device("cpu")
-
-
-def _recompute_nonfinite(out: torch.Tensor, sources: Sequence[torch.Tensor | None], mode: _Mode) -> None:
-    """Recompute the rows whose sumsq/sum/min/max are not all finite from `sources[i]` (the plain tensor
-    the row was computed from; None: leave the row). CPU only: this reads values back."""
-    finite = torch.isfinite(out[:, : MAX + 1]).all(1)
-    if bool(finite.all()):
-        return
-    for i in (~finite).nonzero().flatten().tolist():
-        t = sources[i]
-        if t is not None and t.numel():
-            out[i] = _tensor_partials(t, mode)
-
-
-def flat_pieces(t: torch.Tensor, chunk: int) -> Iterator[torch.Tensor]:
-    """Contiguous 1-D pieces of at most `chunk` elements that together hold each element of `t` once.
-
-    A dense tensor (contiguous or permuted) is read as the memory range it fills, without a copy; a view
-    with gaps is cut along its outermost dimension and copied one piece at a time."""
-    n = t.numel()
-    if fused.is_dense(t):
-        flat = t.reshape(-1) if t.is_contiguous() else t.as_strided((n,), (1,))
-        yield from (flat.split(chunk) if n > chunk else (flat,))
-        return
-    if n <= chunk:
-        yield t.reshape(-1).contiguous()  # a copy of at most one chunk
-        return
-    dims = [d for d in range(t.dim()) if t.shape[d] > 1]
-    dim = max(dims, key=lambda d: t.stride(d))
-    per = max(1, chunk // (n // t.shape[dim]))
-    for start in range(0, t.shape[dim], per):
-        yield from flat_pieces(t.narrow(dim, start, min(per, t.shape[dim] - start)), chunk)
-
-
-def _tensor_partials(t: torch.Tensor, mode: _Mode) -> torch.Tensor:
-    """One row for a whole tensor, chunk by chunk."""
-    if t.numel() == 0:
-        return empty_partials(1, t.device)[0]
-    parts = [_rows_partials(piece.unsqueeze(0), mode) for piece in flat_pieces(t, mode.chunk)]
-    if len(parts) == 1:
-        return parts[0][0]
-    stacked = torch.cat(parts)
-    row = stacked.sum(0)
-    row[MIN] = stacked[:, MIN].amin()
-    row[MAX] = stacked[:, MAX].amax()
-    return row
-
-
-def _rows_partials(x: torch.Tensor, mode: _Mode) -> torch.Tensor:
-    """Float64 partials of each row of a contiguous 2-D tensor [k, m] (k tensors of m elements, or one
-    chunk with k = 1)."""
-    if x.dtype in _HALF:
-        x = x.float()  # a chunk-sized temporary, never the whole tensor
-    elif x.dtype != torch.float32:
-        x = x.to(DTYPE)  # float64 itself, integers and bools are reduced in float64
-    x = x.contiguous()  # `_sums` views rows of RUN consecutive elements (a no-op for every caller's chunks)
-    k, m = x.shape
-    nans = infs = None
-    if mode.masked:
-        finite = torch.isfinite(x)
-        n_finite = finite.sum(1)
-        nans = torch.isnan(x).sum(1)
-        infs = m - n_finite - nans
-        xs = torch.where(finite, x, 0.0)
-        mn, mx = _minmax(torch.where(finite, x, float("inf")), torch.where(finite, x, float("-inf")))
-    else:
-        xs = x
-        mn, mx = _minmax(x, x)
-    sumsq, total = _sums(xs, mn, mx, mode.branch_free)
-    zeros = None
-    if mode.eps is not None:
-        zeros = (xs.abs() < mode.eps).sum(1)
-        if mode.masked:
-            zeros = zeros - (m - n_finite)  # masked-out entries were set to 0; do not count them
-    none = torch.zeros((k,), dtype=DTYPE, device=x.device)
-    cols = [sumsq, total, mn, mx, none if nans is None else nans, none if infs is None else infs]
-    cols.append(none if zeros is None else zeros)
-    return torch.stack([c.to(DTYPE) for c in cols], dim=1)
-
-
-_local = threading.local()
-
-
-def _scratch(like: torch.Tensor) -> torch.Tensor:
-    """A temporary shaped like `like`: on the CPU from a per-thread buffer, because a fresh chunk-sized
-    allocation per chunk costs more in page faults than the arithmetic (accelerator allocators cache)."""
-    if like.device.type != "cpu":
-        return torch.empty_like(like)
-    buf = getattr(_local, "buf", None)
-    if buf is None or buf.numel() < like.numel() or buf.dtype != like.dtype:
-        buf = _local.buf = torch.empty(max(like.numel(), CHUNK), dtype=like.dtype)
-    return buf[: like.numel()].view(like.shape)
-
-
-def _minmax(low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row minima of `low` and maxima of `high` ([k, m]); one row is reduced whole, which torch does many
-    times faster than a row-wise reduction of one row."""
-    if low.shape[0] == 1:
-        if low is high:
-            mn, mx = torch.aminmax(low)
-            return mn.reshape(1), mx.reshape(1)
-        return low.amin().reshape(1), high.amax().reshape(1)
-    return low.amin(1), high.amax(1)
-
-
-def _sums(
-    x: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, branch_free: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float64 (sum of squares, sum) of each row of a contiguous [k, m] float32 or float64 tensor whose
-    row minima and maxima are `mn` and `mx`, with no float32 accumulator adding more than RUN terms and
-    no float32 square overflowing or underflowing (the bound in the module docstring).
-
-    Each row's first RUN x width elements are viewed as RUN rows of `width` and reduced across those RUN
-    rows (at most RUN terms per column, in whatever order torch adds them, and a column-wise reduction is
-    as fast as a flat one); the `width` column results are added in float64, as is the tail."""
-    if x.dtype == DTYPE:
-        return (x * x).sum(1), x.sum(1)
-    amax = torch.maximum(-mn, mx)
-    scale = None
-    if not branch_free:
-        extreme = (amax >= _BIG) | ((amax > 0) & (amax < _TINY))
-        wide_rows = extreme.nonzero().flatten().tolist() if bool(extreme.any()) else []
-    else:
-        # No host read on accelerators: every row is scaled by a power of two (exact) that brings its
-        # largest magnitude to [0.5, 1), so that no square can overflow or underflow; one extra pass.
-        exponent = torch.frexp(torch.where(torch.isfinite(amax), amax, 0.0))[1].clamp(-126, 127)
-        scale = torch.ldexp(torch.ones_like(amax), -exponent)
-        x = x * scale.unsqueeze(1)
-        wide_rows = []
-    k, m = x.shape
-    width = m // RUN
-    whole = width * RUN
-    sumsq = torch.zeros((k,), dtype=DTYPE, device=x.device)
-    total = torch.zeros((k,), dtype=DTYPE, device=x.device)
-    if width:
-        square = torch.mul(x, x, out=_scratch(x))  # one rounding per square
-        view = ((k, RUN, width), (m, width, 1))
-        total = x.as_strided(*view).sum(1).to(DTYPE).sum(1)
-        sumsq = square.as_strided(*view).sum(1).to(DTYPE).sum(1)
-    if whole < m:
-        rest = x[:, whole:].to(DTYPE)
-        total = total + rest.sum(1)
-        sumsq = sumsq + (rest * rest).sum(1)
-    for i in wide_rows:  # CPU: rows of extreme magnitude, again in float64
-        wide = x[i].to(DTYPE)
-        sumsq[i] = torch.dot(wide, wide)
-        total[i] = wide.sum()
-    if scale is not None:
-        inverse = scale.to(DTYPE).reciprocal()
-        total = total * inverse
-        sumsq = sumsq * inverse * inverse
-    return sumsq, total
