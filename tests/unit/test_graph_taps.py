@@ -272,6 +272,29 @@ def test_a_module_called_twice_in_one_graph(tmp_path, out_dir, backend):
     _same_rows(compiled[0], eager[0])
 
 
+class _Broken(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        torch._dynamo.graph_break()  # dynamo then compiles the module's hooks as frames of their own
+        return y
+
+
+def test_hooks_compiled_as_frames_of_their_own(tmp_path, out_dir):
+    """A graph break inside a module's forward makes dynamo compile its hooks as frames of their own, one
+    code object shared by every module's hook (torch 2.11 did this to compiled DDP's hooks). Each module
+    keeps its own rows: before the fix the third Linear's hook reused the second's compiled frame, and
+    its rows went to module 2 as a second micro-step."""
+
+    def make() -> nn.Module:
+        return nn.Sequential(_Broken(8, 8), nn.Tanh(), _Broken(8, 8), _Broken(8, 8))
+
+    eager = _train_rows(tmp_path, "f", make, None)
+    compiled = _train_rows(tmp_path, "f", make, "aot_eager")
+    assert compiled[2] == 0 and compiled[3] >= 3  # no fault; the breaks happened
+    for got, want in zip(compiled[:2], eager[:2]):
+        _same_rows(got, want)
+
+
 def _rows_on_ranks(rank: int, world_size: int, out: str) -> dict:
     """On each rank, eager then compiled (aot_eager): DDP with its graph splitter, FSDP2 with each block
     compiled on its own (as torchtitan does), tensor parallelism. Returns the rows, faults and graph

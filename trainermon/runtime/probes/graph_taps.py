@@ -213,7 +213,9 @@ def traced_pre_hook(probe: Any, vpp_stage: int, name: str, module_key: int) -> A
     `Tap` (the eager pre-hook's views, here aliases made in the graph). Names as the eager pre-hook gives
     them."""
 
-    def make_site(kinds: tuple[int, ...], keywords: tuple[str, ...], first: tuple[int, ...]) -> int:
+    def make_site(
+        owner: str, kinds: tuple[int, ...], keywords: tuple[str, ...], first: tuple[int, ...]
+    ) -> int:
         def make() -> TapSite:
             positional = len(kinds) - len(keywords)
             tensor_positions = [i for i in range(positional) if kinds[i] != NOT_TENSOR]
@@ -231,8 +233,13 @@ def traced_pre_hook(probe: Any, vpp_stage: int, name: str, module_key: int) -> A
             rows = tuple((tuple(labels), piece) for labels, piece in grads.values())
             return TapSite(probe, module_key, vpp_stage, False, (), (), rows)
 
-        return probe._taps.number(("pre", module_key, kinds, keywords, first), make)
+        return probe._taps.number(("pre", owner, kinds, keywords, first), make)
 
+    # The module's key is an argument, not only a closure value, so that dynamo guards on it: a hook
+    # compiled as a frame of its own (graph breaks around it, as under torch 2.11's compiled DDP) would
+    # otherwise be reused for every module with the site of the first. A string: an int that differs
+    # between compiles of one frame becomes symbolic, which a constant-result function cannot take.
+    owner = str(module_key)
     site = torch.compiler.assume_constant_result(make_site)
 
     def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -247,7 +254,7 @@ def traced_pre_hook(probe: Any, vpp_stage: int, name: str, module_key: int) -> A
             return None
         first = _same(slots)
         graded = [i for i in range(len(slots)) if kinds[i] == GRADED and first[i] == i]
-        views = Tap.apply(site(kinds, keywords, first), len(graded), *[slots[i] for i in graded])
+        views = Tap.apply(site(owner, kinds, keywords, first), len(graded), *[slots[i] for i in graded])
         view_of = dict(zip(graded, views))
         for i in range(len(slots)):
             if kinds[i] == GRADED:
@@ -267,7 +274,12 @@ def traced_forward_hook(probe: Any, vpp_stage: int, name: str, module_key: int) 
     (the last two only for actv), each object once."""
 
     def make_site(
-        in_kinds: tuple[int, ...], out_kinds: tuple[int, ...], alone: bool, actv: bool, same: tuple[int, ...]
+        owner: str,
+        in_kinds: tuple[int, ...],
+        out_kinds: tuple[int, ...],
+        alone: bool,
+        actv: bool,
+        same: tuple[int, ...],
     ) -> tuple[int, tuple[int, ...], int]:
         graded = [i for i, kind in enumerate(out_kinds) if kind == GRADED]
         in_take = [i for i, kind in enumerate(in_kinds) if kind >= ACTIVATION] if actv else []
@@ -296,9 +308,10 @@ def traced_forward_hook(probe: Any, vpp_stage: int, name: str, module_key: int) 
             rows_of_grads = tuple((tuple(labels), piece) for labels, piece in grads.values())
             return TapSite(probe, module_key, vpp_stage, True, tuple(rows), missing, rows_of_grads)
 
-        key = ("fwd", module_key, in_kinds, out_kinds, alone, actv, same)
+        key = ("fwd", owner, in_kinds, out_kinds, alone, actv, same)
         return probe._taps.number(key, make), view_of_graded, len(set(view_of_graded))
 
+    owner = str(module_key)  # an argument of `site`: see traced_pre_hook
     site = torch.compiler.assume_constant_result(make_site)
 
     def forward_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -325,7 +338,7 @@ def traced_forward_hook(probe: Any, vpp_stage: int, name: str, module_key: int) 
             return None
         same = _same(tensors)
         number, view_of_graded, n_graded = site(
-            in_kinds, out_kinds, isinstance(output, torch.Tensor), actv, same
+            owner, in_kinds, out_kinds, isinstance(output, torch.Tensor), actv, same
         )
         unique = [t for p, t in enumerate(tensors) if same[p] == p]
         if not graded:
