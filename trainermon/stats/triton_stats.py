@@ -26,6 +26,7 @@ TRAINERMON_TRITON=0 to use the eager path. Under TRITON_INTERPRET=1 it also runs
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -122,22 +123,29 @@ def partials(tensors: Sequence[torch.Tensor], masked: bool, eps: float | None) -
     search_steps = max(1, count.bit_length())
     search_steps += -search_steps % 4  # a few compiled variants, not one per batch size
     chunk_kernel, merge_kernel, tl_types = kernels
-    chunk_kernel[(chunks,)](
-        table,
-        rows,
-        count,
-        0.0 if eps is None else float(eps),
-        DT=tl_types[dtype],
-        MASKED=masked,
-        HAS_EPS=eps is not None,
-        SEARCH_STEPS=search_steps,
-        BLOCK=BLOCK,
-        RUN=RUN,
-        CHUNK=chunk,
-        num_warps=WARPS,
-    )
-    merge_kernel[(count,)](table, rows, out, count, MASKED=masked, BLOCK=MERGE_BLOCK)
+    with _current(device):
+        chunk_kernel[(chunks,)](
+            table,
+            rows,
+            count,
+            0.0 if eps is None else float(eps),
+            DT=tl_types[dtype],
+            MASKED=masked,
+            HAS_EPS=eps is not None,
+            SEARCH_STEPS=search_steps,
+            BLOCK=BLOCK,
+            RUN=RUN,
+            CHUNK=chunk,
+            num_warps=WARPS,
+        )
+        merge_kernel[(count,)](table, rows, out, count, MASKED=masked, BLOCK=MERGE_BLOCK)
     return out
+
+
+def _current(device: torch.device) -> contextlib.AbstractContextManager:
+    """Triton launches on the current CUDA device: tensors on another GPU (one process driving several,
+    as naive pipeline parallelism does) need theirs made current for the launch."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 @functools.cache
