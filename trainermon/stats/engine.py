@@ -9,10 +9,11 @@ and order (tests/unit/test_engine_accuracy.py checks it on adversarial inputs). 
   1e-10. Integers and bools: reduced in float64, exact up to 2^53.
 - Why: no float32 accumulator ever adds more than RUN = 16 terms, and any order of adding k terms errs
   by at most (k - 1) roundings of their magnitudes (one more for the rounded squares). The native kernel
-  adds float32 runs of 16 per lane into double lanes (`_fused.c`); the eager path views each chunk as 16
-  rows and reduces across them, then adds the column results in float64. float64 additions contribute at
-  most chunk x 2^-53 (3e-11). Squares never overflow or underflow float32: the kernel sums blocks of
-  extreme magnitude in float64, the eager path does so for such rows on the CPU and, where it may not read
+  adds float32 runs of 16 per lane into double lanes (`_fused.c`), and so does the Triton kernel on CUDA
+  (`triton_stats`); the eager path views each chunk as 16 rows and reduces across them, then adds the
+  column results in float64. float64 additions contribute at most chunk x 2^-53 (3e-11). Squares never
+  overflow or underflow float32: both kernels sum blocks of extreme magnitude in float64 (the Triton
+  kernel rereads such chunks), the eager path does so for such rows on the CPU and, where it may not read
   a value back to decide (accelerators), scales every chunk by an exact power of two first.
 
 Costs: on the CPU, dense (contiguous or permuted) float32/bf16/fp16 tensors go to the native kernel
@@ -56,7 +57,8 @@ class EngineOptions:
     zeros_eps: float | None = None  # count |x| < eps when set
     #: Force the branch-free masked path everywhere (the accelerator path); used by tests on CPU.
     force_masked: bool = False
-    #: Use the native one-pass CPU kernel where it is built; tests turn it off to check the eager path.
+    #: Use a one-pass kernel where there is one (the native CPU kernel where built, the Triton kernel on
+    #: CUDA); tests turn it off to check the eager path.
     fused: bool = True
 
 
