@@ -180,10 +180,12 @@ def test_block_compiled_on_its_own(tmp_path, out_dir, caplog, first):
 
     - first=2: traced on a step that collects nothing, so the graph has no hooks. The next collected step
       sees dynamo's graph count moved, resets its caches once (logged) and keeps the hooks from then on.
-    - first=0: traced on a collected step, while the hooks are installed but not pinned (the gate sends
-      a traced call to the disabled body, as pinned hooks do).
+    - first=0: traced on a collected step, while the hooks are installed but not pinned: the first hook
+      dynamo traces pins them and makes the hooks that dynamo traces (`TracedHook`), so the block's graph
+      calls the tap operators.
 
-    Either way the rows equal the eager run's, and no hook fails."""
+    Either way the rows equal the eager run's, and no hook fails. The eager run never makes the traced
+    hooks (memory that nothing would use)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -225,11 +227,16 @@ def test_block_compiled_on_its_own(tmp_path, out_dir, caplog, first):
         )
         assert hooked == [i >= first for i in range(5)], hooked
         assert monitor.loop.faults.total == 0
+        probe = monitor.loop.probes[1]
+        traced = [hook for _, _, pre, fwd in probe._traced.values() for hook in (pre.hook, fwd.hook)]
+        assert len(traced) == 2 * len(probe.modules) > 0
         if compiled:
             assert counters["stats"]["unique_graphs"] >= 1
+            assert probe.hooks.pinned and all(traced)
             if first:
-                assert monitor.loop.probes[1].hooks.pinned
                 assert sum("recompiles once" in r.message for r in caplog.records) == 1
+        else:
+            assert not probe.hooks.pinned and probe._taps is None and not any(traced)
     for got, want in zip(rows[True], rows[False]):
         assert set(got) == set(want) and {s for _, s, _ in want} == set(range(first, 5))
         for key, row in want.items():

@@ -43,20 +43,21 @@ from .written import mark_view, release, settle_input_views
 logger = logging.getLogger("trainermon")
 
 
-def _call(body: Any, *args: Any) -> Any:
-    return body(*args)
+def _timed_call(clock: Any, body: Any, *args: Any) -> Any:
+    with clock:  # the whole body is the monitor's own time, not only its rows
+        return body(*args)
 
 
 _OUTSIDE: list[Any] = []
 
 
 def _outside_graph() -> Any:
-    """`_call` with dynamo disabled, made once for every hook: a disable wrapper per hook cost ~0.4 KB
+    """`_timed_call` with dynamo disabled, made once for every hook: a disable wrapper per hook cost ~0.4 KB
     each (0.65 MB on an 836-module model)."""
     if not _OUTSIDE:
         import torch.compiler
 
-        _OUTSIDE.append(torch.compiler.disable(_call))
+        _OUTSIDE.append(torch.compiler.disable(_timed_call))
     return _OUTSIDE[0]
 
 
@@ -64,6 +65,15 @@ def _untapped() -> Any:
     from .graph_taps import UNTAPPED
 
     return UNTAPPED
+
+
+class TracedHook:
+    """Where a module's installed hook finds the hook dynamo traces (`graph_taps`), filled in only once the
+    hooks are pinned: in eager mode no compiled code calls them, and making the traced hooks for every
+    module cost ~1.5 KB each (0.6 MB of closures on a 418-module model) that nothing used."""
+
+    def __init__(self) -> None:
+        self.hook: Any = None
 
 
 def in_backward() -> bool:
@@ -76,7 +86,8 @@ class ActivationProbe(Probe):
         super().__init__(loop)
         self.modules: list[tuple[int, str, torch.nn.Module]] = []
         self._every: list | None = None  # every module, built on first escalation
-        self.hooks = ModuleHooks(self._register)  # when the module hooks exist (see `module_hooks`)
+        # when the module hooks exist (see `module_hooks`)
+        self.hooks = ModuleHooks(self._register, on_pin=self._make_traced_hooks)
         self._calls: dict[int, int] = {}  # module id -> forward calls this step (the micro_step)
         self._shards: dict[int, tuple[tuple[str, ...], tuple[str, ...]]] = {}  # module id -> piece labels
         self._actv = self._actv_grad = self._wide = False
@@ -87,7 +98,9 @@ class ActivationProbe(Probe):
         self._bases: dict[int, dict[int, tuple]] = {}
         self._grad_rows = GradRowsCache(loop)
         self._two_paths: list[Any] = []  # this step's written.TwoPaths, released at the next step's begin
-        self._taps: Any = None  # graph_taps.TapSites once hooks are made where the tap operators exist
+        self._taps: Any = None  # graph_taps.TapSites once the hooks are pinned where the tap operators exist
+        # module id -> (vpp_stage, name, its hooks' TracedHook for the pre-hook and the forward hook)
+        self._traced: dict[int, tuple[int, str, TracedHook, TracedHook]] = {}
 
     def configure(self, config: MonitorConfig) -> None:
         modules: list[tuple[int, str, torch.nn.Module]] = []
@@ -99,6 +112,7 @@ class ActivationProbe(Probe):
             return  # a reload that selects the same modules keeps the hooks as they are (no churn)
         self._every = None
         self.modules = modules
+        self._traced.clear()
         self.hooks.reset(modules, self.loop.adapter.roots())
 
     def begin(self, plan: StepPlan) -> None:
@@ -118,57 +132,69 @@ class ActivationProbe(Probe):
 
     def _register(self, vpp_stage: int, name: str, module: torch.nn.Module, extra: bool) -> list[Any]:
         self._shards[id(module)] = self.loop.adapter.activation_shards(module)
-        traced_pre = traced_fwd = None
+        traced_pre, traced_fwd = TracedHook(), TracedHook()
+        self._traced[id(module)] = (vpp_stage, name, traced_pre, traced_fwd)
+        if self.hooks.pinned:
+            self._fill_traced(id(module))
+        input_names = Names(f"{name}.input")  # one for both hooks
+        return [
+            module.register_forward_pre_hook(
+                self._gate(self._pre_hook(vpp_stage, name, input_names), extra, traced_pre), with_kwargs=True
+            ),
+            module.register_forward_hook(
+                self._gate(self._fwd_hook(vpp_stage, name, input_names), extra, traced_fwd), with_kwargs=True
+            ),
+        ]
+
+    def _make_traced_hooks(self) -> None:
+        """When the hooks become pinned (compiled code may call them from now on): the traced hooks of the
+        modules hooked so far. Before any trace reaches them: see `ModuleHooks`."""
+        for key in self._traced:
+            self._fill_traced(key)
+
+    def _fill_traced(self, key: int) -> None:
         if self._taps is None:
             from . import graph_taps
 
             self._taps = graph_taps.TapSites(self) if graph_taps.available() else False
-        if self._taps:
+        vpp_stage, name, pre, fwd = self._traced[key]
+        if self._taps and pre.hook is None:
             from .graph_taps import traced_forward_hook, traced_pre_hook
 
-            traced_pre = traced_pre_hook(self, vpp_stage, name, id(module))
-            traced_fwd = traced_forward_hook(self, vpp_stage, name, id(module))
-        return [
-            module.register_forward_pre_hook(
-                self._gate(self._pre_hook(vpp_stage, name), extra, traced_pre), with_kwargs=True
-            ),
-            module.register_forward_hook(
-                self._gate(self._fwd_hook(vpp_stage, name), extra, traced_fwd), with_kwargs=True
-            ),
-        ]
+            pre.hook = traced_pre_hook(self, vpp_stage, name, key)
+            fwd.hook = traced_forward_hook(self, vpp_stage, name, key)
 
-    def _gate(self, body: Any, extra: bool, traced: Any = None) -> Any:
+    def _gate(self, body: Any, extra: bool, traced: TracedHook) -> Any:
         """The installed hook: a flag test, false on steps that are not collected while the hooks stay
         installed (pinned under torch.compile, see `module_hooks`). Under torch.compile the test is traced
         (dynamo guards on the flags: one recompile when collection first switches on, both graphs cached
         after); on collected steps dynamo traces `traced` (operators in the graph that run the monitor's
-        code, see `graph_taps`), or without it the body runs outside the graph (a graph break). Until the
-        hooks are pinned no compiled code can call them, so the body is called directly: dynamo's disable
-        wrapper switches its frame callback twice per call (~1.5 ms per step on a 145-module model)."""
+        code, see `graph_taps`; `traced.hook`, set once the hooks are pinned), or without it the body runs
+        outside the graph (a graph break). Until the hooks are pinned no compiled code can call them, so the
+        body is called directly: dynamo's disable wrapper switches its frame callback twice per call (~1.5
+        ms per step on a 145-module model)."""
         import torch.compiler  # not at module level: the core imports no framework machinery eagerly
 
         clock = self.loop.clock
-
-        def timed(*args: Any) -> Any:  # the whole body is the monitor's own time, not only its rows
-            with clock:
-                return body(*args)
-
         outside_graph = _outside_graph()
         probe, hooks, compiling = self, self.hooks, torch.compiler.is_compiling
+        pin = hooks.pin_at_trace
         untapped = _untapped()
 
         def hook(*args: Any) -> Any:
             if not (probe._actv or probe._actv_grad) or (extra and not probe._wide):
                 return None
             if compiling():  # dynamo traces this call
-                if traced is not None:
-                    result = traced(*args)
+                pin()  # compiled code may call the hooks from now on: pinned, their traced hooks made
+                if traced.hook is not None:
+                    result = traced.hook(*args)
                     if result is not untapped:
                         return result
-                return outside_graph(timed, *args)
+                return outside_graph(clock, body, *args)
             if hooks.pinned:  # compiled code may call it (a resumed frame after a graph break)
-                return outside_graph(timed, *args)
-            return timed(*args)
+                return outside_graph(clock, body, *args)
+            with clock:  # the whole body is the monitor's own time, not only its rows
+                return body(*args)
 
         return hook
 
@@ -179,9 +205,8 @@ class ActivationProbe(Probe):
             self._taps.close()
 
     # ---- hooks ---------------------------------------------------------------------------------
-    def _pre_hook(self, vpp_stage: int, name: str):
+    def _pre_hook(self, vpp_stage: int, name: str, input_names: Names):
         loop = self.loop
-        input_names = Names(f"{name}.input")
         first_input = input_names(1)[0]
 
         def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
@@ -257,9 +282,9 @@ class ActivationProbe(Probe):
         )
         return view, (tensor, tensor._version, view, node, rows, node.register_prehook(rows))
 
-    def _fwd_hook(self, vpp_stage: int, name: str):
+    def _fwd_hook(self, vpp_stage: int, name: str, input_names: Names):
         loop = self.loop
-        input_names, output_names = Names(f"{name}.input"), Names(f"{name}.output")
+        output_names = Names(f"{name}.output")
 
         def fwd_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
             try:

@@ -18,7 +18,11 @@ their bodies gated by flags as before):
   submodules, so the very first trace has them (no extra compile);
 - anything else compiled while the hooks were absent (a block compiled on its own, whose root runs
   eagerly): seen by dynamo's graph counter at the next collected step, which then resets the caches once,
-  and logs it.
+  and logs it. A block compiled on its own while the hooks were present pins them when dynamo traces the
+  first hook (`pin_at_trace`, called by the hooks while traced).
+
+The hooks that dynamo traces (`graph_taps`) are made when the hooks are pinned (`on_pin`), not before: an
+eager run never needs them.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ logger = logging.getLogger("trainermon")
 
 #: register(vpp_stage, name, module, extra) -> the handles of the hooks it added to `module`
 Register = Callable[[int, str, torch.nn.Module, bool], list[Any]]
+#: called once, when the hooks become pinned, before any compiled code can call them
+OnPin = Callable[[], None]
 
 
 def graphs_compiled() -> int:
@@ -74,13 +80,16 @@ class ModuleHooks:
     attribute reads on steps that keep the current state; installing costs ~5 us per module (on the first
     collected step after steps without collection), removing ~2 us."""
 
-    def __init__(self, register: Register) -> None:
+    def __init__(self, register: Register, on_pin: OnPin | None = None) -> None:
         self._register = register
+        self._on_pin = on_pin
         self.pinned = False  # installed for the rest of the run (compiled code may call them)
         self._handles: dict[int, list[Any]] = {}  # module id -> its hooks' handles
         self._watchers: list[Any] = []  # the roots' trace sentinels
         self._modules: Sequence[tuple[int, str, torch.nn.Module]] = ()
         self._graphs_without = 0  # dynamo's graph count when the hooks were last removed
+        #: pins the hooks when dynamo traces a call of this function (see `reset`); made by `reset`
+        self.pin_at_trace: Callable[[], bool] = lambda: True
 
     def reset(
         self, modules: Sequence[tuple[int, str, torch.nn.Module]], roots: Sequence[torch.nn.Module]
@@ -90,14 +99,6 @@ class ModuleHooks:
         self._modules = modules
         if not modules:
             return
-        if compiled_before():
-            self.pinned = True
-        if self.pinned:
-            self.add(modules, extra=False)
-            if compiled_before():
-                recompile_with_hooks()
-            return
-        self._graphs_without = graphs_compiled()
         import torch.compiler  # not at module level: the core imports no framework machinery eagerly
 
         # Run by dynamo while it traces (a constant to the graph: no graph break, fullgraph=True works)
@@ -105,7 +106,16 @@ class ModuleHooks:
             self._pin()
             return True
 
-        pin = torch.compiler.assume_constant_result(pin_at_trace)
+        self.pin_at_trace = torch.compiler.assume_constant_result(pin_at_trace)
+        if compiled_before():
+            self._set_pinned()
+        if self.pinned:
+            self.add(modules, extra=False)
+            if compiled_before():
+                recompile_with_hooks()
+            return
+        self._graphs_without = graphs_compiled()
+        pin = self.pin_at_trace
 
         def watch(module: torch.nn.Module, args: Any) -> None:
             if torch.compiler.is_compiling():
@@ -136,8 +146,14 @@ class ModuleHooks:
 
     def _pin(self) -> None:
         if not self.pinned:
-            self.pinned = True
+            self._set_pinned()
             self.add(self._modules, extra=False)
+
+    def _set_pinned(self) -> None:
+        if not self.pinned:
+            self.pinned = True
+            if self._on_pin is not None:
+                self._on_pin()
 
     def _remove_hooks(self) -> None:
         for handles in self._handles.values():
