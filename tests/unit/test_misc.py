@@ -224,18 +224,22 @@ def test_csv_row_texts_follow_new_rows_and_stay_bounded(tmp_path, monkeypatch):
 def test_row_cache_keeps_the_rows_steps_use_and_drops_the_rest():
     """Rows whose shape changes every step (MoE experts' token counts) do not pile up in the collector's
     row cache: it stays within half again a step's rows (plus 1024), while a row used every step keeps its
-    one object (the CSV writer's texts are kept by that object)."""
+    one object (the CSV writer's texts are kept by that object), which is also its own key (no second
+    tuple per row)."""
     import torch
 
     from trainermon.collect.records import RowMetaCache
 
     cache = RowMetaCache()
-    stable = [("actv", 0, f"layer{i}.output", 0, (4, 8), torch.float32, 32, "") for i in range(2000)]
+    stable = [("actv", 0, f"layer{i}.output", 0, (4, 8), torch.float32, 32, "", 0, 0) for i in range(2000)]
     first = [cache.get(fields) for fields in stable]
+    assert first[7] == stable[7] and first[7].name == "layer7.output"
+    assert all(key is row for key, row in cache._rows.items())
     sizes = []
     for step in range(200):
         churn = [
-            ("actv", 0, f"expert{i}.output", 0, (step, 8), torch.float32, 8 * step, "") for i in range(50)
+            ("actv", 0, f"expert{i}.output", 0, (step, 8), torch.float32, 8 * step, "", 0, 0)
+            for i in range(50)
         ]
         got = [cache.get(fields) for fields in stable + churn]
         assert all(a is b for a, b in zip(got, first))

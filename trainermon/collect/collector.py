@@ -114,7 +114,7 @@ class StepCollector:
             if kind is not Sharded and not writes:
                 continue  # a copy: another rank computes and writes the same values
             meta = metas.get(
-                (family, vpp_stage, name, micro_step, shape, piece.dtype, math.prod(shape), shard)
+                (family, vpp_stage, name, micro_step, shape, piece.dtype, math.prod(shape), shard, 0, 0)
             )
             seq = self._next
             self._next += 1
@@ -155,7 +155,7 @@ class StepCollector:
                 self._order.extend(seq for _, seq in device_rows)
                 self._parts.append(partials)
                 if also_as is not None:
-                    self._rows.extend(metas.get((also_as, *r[1:8])) for r, _ in device_rows)
+                    self._rows.extend(metas.get((also_as, *r[1:])) for r, _ in device_rows)
                     self._order.extend(seq for _, seq in device_rows)
                     self._parts.append(partials)
 
@@ -269,7 +269,9 @@ class StepCollector:
                 seen_row[key] = ref
                 by_id[id(t)] = (key, (key[_KEY_VERSION], key[_KEY_ADDRESS]))
             out_rows.append(
-                metas.get((family, vpp_stage, labels[i], micro_step, shape, dtype, t.numel(), labels_of[i]))
+                metas.get(
+                    (family, vpp_stage, labels[i], micro_step, shape, dtype, t.numel(), labels_of[i], 0, 0)
+                )
             )
             order.append(seq)
             seq += 1

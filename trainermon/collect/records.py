@@ -83,13 +83,15 @@ class RowMetaCache:
         self._aside: dict[tuple, RowMeta] = {}
 
     def get(self, fields: tuple) -> RowMeta:
-        """The RowMeta of (family, vpp_stage, name, micro_step, shape, dtype, numel, shard)."""
+        """The RowMeta of (family, vpp_stage, name, micro_step, shape, dtype, numel, shard, calls, nbytes):
+        every field, so that the row itself is its key (a named tuple equals the plain tuple of its fields):
+        no second tuple kept per row (~120 bytes each, 0.6 MB on the many-expert model's 5186 rows)."""
         row = self._rows.get(fields)
         if row is None:
             row = self._aside.pop(fields, None) if self._aside else None
             if row is None:
                 row = RowMeta(*fields)
-            self._rows[fields] = row
+            self._rows[row] = row
         return row
 
     def end_step(self, used: int) -> None:
