@@ -181,8 +181,8 @@ def test_block_compiled_on_its_own(tmp_path, out_dir, caplog, first):
     - first=2: traced on a step that collects nothing, so the graph has no hooks. The next collected step
       sees dynamo's graph count moved, resets its caches once (logged) and keeps the hooks from then on.
     - first=0: traced on a collected step, while the hooks are installed but not pinned: the first hook
-      dynamo traces pins them and makes the hooks that dynamo traces (`TracedHook`), so the block's graph
-      calls the tap operators.
+      dynamo traces pins them and makes the hooks that dynamo traces (`HookedModule.traced_pre` and
+      `traced_forward`), so the block's graph calls the tap operators.
 
     Either way the rows equal the eager run's, and no hook fails. The eager run never makes the traced
     hooks (memory that nothing would use)."""
@@ -228,7 +228,7 @@ def test_block_compiled_on_its_own(tmp_path, out_dir, caplog, first):
         assert hooked == [i >= first for i in range(5)], hooked
         assert monitor.loop.faults.total == 0
         probe = monitor.loop.probes[1]
-        traced = [hook for _, _, pre, fwd in probe._traced.values() for hook in (pre.hook, fwd.hook)]
+        traced = [h for m in probe._hooked.values() for h in (m.traced_pre, m.traced_forward)]
         assert len(traced) == 2 * len(probe.modules) > 0
         if compiled:
             assert counters["stats"]["unique_graphs"] >= 1

@@ -28,6 +28,7 @@ import logging
 from typing import Any
 
 import torch
+from torch.compiler import is_compiling  # imported with torch itself
 
 from trainermon.config import MonitorConfig
 
@@ -37,7 +38,7 @@ from .base import Probe
 from .grad_rows import GradRowsCache
 from .module_hooks import ModuleHooks
 from .recompute import Recomputes
-from .slots import Names, input_slots, is_activation, output_slots, padded, replace_tensors
+from .slots import UNTAPPED, Names, input_slots, is_activation, output_slots, padded, replace_tensors
 from .written import mark_view, release, settle_input_views
 
 logger = logging.getLogger("trainermon")
@@ -61,19 +62,74 @@ def _outside_graph() -> Any:
     return _OUTSIDE[0]
 
 
-def _untapped() -> Any:
-    from .graph_taps import UNTAPPED
+class HookedModule:
+    """One hooked module: what its two installed hooks share, the bound methods `pre` and `forward`. An
+    object with slots instead of closures: a module's two closures and their gates cost ~3 KB (1.2 MB on a
+    418-module model), this ~0.4 KB.
 
-    return UNTAPPED
+    Each hook tests flags first, false on steps that are not collected while the hooks stay installed
+    (pinned under torch.compile, see `module_hooks`). Under torch.compile the test is traced (dynamo guards
+    on the flags: one recompile when collection first switches on, both graphs cached after); on collected
+    steps dynamo traces `traced_pre` / `traced_forward` (operators in the graph that run the monitor's code,
+    see `graph_taps`; made once the hooks are pinned), or without them the body runs outside the graph (a
+    graph break). Until the hooks are pinned no compiled code can call them, so the body is called directly:
+    dynamo's disable wrapper switches its frame callback twice per call (~1.5 ms per step on a 145-module
+    model)."""
 
+    __slots__ = (
+        "probe",
+        "vpp_stage",
+        "name",
+        "extra",
+        "shards",
+        "input_names",
+        "output_names",
+        "traced_pre",
+        "traced_forward",
+    )
 
-class TracedHook:
-    """Where a module's installed hook finds the hook dynamo traces (`graph_taps`), filled in only once the
-    hooks are pinned: in eager mode no compiled code calls them, and making both for every module cost
-    ~1.9 KB per module (0.78 MB of closures and wrappers on a 418-module model) that nothing used."""
+    def __init__(self, probe: ActivationProbe, vpp_stage: int, name: str, extra: bool, shards: tuple) -> None:
+        self.probe = probe
+        self.vpp_stage = vpp_stage
+        self.name = name
+        self.extra = extra  # hooked for an escalation only: runs on escalating steps
+        self.shards = shards  # (input piece labels, output piece labels): `Adapter.activation_shards`
+        self.input_names = Names(f"{name}.input")
+        self.output_names = Names(f"{name}.output")
+        self.traced_pre: Any = None  # the hooks dynamo traces, made once the hooks are pinned
+        self.traced_forward: Any = None
 
-    def __init__(self) -> None:
-        self.hook: Any = None
+    def pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        probe = self.probe
+        if not (probe._actv or probe._actv_grad) or (self.extra and not probe._wide):
+            return None
+        if is_compiling() or probe.hooks.pinned:  # `pinned` is read only when dynamo is not tracing
+            return self._not_eager("traced_pre", probe._pre_body, module, args, kwargs)
+        with probe.loop.clock:  # the whole body is the monitor's own time, not only its rows
+            return probe._pre_body(self, module, args, kwargs)
+
+    def forward(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        probe = self.probe
+        if not (probe._actv or probe._actv_grad) or (self.extra and not probe._wide):
+            return None
+        if is_compiling() or probe.hooks.pinned:
+            return self._not_eager("traced_forward", probe._forward_body, module, args, kwargs, output)
+        with probe.loop.clock:
+            return probe._forward_body(self, module, args, kwargs, output)
+
+    def _not_eager(self, traced_slot: str, body: Any, *args: Any) -> Any:
+        """Traced by dynamo: the traced hook, or the body outside the graph where it cannot tap this call.
+        Pinned and run eagerly (compiled code may call it: a resumed frame after a graph break): the body,
+        out of dynamo's reach."""
+        probe = self.probe
+        if is_compiling():
+            probe.hooks.pin_at_trace()  # compiled code may call the hooks from now on; makes `traced_*`
+            traced = getattr(self, traced_slot)
+            if traced is not None:
+                result = traced(*args)
+                if result is not UNTAPPED:
+                    return result
+        return _outside_graph()(probe.loop.clock, body, self, *args)
 
 
 def in_backward() -> bool:
@@ -89,7 +145,6 @@ class ActivationProbe(Probe):
         # when the module hooks exist (see `module_hooks`)
         self.hooks = ModuleHooks(self._register, on_pin=self._make_traced_hooks)
         self._calls: dict[int, int] = {}  # module id -> forward calls this step (the micro_step)
-        self._shards: dict[int, tuple[tuple[str, ...], tuple[str, ...]]] = {}  # module id -> piece labels
         self._actv = self._actv_grad = self._wide = False
         self._recomputes = Recomputes(loop)  # reentrant checkpointing's first passes and recomputes
         # module id -> {id(view): (tensor, ...)} for the input views its pre-hook made (`_hook_view`), until
@@ -99,8 +154,7 @@ class ActivationProbe(Probe):
         self._grad_rows = GradRowsCache(loop)
         self._two_paths: list[Any] = []  # this step's written.TwoPaths, released at the next step's begin
         self._taps: Any = None  # graph_taps.TapSites once the hooks are pinned where the tap operators exist
-        # module id -> (vpp_stage, name, its hooks' TracedHook for the pre-hook and the forward hook)
-        self._traced: dict[int, tuple[int, str, TracedHook, TracedHook]] = {}
+        self._hooked: dict[int, HookedModule] = {}  # module id -> its hooks' state, once hooked
 
     def configure(self, config: MonitorConfig) -> None:
         modules: list[tuple[int, str, torch.nn.Module]] = []
@@ -112,7 +166,7 @@ class ActivationProbe(Probe):
             return  # a reload that selects the same modules keeps the hooks as they are (no churn)
         self._every = None
         self.modules = modules
-        self._traced.clear()
+        self._hooked.clear()
         self.hooks.reset(modules, self.loop.adapter.roots())
 
     def begin(self, plan: StepPlan) -> None:
@@ -131,72 +185,34 @@ class ActivationProbe(Probe):
             self.hooks.add(self._every, extra=True)
 
     def _register(self, vpp_stage: int, name: str, module: torch.nn.Module, extra: bool) -> list[Any]:
-        self._shards[id(module)] = self.loop.adapter.activation_shards(module)
-        traced_pre, traced_fwd = TracedHook(), TracedHook()
-        self._traced[id(module)] = (vpp_stage, name, traced_pre, traced_fwd)
+        hooked = self._hooked.get(id(module))
+        if hooked is None or hooked.extra != extra:
+            shards = self.loop.adapter.activation_shards(module)
+            hooked = self._hooked[id(module)] = HookedModule(self, vpp_stage, name, extra, shards)
         if self.hooks.pinned:
-            self._fill_traced(id(module))
-        input_names = Names(f"{name}.input")  # one for both hooks
+            self._fill_traced(hooked, id(module))
         return [
-            module.register_forward_pre_hook(
-                self._gate(self._pre_hook(vpp_stage, name, input_names), extra, traced_pre), with_kwargs=True
-            ),
-            module.register_forward_hook(
-                self._gate(self._fwd_hook(vpp_stage, name, input_names), extra, traced_fwd), with_kwargs=True
-            ),
+            module.register_forward_pre_hook(hooked.pre, with_kwargs=True),
+            module.register_forward_hook(hooked.forward, with_kwargs=True),
         ]
 
     def _make_traced_hooks(self) -> None:
         """When the hooks become pinned (compiled code may call them from now on): the traced hooks of the
         modules hooked so far. Before any trace reaches them: see `ModuleHooks`."""
-        for key in self._traced:
-            self._fill_traced(key)
+        _outside_graph()  # made now, so that no trace has to make it
+        for key, hooked in self._hooked.items():
+            self._fill_traced(hooked, key)
 
-    def _fill_traced(self, key: int) -> None:
+    def _fill_traced(self, hooked: HookedModule, key: int) -> None:
         if self._taps is None:
             from . import graph_taps
 
             self._taps = graph_taps.TapSites(self) if graph_taps.available() else False
-        vpp_stage, name, pre, fwd = self._traced[key]
-        if self._taps and pre.hook is None:
+        if self._taps and hooked.traced_pre is None:
             from .graph_taps import traced_forward_hook, traced_pre_hook
 
-            pre.hook = traced_pre_hook(self, vpp_stage, name, key)
-            fwd.hook = traced_forward_hook(self, vpp_stage, name, key)
-
-    def _gate(self, body: Any, extra: bool, traced: TracedHook) -> Any:
-        """The installed hook: a flag test, false on steps that are not collected while the hooks stay
-        installed (pinned under torch.compile, see `module_hooks`). Under torch.compile the test is traced
-        (dynamo guards on the flags: one recompile when collection first switches on, both graphs cached
-        after); on collected steps dynamo traces `traced` (operators in the graph that run the monitor's
-        code, see `graph_taps`; `traced.hook`, set once the hooks are pinned), or without it the body runs
-        outside the graph (a graph break). Until the hooks are pinned no compiled code can call them, so the
-        body is called directly: dynamo's disable wrapper switches its frame callback twice per call (~1.5
-        ms per step on a 145-module model)."""
-        import torch.compiler  # not at module level: the core imports no framework machinery eagerly
-
-        clock = self.loop.clock
-        outside_graph = _outside_graph()
-        probe, hooks, compiling = self, self.hooks, torch.compiler.is_compiling
-        pin = hooks.pin_at_trace
-        untapped = _untapped()
-
-        def hook(*args: Any) -> Any:
-            if not (probe._actv or probe._actv_grad) or (extra and not probe._wide):
-                return None
-            if compiling():  # dynamo traces this call
-                pin()  # compiled code may call the hooks from now on: pinned, their traced hooks made
-                if traced.hook is not None:
-                    result = traced.hook(*args)
-                    if result is not untapped:
-                        return result
-                return outside_graph(clock, body, *args)
-            if hooks.pinned:  # compiled code may call it (a resumed frame after a graph break)
-                return outside_graph(clock, body, *args)
-            with clock:  # the whole body is the monitor's own time, not only its rows
-                return body(*args)
-
-        return hook
+            hooked.traced_pre = traced_pre_hook(self, hooked.vpp_stage, hooked.name, key)
+            hooked.traced_forward = traced_forward_hook(self, hooked.vpp_stage, hooked.name, key)
 
     def close(self) -> None:
         release(self._two_paths)
@@ -205,67 +221,63 @@ class ActivationProbe(Probe):
             self._taps.close()
 
     # ---- hooks ---------------------------------------------------------------------------------
-    def _pre_hook(self, vpp_stage: int, name: str, input_names: Names):
-        loop = self.loop
-        first_input = input_names(1)[0]
-
-        def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
-            try:
-                if not self._actv_grad or not torch.is_grad_enabled():
-                    return None
-                if in_backward():  # a recompute: hook it only if the first pass could not be hooked
-                    if not self._recomputes.waiting(id(module)):
-                        return None
-                    micro = self._recomputes.enter(id(module))
-                else:
-                    micro = self._calls.get(id(module), 0)
-                if len(args) == 1 and not kwargs:  # most modules: one tensor in (the general path, shorter)
-                    tensor = args[0]
-                    if not (is_activation(tensor) and tensor.requires_grad):
-                        return None
-                    pieces = self._shards.get(id(module), ((), ()))[0]
-                    piece = pieces[0] if pieces else ""
-                    view, entry = self._hook_view(vpp_stage, tensor, (first_input,), micro, piece)
-                    self._bases[id(module)] = {id(view): entry}
-                    return (view,), kwargs
-                positional = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-                numbered = dict(zip(positional, input_names(len(positional))))
-                keys = [i for i in positional if is_activation(args[i])]
-                labels = [numbered[i] for i in keys]
-                for k, v in kwargs.items():
-                    if is_activation(v):
-                        keys.append(k)
-                        labels.append(f"{name}.input_{k}")
-                pieces = self._shards.get(id(module), ((), ()))[0]
-                new_args, new_kwargs = list(args), dict(kwargs)
-                # One view per distinct tensor: a module called as attn(h, h, h) must still see the same
-                # object three times (nn.MultiheadAttention takes its packed self-attention path only
-                # when query is key is value; distinct views cost an extra projection and ~4% memory).
-                views: dict[int, tuple[list[str], str, torch.Tensor]] = {}
-                for position, (key, label) in enumerate(zip(keys, labels)):
-                    holder = new_args if isinstance(key, int) else new_kwargs
-                    tensor = holder[key]
-                    if tensor.requires_grad:
-                        if id(tensor) not in views:
-                            piece = pieces[position] if position < len(pieces) else ""
-                            views[id(tensor)] = ([], piece, tensor)
-                        views[id(tensor)][0].append(label)
-                made: dict[int, tuple] = {}  # id(tensor) -> its view, hooked for all its labels, and entry
-                for tid, (view_labels, piece, tensor) in views.items():
-                    made[tid] = self._hook_view(vpp_stage, tensor, tuple(view_labels), micro, piece)
-                for key in keys:
-                    holder = new_args if isinstance(key, int) else new_kwargs
-                    view = made.get(id(holder[key]))
-                    if view is not None:
-                        holder[key] = view[0]
-                if made:
-                    self._bases[id(module)] = {id(view): entry for view, entry in made.values()}
-                return tuple(new_args), new_kwargs
-            except Exception as exc:  # noqa: BLE001
-                loop.faults.record("forward pre-hook", exc)
+    def _pre_body(self, hooked: HookedModule, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        """The forward pre-hook (`HookedModule.pre`): views of the inputs whose gradients are wanted."""
+        try:
+            if not self._actv_grad or not torch.is_grad_enabled():
                 return None
-
-        return pre_hook
+            if in_backward():  # a recompute: hook it only if the first pass could not be hooked
+                if not self._recomputes.waiting(id(module)):
+                    return None
+                micro = self._recomputes.enter(id(module))
+            else:
+                micro = self._calls.get(id(module), 0)
+            if len(args) == 1 and not kwargs:  # most modules: one tensor in (the general path, shorter)
+                tensor = args[0]
+                if not (is_activation(tensor) and tensor.requires_grad):
+                    return None
+                pieces = hooked.shards[0]
+                piece = pieces[0] if pieces else ""
+                labels = (hooked.input_names.base,)
+                view, entry = self._hook_view(hooked.vpp_stage, tensor, labels, micro, piece)
+                self._bases[id(module)] = {id(view): entry}
+                return (view,), kwargs
+            positional = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+            numbered = dict(zip(positional, hooked.input_names(len(positional))))
+            keys = [i for i in positional if is_activation(args[i])]
+            labels = [numbered[i] for i in keys]
+            for k, v in kwargs.items():
+                if is_activation(v):
+                    keys.append(k)
+                    labels.append(f"{hooked.name}.input_{k}")
+            pieces = hooked.shards[0]
+            new_args, new_kwargs = list(args), dict(kwargs)
+            # One view per distinct tensor: a module called as attn(h, h, h) must still see the same
+            # object three times (nn.MultiheadAttention takes its packed self-attention path only
+            # when query is key is value; distinct views cost an extra projection and ~4% memory).
+            views: dict[int, tuple[list[str], str, torch.Tensor]] = {}
+            for position, (key, label) in enumerate(zip(keys, labels)):
+                holder = new_args if isinstance(key, int) else new_kwargs
+                tensor = holder[key]
+                if tensor.requires_grad:
+                    if id(tensor) not in views:
+                        piece = pieces[position] if position < len(pieces) else ""
+                        views[id(tensor)] = ([], piece, tensor)
+                    views[id(tensor)][0].append(label)
+            made: dict[int, tuple] = {}  # id(tensor) -> its view, hooked for all its labels, and entry
+            for tid, (view_labels, piece, tensor) in views.items():
+                made[tid] = self._hook_view(hooked.vpp_stage, tensor, tuple(view_labels), micro, piece)
+            for key in keys:
+                holder = new_args if isinstance(key, int) else new_kwargs
+                view = made.get(id(holder[key]))
+                if view is not None:
+                    holder[key] = view[0]
+            if made:
+                self._bases[id(module)] = {id(view): entry for view, entry in made.values()}
+            return tuple(new_args), new_kwargs
+        except Exception as exc:  # noqa: BLE001
+            self.loop.faults.record("forward pre-hook", exc)
+            return None
 
     def _hook_view(
         self, vpp_stage: int, tensor: torch.Tensor, labels: tuple[str, ...], micro: int, piece: str
@@ -282,77 +294,74 @@ class ActivationProbe(Probe):
         )
         return view, (tensor, tensor._version, view, node, rows, node.register_prehook(rows))
 
-    def _fwd_hook(self, vpp_stage: int, name: str, input_names: Names):
+    def _forward_body(
+        self, hooked: HookedModule, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any
+    ) -> Any:
+        """The forward hook (`HookedModule.forward`): actv rows, and hooks on the outputs' gradients."""
         loop = self.loop
-        output_names = Names(f"{name}.output")
-
-        def fwd_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-            try:
-                key = id(module)
-                bases = self._bases.pop(key, None) if self._bases else None
-                recompute = in_backward()
-                if recompute:  # recomputed forward inside backward: its actv row is already written
-                    if not torch.is_grad_enabled() or not self._recomputes.waiting(key):
-                        return None
-                    micro = self._recomputes.leave(key)
+        vpp_stage = hooked.vpp_stage
+        try:
+            key = id(module)
+            bases = self._bases.pop(key, None) if self._bases else None
+            recompute = in_backward()
+            if recompute:  # recomputed forward inside backward: its actv row is already written
+                if not torch.is_grad_enabled() or not self._recomputes.waiting(key):
+                    return None
+                micro = self._recomputes.leave(key)
+            else:
+                micro = self._calls.get(key, 0)
+                self._calls[key] = micro + 1
+                if self._actv_grad and not torch.is_grad_enabled():
+                    self._recomputes.first_pass(key, micro)
+            outputs = output_slots(output)
+            out_labels = hooked.output_names(len(outputs))
+            in_pieces, out_pieces = hooked.shards
+            out_pieces = padded(out_pieces, len(outputs))
+            if self._actv and not recompute:
+                if len(args) == 1 and not kwargs:  # most modules: one argument (input_slots, shorter)
+                    inputs = [args[0]] if isinstance(args[0], torch.Tensor) else []
                 else:
-                    micro = self._calls.get(key, 0)
-                    self._calls[key] = micro + 1
-                    if self._actv_grad and not torch.is_grad_enabled():
-                        self._recomputes.first_pass(key, micro)
-                outputs = output_slots(output)
-                out_labels = output_names(len(outputs))
-                in_pieces, out_pieces = self._shards.get(key, ((), ()))
-                out_pieces = padded(out_pieces, len(outputs))
-                if self._actv and not recompute:
-                    if len(args) == 1 and not kwargs:  # most modules: one argument (input_slots, shorter)
-                        inputs = [args[0]] if isinstance(args[0], torch.Tensor) else []
-                    else:
-                        inputs = input_slots(args, kwargs)
-                    if bases:  # the pre-hook's views: their tensors, the same values (see `_bases`)
-                        inputs = [entry[0] if (entry := bases.get(id(t))) else t for t in inputs]
-                    in_labels = input_names(len(inputs))
-                    tensors, labels, pieces = [], [], []
-                    for label, t, piece in zip(
-                        in_labels + out_labels, inputs + outputs, padded(in_pieces, len(inputs)) + out_pieces
-                    ):
-                        if is_activation(t):
-                            tensors.append(t)
-                            labels.append(label)
-                            pieces.append(piece)
-                    if tensors:
-                        loop.record_local("actv", vpp_stage, labels, micro, tensors, pieces)
-                    if not isinstance(output, torch.Tensor):  # None in an output tuple: msprobe's NaN row
-                        missing = [
-                            lb for lb, t in zip(out_labels, outputs) if not isinstance(t, torch.Tensor)
-                        ]
-                        if missing:
-                            loop.record_missing("actv", vpp_stage, missing, micro)
-                if self._actv_grad and torch.is_grad_enabled():
-                    leaves: dict[int, torch.Tensor] = {}
-                    aliased = False  # an output is a view: a later write into its base bypasses its node
-                    for label, t, piece in zip(out_labels, outputs, out_pieces):
-                        if is_activation(t) and t.requires_grad:
-                            if t.is_leaf:  # a parameter as an output: hook this call's view of it
-                                view = leaves[id(t)] = t.view_as(t)
-                                t = view
-                            node = t.grad_fn
-                            index = t.output_nr
-                            rows = (
-                                self._grad_rows.get(vpp_stage, (label,), micro, piece, index)
-                                if type(micro) is int
-                                else self._recomputes.rows(micro, vpp_stage, (label,), piece, index)
-                            )
-                            handle = node.register_prehook(rows)
-                            if t._base is not None:
-                                mark_view(node, rows, t, handle)
-                                aliased = True
-                    if bases:
-                        settle_input_views(loop, bases, aliased, self._two_paths)
-                    if leaves:
-                        return replace_tensors(output, leaves)
-            except Exception as exc:  # noqa: BLE001
-                loop.faults.record("forward hook", exc)
-            return None
-
-        return fwd_hook
+                    inputs = input_slots(args, kwargs)
+                if bases:  # the pre-hook's views: their tensors, the same values (see `_bases`)
+                    inputs = [entry[0] if (entry := bases.get(id(t))) else t for t in inputs]
+                in_labels = hooked.input_names(len(inputs))
+                tensors, labels, pieces = [], [], []
+                for label, t, piece in zip(
+                    in_labels + out_labels, inputs + outputs, padded(in_pieces, len(inputs)) + out_pieces
+                ):
+                    if is_activation(t):
+                        tensors.append(t)
+                        labels.append(label)
+                        pieces.append(piece)
+                if tensors:
+                    loop.record_local("actv", vpp_stage, labels, micro, tensors, pieces)
+                if not isinstance(output, torch.Tensor):  # None in an output tuple: msprobe's NaN row
+                    missing = [lb for lb, t in zip(out_labels, outputs) if not isinstance(t, torch.Tensor)]
+                    if missing:
+                        loop.record_missing("actv", vpp_stage, missing, micro)
+            if self._actv_grad and torch.is_grad_enabled():
+                leaves: dict[int, torch.Tensor] = {}
+                aliased = False  # an output is a view: a later write into its base bypasses its node
+                for label, t, piece in zip(out_labels, outputs, out_pieces):
+                    if is_activation(t) and t.requires_grad:
+                        if t.is_leaf:  # a parameter as an output: hook this call's view of it
+                            view = leaves[id(t)] = t.view_as(t)
+                            t = view
+                        node = t.grad_fn
+                        index = t.output_nr
+                        rows = (
+                            self._grad_rows.get(vpp_stage, (label,), micro, piece, index)
+                            if type(micro) is int
+                            else self._recomputes.rows(micro, vpp_stage, (label,), piece, index)
+                        )
+                        handle = node.register_prehook(rows)
+                        if t._base is not None:
+                            mark_view(node, rows, t, handle)
+                            aliased = True
+                if bases:
+                    settle_input_views(loop, bases, aliased, self._two_paths)
+                if leaves:
+                    return replace_tensors(output, leaves)
+        except Exception as exc:  # noqa: BLE001
+            loop.faults.record("forward hook", exc)
+        return None

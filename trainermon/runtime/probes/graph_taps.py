@@ -45,7 +45,7 @@ import torch
 
 # imported by activations.py on first use, after it has loaded: no import cycle at load time
 from ...stats.kinds import is_dtensor
-from .slots import input_slots, io_names, is_activation, output_slots, padded
+from .slots import UNTAPPED, input_slots, io_names, is_activation, output_slots, padded
 from .tap_ops import _SITES, Tap, available, dtensors_allowed
 
 __all__ = ["TapSite", "TapSites", "available", "traced_forward_hook", "traced_pre_hook"]
@@ -169,10 +169,6 @@ class TapSites:
 # Slot kinds, worked out by the traced code (tensor properties dynamo knows while tracing) and passed as
 # constants to the site maker, which turns them into names and positions (plain Python, run once).
 NOT_TENSOR, OTHER_TENSOR, ACTIVATION, GRADED = 0, 1, 2, 3
-#: What a traced hook returns when it cannot tap this call: the gate then runs the eager body outside
-#: the graph (a graph break, as before). Tensor subclasses other than DTensor (whose local pieces the
-#: operators' rule reads, see `tap_ops`): the operators could not read them.
-UNTAPPED = object()
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -221,7 +217,7 @@ def traced_pre_hook(probe: Any, vpp_stage: int, name: str, module_key: int) -> A
             tensor_positions = [i for i in range(positional) if kinds[i] != NOT_TENSOR]
             numbered = dict(zip(tensor_positions, io_names(f"{name}.input", len(tensor_positions))))
             activations = [i for i, kind in enumerate(kinds) if kind >= ACTIVATION]
-            pieces = probe._shards.get(module_key, ((), ()))[0]
+            pieces = probe._hooked[module_key].shards[0]
             grads: dict[int, tuple[list[str], str]] = {}
             for position, i in enumerate(activations):
                 if kinds[i] != GRADED:
@@ -290,7 +286,7 @@ def traced_forward_hook(probe: Any, vpp_stage: int, name: str, module_key: int) 
         def make() -> TapSite:
             in_labels = io_names(f"{name}.input", len(in_kinds))
             out_labels = io_names(f"{name}.output", len(out_kinds))
-            in_pieces, out_pieces = probe._shards.get(module_key, ((), ()))
+            in_pieces, out_pieces = probe._hooked[module_key].shards
             in_pieces, out_pieces = padded(in_pieces, len(in_kinds)), padded(out_pieces, len(out_kinds))
             rows: list[tuple[int, str, str]] = []
             if actv:

@@ -7,6 +7,11 @@ from typing import Any
 
 import torch
 
+#: What a traced hook (`graph_taps`) returns when it cannot tap this call: the installed hook then runs
+#: the eager body outside the graph (a graph break). Tensor subclasses other than DTensor (whose local
+#: pieces the operators' rule reads, see `tap_ops`): the operators could not read them.
+UNTAPPED = object()
+
 
 def is_activation(t: Any) -> bool:
     """Activations are floating point, complex or quantized tensors (the engine reads or refuses them,
