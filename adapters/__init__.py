@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +21,14 @@ ADAPTERS = (
     "trainermon.adapters.deepspeed:DeepSpeedAdapter",
     "trainermon.adapters.torch_ddp:TorchAdapter",
 )
+#: The module a framework's objects cannot exist without: an adapter is not even imported (~0.1 MB each)
+#: while its framework is not.
+FRAMEWORK_OF = {
+    "trainermon.adapters.fsdp.fsdp2:Fsdp2Adapter": "torch.distributed.fsdp",
+    "trainermon.adapters.fsdp.fsdp1:Fsdp1Adapter": "torch.distributed.fsdp",
+    "trainermon.adapters.megatron:MegatronAdapter": "megatron.core",
+    "trainermon.adapters.deepspeed:DeepSpeedAdapter": "deepspeed",
+}
 
 
 def _load(spec: str) -> type[Adapter]:
@@ -27,9 +36,14 @@ def _load(spec: str) -> type[Adapter]:
     return getattr(importlib.import_module(module), cls)
 
 
+def _candidates() -> list[str]:
+    """The adapters that could handle objects in this process: those whose framework is imported."""
+    return [spec for spec in ADAPTERS if FRAMEWORK_OF.get(spec, "torch") in sys.modules]
+
+
 def owned_by_an_adapter(optimizer: Any) -> bool:
     """A framework optimizer that an adapter reads itself (not to be unwrapped further)."""
-    return any(_load(spec).owns_optimizer(optimizer) for spec in ADAPTERS)
+    return any(_load(spec).owns_optimizer(optimizer) for spec in _candidates())
 
 
 def select_adapter(
@@ -40,7 +54,7 @@ def select_adapter(
     context = context or AdapterContext()
     chain = unwrap_optimizer(optimizer, owned_by_an_adapter)
     optimizer = chain[-1]
-    for spec in ADAPTERS:
+    for spec in _candidates():
         cls = _load(spec)
         if cls.detect(chunks, optimizer):
             adapter = cls(chunks, optimizer, context)
