@@ -65,18 +65,29 @@ def replace_tensors(obj: Any, by_id: dict[int, torch.Tensor]) -> Any:
 
 
 class Names:
-    """`io_names(base, count)` kept per count: a hook names its slots on every call."""
+    """`io_names(base, count)` kept per count: a hook names its slots on every call. A module's calls
+    almost always have one count: it is kept in two slots, others (rare) in a dict made when first seen
+    (a dict per instance cost ~0.16 KB, 0.13 MB for the 836 of a 418-module model)."""
 
-    __slots__ = ("base", "by_count")
+    __slots__ = ("base", "count", "names", "others")
 
     def __init__(self, base: str) -> None:
         self.base = base
-        self.by_count: dict[int, list[str]] = {}
+        self.count = -1
+        self.names: list[str] = []
+        self.others: dict[int, list[str]] | None = None
 
     def __call__(self, count: int) -> list[str]:
-        names = self.by_count.get(count)
+        if count == self.count:
+            return self.names
+        if self.count < 0:
+            self.count, self.names = count, io_names(self.base, count)
+            return self.names
+        if self.others is None:
+            self.others = {}
+        names = self.others.get(count)
         if names is None:
-            names = self.by_count[count] = io_names(self.base, count)
+            names = self.others[count] = io_names(self.base, count)
         return names
 
 
