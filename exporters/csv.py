@@ -16,10 +16,9 @@ to the last complete row. Rank 0 also writes the cross-rank summaries to `xrank_
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import os
+import re
 from operator import attrgetter, itemgetter
 
 import numpy as np
@@ -82,11 +81,16 @@ def _float64(values: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(values, dtype=np.float64)
 
 
+_NEEDS_QUOTES = re.compile(r'[,"\r\n]')
+
+
 def _csv_field(text: str) -> str:
-    """One field as the csv module writes it (quoted when it holds a comma, a quote or a newline)."""
-    buf = io.StringIO()
-    csv.writer(buf, lineterminator="").writerow([text])
-    return buf.getvalue()
+    """One field as the csv module writes it (quoted when it holds a comma, a quote or a line break, or is
+    empty). Most fields need no quotes: the text itself, no copy (a copy per row's name cost ~0.35 MB of
+    texts on a 4.3k-row step)."""
+    if text and _NEEDS_QUOTES.search(text) is None:
+        return text
+    return '"' + text.replace('"', '""') + '"'
 
 
 class _RowFile:
@@ -125,6 +129,9 @@ class CsvExporter(Exporter):
         self._alive: list = []  # the rows of `_by_row`
         self._keep = KEEP_ROWS  # `_by_row` is emptied beyond this many entries (see `write`)
         self._shapes: dict[tuple[int, ...], str] = {}
+        # vpp_stage -> name -> "vpp_stage,name": one text for all the families of a tensor (wg, mv, param
+        # rows of one parameter; actv and actv_grad of one slot): 0.16 MB less on (c)'s 4.3k-row steps
+        self._names: dict[int, dict[str, str]] = {}
 
     def open(self, run: RunInfo) -> None:
         self.run_dir = run.run_dir
@@ -252,12 +259,19 @@ class CsvExporter(Exporter):
             self._by_row.clear()
             self._alive.clear()
             self._shapes.clear()
+            self._names.clear()
         shape = self._shapes.get(row.shape)
         if shape is None:
             shape = self._shapes[row.shape] = _csv_field(str(list(row.shape)))
         micro = row.micro_step or 0
+        names = self._names.get(row.vpp_stage)
+        if names is None:
+            names = self._names[row.vpp_stage] = {}
+        name = names.get(row.name)
+        if name is None:
+            name = names[row.name] = f"{row.vpp_stage},{_csv_field(row.name)}"
         texts = (
-            f"{row.vpp_stage},{_csv_field(row.name)}",
+            name,
             _MICRO_TEXT[micro] if micro < len(_MICRO_TEXT) else str(micro),
             shape,
             _DTYPE_TEXT.get(row.dtype) or _DTYPE_TEXT.setdefault(row.dtype, str(row.dtype)),

@@ -66,6 +66,16 @@ def test_names():
     assert unique_names(["a", "a"], ["a", "a"]) == ["a", "a#1"]
 
 
+def test_slot_names_per_count_as_msprobe_numbers_them():
+    from trainermon.runtime.probes.slots import Names
+
+    names = Names("m.input")
+    want = {1: ["m.input"], 2: ["m.input_0", "m.input_1"], 3: ["m.input_0", "m.input_1", "m.input_2"]}
+    for count in (2, 2, 1, 3, 2, 1, 0):  # the first count is kept in slots, the others in a dict
+        assert names(count) == want.get(count, [])
+    assert names(2) is names(2) and names(1) is names(1)  # kept, not rebuilt per call
+
+
 def test_wrapper_prefixes_removed_for_compiled_models(tmp_path, out_dir):
     cfg = write_config(tmp_path / "cfg.json", wg_distribution=True)
     inner = nn.Sequential(nn.Linear(2, 2))
@@ -135,6 +145,25 @@ def test_recomputed_forward_is_not_counted_twice(tmp_path, out_dir):
     assert {"inner.0.output", "head.output", "inner.0.input"} <= grads
 
 
+def test_csv_fields_quoted_as_the_csv_module_quotes_them():
+    """A field is the csv module's text for it (default dialect), so that any CSV reader reads it back;
+    text that needs no quotes is returned itself, not copied."""
+    import csv
+    import io
+
+    from trainermon.exporters.csv import _csv_field
+
+    texts = ["layers.0.mlp", "", "a,b", 'say "hi"', "two\nlines", "cr\rhere", " padded ", "ünï,cödé", '"']
+    for text in texts:
+        buf = io.StringIO()
+        csv.writer(buf, lineterminator="\r\n").writerow([text])
+        assert _csv_field(text) == buf.getvalue()[:-2], text
+        line = f"0,{_csv_field(text)},1"
+        assert next(csv.reader(io.StringIO(line))) == ["0", text, "1"]
+    name = "layers.0.mlp"
+    assert _csv_field(name) is name
+
+
 def test_csv_reuses_text_only_for_identical_lines(tmp_path):
     """grad_reduced equal to grad_unreduced (one replica) is formatted once and written to both files;
     one differing value, name or count makes the families format separately."""
@@ -187,7 +216,9 @@ def test_csv_reuses_text_only_for_identical_lines(tmp_path):
 def test_csv_row_texts_follow_new_rows_and_stay_bounded(tmp_path, monkeypatch):
     """The exporter keeps each row object's fixed fields as text. Rows whose shape changes every step
     (an MoE expert's token count) are new objects each step: their lines must carry their own shape and
-    micro-step, and the kept texts must not grow beyond two steps' rows (or the floor KEEP_ROWS)."""
+    micro-step, and the kept texts must not grow beyond two steps' rows (or the floor KEEP_ROWS). Name texts
+    are shared by the rows of one (vpp_stage, name) and bounded with them; a new name each step (and a
+    comma in it) comes out as written."""
     import numpy as np
 
     import trainermon.exporters.csv as csv_exporter
@@ -198,27 +229,31 @@ def test_csv_row_texts_follow_new_rows_and_stay_bounded(tmp_path, monkeypatch):
     monkeypatch.setattr(csv_exporter, "KEEP_ROWS", 4)
     exporter = csv_exporter.CsvExporter()
     exporter.open(RunInfo(str(tmp_path), str(tmp_path), 0, 1, "r", parse_config({"ops": ["norm", "shape"]})))
-    sizes = []
+    sizes, names = [], []
     for step in range(12):
         rows = [
             RowMeta("actv", 0, f"e{i}", i % 2, (step + i, 4), torch.float32, 4 * (step + i)) for i in range(3)
         ]
-        exporter.write(StatBatch(step=step, rows=rows, values={"norm": np.arange(3.0) + step}))
+        rows.append(RowMeta("actv", step % 2, f"new,{step}", 0, (1,), torch.float32, 1))
+        exporter.write(StatBatch(step=step, rows=rows, values={"norm": np.arange(4.0) + step}))
         sizes.append(len(exporter._by_row))
+        names.append(sum(len(by_name) for by_name in exporter._names.values()))
     exporter.close()
     got = sorted(
         (
-            (r["step"], r["name"], r["micro_step"], r["shape"], r["norm"])
+            (r["step"], r["vpp_stage"], r["name"], r["micro_step"], r["shape"], r["norm"])
             for r in read_family(str(tmp_path), "actv")
         ),
-        key=lambda line: (int(line[0]), line[1]),
+        key=lambda line: (int(line[0]), line[2]),
     )
-    assert got == [
-        (str(s), f"e{i}", str(i % 2), str([s + i, 4]), str(float(s + i)).rstrip("0").rstrip("."))
+    want = [
+        [(str(s), "0", f"e{i}", str(i % 2), str([s + i, 4]), f"{s + i:g}") for i in range(3)]
+        + [(str(s), str(s % 2), f"new,{s}", "0", "[1]", f"{s + 3:g}")]
         for s in range(12)
-        for i in range(3)
     ]
-    assert max(sizes) <= max(4, 2 * 3) + 3, sizes  # emptied once past the bound, then refilled by a step
+    assert got == [line for step in want for line in step]
+    assert max(sizes) <= max(4, 2 * 4) + 4, sizes  # emptied once past the bound, then refilled by a step
+    assert max(names) <= max(sizes), names
 
 
 def test_row_cache_keeps_the_rows_steps_use_and_drops_the_rest():
