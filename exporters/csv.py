@@ -37,8 +37,6 @@ XRANK_HEADER = ["vpp_stage", "name", "step", "micro_step", "family", "stat", *XR
 EXTRA_COLUMNS = {family: tuple(name for name, _ in cols) for family, cols in FAMILY_COLUMNS.items()}
 _KIND = {name: kind for cols in FAMILY_COLUMNS.values() for name, kind in cols}
 _FAMILY = attrgetter("family")
-#: Rows whose fixed fields' text `CsvExporter` keeps at least (more when a step writes more than half).
-KEEP_ROWS = 8192
 _HEAD, _MICRO, _SHAPE, _DTYPE, _SHARD = (itemgetter(i) for i in range(5))  # fields of `CsvExporter._texts`
 # One string per micro-step and dtype for every row's kept texts (a new string per row: ~0.5 MB on (c))
 _MICRO_TEXT = tuple(str(i) for i in range(256))
@@ -125,9 +123,10 @@ class _RowFile:
 class CsvExporter(Exporter):
     def __init__(self) -> None:
         self._files: dict[str, tuple[int, _RowFile]] = {}
-        self._by_row: dict[int, tuple[str, ...]] = {}  # id(row) -> its fixed fields' text: see `_texts`
-        self._alive: list = []  # the rows of `_by_row`
-        self._keep = KEEP_ROWS  # `_by_row` is emptied beyond this many entries (see `write`)
+        # id(row) -> its fixed fields' text (see `_texts`), for the rows of the last step written, which
+        # `_alive` holds (so no other object can have their ids)
+        self._by_row: dict[int, tuple[str, ...]] = {}
+        self._alive: tuple = ()
         self._shapes: dict[tuple[int, ...], str] = {}
         # vpp_stage -> name -> "vpp_stage,name": one text for all the families of a tensor (wg, mv, param
         # rows of one parameter; actv and actv_grad of one slot): 0.16 MB less on (c)'s 4.3k-row steps
@@ -152,7 +151,16 @@ class CsvExporter(Exporter):
         # Column-wise formatting (one C-level format per value, cached per-row text for name, shape and
         # dtype): this runs on the worker thread, and every microsecond it holds the GIL is a
         # microsecond the training thread may wait.
-        self._keep = max(KEEP_ROWS, 2 * len(batch.rows))  # two steps' rows: a step's own always fit
+        all_rows = batch.rows
+        if len(self._shapes) > len(all_rows) or sum(map(len, self._names.values())) > len(all_rows):
+            self._shapes.clear()  # shapes and names that steps no longer use (MoE token counts change)
+            self._names.clear()
+        known = self._by_row.get
+        all_texts = [known(id(r)) or self._texts(r) for r in all_rows]
+        # Only this step's rows keep their texts: where shapes change every step (MoE experts' token
+        # counts) each step brings new row objects, whose texts would otherwise pile up.
+        self._by_row = dict(zip(map(id, all_rows), all_texts))
+        self._alive = tuple(all_rows)  # rows may come as a list: a copy its owner cannot change
         by_family: dict[str, list[int]] = {}
         for i, family in enumerate(map(_FAMILY, batch.rows)):
             by_family.setdefault(family, []).append(i)
@@ -169,7 +177,8 @@ class CsvExporter(Exporter):
             if not extra:
                 text = next((t for other, t in written if self._same_lines(batch, other, indices)), None)
             if text is None:
-                text = self._format(batch, rows, indices, step, with_micro, extra)
+                texts = [all_texts[i] for i in indices]
+                text = self._format(batch, rows, texts, indices, step, with_micro, extra)
                 if not extra:
                     written.append((indices, text))
             handle.write(text)
@@ -209,10 +218,15 @@ class CsvExporter(Exporter):
         return all(rows[i][1:] == rows[j][1:] for i, j in zip(a, b))  # every field but the family
 
     def _format(
-        self, batch: StatBatch, rows: list, indices: list[int], step: str, with_micro: bool, extra: tuple = ()
+        self,
+        batch: StatBatch,
+        rows: list,
+        texts: list[tuple[str, ...]],
+        indices: list[int],
+        step: str,
+        with_micro: bool,
+        extra: tuple = (),
     ) -> bytes:
-        known = self._by_row.get
-        texts = [known(id(r)) or self._texts(r) for r in rows]
         columns: list[Column] = [list(map(_HEAD, texts)), step]
         if with_micro:
             columns.append(list(map(_MICRO, texts)))
@@ -250,16 +264,8 @@ class CsvExporter(Exporter):
 
     def _texts(self, row) -> tuple[str, str, str, str, str]:
         """The row's fixed fields as CSV text: (`vpp_stage,name`, micro_step, shape, dtype, shard), kept
-        by the row object's id: the collector hands over the same RowMeta objects every step
-        (`RowMetaCache`), so a step's lines cost one lookup per row for these fields. `_alive` holds
-        every row with an entry, so no other object can have its id while the entry exists."""
-        if len(self._by_row) > self._keep:
-            # Bounded by the rows a step writes: where shapes change every step (MoE experts' token
-            # counts) each step brings new row objects, and the texts would otherwise pile up.
-            self._by_row.clear()
-            self._alive.clear()
-            self._shapes.clear()
-            self._names.clear()
+        (`write`) by the row object's id: the collector hands over the same RowMeta objects every step
+        (`RowMetaCache`), so a step's lines cost one lookup per row for these fields."""
         shape = self._shapes.get(row.shape)
         if shape is None:
             shape = self._shapes[row.shape] = _csv_field(str(list(row.shape)))
@@ -277,8 +283,6 @@ class CsvExporter(Exporter):
             _DTYPE_TEXT.get(row.dtype) or _DTYPE_TEXT.setdefault(row.dtype, str(row.dtype)),
             _csv_field(row.shard) if row.shard else "",
         )
-        self._by_row[id(row)] = texts
-        self._alive.append(row)
         return texts
 
     def _file_for(self, family: str, step: int, with_micro: bool, header: list | None = None) -> _RowFile:

@@ -216,9 +216,9 @@ def test_csv_reuses_text_only_for_identical_lines(tmp_path):
 def test_csv_row_texts_follow_new_rows_and_stay_bounded(tmp_path, monkeypatch):
     """The exporter keeps each row object's fixed fields as text. Rows whose shape changes every step
     (an MoE expert's token count) are new objects each step: their lines must carry their own shape and
-    micro-step, and the kept texts must not grow beyond two steps' rows (or the floor KEEP_ROWS). Name texts
-    are shared by the rows of one (vpp_stage, name) and bounded with them; a new name each step (and a
-    comma in it) comes out as written."""
+    micro-step, and only the last step's rows keep texts. Name and shape texts are shared by rows and
+    bounded by a step's rows; a new name each step (and a comma in it) comes out as written. A row object
+    seen again keeps its texts (not rebuilt)."""
     import numpy as np
 
     import trainermon.exporters.csv as csv_exporter
@@ -226,18 +226,23 @@ def test_csv_row_texts_follow_new_rows_and_stay_bounded(tmp_path, monkeypatch):
     from trainermon.config import parse_config
     from trainermon.exporters.base import RunInfo
 
-    monkeypatch.setattr(csv_exporter, "KEEP_ROWS", 4)
     exporter = csv_exporter.CsvExporter()
     exporter.open(RunInfo(str(tmp_path), str(tmp_path), 0, 1, "r", parse_config({"ops": ["norm", "shape"]})))
-    sizes, names = [], []
+    sizes, names, shapes = [], [], []
+    stable = RowMeta("param", 0, "w", None, (2, 2), torch.float32, 4)
     for step in range(12):
         rows = [
             RowMeta("actv", 0, f"e{i}", i % 2, (step + i, 4), torch.float32, 4 * (step + i)) for i in range(3)
         ]
         rows.append(RowMeta("actv", step % 2, f"new,{step}", 0, (1,), torch.float32, 1))
-        exporter.write(StatBatch(step=step, rows=rows, values={"norm": np.arange(4.0) + step}))
+        rows.append(stable)
+        exporter.write(StatBatch(step=step, rows=rows, values={"norm": np.arange(5.0) + step}))
+        if step == 0:
+            texts = exporter._by_row[id(stable)]
+        assert exporter._by_row[id(stable)] is texts  # a row seen again: its texts kept
         sizes.append(len(exporter._by_row))
         names.append(sum(len(by_name) for by_name in exporter._names.values()))
+        shapes.append(len(exporter._shapes))
     exporter.close()
     got = sorted(
         (
@@ -252,8 +257,9 @@ def test_csv_row_texts_follow_new_rows_and_stay_bounded(tmp_path, monkeypatch):
         for s in range(12)
     ]
     assert got == [line for step in want for line in step]
-    assert max(sizes) <= max(4, 2 * 4) + 4, sizes  # emptied once past the bound, then refilled by a step
-    assert max(names) <= max(sizes), names
+    assert sizes == [5] * 12  # this step's rows only
+    assert max(names) <= 5 + 5 and max(shapes) <= 5 + 5, (names, shapes)  # cleared past a step's rows
+    assert read_family(str(tmp_path), "param")[-1]["name"] == "w"
 
 
 def test_row_cache_keeps_the_rows_steps_use_and_drops_the_rest():
