@@ -1,6 +1,6 @@
 """The monitor's own time on the training thread (the `monitor_time_ms` column and the benchmarks' figure):
 the step events and the step boundary, every batch of rows added from a gradient tap, and the whole body
-of every activation hook (`ActivationProbe._gate`, `GradRows`), not only the rows it adds. Left out:
+of every activation hook (`HookedModule.pre` and `forward`, `GradRows`), not only the rows it adds. Left out:
 PyTorch's dispatch to a hook (measured as the `hooks` arm of benchmarks/activation_floor.py)."""
 
 from __future__ import annotations
