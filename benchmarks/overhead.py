@@ -565,7 +565,10 @@ class Plan:
     steps: dict[str, int]
     warmup: int
     engine_reps: int
-    rss_steps: int
+    #: steps per peak-RSS probe, by workload (none: no probe). (a) and (b) write the same rows every step,
+    #: so two steps show their steady state; (c)'s expert rows change every step, and the monitor's row
+    #: cache and texts fill up over several (docs/PERFORMANCE.md, session 18: +2.0% after 2, +2.5% after 12).
+    rss_steps: dict[str, int]
     idle_blocks: int = 8
 
 
@@ -577,10 +580,10 @@ FULL = Plan(
     steps={"a": 1, "b": 5, "c": 5},
     warmup=1,
     engine_reps=15,
-    rss_steps=2,
+    rss_steps={"a": 2, "b": 2, "c": 12},
 )
 QUICK = Plan(
-    blocks={"a": 2, "b": 2}, steps={"a": 2, "b": 3}, warmup=1, engine_reps=5, rss_steps=0, idle_blocks=2
+    blocks={"a": 2, "b": 2}, steps={"a": 2, "b": 3}, warmup=1, engine_reps=5, rss_steps={}, idle_blocks=2
 )
 
 
@@ -630,9 +633,9 @@ def run_benchmark(
             f"idle monitor: +{idle['added_us']:.1f} us per optimizer step (hooks included; "
             f"{res['idle_added_pct']:.4f}% of the training step)"
         )
-        if rss and plan.rss_steps > 0:
+        if rss and plan.rss_steps.get(key, 0) > 0:
             arms = [("none", "-")] + [(t, c) for c in configs for t in tools]
-            peaks = measure_rss(key, arms, plan.rss_steps, quick)
+            peaks = measure_rss(key, arms, plan.rss_steps[key], quick)
             for row in res["arms"]:
                 row["peak_rss_mb"] = peaks.get(row["arm"])
                 base = peaks.get("none")

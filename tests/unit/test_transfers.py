@@ -232,7 +232,7 @@ def test_overhead_benchmark_smoke():
     sys.path.insert(0, REPO)
     from benchmarks.overhead import Plan, many_workload, run_benchmark
 
-    plan = Plan(blocks={"b": 1}, steps={"b": 1}, warmup=1, engine_reps=2, rss_steps=0)
+    plan = Plan(blocks={"b": 1}, steps={"b": 1}, warmup=1, engine_reps=2, rss_steps={})
     work = many_workload(d=16, layers=4, tokens=8)
     results = run_benchmark(
         workloads={"b": work}, configs=["idle", "wg"], plan=plan, rss=False, log=lambda _: None
