@@ -12,23 +12,17 @@ import torch
 from .base import Adapter, AdapterContext, GradTaps, MonitoredParam, StepEvents
 from .wrapped import unwrap_optimizer
 
-#: Tried in order; the first whose `detect` accepts the objects wins. Plain PyTorch/DDP is last, as the
-#: fallback. Framework adapters are imported only when tried, and each imports its framework lazily.
+#: (adapter, the module its framework's objects cannot exist without), tried in order; the first whose
+#: `detect` accepts the objects wins. Plain PyTorch/DDP is last, as the fallback. An adapter is imported
+#: only when tried, and not even then while its framework is not imported (~0.1 MB each); each imports
+#: its framework lazily.
 ADAPTERS = (
-    "trainermon.adapters.fsdp.fsdp2:Fsdp2Adapter",
-    "trainermon.adapters.fsdp.fsdp1:Fsdp1Adapter",
-    "trainermon.adapters.megatron:MegatronAdapter",
-    "trainermon.adapters.deepspeed:DeepSpeedAdapter",
-    "trainermon.adapters.torch_ddp:TorchAdapter",
+    ("trainermon.adapters.fsdp.fsdp2:Fsdp2Adapter", "torch.distributed.fsdp"),
+    ("trainermon.adapters.fsdp.fsdp1:Fsdp1Adapter", "torch.distributed.fsdp"),
+    ("trainermon.adapters.megatron:MegatronAdapter", "megatron.core"),
+    ("trainermon.adapters.deepspeed:DeepSpeedAdapter", "deepspeed"),
+    ("trainermon.adapters.torch_ddp:TorchAdapter", "torch"),
 )
-#: The module a framework's objects cannot exist without: an adapter is not even imported (~0.1 MB each)
-#: while its framework is not.
-FRAMEWORK_OF = {
-    "trainermon.adapters.fsdp.fsdp2:Fsdp2Adapter": "torch.distributed.fsdp",
-    "trainermon.adapters.fsdp.fsdp1:Fsdp1Adapter": "torch.distributed.fsdp",
-    "trainermon.adapters.megatron:MegatronAdapter": "megatron.core",
-    "trainermon.adapters.deepspeed:DeepSpeedAdapter": "deepspeed",
-}
 
 
 def _load(spec: str) -> type[Adapter]:
@@ -38,7 +32,7 @@ def _load(spec: str) -> type[Adapter]:
 
 def _candidates() -> list[str]:
     """The adapters that could handle objects in this process: those whose framework is imported."""
-    return [spec for spec in ADAPTERS if FRAMEWORK_OF.get(spec, "torch") in sys.modules]
+    return [spec for spec, framework in ADAPTERS if framework in sys.modules]
 
 
 def owned_by_an_adapter(optimizer: Any) -> bool:

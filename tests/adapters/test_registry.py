@@ -6,7 +6,7 @@ import subprocess
 import sys
 import types
 
-from trainermon.adapters import FRAMEWORK_OF, _candidates
+from trainermon.adapters import ADAPTERS, _candidates
 
 PLAIN_RUN = """
 import json, sys
@@ -31,7 +31,7 @@ def test_an_imported_framework_makes_its_adapter_a_candidate(monkeypatch):
         monkeypatch.delitem(sys.modules, framework, raising=False)
     without = _candidates()
     assert "trainermon.adapters.torch_ddp:TorchAdapter" in without
-    assert not any(FRAMEWORK_OF.get(spec) in ("megatron.core", "deepspeed") for spec in without)
+    assert not any(dict(ADAPTERS)[spec] in ("megatron.core", "deepspeed") for spec in without)
     monkeypatch.setitem(sys.modules, "megatron.core", types.ModuleType("megatron.core"))
     monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))
     assert "trainermon.adapters.megatron:MegatronAdapter" in _candidates()

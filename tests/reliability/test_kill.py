@@ -31,7 +31,7 @@ ZYGOTE = textwrap.dedent(
     from trainermon.adapters import ADAPTERS, _load
     import trainermon.exporters.csv, trainermon.exporters.parquet  # noqa: F401
 
-    for spec in ADAPTERS:
+    for spec, _ in ADAPTERS:
         _load(spec)
     torch.set_num_threads(1)
     warm = nn.Linear(2, 2)  # the first optimizer step imports more of torch: pay it once, before forking
