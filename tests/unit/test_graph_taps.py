@@ -83,6 +83,7 @@ def _run(
     micro: int = 2,
     fullgraph: bool = True,
     device: str = "cpu",
+    mode: str | None = None,
 ):
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -94,11 +95,13 @@ def _run(
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     monitor = TrainerMon(write_config(tmp_path / f"{tag}.json", xy_distribution=True, ops=list(OPS)))
     monitor.set_monitor(model, optimizer=opt)
-    run = model if backend is None else torch.compile(model, backend=backend, fullgraph=fullgraph)
+    run = model if backend is None else torch.compile(model, backend=backend, fullgraph=fullgraph, mode=mode)
     gen = torch.Generator().manual_seed(1)
     outputs = []
     for _ in range(steps):
         for _ in range(micro):
+            if mode == "reduce-overhead":  # a new step for CUDA graphs: the last outputs may be reused
+                torch.compiler.cudagraph_mark_step_begin()
             out = run(torch.randn(4, 8, generator=gen).to(device))
             outputs.append(out.detach().double().cpu())
             out.square().sum().backward()
@@ -193,6 +196,31 @@ def test_compiled_rows_equal_eager_on_cuda(tmp_path, out_dir):
     assert not breaks and faults == 0
     _same_rows(actv, want_actv)
     _same_rows(grads, want_grad)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: no CUDA device on this machine")
+def test_cuda_graphs_record_every_step(tmp_path, out_dir):
+    """mode="reduce-overhead" replays CUDA graphs from the third call on; a graph replays kernels, not the
+    taps' Python. The taps are tagged cudagraph-unsafe, so inductor runs them between the graphs' parts:
+    every step's rows are there and are the eager run's (a captured tap would record the capture's rows
+    and then nothing)."""
+    want_actv, want_grad, *_ = _run(tmp_path, "eager", None, steps=5, micro=1, device="cuda")
+    actv, grads, _, faults, breaks = _run(
+        tmp_path, "graphs", "inductor", steps=5, micro=1, device="cuda", mode="reduce-overhead"
+    )
+    assert not breaks and faults == 0
+    assert {key[1] for key in actv} == set(range(5))
+    _same_rows(actv, want_actv)
+    _same_rows(grads, want_grad)
+
+
+def test_taps_are_not_captured_into_cuda_graphs():
+    """The CPU half of the test above: the tag inductor reads to keep an operator out of CUDA graphs."""
+    from trainermon.runtime.probes import tap_ops
+
+    assert tap_ops.available()
+    for op in (torch.ops.trainermon.tap.default, torch.ops.trainermon.tap_grad.default):
+        assert torch.Tag.cudagraph_unsafe in op.tags, op
 
 
 def test_a_failing_tap_is_contained(tmp_path, out_dir, monkeypatch):

@@ -56,8 +56,13 @@ def _register_ops() -> Any:
             found.backward(grads, shards)
 
     library = torch.library.Library("trainermon", "DEF")
-    library.define("tap(Tensor[] tensors, int site, str[] shards) -> ()")
-    library.define("tap_grad(Tensor?[] grads, int site, str[] shards) -> ()")
+    # CUDA graphs (`mode="reduce-overhead"`) replay kernels, not Python: a tap captured into a graph would
+    # record its rows once, at capture, and never again. Tagged unsafe, inductor runs it between the
+    # graph's partitions instead, on every step.
+    unsafe = getattr(torch.Tag, "cudagraph_unsafe", None)
+    tags = (unsafe,) if unsafe is not None else ()
+    library.define("tap(Tensor[] tensors, int site, str[] shards) -> ()", tags=tags)
+    library.define("tap_grad(Tensor?[] grads, int site, str[] shards) -> ()", tags=tags)
     for name, kernel in (("tap", tap), ("tap_grad", tap_grad)):
         library.impl(name, kernel, "CompositeExplicitAutograd")
         torch.library.register_fake(f"trainermon::{name}", lambda *args: None, lib=library)
