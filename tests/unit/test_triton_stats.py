@@ -165,6 +165,34 @@ def test_engine_uses_kernel_on_cuda(monkeypatch):
 
 
 @pytest.mark.skipif(not (CUDA and HAVE_TRITON), reason="needs a CUDA GPU and Triton")
+def test_hook_batch_goes_straight_to_the_kernel(monkeypatch):
+    """A hook's batch (plain dense tensors of one dtype, a Parameter among them) takes the engine's short
+    path: one kernel call with every tensor, rows in input order; a kernel that fails there leaves the rows
+    to the eager path and is switched off once."""
+    calls = []
+    real = triton_stats.partials
+    monkeypatch.setattr(triton_stats, "partials", lambda ts, m, e: calls.append(len(ts)) or real(ts, m, e))
+    g = torch.Generator().manual_seed(2)
+    tensors = [
+        torch.randn(4, 1024, generator=g).bfloat16().cuda(),
+        torch.nn.Parameter(torch.randn(3000, generator=g).bfloat16().cuda()),
+        torch.randn(7, generator=g).bfloat16().cuda(),
+    ]
+    tensors[2][3] = float("nan")
+    engine = StatsEngine(EngineOptions())
+    check_rows(engine.compute(tensors), tensors, True, None, rel=CONTRACT)
+    assert calls == [3]
+
+    def broken(*_):
+        raise RuntimeError("no compiler for this GPU")
+
+    monkeypatch.setattr(triton_stats, "_broken", [])
+    monkeypatch.setattr(triton_stats, "partials", broken)
+    check_rows(engine.compute(tensors), tensors, True, None, rel=CONTRACT)
+    assert not triton_stats.enabled()
+
+
+@pytest.mark.skipif(not (CUDA and HAVE_TRITON), reason="needs a CUDA GPU and Triton")
 def test_kernel_at_scale_cuda():
     """A 2^27-element bf16 tensor and a 2^26-element float32 one, against float64 on the CPU."""
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -18,6 +18,7 @@ import torch
 
 from trainermon.failsafe import FaultLog
 from trainermon.stats import NANS, NUM_PARTIALS, SUMSQ, StatsEngine, Unreadable, empty_partials
+from trainermon.stats.engine import check_not_capturing
 from trainermon.stats.kinds import PLAIN_TYPES as _PLAIN
 from trainermon.stats.kinds import local_view
 
@@ -179,7 +180,10 @@ class StepCollector:
         next module's input, or a view of it) reuses that row. One the native kernel reads is reduced now,
         while in cache, into the step's row table (`StatsEngine.kernel_row`). Elsewhere, tensors of a
         (family, label) known to stay unchanged until the next `flush` are held by reference and reduced
-        together (see `flush`); the others cost one engine call for this call's new tensors."""
+        together (see `flush`); the others cost one engine call for this call's new tensors. Refused
+        (`CapturingCudaGraph`) while a CUDA graph is captured: a held buffer would be read after replays."""
+        if tensors:
+            check_not_capturing(tensors[0])
         seen, seen_row, by_id = self._seen, self._seen_row, self._by_id
         trusted = self._trusted
         batch = self._batch

@@ -145,7 +145,9 @@ def partials(tensors: Sequence[torch.Tensor], masked: bool, eps: float | None) -
 def _current(device: torch.device) -> contextlib.AbstractContextManager:
     """Triton launches on the current CUDA device: tensors on another GPU (one process driving several,
     as naive pipeline parallelism does) need theirs made current for the launch."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()  # already current: switching costs two device calls per launch
 
 
 @functools.cache

@@ -1,0 +1,95 @@
+"""CUDA graphs the user captures (`torch.cuda.graph`, as Megatron's CUDA-graph option does per layer): a
+graph's replays run kernels, not the monitor's hooks, and a capture runs the hooks once on buffers that
+only replays fill. The monitor records nothing while a capture is under way (a tensor held by reference
+would be read after some replay, or before any, as uninitialised memory) and says so once; the capture and
+its replays are the model's own, and the eager calls around them keep their rows.
+(`mode="reduce-overhead"` in torch.compile is `test_graph_taps.py::test_cuda_graphs_record_every_step`.)"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers import keyed, read_family, write_config
+from trainermon import TrainerMon
+
+
+def _two_steps(tmp_path, device: str, capture: Callable[[nn.Module, torch.Tensor], torch.Tensor], caplog):
+    """Two training steps of a small model with actv rows; step 1 also makes a reference call, two
+    warm-up calls and `capture`. Checks the captured output, the rows (every eager call's, not the
+    capture's) and that the refusal was counted and logged."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(write_config(tmp_path / "c.json", xy_distribution=True, ops=["norm"]))
+    monitor.set_monitor(model, optimizer=opt)
+    x = torch.randn(4, 8, device=device)
+    want = []  # the output norm of each step's weights (every call of a step sees the same weights)
+    for step in range(2):
+        with torch.no_grad():
+            want.append(float(model(x).double().norm()))
+        if step == 1:
+            with caplog.at_level("ERROR", logger="trainermon"), torch.no_grad():
+                captured = capture(model, x)
+            assert float(captured.double().norm()) == pytest.approx(want[1], rel=1e-6)
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    assert monitor.loop.faults.total > 0
+    assert any("CUDA graph is being captured" in r.getMessage() for r in caplog.records)
+    rows = keyed(read_family(monitor.run_dir, "actv"))
+    calls = {0: 2, 1: 4}  # step 1: the reference, two warm-up calls and the training call (not the capture)
+    for step, count in calls.items():
+        norms = [float(row["norm"]) for key, row in rows.items() if key[0] == "2.output" and key[1] == step]
+        assert len(norms) == count, (step, norms)
+        assert norms == pytest.approx([want[step]] * count, rel=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: no CUDA device on this machine")
+def test_a_capture_records_nothing_and_says_so(tmp_path, out_dir, caplog):
+    def capture(model: nn.Module, x: torch.Tensor) -> torch.Tensor:  # as torch.cuda.graph's docs do it
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                model(x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = model(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        return out
+
+    _two_steps(tmp_path, "cuda", capture, caplog)
+
+
+def test_the_refusal_is_contained_and_said_once(tmp_path, out_dir, caplog, monkeypatch):
+    """The same on the CPU, where no graph can be captured: a stand-in for the GPU. The collector's check
+    raises what the real one raises while `capturing` is set; everything after it (the hooks containing
+    the refusal, the log, the rows of the other calls) is the real code."""
+    from trainermon.collect import collector
+    from trainermon.stats.engine import CapturingCudaGraph
+
+    capturing: list[bool] = []
+
+    def check(t: object) -> None:
+        if capturing:
+            raise CapturingCudaGraph()
+
+    monkeypatch.setattr(collector, "check_not_capturing", check)
+
+    def capture(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(2):
+            model(x)
+        capturing.append(True)
+        try:
+            return model(x)
+        finally:
+            capturing.clear()
+
+    _two_steps(tmp_path, "cpu", capture, caplog)
