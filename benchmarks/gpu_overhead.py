@@ -5,7 +5,7 @@
 
 What it measures, in one process, for the issue's GPU targets (wg <= 0.5%, all <= 5%, engine <= 1.5x the
 floor, no host sync on the training thread outside the single transfer):
-- step time of three arms (no monitor, trainermon `wg`, trainermon `all`), each with its own copy of the
+- step time of four arms (no monitor, trainermon `wg`, `wg+mv+param` and `all`), each with its own copy of the
   model (same seed), its own AdamW and a fixed batch; arms run in interleaved blocks in a fresh random order
   per block, each step ends with a device synchronize, figures are medians, with the range of the per-block
   differences (arm median / no-monitor median, block by block) as the noise band;
@@ -41,7 +41,11 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 from overhead import CONFIGS, OPS  # noqa: E402  (one definition of the configs for CPU and GPU)
 
-ARMS = ("none", "wg", "all")
+ARMS = ("none", "wg", "wg+mv+param", "all")
+# Experiments, not monitors (pick with --arms): the floor's read of every gradient in the step, once on the
+# training stream after backward, once per parameter on a side stream while backward runs (can overlap hide
+# the read that a `wg` row costs?).
+EXPERIMENTS = ("read", "read-overlap")
 # The workload of record: a GPT of 8 layers of d=4096 (1.68e9 parameters with vocab 8192), bf16.
 FULL = {"d": 4096, "layers": 8, "heads": 32, "vocab": 8192, "seq": 1024, "batch": 4, "blocks": 10, "steps": 3}
 QUICK = {"d": 64, "layers": 2, "heads": 4, "vocab": 128, "seq": 32, "batch": 2, "blocks": 3, "steps": 2}
@@ -72,8 +76,11 @@ def build_arm(arm: str, size: dict[str, int], device: torch.device, dtype: torch
         "batch": tokens,
         "times": [],
         "monitor": None,
+        "before_step": None,
     }
-    if arm != "none":
+    if arm in EXPERIMENTS:
+        state["before_step"] = read_grads(model, overlap=arm == "read-overlap")
+    elif arm != "none":
         path = os.path.join(out, f"{arm}.json")
         with open(path, "w", encoding="utf-8") as fh:
             json.dump({"targets": {}, "ops": OPS, "format": "csv", **CONFIGS[arm]}, fh)
@@ -89,9 +96,31 @@ def step(state: dict, device: torch.device) -> float:
     state["optimizer"].zero_grad(set_to_none=True)
     logits = state["model"](tokens[:, :-1])
     nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
+    if state["before_step"] is not None:
+        state["before_step"]()
     state["optimizer"].step()
     sync(device)
     return time.perf_counter() - t0
+
+
+def read_grads(model: nn.Module, overlap: bool) -> Any:
+    """The `read` experiments: `torch._foreach_norm` over every gradient, either after backward on the
+    training stream (returned callable) or, with `overlap`, per parameter on a side stream as each gradient
+    is accumulated (the callable then makes the training stream wait for the side stream)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not overlap:
+        return lambda: torch._foreach_norm([p.grad for p in params])
+    side = torch.cuda.Stream()
+
+    def hook(p: torch.Tensor) -> None:
+        side.wait_stream(torch.cuda.current_stream())
+        p.grad.record_stream(side)  # zero_grad frees it while the side stream may still read it
+        with torch.cuda.stream(side):
+            torch._foreach_norm([p.grad])
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+    return lambda: torch.cuda.current_stream().wait_stream(side)
 
 
 def overhead(arms: dict[str, dict], size: dict[str, int], device: torch.device) -> dict[str, Any]:
@@ -187,7 +216,50 @@ def engine_vs_floor(grads: list[torch.Tensor], device: torch.device, reps: int) 
             engine.compute(small)
         result[f"{name}_host_us_per_small_call"] = (time.perf_counter() - t0) / 50 * 1e6
         sync(device)
+    if triton_stats.enabled():
+        result["small_call"] = small_call(small, default, device)
     return result
+
+
+def small_call(small: list[torch.Tensor], engine: Any, device: torch.device) -> dict[str, float]:
+    """Where a hook-sized engine call's time goes (us per call, 200 calls each): host time of the parts of
+    `triton_stats.partials` (the kernel table's trip through pinned memory, the two output buffers, the
+    whole call) and of the engine around it; device time per call (CUDA events over the same 200 calls);
+    the floor's host and device time on the same tensors."""
+    from trainermon.stats import triton_stats as ts
+
+    numels = [t.numel() for t in small]
+    layout = [[t.data_ptr() for t in small] + [0], numels + [0], list(range(len(small) + 1))]
+
+    def table() -> None:
+        torch.tensor(layout, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+
+    def buffers() -> None:
+        torch.empty((64, 7), dtype=torch.float64, device=device)
+        torch.empty((len(small), 7), dtype=torch.float64, device=device)
+
+    parts = {
+        "table": table,
+        "buffers": buffers,
+        "partials": lambda: ts.partials(small, True, None),
+        "engine": lambda: engine.compute(small),
+        "engine_general_path": lambda: general_path(engine, small),
+        "floor": lambda: torch._foreach_norm(small),
+    }
+    found: dict[str, float] = {}
+    for name, fn in parts.items():
+        fn()
+        sync(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        for _ in range(200):
+            fn()
+        end.record()
+        found[f"{name}_host_us"] = (time.perf_counter() - t0) / 200 * 1e6
+        end.synchronize()
+        found[f"{name}_device_us"] = start.elapsed_time(end) / 200 * 1e3  # a lower bound when host-bound
+    return found
 
 
 KERNEL_CONFIGS = (  # BLOCK, WARPS, MAX_CHUNK, PROGRAMS_PER_SM
@@ -198,6 +270,17 @@ KERNEL_CONFIGS = (  # BLOCK, WARPS, MAX_CHUNK, PROGRAMS_PER_SM
     (512, 4, 1 << 17, 4),
     (1024, 8, 1 << 17, 16),
 )
+
+
+def general_path(engine: Any, tensors: list[torch.Tensor]) -> None:
+    """`engine.compute` without its short path for plain batches (what every call took before it)."""
+    from trainermon.stats import engine as module
+
+    short, module._all_triton = module._all_triton, lambda *_: None
+    try:
+        engine.compute(tensors)
+    finally:
+        module._all_triton = short
 
 
 def sweep(fn, device: torch.device, reps: int) -> dict[str, float]:
@@ -294,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="where to write the results")
     parser.add_argument("--profile", help="write a profiler table of one step per arm here")
     parser.add_argument("--blocks", type=int, help="interleaved blocks (default: the workload's)")
+    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated, 'none' first (default: all)")
     args = parser.parse_args(argv)
     logging.getLogger("trainermon").setLevel(logging.ERROR)
     device = torch.device(args.device)
@@ -305,7 +389,10 @@ def main(argv: list[str] | None = None) -> int:
         size["blocks"] = args.blocks
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out = tempfile.mkdtemp(prefix="trainermon-gpu-")
-    arms = {a: build_arm(a, size, device, dtype, out) for a in ARMS}
+    names = args.arms.split(",")
+    if names[0] != "none" or any(a not in ARMS + EXPERIMENTS for a in names):
+        parser.error(f"--arms {args.arms!r}: 'none' first, then any of {ARMS[1:] + EXPERIMENTS}")
+    arms = {a: build_arm(a, size, device, dtype, out) for a in names}
     params = sum(p.numel() for p in arms["none"]["model"].parameters())
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -317,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     grads = [p.grad for p in arms["none"]["model"].parameters() if p.grad is not None]
     result["engine"] = engine_vs_floor(grads, device, reps=20 if not args.quick else 3)
     result["accuracy"] = accuracy(grads)
-    result["host_syncs_all_step"] = host_syncs(arms["all"], device)
+    if "all" in arms:
+        result["host_syncs_all_step"] = host_syncs(arms["all"], device)
     result["host_syncs_none_step"] = host_syncs(arms["none"], device)  # the training step's own
     if args.profile:
         result["profile"] = profile(arms, device, args.profile)
