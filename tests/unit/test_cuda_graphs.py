@@ -93,3 +93,50 @@ def test_the_refusal_is_contained_and_said_once(tmp_path, out_dir, caplog, monke
             capturing.clear()
 
     _two_steps(tmp_path, "cpu", capture, caplog)
+
+
+def test_a_captured_optimizer_step_records_nothing(tmp_path, out_dir, caplog, monkeypatch):
+    """An optimizer step captured into a graph (capturable optimizers allow it): the same stand-in for the
+    GPU, now around `opt.step()`, where the monitor's optimizer hooks read gradients, moments and
+    parameters. That step has no such rows, the refusal is logged, and the steps around it keep theirs."""
+    from trainermon.collect import collector
+    from trainermon.stats.engine import CapturingCudaGraph
+
+    capturing: list[bool] = []
+
+    def check(t: object) -> None:
+        if capturing:
+            raise CapturingCudaGraph()
+
+    monkeypatch.setattr(collector, "check_not_capturing", check)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    config = write_config(
+        tmp_path / "c.json", wg_distribution=True, mv_distribution=True, param_distribution=True, ops=["norm"]
+    )
+    monitor = TrainerMon(config)
+    monitor.set_monitor(model, optimizer=opt)
+    x = torch.randn(4, 8)
+    want = []  # the last layer's gradient norm, step by step
+    for step in range(3):
+        model(x).sum().backward()
+        want.append(float(model[2].weight.grad.double().norm()))
+        if step == 1:
+            capturing.append(True)
+        with caplog.at_level("ERROR", logger="trainermon"):
+            opt.step()
+        capturing.clear()
+        opt.zero_grad()
+    monitor.close()
+    assert monitor.loop.faults.total > 0
+    assert any("CUDA graph is being captured" in r.getMessage() for r in caplog.records)
+    for family in ("grad_reduced", "exp_avg", "param_origin"):
+        steps = sorted(
+            {key[1] for key in keyed(read_family(monitor.run_dir, family)) if key[0] == "2.weight"}
+        )
+        assert steps == [0, 2], (family, steps)
+    grads = keyed(read_family(monitor.run_dir, "grad_reduced"))
+    for step in (0, 2):
+        [row] = [row for key, row in grads.items() if key[0] == "2.weight" and key[1] == step]
+        assert float(row["norm"]) == pytest.approx(want[step], rel=1e-5)

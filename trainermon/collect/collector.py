@@ -93,8 +93,11 @@ class StepCollector:
         computed on every rank (each holds a part) and merged at `finish`. `also_as` records the same
         local rows a second time under another family, without computing them again. A DTensor that is
         not sharded through its placement is this rank's local piece: a row of its own, labelled with
-        the piece (exact full-tensor values of DTensors need their placement in the adapter).
+        the piece (exact full-tensor values of DTensors need their placement in the adapter). Refused
+        (`CapturingCudaGraph`) while a CUDA graph is captured, before anything is recorded.
         """
+        if entries:
+            check_not_capturing(entries[0][3].tensor)
         local_rows: list[tuple[RowMeta, int]] = []
         local_tensors: list[torch.Tensor] = []
         pending: list[tuple[int, torch.Tensor]] = []  # (index into the sharded rows, this rank's piece)
