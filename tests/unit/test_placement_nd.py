@@ -181,3 +181,47 @@ def test_nd_placements_merge_exactly_and_write_once() -> None:
         assert res["rows_with_summaries"] == res["rows"], rank
         for got in res["job_sumsq"]:
             assert math.isclose(got, grad_sumsq, rel_tol=1e-6), (rank, got, grad_sumsq)
+
+
+def _failing_rank(rank: int, world: int) -> dict:
+    from trainermon.collect.collector import StepCollector, TransferCounter
+    from trainermon.collect.placement import Sharded, TensorPiece
+    from trainermon.collect.records import StepScalars
+    from trainermon.stats import EngineOptions, StatsEngine
+
+    collector = StepCollector(StatsEngine(EngineOptions(nonfinite=True)), TransferCounter())
+
+    def piece(name: str) -> TensorPiece:
+        full = _full(name)
+        return TensorPiece(full.flatten().chunk(world)[rank], Sharded(None), FULL_SHAPES[name], full.dtype)
+
+    def out_of_memory(tensors):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    raised = False
+    if rank == 1:  # one rank's engine call fails (an allocation, say); the other computes its piece
+        collector.engine.compute_rows = out_of_memory
+    try:
+        collector.add("grad_reduced", [(0, "both", None, piece("both"))])
+    except RuntimeError:
+        raised = True
+    if rank == 1:
+        del collector.engine.compute_rows  # the class's method again
+    collector.add("grad_reduced", [(0, "dp_only", None, piece("dp_only"))])
+    payload = collector.finish(0, StepScalars())
+    rows = {r.name: [float(v) for v in payload.partials[i]] for i, r in enumerate(payload.rows)}
+    return {"raised": raised, "rows": rows}
+
+
+def test_a_failed_engine_call_leaves_no_sharded_row():
+    """A sharded row whose piece one rank could not compute is flagged (NaN count: the worker drops it),
+    not merged from the other ranks' pieces as if it were whole; the next row is exact."""
+    from trainermon.stats import NANS, SUMSQ
+
+    results = run_ranks(_failing_rank, world_size=2)
+    assert [r["raised"] for r in results] == [False, True]
+    rows = results[0]["rows"]
+    assert math.isnan(rows["both"][NANS]), rows["both"]
+    want = float(_full("dp_only").double().pow(2).sum())
+    assert math.isclose(rows["dp_only"][SUMSQ], want, rel_tol=1e-6), (rows["dp_only"], want)
+    assert rows["dp_only"][NANS] == 0

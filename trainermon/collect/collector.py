@@ -123,29 +123,18 @@ class StepCollector:
             seq = self._next
             self._next += 1
             if kind is Sharded:
-                sharded.rows.append(meta)
-                sharded.order.append(seq)
-                sharded.over.append(tuple(id(g) for g in placement.over))
-                for g in placement.over:
-                    sharded.groups.setdefault(id(g), g)
-                sharded.writes.append(writes)
-                sharded.parts.append(empty_partials(1, device_hint(entries)))
-                sharded.flags.append(0.0)
                 # A rank off coordinate 0 of a replicated group still adds the (empty) row: every rank
-                # then sees the groups in the same order, which the merge relies on (see `_merge`).
+                # then sees the groups in the same order, which the merge relies on (see `merge_sharded`).
+                index = sharded.append(meta, seq, placement.over, writes, device_hint(entries))
                 if takes and tensor is not None and tensor.numel() > 0:
-                    pending.append((len(sharded.parts) - 1, tensor))
+                    pending.append((index, tensor))
                 continue
             assert tensor is not None
             local_rows.append((meta, seq))
             local_tensors.append(tensor)
         if pending:
-            computed, skipped = self.engine.compute_rows([t for _, t in pending])
-            for row, (index, _) in enumerate(pending):
-                sharded.parts[index] = computed[row : row + 1]
-                if row in skipped:
-                    sharded.flags[index] = 1.0  # no rank writes a row that one rank could not compute
-                    self._skip(family, skipped[row])
+            for why in sharded.compute(self.engine, pending):
+                self._skip(family, why)
         if local_tensors:
             for device_rows, device_tensors in by_device(local_rows, local_tensors):
                 partials, skipped = self.engine.compute_rows(device_tensors)

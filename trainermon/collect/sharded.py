@@ -30,6 +30,35 @@ class ShardedRows:
     flags: list[float] = field(default_factory=list)  # 1: a rank could not compute its piece of the row
     groups: dict[int, Any] = field(default_factory=dict)  # id -> group, every group named by a row
 
+    def append(self, meta: RowMeta, seq: int, over: tuple[Any, ...], writes: bool, device: Any) -> int:
+        """A row merged over the groups `over`, its partials the merge's identity until `compute` fills
+        this rank's piece in; returns its index."""
+        self.rows.append(meta)
+        self.order.append(seq)
+        self.over.append(tuple(id(g) for g in over))
+        for g in over:
+            self.groups.setdefault(id(g), g)
+        self.writes.append(writes)
+        self.parts.append(empty_partials(1, device))
+        self.flags.append(0.0)
+        return len(self.parts) - 1
+
+    def compute(self, engine: Any, pending: list[tuple[int, torch.Tensor]]) -> list[Any]:
+        """This rank's pieces of rows (index, tensor), in one engine call; why each unreadable piece was.
+        A piece not computed (unreadable, or the call failed and raises) flags its row: no rank writes a
+        row that one rank could not compute, rather than merge the others' pieces as if whole."""
+        try:
+            computed, skipped = engine.compute_rows([t for _, t in pending])
+        except BaseException:
+            for index, _ in pending:
+                self.flags[index] = 1.0
+            raise
+        for row, (index, _) in enumerate(pending):
+            self.parts[index] = computed[row : row + 1]
+            if row in skipped:
+                self.flags[index] = 1.0
+        return list(skipped.values())
+
 
 def merge_sharded(sharded: ShardedRows) -> tuple[list[RowMeta], torch.Tensor | None, list[int]]:
     """Merge the sharded rows over each of their groups; return this rank's rows to write, their
