@@ -2,7 +2,8 @@
 # The GPU part of the performance plan in one command, for a machine with an NVIDIA GPU and a CUDA build of
 # torch already installed (nothing is downloaded): the CUDA tests, then the GPU overhead benchmark (step
 # overhead of wg and all, engine vs the _foreach_norm floor, host syncs, accuracy on the GPU).
-#   bash benchmarks/gpu.sh [OUT_DIR]       results: OUT_DIR/{nvidia-smi.txt,tests.log,gpu_overhead.json,profile.txt}
+#   bash benchmarks/gpu.sh [OUT_DIR]       results: OUT_DIR/{nvidia-smi.txt,tests.log,gpu_overhead.json,profile.txt,
+#                                            gpu_hold_{full,small}.json}
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-/tmp/trainermon-gpu}}
@@ -24,5 +25,15 @@ nvidia-smi >"$out/nvidia-smi.txt" 2>&1
 tests_rc=${PIPESTATUS[0]}
 PYTHONUNBUFFERED=1 "$py" benchmarks/gpu_overhead.py --json "$out/gpu_overhead.json" --profile "$out/profile.txt" 2>&1 | tee "$out/bench.log"
 bench_rc=${PIPESTATUS[0]}
+# Session 19's plan for the next GPU: hook tensors held for batched engine calls (256 MiB against the
+# CPU-sized 2 MiB), on the workload of record and on a small model whose step leaves the hooks' host
+# time exposed.
+for size in full small; do
+  arms=none,all,all-hold256
+  [ "$size" = small ] && arms=none,wg,all,all-hold256
+  PYTHONUNBUFFERED=1 "$py" benchmarks/gpu_overhead.py --size "$size" --arms "$arms" --overhead-only \
+    --json "$out/gpu_hold_$size.json" --profile "$out/profile_hold_$size.txt" 2>&1 | tee -a "$out/bench.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || bench_rc=1
+done
 echo "tests rc=$tests_rc, benchmark rc=$bench_rc; results in $out"
 [ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]

@@ -45,9 +45,15 @@ ARMS = ("none", "wg", "wg+mv+param", "all")
 # Experiments, not monitors (pick with --arms): the floor's read of every gradient in the step, once on the
 # training stream after backward, once per parameter on a side stream while backward runs (can overlap hide
 # the read that a `wg` row costs?).
-EXPERIMENTS = ("read", "read-overlap")
+EXPERIMENTS = ("read", "read-overlap", "all-hold256")
+#: `all-hold256`: `all` with the collector holding up to 256 MiB of hook tensors for one batched engine call
+#: (2 MiB by default, sized for a CPU's L2 cache; a GPU's activations are larger than that, so each hook
+#: costs an engine call of its own, ~150 us of host time on an H100's host).
+HOLD_MIB = {"all-hold256": 256}
 # The workload of record: a GPT of 8 layers of d=4096 (1.68e9 parameters with vocab 8192), bf16.
 FULL = {"d": 4096, "layers": 8, "heads": 32, "vocab": 8192, "seq": 1024, "batch": 4, "blocks": 10, "steps": 3}
+# A model whose step is short enough on an H100 for the hooks' host time to show (8.4e7 parameters).
+SMALL = {"d": 1024, "layers": 8, "heads": 16, "vocab": 8192, "seq": 512, "batch": 4, "blocks": 10, "steps": 5}
 QUICK = {"d": 64, "layers": 2, "heads": 4, "vocab": 128, "seq": 32, "batch": 2, "blocks": 3, "steps": 2}
 
 
@@ -78,15 +84,18 @@ def build_arm(arm: str, size: dict[str, int], device: torch.device, dtype: torch
         "monitor": None,
         "before_step": None,
     }
-    if arm in EXPERIMENTS:
+    if arm in ("read", "read-overlap"):
         state["before_step"] = read_grads(model, overlap=arm == "read-overlap")
     elif arm != "none":
         path = os.path.join(out, f"{arm}.json")
+        config = CONFIGS["all" if arm in HOLD_MIB else arm]
         with open(path, "w", encoding="utf-8") as fh:
-            json.dump({"targets": {}, "ops": OPS, "format": "csv", **CONFIGS[arm]}, fh)
+            json.dump({"targets": {}, "ops": OPS, "format": "csv", **config}, fh)
         os.environ["MONITOR_OUTPUT_DIR"] = os.path.join(out, arm)
         state["monitor"] = TrainerMon(path)
         state["monitor"].set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
+        if arm in HOLD_MIB:
+            state["monitor"].loop.collector.hold_bytes = HOLD_MIB[arm] << 20
     return state
 
 
@@ -376,6 +385,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", help="where to write the results")
     parser.add_argument("--profile", help="write a profiler table of one step per arm here")
+    parser.add_argument(
+        "--size", choices=("full", "small"), default="full", help="the workload (default full)"
+    )
+    parser.add_argument(
+        "--overhead-only", action="store_true", help="step overhead only: no engine, accuracy or sync checks"
+    )
     parser.add_argument("--blocks", type=int, help="interleaved blocks (default: the workload's)")
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated, 'none' first (default: all)")
     args = parser.parse_args(argv)
@@ -384,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing measured (use --device cpu --quick to check the script)")
         return 2
-    size = dict(QUICK if args.quick else FULL)
+    size = dict(QUICK if args.quick else SMALL if args.size == "small" else FULL)
     if args.blocks:
         size["blocks"] = args.blocks
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -401,12 +416,13 @@ def main(argv: list[str] | None = None) -> int:
         "workload": {**size, "parameters": params, "dtype": str(dtype)},
         "overhead": overhead(arms, size, device),
     }
-    grads = [p.grad for p in arms["none"]["model"].parameters() if p.grad is not None]
-    result["engine"] = engine_vs_floor(grads, device, reps=20 if not args.quick else 3)
-    result["accuracy"] = accuracy(grads)
-    if "all" in arms:
-        result["host_syncs_all_step"] = host_syncs(arms["all"], device)
-    result["host_syncs_none_step"] = host_syncs(arms["none"], device)  # the training step's own
+    if not args.overhead_only:
+        grads = [p.grad for p in arms["none"]["model"].parameters() if p.grad is not None]
+        result["engine"] = engine_vs_floor(grads, device, reps=20 if not args.quick else 3)
+        result["accuracy"] = accuracy(grads)
+        if "all" in arms:
+            result["host_syncs_all_step"] = host_syncs(arms["all"], device)
+        result["host_syncs_none_step"] = host_syncs(arms["none"], device)  # the training step's own
     if args.profile:
         result["profile"] = profile(arms, device, args.profile)
     for state in arms.values():

@@ -68,6 +68,8 @@ class StepCollector:
         self.batching = True
         #: Reduce hook tensors the native kernel reads at their hook (benchmarks turn it off to compare).
         self.at_hook = True
+        #: Bytes of hook tensors held for one batched reduction (benchmarks raise it on GPUs to compare).
+        self.hold_bytes = HOLD_BYTES
         self._roles: dict[tuple, tuple[bool, bool]] = {}  # placement -> (takes part, writes)
         #: Tensors already computed this step, by what their values are (`identity.value_key`), so that
         #: one activation seen as a module's output and as the next module's input is reduced once: the
@@ -285,14 +287,14 @@ class StepCollector:
             else:
                 parts.append(ref)
         self._next = seq
-        if self._held > HOLD_BYTES or len(batch.tensors) + len(self._watch) > HOLD_COUNT:
+        if self._held > self.hold_bytes or len(batch.tensors) + len(self._watch) > HOLD_COUNT:
             self.flush()
 
     def flush(self) -> None:
         """Reduce the tensors recorded by reference in one engine call, and check that every tensor held
         since the last flush still has the values it had at its hook (version counter and address).
 
-        Held tensors: at most HOLD_BYTES (plus one tensor) are kept alive beyond their hook, the memory
+        Held tensors: at most `hold_bytes` (plus one tensor) are kept alive beyond their hook, the memory
         this costs. A (family, label) is batched only after a step in which its tensors were reduced at
         their hook and found unchanged at the flush that followed (an in-place op after the hook, such
         as `ReLU(inplace=True)` on a module's output, or Megatron freeing an output with `.data = `);
