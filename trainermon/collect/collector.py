@@ -176,7 +176,7 @@ class StepCollector:
         (family, label) known to stay unchanged until the next `flush` are held by reference and reduced
         together (see `flush`); the others cost one engine call for this call's new tensors. Refused
         (`CapturingCudaGraph`) while a CUDA graph is captured: a held buffer would be read after replays."""
-        if tensors:
+        if tensors:  # hooks pass tensors only (no None)
             check_not_capturing(tensors[0])
         seen, seen_row, by_id = self._seen, self._seen_row, self._by_id
         trusted = self._trusted
