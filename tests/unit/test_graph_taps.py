@@ -202,8 +202,8 @@ def test_compiled_rows_equal_eager_on_cuda(tmp_path, out_dir):
 def test_cuda_graphs_record_every_step(tmp_path, out_dir):
     """mode="reduce-overhead" replays CUDA graphs from the third call on; a graph replays kernels, not the
     taps' Python. The taps are tagged cudagraph-unsafe, so inductor runs them between the graphs' parts:
-    every step's rows are there and are the eager run's (a captured tap would record the capture's rows
-    and then nothing)."""
+    every step's rows are there and are the eager run's. (Untagged, the taps were captured, and CUDA-graph
+    trees failed the step at capture: "tensor(s) in the cudagraph pool not tracked as outputs".)"""
     want_actv, want_grad, *_ = _run(tmp_path, "eager", None, steps=5, micro=1, device="cuda")
     actv, grads, _, faults, breaks = _run(
         tmp_path, "graphs", "inductor", steps=5, micro=1, device="cuda", mode="reduce-overhead"

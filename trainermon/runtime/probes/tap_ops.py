@@ -56,9 +56,10 @@ def _register_ops() -> Any:
             found.backward(grads, shards)
 
     library = torch.library.Library("trainermon", "DEF")
-    # CUDA graphs (`mode="reduce-overhead"`) replay kernels, not Python: a tap captured into a graph would
-    # record its rows once, at capture, and never again. Tagged unsafe, inductor runs it between the
-    # graph's partitions instead, on every step.
+    # CUDA graphs (`mode="reduce-overhead"`) replay kernels, not Python. Captured into a graph, a tap's
+    # allocations made CUDA-graph trees fail the user's step ("tensor(s) in the cudagraph pool not tracked
+    # as outputs", H100), and replays would run none of its code. Tagged unsafe, inductor runs it between
+    # the graph's partitions instead, on every step.
     unsafe = getattr(torch.Tag, "cudagraph_unsafe", None)
     tags = (unsafe,) if unsafe is not None else ()
     library.define("tap(Tensor[] tensors, int site, str[] shards) -> ()", tags=tags)
