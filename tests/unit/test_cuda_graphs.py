@@ -69,19 +69,13 @@ def test_a_capture_records_nothing_and_says_so(tmp_path, out_dir, caplog):
 
 
 def test_the_refusal_is_contained_and_said_once(tmp_path, out_dir, caplog, monkeypatch):
-    """The same on the CPU, where no graph can be captured: a stand-in for the GPU. The collector's check
-    raises what the real one raises while `capturing` is set; everything after it (the hooks containing
-    the refusal, the log, the rows of the other calls) is the real code."""
-    from trainermon.collect import collector
-    from trainermon.stats.engine import CapturingCudaGraph
+    """The same on the CPU, where no graph can be captured: a stand-in for the GPU. `engine.capturing`, the
+    one runtime query, answers True while `capturing` is set; everything after it (the checks, the hooks
+    containing the refusal, the log, the rows of the other calls) is the real code."""
+    from trainermon.stats import engine
 
     capturing: list[bool] = []
-
-    def check(t: object) -> None:
-        if capturing:
-            raise CapturingCudaGraph()
-
-    monkeypatch.setattr(collector, "check_not_capturing", check)
+    monkeypatch.setattr(engine, "capturing", lambda: bool(capturing))
 
     def capture(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         for _ in range(2):
@@ -98,22 +92,22 @@ def test_the_refusal_is_contained_and_said_once(tmp_path, out_dir, caplog, monke
 def test_a_captured_optimizer_step_records_nothing(tmp_path, out_dir, caplog, monkeypatch):
     """An optimizer step captured into a graph (capturable optimizers allow it): the same stand-in for the
     GPU, now around `opt.step()`, where the monitor's optimizer hooks read gradients, moments and
-    parameters. That step has no such rows, the refusal is logged, and the steps around it keep theirs."""
-    from trainermon.collect import collector
-    from trainermon.stats.engine import CapturingCudaGraph
+    parameters and end the step (a transfer, collectives). That step writes no rows at all (its eager
+    activation rows are dropped with it), the refusal is logged, and the steps around it keep theirs."""
+    from trainermon.stats import engine
 
     capturing: list[bool] = []
-
-    def check(t: object) -> None:
-        if capturing:
-            raise CapturingCudaGraph()
-
-    monkeypatch.setattr(collector, "check_not_capturing", check)
+    monkeypatch.setattr(engine, "capturing", lambda: bool(capturing))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     config = write_config(
-        tmp_path / "c.json", wg_distribution=True, mv_distribution=True, param_distribution=True, ops=["norm"]
+        tmp_path / "c.json",
+        xy_distribution=True,
+        wg_distribution=True,
+        mv_distribution=True,
+        param_distribution=True,
+        ops=["norm"],
     )
     monitor = TrainerMon(config)
     monitor.set_monitor(model, optimizer=opt)
@@ -131,10 +125,14 @@ def test_a_captured_optimizer_step_records_nothing(tmp_path, out_dir, caplog, mo
     monitor.close()
     assert monitor.loop.faults.total > 0
     assert any("CUDA graph is being captured" in r.getMessage() for r in caplog.records)
-    for family in ("grad_reduced", "exp_avg", "param_origin"):
-        steps = sorted(
-            {key[1] for key in keyed(read_family(monitor.run_dir, family)) if key[0] == "2.weight"}
-        )
+    names = {
+        "actv": "2.output",
+        "grad_reduced": "2.weight",
+        "exp_avg": "2.weight",
+        "param_origin": "2.weight",
+    }
+    for family, name in names.items():
+        steps = sorted({key[1] for key in keyed(read_family(monitor.run_dir, family)) if key[0] == name})
         assert steps == [0, 2], (family, steps)
     grads = keyed(read_family(monitor.run_dir, "grad_reduced"))
     for step in (0, 2):

@@ -199,6 +199,9 @@ def test_compiled_rows_equal_eager_on_cuda(tmp_path, out_dir):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: no CUDA device on this machine")
+@pytest.mark.skipif(
+    not hasattr(torch.Tag, "cudagraph_unsafe"), reason="this torch has no cudagraph_unsafe tag"
+)
 def test_cuda_graphs_record_every_step(tmp_path, out_dir):
     """mode="reduce-overhead" replays CUDA graphs from the third call on; a graph replays kernels, not the
     taps' Python. The taps are tagged cudagraph-unsafe, so inductor runs them between the graphs' parts:
@@ -214,6 +217,9 @@ def test_cuda_graphs_record_every_step(tmp_path, out_dir):
     _same_rows(grads, want_grad)
 
 
+@pytest.mark.skipif(
+    not hasattr(torch.Tag, "cudagraph_unsafe"), reason="this torch has no cudagraph_unsafe tag"
+)
 def test_taps_are_not_captured_into_cuda_graphs():
     """The CPU half of the test above: the tag inductor reads to keep an operator out of CUDA graphs."""
     from trainermon.runtime.probes import tap_ops

@@ -98,8 +98,7 @@ class StepCollector:
         the piece (exact full-tensor values of DTensors need their placement in the adapter). Refused
         (`CapturingCudaGraph`) while a CUDA graph is captured, before anything is recorded.
         """
-        if entries:
-            check_not_capturing(entries[0][3].tensor)
+        check_not_capturing()
         local_rows: list[tuple[RowMeta, int]] = []
         local_tensors: list[torch.Tensor] = []
         pending: list[tuple[int, torch.Tensor]] = []  # (index into the sharded rows, this rank's piece)
@@ -176,8 +175,7 @@ class StepCollector:
         (family, label) known to stay unchanged until the next `flush` are held by reference and reduced
         together (see `flush`); the others cost one engine call for this call's new tensors. Refused
         (`CapturingCudaGraph`) while a CUDA graph is captured: a held buffer would be read after replays."""
-        if tensors:  # hooks pass tensors only (no None)
-            check_not_capturing(tensors[0])
+        check_not_capturing()
         seen, seen_row, by_id = self._seen, self._seen_row, self._by_id
         trusted = self._trusted
         batch = self._batch

@@ -33,7 +33,7 @@ from trainermon.config import Env, MonitorConfig
 from trainermon.failsafe import FaultLog
 from trainermon.pipeline.derive import Deriver
 from trainermon.pipeline.worker import BackgroundWorker
-from trainermon.stats.engine import EngineOptions, StatsEngine
+from trainermon.stats.engine import EngineOptions, StatsEngine, check_not_capturing
 
 from .control import DynamicControl
 from .escalation import Escalation
@@ -216,6 +216,8 @@ class StepLoop:
     def on_post_optim(self, scalars: StepScalars) -> None:
         with self.clock:
             try:
+                # A step captured into a CUDA graph: no device work (transfers, collectives) in it
+                check_not_capturing()
                 if self.plan.scheduled:
                     self._each("post_optim", "optimizer post-step")
                 if self.plan.collecting:

@@ -61,10 +61,16 @@ class CapturingCudaGraph(RuntimeError):
         )
 
 
-def check_not_capturing(t: object) -> None:
-    """Raise `CapturingCudaGraph` if `t` is a CUDA tensor and the current stream is capturing a graph.
-    Costs an attribute read for other tensors, one runtime query for CUDA ones; never a sync."""
-    if getattr(t, "is_cuda", False) and torch.cuda.is_current_stream_capturing():
+def capturing() -> bool:
+    """Whether this thread's current CUDA stream is capturing a graph. A flag read where CUDA was never
+    initialised; one runtime query otherwise; never a sync."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def check_not_capturing() -> None:
+    """Raise `CapturingCudaGraph` while a capture is under way (see `capturing`), whatever the tensors:
+    a hook's first tensor may be on the CPU and the next on the GPU."""
+    if capturing():
         raise CapturingCudaGraph()
 
 
@@ -153,8 +159,8 @@ class StatsEngine:
     def _compute(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, dict[int, Unreadable]]:
         n = len(tensors)
         device = _device_of(tensors)
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise CapturingCudaGraph()
+        if device.type == "cuda":
+            check_not_capturing()
         opts = self.options
         mode = self.mode_for(device)
         branch_free, eps = mode.branch_free, mode.eps
@@ -169,6 +175,7 @@ class StatsEngine:
             fast = _all_triton(tensors, mode)
             if fast is not None:
                 return fast, {}
+            use_triton = triton_stats.enabled()  # off if the short path's call just failed
         skipped: dict[int, Unreadable] = {}
         items: list[Readable | None] = [None] * n  # what the eager path reads (kernel rows need none)
         kernel: list[int] = []
@@ -257,6 +264,8 @@ class StatsEngine:
         """Rows of a batch of one dtype from the Triton kernel; from the eager path if it fails."""
         try:
             return [triton_stats.partials(tensors, mode.masked, mode.eps)]
+        except torch.OutOfMemoryError:
+            raise  # a passing shortage: the hook counts it; the kernel stays on
         except Exception as exc:  # noqa: BLE001 - a kernel that cannot compile here must not lose the rows
             triton_stats.disable(exc)
             return [tensor_partials(t, mode).unsqueeze(0) for t in tensors]
@@ -315,6 +324,8 @@ def _all_triton(tensors: Sequence[torch.Tensor], mode: Mode) -> torch.Tensor | N
             return None
     try:
         return triton_stats.partials(tensors, mode.masked, mode.eps)
+    except torch.OutOfMemoryError:
+        raise  # a passing shortage: the hook counts it; the kernel stays on
     except Exception as exc:  # noqa: BLE001 - the general path computes the rows on the eager path
         triton_stats.disable(exc)
         return None

@@ -58,8 +58,10 @@ def _register_ops() -> Any:
     library = torch.library.Library("trainermon", "DEF")
     # CUDA graphs (`mode="reduce-overhead"`) replay kernels, not Python. Captured into a graph, a tap's
     # allocations made CUDA-graph trees fail the user's step ("tensor(s) in the cudagraph pool not tracked
-    # as outputs", H100), and replays would run none of its code. Tagged unsafe, inductor runs it between
-    # the graph's partitions instead, on every step.
+    # as outputs", H100), and replays would run none of its code. Tagged unsafe, inductor keeps it out:
+    # it runs it between the graph's partitions (graph partitioning, on by default in torch 2.11 and
+    # 2.13) or, without partitioning, leaves that graph without CUDA graphs. A torch without the tag
+    # captures it; the tap then records nothing and says so (`CapturingCudaGraph`).
     unsafe = getattr(torch.Tag, "cudagraph_unsafe", None)
     tags = (unsafe,) if unsafe is not None else ()
     library.define("tap(Tensor[] tensors, int site, str[] shards) -> ()", tags=tags)
