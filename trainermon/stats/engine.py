@@ -264,7 +264,7 @@ class StatsEngine:
         """Rows of a batch of one dtype from the Triton kernel; from the eager path if it fails."""
         try:
             return [triton_stats.partials(tensors, mode.masked, mode.eps)]
-        except torch.OutOfMemoryError:
+        except torch.cuda.OutOfMemoryError:
             raise  # a passing shortage: the hook counts it; the kernel stays on
         except Exception as exc:  # noqa: BLE001 - a kernel that cannot compile here must not lose the rows
             triton_stats.disable(exc)
@@ -324,7 +324,7 @@ def _all_triton(tensors: Sequence[torch.Tensor], mode: Mode) -> torch.Tensor | N
             return None
     try:
         return triton_stats.partials(tensors, mode.masked, mode.eps)
-    except torch.OutOfMemoryError:
+    except torch.cuda.OutOfMemoryError:
         raise  # a passing shortage: the hook counts it; the kernel stays on
     except Exception as exc:  # noqa: BLE001 - the general path computes the rows on the eager path
         triton_stats.disable(exc)
