@@ -1,6 +1,6 @@
 """The GPU part of the overhead benchmark: a CUDA workload sized for an H100, with no monitor vs trainermon.
 
-    python benchmarks/gpu_overhead.py                       # CUDA, the workload of record (~60 GiB, four arms)
+    python benchmarks/gpu_overhead.py                       # CUDA, the workload of record (~60 GiB)
     python benchmarks/gpu_overhead.py --device cpu --quick  # smoke run of the script itself (any machine)
 
 What it measures, in one process, for the issue's GPU targets (wg <= 0.5%, all <= 5%, engine <= 1.5x the
