@@ -220,13 +220,38 @@ def test_cuda_graphs_record_every_step(tmp_path, out_dir):
 @pytest.mark.skipif(
     not hasattr(torch.Tag, "cudagraph_unsafe"), reason="this torch has no cudagraph_unsafe tag"
 )
-def test_taps_are_not_captured_into_cuda_graphs():
-    """The CPU half of the test above: the tag inductor reads to keep an operator out of CUDA graphs."""
+def test_taps_are_not_captured_into_cuda_graphs(tmp_path, out_dir):
+    """The CPU half of the test above: the operators carry the tag, and inductor's own rule for what a CUDA
+    graph may hold (`get_first_incompatible_cudagraph_node`, a private helper: skipped where it is gone)
+    finds the tap in the compiled forward graph and the gradient tap in the backward graph."""
     from trainermon.runtime.probes import tap_ops
 
     assert tap_ops.available()
     for op in (torch.ops.trainermon.tap.default, torch.ops.trainermon.tap_grad.default):
         assert torch.Tag.cudagraph_unsafe in op.tags, op
+    try:
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._inductor.utils import get_first_incompatible_cudagraph_node
+    except ImportError as exc:
+        pytest.skip(f"inductor's CUDA-graph rule is not importable here: {exc}")
+    found = []
+
+    def keep(gm, example_inputs):  # what inductor would be given, checked by its CUDA-graph rule
+        node = get_first_incompatible_cudagraph_node(gm)
+        found.append(None if node is None else node.target)
+        return make_boxed_func(gm.forward)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(write_config(tmp_path / "c.json", xy_distribution=True, ops=list(OPS)))
+    monitor.set_monitor(model, optimizer=opt)
+    run = torch.compile(model, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    run(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    monitor.close()
+    assert found == [torch.ops.trainermon.tap.default, torch.ops.trainermon.tap_grad.default], found
 
 
 def test_a_failing_tap_is_contained(tmp_path, out_dir, monkeypatch):
