@@ -337,11 +337,33 @@ def close_arm(arm: Arm) -> None:
 def peak_rss_mb() -> float:
     """This process's peak RSS. VmHWM, not getrusage: ru_maxrss survives exec, so a probe spawned from the
     big benchmark process would report the parent's peak."""
-    with open("/proc/self/status", encoding="utf-8") as fh:
-        for line in fh:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024.0  # kB
+    status = _proc_status()
+    if "VmHWM" in status:
+        return status["VmHWM"]
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # not Linux: best effort
+
+
+def peak_anon_mb() -> float:
+    """The peak of anonymous memory (heap, tensors), as VmHWM less the file-backed and shared pages resident
+    now: those are mapped at import and do not change during the steps (checked: RssFile moved by under
+    0.3 MB over 12 steps of (c)), but they differ between hosts (on a kernel that maps library text in
+    large folios, torch's resident text grew by ~90 MB), which inflates VmHWM there and shrinks every
+    percentage against it. NaN where /proc is not readable."""
+    status = _proc_status()
+    if "VmHWM" not in status:
+        return float("nan")
+    return status["VmHWM"] - status.get("RssFile", 0.0) - status.get("RssShmem", 0.0)
+
+
+def _proc_status() -> dict[str, float]:
+    """/proc/self/status's memory lines, MB."""
+    out: dict[str, float] = {}
+    with contextlib.suppress(OSError), open("/proc/self/status", encoding="utf-8") as fh:
+        for line in fh:
+            key, _, value = line.partition(":")
+            if value.strip().endswith("kB"):
+                out[key] = int(value.split()[0]) / 1024.0
+    return out
 
 
 def rss_probe(workload: str, tool: str, config: str, steps: int, quick: bool) -> dict[str, float]:
@@ -354,26 +376,48 @@ def rss_probe(workload: str, tool: str, config: str, steps: int, quick: bool) ->
         for _ in range(steps):
             run_step(arm)
         close_arm(arm)
-        return {"peak_rss_mb": peak_rss_mb(), "median_step_s": statistics.median(arm.times)}
+        return {
+            "peak_rss_mb": peak_rss_mb(),
+            "peak_anon_mb": peak_anon_mb(),
+            "median_step_s": statistics.median(arm.times),
+        }
 
 
-def measure_rss(workload: str, arms: list[tuple[str, str]], steps: int, quick: bool) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for tool, config in arms:
-        cmd = [sys.executable, os.path.abspath(__file__), "--rss-probe", f"{workload}:{tool}:{config}"]
-        cmd += ["--rss-steps", str(steps), "--threads", str(torch.get_num_threads())]
-        cmd += ["--quick"] if quick else []
-        # glibc's mmap threshold pinned at its initial 128 KiB: by default it grows with every large free,
-        # so where freed activations land (heap or returned to the OS) varies by run and peak RSS jittered
-        # by +-1% between identical probes; pinned, it tracks live memory (+-0.2%). Same for every arm.
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-        name = "none" if tool == "none" else f"{tool}[{config}]"
-        try:
-            out[name] = json.loads(proc.stdout.strip().splitlines()[-1])["peak_rss_mb"]
-        except (IndexError, ValueError, KeyError):
-            print(f"  rss probe {name} failed: {proc.stderr[-400:]}", file=sys.stderr)
-            out[name] = float("nan")
+def measure_rss(
+    workload: str, arms: list[tuple[str, str]], steps: int, quick: bool, seeds: int = 1
+) -> dict[str, dict[str, Any]]:
+    """Peak RSS and peak anonymous memory of each arm: one fresh process per arm and hash seed, arms in
+    turn within each seed. Per arm: the medians over seeds and every probe's figures.
+
+    Why seeds: a probe's peak sits on one of levels about 4 MB apart (on (c) and (b)), whichever the heap's
+    layout gives it, and the layout follows the order of allocations, which the string hash seed changes
+    (dict and set sizes, iteration order). With a random seed the same arm landed on either level run to
+    run; with PYTHONHASHSEED pinned, a probe repeats to 0.1 MB (session 20). Every arm runs under the same
+    seeds, so each seed compares like with like, and the median over seeds does not hang on one layout."""
+    probes: dict[str, list[dict[str, float]]] = {}
+    for seed in range(seeds):
+        for tool, config in arms:
+            cmd = [sys.executable, os.path.abspath(__file__), "--rss-probe", f"{workload}:{tool}:{config}"]
+            cmd += ["--rss-steps", str(steps), "--threads", str(torch.get_num_threads())]
+            cmd += ["--quick"] if quick else []
+            # glibc's mmap threshold pinned at its initial 128 KiB: by default it grows with every large
+            # free, so where freed activations land (heap or returned to the OS) varies by run and peak
+            # RSS jittered by +-1% between identical probes; pinned, it tracks live memory (+-0.2%).
+            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "PYTHONHASHSEED": str(seed)}
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+            name = "none" if tool == "none" else f"{tool}[{config}]"
+            try:
+                probe = json.loads(proc.stdout.strip().splitlines()[-1])
+            except (IndexError, ValueError):
+                print(f"  rss probe {name} failed: {proc.stderr[-400:]}", file=sys.stderr)
+                probe = {}
+            probes.setdefault(name, []).append(probe)
+    out: dict[str, dict[str, Any]] = {}
+    for name, runs in probes.items():
+        out[name] = {"probes": runs}
+        for key in ("peak_rss_mb", "peak_anon_mb"):
+            values = [r.get(key, float("nan")) for r in runs]
+            out[name][key] = statistics.median(values) if all(v == v for v in values) else float("nan")
     return out
 
 
@@ -569,6 +613,8 @@ class Plan:
     #: so two steps show their steady state; (c)'s expert rows change every step, and the monitor's row
     #: cache and texts fill up over several (docs/PERFORMANCE.md, session 18: +2.0% after 2, +2.5% after 12).
     rss_steps: dict[str, int]
+    #: hash seeds per peak-RSS probe, by workload (`measure_rss`): more where the monitor's share is small
+    rss_seeds: dict[str, int] = field(default_factory=dict)
     idle_blocks: int = 8
 
 
@@ -581,6 +627,7 @@ FULL = Plan(
     warmup=1,
     engine_reps=15,
     rss_steps={"a": 2, "b": 2, "c": 12},
+    rss_seeds={"c": 3},  # (a), (b): the monitor's share is within +-0.3% there (run 10), one seed
 )
 QUICK = Plan(
     blocks={"a": 2, "b": 2}, steps={"a": 2, "b": 3}, warmup=1, engine_reps=5, rss_steps={}, idle_blocks=2
@@ -635,12 +682,17 @@ def run_benchmark(
         )
         if rss and plan.rss_steps.get(key, 0) > 0:
             arms = [("none", "-")] + [(t, c) for c in configs for t in tools]
-            peaks = measure_rss(key, arms, plan.rss_steps[key], quick)
+            peaks = measure_rss(key, arms, plan.rss_steps[key], quick, plan.rss_seeds.get(key, 1))
+            base = peaks.get("none", {})
             for row in res["arms"]:
-                row["peak_rss_mb"] = peaks.get(row["arm"])
-                base = peaks.get("none")
-                if base and row["peak_rss_mb"] == row["peak_rss_mb"]:
-                    row["peak_rss_pct"] = (row["peak_rss_mb"] / base - 1.0) * 100.0
+                peak = peaks.get(row["arm"], {})
+                row["rss_probes"] = peak.get("probes", [])
+                row["peak_rss_mb"] = peak.get("peak_rss_mb", float("nan"))
+                row["peak_anon_mb"] = peak.get("peak_anon_mb", float("nan"))
+                if base.get("peak_rss_mb") and row["peak_rss_mb"] == row["peak_rss_mb"]:
+                    row["peak_rss_pct"] = (row["peak_rss_mb"] / base["peak_rss_mb"] - 1.0) * 100.0
+                    # the added anonymous memory in MB: what the monitor holds, whatever the host maps
+                    row["peak_anon_added_mb"] = row["peak_anon_mb"] - base.get("peak_anon_mb", float("nan"))
         log(format_table(res, results["engine"][key]))
     results["targets"] = check_targets(results)
     results["wall_s"] = time.perf_counter() - started
@@ -711,7 +763,8 @@ def format_table(res: dict[str, Any], engine: dict[str, float]) -> str:
     lines = [
         f"\n({res['workload']}) {res['title']}; baseline {res['baseline_ms']:.1f} ms/step",
         f"{'arm':28} {'n':>3} {'median ms':>10} {'added ms':>9} {'ovh %':>7} {'90% band':>15} "
-        f"{'mean ovh %':>10} {'own ms':>8} {'tm/ms step':>10} {'peak RSS MB':>11} {'RSS %':>6}",
+        f"{'mean ovh %':>10} {'own ms':>8} {'tm/ms step':>10} {'peak RSS MB':>11} {'RSS %':>6} "
+        f"{'anon +MB':>8}",
     ]
     for r in res["arms"]:
         lines.append(
@@ -719,7 +772,7 @@ def format_table(res: dict[str, Any], engine: dict[str, float]) -> str:
             f"{r['overhead_pct']:>7.2f} {_band(r['overhead_interval_pct']):>15} "
             f"{r['mean_overhead_pct']:>10.2f} {num(r['own_ms'], '8.2f'):>8} "
             f"{num(r.get('step_ratio_vs_msprobe'), '.3f'):>10} {num(r.get('peak_rss_mb'), '.0f'):>11} "
-            f"{num(r.get('peak_rss_pct'), '.2f'):>6}"
+            f"{num(r.get('peak_rss_pct'), '.2f'):>6} {num(r.get('peak_anon_added_mb'), '.2f'):>8}"
         )
     lines.append(
         f"engine: {engine['tensors']} tensors, {engine['elements'] / 1e6:.2f}M elements: "
