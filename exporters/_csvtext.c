@@ -140,15 +140,19 @@ static PyObject *lines(PyObject *self, PyObject *args) {
             return NULL;
         }
     }
-    char *out = PyMem_RawMalloc(size);
+    /* The lines go straight into the result, cut to their length at the end: a separate buffer copied into
+       the bytes object held both at once, the upper bound plus the text (~2.7x the text; now ~1.7x). No
+       other thread can see `result` before it is returned, so writing it without the GIL is safe. */
+    PyObject *result = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)size);
     locale_t c_numeric = newlocale(LC_NUMERIC_MASK, "C", (locale_t)0);
-    if (out == NULL || c_numeric == (locale_t)0) {
-        PyMem_RawFree(out);
+    if (result == NULL || c_numeric == (locale_t)0) {
+        Py_XDECREF(result);
         if (c_numeric != (locale_t)0)
             freelocale(c_numeric);
         release(cols, ncols);
-        return PyErr_NoMemory();
+        return result == NULL ? NULL : PyErr_NoMemory();
     }
+    char *out = PyBytes_AS_STRING(result);
     char *p = out;
     Py_BEGIN_ALLOW_THREADS;
     locale_t before = uselocale(c_numeric);
@@ -171,8 +175,8 @@ static PyObject *lines(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS;
     freelocale(c_numeric);
     release(cols, ncols);
-    PyObject *result = PyBytes_FromStringAndSize(out, p - out);
-    PyMem_RawFree(out);
+    if (_PyBytes_Resize(&result, p - out) < 0)
+        return NULL; /* result was released and the error set */
     return result;
 }
 
