@@ -28,6 +28,7 @@ import os
 import platform
 import random
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -390,15 +391,18 @@ def measure_rss(
     turn within each seed. Per arm: the medians over seeds and every probe's figures.
 
     Why seeds: a probe's peak sits on one of levels about 4 MB apart (on (c) and (b)), whichever the heap's
-    layout gives it, and the layout follows the order of allocations, which the string hash seed changes
-    (dict and set sizes, iteration order). With a random seed the same arm landed on either level run to
-    run; with PYTHONHASHSEED pinned, a probe repeats to 0.1 MB (session 20). Every arm runs under the same
+    layout gives it, and the layout follows the order and addresses of allocations, which the string hash
+    seed (dict and set sizes, iteration order) and address-space randomisation change. With both free the
+    same arm landed on either level run to run; with PYTHONHASHSEED pinned and randomisation off
+    (`setarch -R`, where it exists), a probe repeats to 0.4 MB (session 20). Every arm runs under the same
     seeds, so each seed compares like with like, and the median over seeds does not hang on one layout."""
+    fixed = ["setarch", platform.machine(), "-R"] if shutil.which("setarch") else []
     probes: dict[str, list[dict[str, float]]] = {}
     for seed in range(seeds):
         for tool, config in arms:
-            cmd = [sys.executable, os.path.abspath(__file__), "--rss-probe", f"{workload}:{tool}:{config}"]
-            cmd += ["--rss-steps", str(steps), "--threads", str(torch.get_num_threads())]
+            cmd = [*fixed, sys.executable, os.path.abspath(__file__)]
+            cmd += ["--rss-probe", f"{workload}:{tool}:{config}", "--rss-steps", str(steps)]
+            cmd += ["--threads", str(torch.get_num_threads())]
             cmd += ["--quick"] if quick else []
             # glibc's mmap threshold pinned at its initial 128 KiB: by default it grows with every large
             # free, so where freed activations land (heap or returned to the OS) varies by run and peak
