@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import sys
 
 import numpy as np
@@ -277,3 +278,19 @@ def test_overhead_noise_band():
     low, high = overhead_interval(slower, base, 5, random.Random(1))
     assert 7 < low < 10 < high < 13
     assert all(math.isnan(v) for v in overhead_interval([], base, 5, random.Random(1)))
+
+
+def test_overhead_benchmark_rss_probes():
+    """The peak-RSS probes: one fresh process per arm and hash seed, medians over seeds, and the anonymous
+    peak (VmHWM less the resident file pages) below VmHWM."""
+    sys.path.insert(0, REPO)
+    from benchmarks.overhead import measure_rss
+
+    peaks = measure_rss("b", [("none", "-"), ("trainermon", "wg")], steps=1, quick=True, seeds=2)
+    assert set(peaks) == {"none", "trainermon[wg]"}
+    for arm in peaks.values():
+        assert len(arm["probes"]) == 2
+        for probe in arm["probes"]:
+            assert 0 < probe["peak_anon_mb"] < probe["peak_rss_mb"]
+        for key in ("peak_rss_mb", "peak_anon_mb"):
+            assert arm[key] == statistics.median(p[key] for p in arm["probes"])
