@@ -396,7 +396,9 @@ def measure_rss(
     same arm landed on either level run to run; with PYTHONHASHSEED pinned and randomisation off
     (`setarch -R`, where it exists), a probe repeats to 0.4 MB (session 20). Every arm runs under the same
     seeds, so each seed compares like with like, and the median over seeds does not hang on one layout."""
-    fixed = ["setarch", platform.machine(), "-R"] if shutil.which("setarch") else []
+    fixed = ["setarch", platform.machine(), "-R"]
+    if not shutil.which("setarch") or subprocess.run([*fixed, "true"], capture_output=True).returncode:
+        fixed = []  # not there, or not allowed here (a container may refuse the personality call)
     probes: dict[str, list[dict[str, float]]] = {}
     for seed in range(seeds):
         for tool, config in arms:
