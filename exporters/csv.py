@@ -155,7 +155,8 @@ class CsvExporter(Exporter):
             self._shapes.clear()  # shapes and names that steps no longer use (MoE token counts change)
             self._names.clear()
         known = self._by_row.get
-        all_texts = [known(id(r)) or self._texts(r) for r in all_rows]
+        made: dict[tuple, tuple[str, ...]] = {}  # this write's new texts, shared by the rows of one tensor
+        all_texts = [known(id(r)) or self._texts(r, made) for r in all_rows]
         # Only this step's rows keep their texts: where shapes change every step (MoE experts' token
         # counts) each step brings new row objects, whose texts would otherwise pile up.
         self._by_row = dict(zip(map(id, all_rows), all_texts))
@@ -261,10 +262,16 @@ class CsvExporter(Exporter):
                 columns.append(_float64(got[indices]))
         return lines(columns, len(rows), self.ndigits)
 
-    def _texts(self, row) -> tuple[str, str, str, str, str]:
+    def _texts(self, row, made: dict) -> tuple[str, ...]:
         """The row's fixed fields as CSV text: (`vpp_stage,name`, micro_step, shape, dtype, shard), kept
         (`write`) by the row object's id: the collector hands over the same RowMeta objects every step
-        (`RowMetaCache`), so a step's lines cost one lookup per row for these fields."""
+        (`RowMetaCache`), so a step's lines cost one lookup per row for these fields. The families of one
+        tensor (a parameter's wg, mv and param rows; a slot's actv and actv_grad) share one tuple through
+        `made`: 0.2 MB less on (c)'s 4.8k-row steps."""
+        slot = (row.vpp_stage, row.name, row.micro_step, row.shape, row.dtype, row.shard)
+        texts = made.get(slot)
+        if texts is not None:
+            return texts
         shape = self._shapes.get(row.shape)
         if shape is None:
             shape = self._shapes[row.shape] = _csv_field(str(list(row.shape)))
@@ -282,6 +289,7 @@ class CsvExporter(Exporter):
             _DTYPE_TEXT.get(row.dtype) or _DTYPE_TEXT.setdefault(row.dtype, str(row.dtype)),
             _csv_field(row.shard) if row.shard else "",
         )
+        made[slot] = texts
         return texts
 
     def _file_for(self, family: str, step: int, with_micro: bool, header: list | None = None) -> _RowFile:

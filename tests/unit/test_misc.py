@@ -262,6 +262,40 @@ def test_csv_row_texts_follow_new_rows_and_stay_bounded(tmp_path, monkeypatch):
     assert read_family(str(tmp_path), "param")[-1]["name"] == "w"
 
 
+def test_csv_families_of_one_tensor_share_their_texts(tmp_path):
+    """The rows of one tensor in several families (a parameter's wg, mv and param rows) share one tuple of
+    texts; a row that differs in any written field (micro-step, shard, shape) gets its own, and every
+    family's lines carry that row's fields."""
+    import numpy as np
+
+    import trainermon.exporters.csv as csv_exporter
+    from trainermon.collect.records import RowMeta, StatBatch
+    from trainermon.config import parse_config
+    from trainermon.exporters.base import RunInfo
+
+    exporter = csv_exporter.CsvExporter()
+    exporter.open(RunInfo(str(tmp_path), str(tmp_path), 0, 1, "r", parse_config({"ops": ["norm", "shape"]})))
+    families = ("grad_reduced", "param_origin", "exp_avg")
+    rows = [RowMeta(f, 0, "w", None, (2, 2), torch.float32, 4) for f in families]
+    rows += [
+        RowMeta("actv", 0, "w", 0, (2, 2), torch.float32, 4),
+        RowMeta("actv_grad", 0, "w", 1, (2, 2), torch.float32, 4),  # another micro-step
+        RowMeta("exp_avg_sq", 0, "w", None, (2, 2), torch.float32, 4, "Shard(0)"),  # a piece
+        RowMeta("param_updated", 0, "w", None, (4,), torch.float32, 4),  # another shape
+    ]
+    exporter.write(StatBatch(step=0, rows=rows, values={"norm": np.arange(7.0)}))
+    texts = [exporter._by_row[id(r)] for r in rows]
+    assert texts[0] is texts[1] is texts[2]
+    assert len({id(t) for t in texts}) == 5
+    exporter.close()
+    for i, family in enumerate(families):
+        (line,) = read_family(str(tmp_path), family)
+        assert (line["name"], line["shape"], line["norm"], line["shard"]) == ("w", "[2, 2]", f"{i:g}", "")
+    assert [r["micro_step"] for r in read_family(str(tmp_path), "actv_grad")] == ["1"]
+    assert [r["shard"] for r in read_family(str(tmp_path), "exp_avg_sq")] == ["Shard(0)"]
+    assert [r["shape"] for r in read_family(str(tmp_path), "param_updated")] == ["[4]"]
+
+
 def test_row_cache_keeps_the_rows_steps_use_and_drops_the_rest():
     """Rows whose shape changes every step (MoE experts' token counts) do not pile up in the collector's
     row cache: it stays within half again a step's rows (plus 1024), while a row used every step keeps its
