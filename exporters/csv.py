@@ -267,7 +267,7 @@ class CsvExporter(Exporter):
         (`write`) by the row object's id: the collector hands over the same RowMeta objects every step
         (`RowMetaCache`), so a step's lines cost one lookup per row for these fields. The families of one
         tensor (a parameter's wg, mv and param rows; a slot's actv and actv_grad) share one tuple through
-        `made`: 0.2 MB less on (c)'s 4.8k-row steps."""
+        `made`: 1356 tuples instead of 4862 on (c) `all`, 0.34 MB less."""
         slot = (row.vpp_stage, row.name, row.micro_step, row.shape, row.dtype, row.shard)
         texts = made.get(slot)
         if texts is not None:
