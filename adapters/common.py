@@ -190,6 +190,20 @@ def state_value(optimizer: Any, param: torch.Tensor, key: str) -> torch.Tensor |
     return value if isinstance(value, torch.Tensor) else None
 
 
+def state_values(optimizer: Any, params: Sequence[torch.Tensor], key: str) -> list[torch.Tensor | None]:
+    """`state_value` of every parameter, the state table looked up once (the update-side families read
+    every parameter on every collected step)."""
+    state = getattr(optimizer, "state", None)
+    if state is None:
+        return [None] * len(params)
+    out: list[torch.Tensor | None] = []
+    for p in params:
+        entry = state[p] if p in state else None  # `in` first: `state` may be a defaultdict
+        value = None if entry is None else entry.get(key)
+        out.append(value if isinstance(value, torch.Tensor) else None)
+    return out
+
+
 def optimizer_has_key(optimizer: Any, params: Sequence[torch.Tensor], key: str) -> bool:
     """Whether any parameter has state `key`: decided the same way on every rank (each holds state for
     some piece of the model), so that sharded rows line up for the packed reduction."""

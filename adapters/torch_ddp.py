@@ -29,7 +29,7 @@ from trainermon.collect.placement import LOCAL, Replicated, TensorPiece
 from trainermon.names import clean_name
 
 from .base import GRAD_REDUCED, GRAD_UNREDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
-from .common import OncePerStep, guarded, hook_optimizer_step, is_wrapper, state_value, unwrap
+from .common import OncePerStep, guarded, hook_optimizer_step, is_wrapper, state_values, unwrap
 from .dtensor import dtensor_piece, is_dtensor, local_piece, splits_over_ranks
 
 
@@ -181,10 +181,17 @@ class TorchAdapter(Adapter):
         if kind == GRAD_UNREDUCED:
             return [None if mp.param.grad is None else self._own(mp.param.grad) for mp in params]
         if kind == GRAD_REDUCED:
-            return [self._piece(mp.param.grad) for mp in params]
-        if kind == PARAM:
-            return [self._piece(mp.param.data) for mp in params]
-        return [self._piece(state_value(self.optimizer, mp.param, kind)) for mp in params]
+            tensors = [mp.param.grad for mp in params]
+        elif kind == PARAM:
+            tensors = [mp.param.data for mp in params]
+        else:
+            tensors = state_values(self.optimizer, [mp.param for mp in params], kind)
+        if self._tensor_parallel:
+            return [self._piece(t) for t in tensors]
+        # No DTensor anywhere: every piece is whole, with the model's one placement, built here rather than
+        # through `_piece` (two calls less per tensor: ~0.3 us of the 0.6-0.8 us a piece cost on (c))
+        replica = self._replica
+        return [None if t is None else TensorPiece(t, replica, tuple(t.shape), t.dtype) for t in tensors]
 
     def _piece(self, t: torch.Tensor | None) -> TensorPiece | None:
         if t is None:
