@@ -183,16 +183,12 @@ def hook_optimizer_step(optimizer: Any, events: StepEvents) -> list[Any]:
 
 def state_value(optimizer: Any, param: torch.Tensor, key: str) -> torch.Tensor | None:
     """`optimizer.state[param][key]` when it is a tensor, else None."""
-    state = getattr(optimizer, "state", None)
-    if state is None or param not in state:
-        return None
-    value = state[param].get(key)
-    return value if isinstance(value, torch.Tensor) else None
+    return state_values(optimizer, (param,), key)[0]
 
 
 def state_values(optimizer: Any, params: Sequence[torch.Tensor], key: str) -> list[torch.Tensor | None]:
-    """`state_value` of every parameter, the state table looked up once (the update-side families read
-    every parameter on every collected step)."""
+    """`optimizer.state[p][key]` of every parameter when it is a tensor, else None; the state table looked
+    up once (the update-side families read every parameter on every collected step)."""
     state = getattr(optimizer, "state", None)
     if state is None:
         return [None] * len(params)
