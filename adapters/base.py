@@ -200,5 +200,14 @@ class Adapter(ABC):
         (what the optimizer uses, loss scale divided out), GRAD_UNREDUCED (read at the step when no tap
         reports it), PARAM (the values the optimizer updates), or an optimizer-state key ('exp_avg')."""
 
+    def read_whole(
+        self, kind: str, params: Sequence[MonitoredParam]
+    ) -> tuple[Placement, list[torch.Tensor | None]] | None:
+        """`read` where the adapter knows, without looking at each tensor, that every piece of `kind` is a
+        whole plain tensor (no DTensor) under one placement that is not `Sharded`: that placement and the
+        tensors (None where `read` gives None), which the core records without a `TensorPiece` each. None,
+        the default: the core calls `read`."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Remove anything the adapter installed."""

@@ -88,8 +88,10 @@ def test_raising_hooks_do_not_change_training(tmp_path, monkeypatch, caplog):
         raise RuntimeError("injected failure")
 
     monkeypatch.setattr(monitor.loop.collector, "add", boom)
+    monkeypatch.setattr(monitor.loop.collector, "add_whole", boom)
     monkeypatch.setattr(monitor.loop.collector, "add_local", boom)
     monkeypatch.setattr(monitor.loop.adapter, "read", boom)
+    monkeypatch.setattr(monitor.loop.adapter, "read_whole", boom)
     with caplog.at_level(logging.ERROR, logger="trainermon"):
         losses = _train(model, opt)
     monitor.close()

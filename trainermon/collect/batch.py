@@ -4,11 +4,13 @@ tensors recorded by reference and reduced together where it cannot read them (se
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from trainermon.stats.partials import NUM_PARTIALS
+from trainermon.stats.partials import NANS, NUM_PARTIALS
 
 #: Bytes of hook tensors held by reference for one batched reduction (see `StepCollector.flush`): small
 #: enough to stay within a CPU's L2 cache and to add little to peak memory, large enough that a narrow
@@ -105,3 +107,36 @@ def compute_now(engine: Any, tensors: list[torch.Tensor]) -> tuple[list[torch.Te
         rows.append(None if bad else partials)
         why.extend(bad.values())
     return rows, why
+
+
+def learn_trust(watch: list[tuple[torch.Tensor, tuple[int, int], tuple[str, str]]], trusted: dict) -> None:
+    """At a flush: a (family, label) whose watched tensors kept their stamp since their hook is trusted
+    (held by reference from now on); one that changed never is."""
+    for t, stamp, trust in watch:
+        if stamp_of(t) != stamp:
+            trusted[trust] = False
+        elif trust not in trusted:
+            trusted[trust] = True
+
+
+def reduce_held(engine: Any, batch: HookBatch, trusted: dict, skip: Callable, faults: Any) -> None:
+    """`StepCollector.flush`'s engine call: the held tensors' rows into `batch.result`; a tensor changed
+    since its hook gets a NaN row (dropped by the worker), a counted fault, and its label's trust taken
+    away; an unreadable one is skipped (`skip(family, why)`)."""
+    result, skipped = engine.compute_rows(batch.tensors)
+    for j, why in skipped.items():
+        result[j, NANS] = math.nan  # dropped by the worker, as an unreadable tensor is
+        skip(batch.trust[j][0], why)
+    for j, t in enumerate(batch.tensors):
+        if stamp_of(t) != batch.stamps[j]:
+            result[j, NANS] = math.nan
+            trusted[batch.trust[j]] = False
+            if faults is not None:
+                family, label = batch.trust[j]
+                faults.record(
+                    "tensor changed after its hook",
+                    RuntimeError(f"{family} {label} was modified in place before its batched reduction"),
+                    "its row is dropped this step; it is reduced at its hook from now on",
+                )
+    batch.result = result
+    batch.tensors, batch.stamps = [], []  # release the references

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from trainermon.failsafe import FaultLog
-from trainermon.stats import NANS, NUM_PARTIALS, SUMSQ, StatsEngine, Unreadable, empty_partials
+from trainermon.stats import NUM_PARTIALS, SUMSQ, StatsEngine, Unreadable, empty_partials
 from trainermon.stats.engine import check_not_capturing
 from trainermon.stats.kinds import PLAIN_TYPES as _PLAIN
 from trainermon.stats.kinds import local_view
@@ -30,6 +30,8 @@ from .batch import (
     Span,
     TableRun,
     compute_now,
+    learn_trust,
+    reduce_held,
     same_device,
     stamp_of,
 )
@@ -137,21 +139,63 @@ class StepCollector:
             for why in sharded.compute(self.engine, pending):
                 self._skip(family, why)
         if local_tensors:
-            for device_rows, device_tensors in by_device(local_rows, local_tensors):
-                partials, skipped = self.engine.compute_rows(device_tensors)
-                if skipped:
-                    keep = [i for i in range(len(device_rows)) if i not in skipped]
-                    for why in skipped.values():
-                        self._skip(family, why)
-                    device_rows = [device_rows[i] for i in keep]
-                    partials = partials[keep]
-                self._rows.extend(r for r, _ in device_rows)
+            self._add_local_rows(family, local_rows, local_tensors, also_as)
+
+    def add_whole(
+        self,
+        family: str,
+        stages: Sequence[int],
+        names: Sequence[str],
+        tensors: Sequence[torch.Tensor | None],
+        placement: Placement,
+        also_as: str | None = None,
+    ) -> None:
+        """`add` for whole plain tensors under one placement that is not sharded (an adapter's
+        `read_whole`), at (stages[i], names[i]), micro-step None; None in `tensors`: no row. The same rows
+        in the same order as `add` of their `TensorPiece.whole` entries, without a piece and an entry built
+        and taken apart per tensor (~1 us less a tensor on the update side)."""
+        check_not_capturing()
+        if type(placement) is Sharded:
+            raise ValueError("add_whole: a sharded placement's rows are merged at finish: use add")
+        if type(placement) is not Local and not self._roles_of(placement)[1]:
+            return  # copies: another rank computes and writes the same values
+        metas = self._metas
+        rows: list[tuple[RowMeta, int]] = []
+        kept: list[torch.Tensor] = []
+        seq = self._next
+        for stage, name, t in zip(stages, names, tensors):
+            if t is not None:
+                meta = metas.get((family, stage, name, None, tuple(t.shape), t.dtype, t.numel(), "", 0, 0))
+                rows.append((meta, seq))
+                kept.append(t)
+                seq += 1
+        self._next = seq
+        if kept:
+            self._add_local_rows(family, rows, kept, also_as)
+
+    def _add_local_rows(
+        self,
+        family: str,
+        local_rows: list[tuple[RowMeta, int]],
+        local_tensors: list[torch.Tensor],
+        also_as: str | None,
+    ) -> None:
+        """Compute this rank's rows (one engine call per device) and keep them, twice with `also_as`."""
+        for device_rows, device_tensors in by_device(local_rows, local_tensors):
+            partials, skipped = self.engine.compute_rows(device_tensors)
+            if skipped:
+                keep = [i for i in range(len(device_rows)) if i not in skipped]
+                for why in skipped.values():
+                    self._skip(family, why)
+                device_rows = [device_rows[i] for i in keep]
+                partials = partials[keep]
+            self._rows.extend(r for r, _ in device_rows)
+            self._order.extend(seq for _, seq in device_rows)
+            self._parts.append(partials)
+            if also_as is not None:
+                self._rows.extend(self._metas.get((also_as, *r[1:])) for r, _ in device_rows)
                 self._order.extend(seq for _, seq in device_rows)
                 self._parts.append(partials)
-                if also_as is not None:
-                    self._rows.extend(metas.get((also_as, *r[1:])) for r, _ in device_rows)
-                    self._order.extend(seq for _, seq in device_rows)
-                    self._parts.append(partials)
 
     def add_local(
         self,
@@ -301,31 +345,9 @@ class StepCollector:
         cache: memory rewritten without the version counter seeing it."""
         batch, watch = self._batch, self._watch
         self._batch, self._watch, self._held = HookBatch(), [], 0
-        trusted = self._trusted
-        for t, stamp, trust in watch:
-            if stamp_of(t) != stamp:
-                trusted[trust] = False
-            elif trust not in trusted:
-                trusted[trust] = True
-        if not batch.tensors:
-            return
-        result, skipped = self.engine.compute_rows(batch.tensors)
-        for j, why in skipped.items():
-            result[j, NANS] = math.nan  # dropped by the worker, as an unreadable tensor is
-            self._skip(batch.trust[j][0], why)
-        for j, t in enumerate(batch.tensors):
-            if stamp_of(t) != batch.stamps[j]:
-                result[j, NANS] = math.nan
-                trusted[batch.trust[j]] = False
-                if self.faults is not None:
-                    family, label = batch.trust[j]
-                    self.faults.record(
-                        "tensor changed after its hook",
-                        RuntimeError(f"{family} {label} was modified in place before its batched reduction"),
-                        "its row is dropped this step; it is reduced at its hook from now on",
-                    )
-        batch.result = result
-        batch.tensors, batch.stamps = [], []  # release the references
+        learn_trust(watch, self._trusted)
+        if batch.tensors:
+            reduce_held(self.engine, batch, self._trusted, self._skip, self.faults)
 
     def add_missing(self, family: str, vpp_stage: int, labels: Sequence[str], micro_step: int | None) -> None:
         """Rows for elements that are not tensors (a None in a module's output tuple): msprobe writes them

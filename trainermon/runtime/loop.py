@@ -184,6 +184,18 @@ class StepLoop:
         with self.clock, self._lock:
             self.collector.add(family, entries, also_as=also_as)
 
+    def record_params(self, family: str, kind: str, also_as: str | None = None) -> None:
+        """Rows of the selected parameters' `kind` tensors (an `Adapter.read` kind): from the adapter's
+        `read_whole` where it gives them (no piece per tensor), else from `read` through `record`."""
+        adapter, sel = self.adapter, self.selection
+        whole = adapter.read_whole(kind, sel.params)
+        if whole is None:
+            self.record(family, sel.entries(adapter.read(kind, sel.params)), also_as)
+            return
+        placement, tensors = whole
+        with self.clock, self._lock:
+            self.collector.add_whole(family, sel.stages, sel.names, tensors, placement, also_as)
+
     def record_local(
         self,
         family: str,

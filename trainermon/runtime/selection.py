@@ -21,6 +21,10 @@ class ParamSelection:
     params: list = field(default_factory=list)  # adapter MonitoredParams
     names: list[str] = field(default_factory=list)
     position: dict[int, int] = field(default_factory=dict)  # adapter index -> position in `params`
+    stages: list[int] = field(default_factory=list)  # each parameter's vpp_stage, as in `params`
+
+    def __post_init__(self) -> None:
+        self.stages = [mp.vpp_stage for mp in self.params]
 
     def entries(self, pieces: list, micro_step: int | None = None) -> list[tuple]:
         """(vpp_stage, name, micro_step, piece) for every parameter with a piece."""

@@ -67,19 +67,19 @@ class GradientProbe(Probe):
         if not plan.grads:
             return
         loop, adapter, sel = self.loop, self.loop.adapter, self.loop.selection
+        if not plan.microbatch_grads and adapter.single_replica():
+            # No data-parallel reduction exists (plain PyTorch): one computation gives both families.
+            loop.record_params("grad_unreduced", GRAD_REDUCED, also_as="grad_reduced")
+            return
+        if plan.microbatch_grads or adapter.taps_report_unreduced:
+            loop.record_params("grad_reduced", GRAD_REDUCED)  # grad_unreduced: reported by taps
+            return
         reduced = adapter.read(GRAD_REDUCED, sel.params)
-        unreduced = None
-        if not plan.microbatch_grads:
-            if adapter.single_replica():
-                unreduced = reduced  # no data-parallel reduction exists
-            elif not adapter.taps_report_unreduced:
-                unreduced = adapter.read(GRAD_UNREDUCED, sel.params)
-        if unreduced is not None and _same_pieces(unreduced, reduced):
-            # No reduction happened (plain PyTorch): one computation gives both families.
+        unreduced = adapter.read(GRAD_UNREDUCED, sel.params)
+        if _same_pieces(unreduced, reduced):  # no reduction happened: one computation, both families
             loop.record("grad_unreduced", sel.entries(unreduced), also_as="grad_reduced")
             return
-        if unreduced is not None:
-            loop.record("grad_unreduced", sel.entries(unreduced))
+        loop.record("grad_unreduced", sel.entries(unreduced))
         loop.record("grad_reduced", sel.entries(reduced))
 
     def close(self) -> None:

@@ -28,13 +28,12 @@ class OptimizerProbe(Probe):
 
     def pre_optim(self, plan: StepPlan) -> None:
         if plan.params:
-            sel = self.loop.selection
-            self.loop.record("param_origin", sel.entries(self.loop.adapter.read(PARAM, sel.params)))
+            self.loop.record_params("param_origin", PARAM)
 
     def post_optim(self, plan: StepPlan) -> None:
-        loop, sel = self.loop, self.loop.selection
+        loop = self.loop
         if plan.moments and self.moments is not None:
             for key in self.moments.for_step():
-                loop.record(key, sel.entries(loop.adapter.read(key, sel.params)))
+                loop.record_params(key, key)
         if plan.params:
-            loop.record("param_updated", sel.entries(loop.adapter.read(PARAM, sel.params)))
+            loop.record_params("param_updated", PARAM)
