@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-import trainermon.collect.collector as collector_module
+import trainermon.collect.hook_rows as hook_rows_module
 from tests.helpers import keyed, read_family, write_config
 from trainermon import TrainerMon
 from trainermon.collect.records import StepScalars
@@ -38,7 +38,7 @@ class ResidualNet(nn.Module):
 def _run(tmp_path, monkeypatch, name: str, dedup: bool):
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / name))
     if not dedup:
-        monkeypatch.setattr(collector_module, "_value_key", lambda t: None)
+        monkeypatch.setattr(hook_rows_module, "_value_key", lambda t: None)
     cfg = write_config(
         tmp_path / f"{name}.json", xy_distribution=True, all_xy=True, ops=["norm", "min", "max", "mean"]
     )
@@ -193,13 +193,13 @@ def addresses_collide(monkeypatch):
     the data's addresses, so any later tensor of the same size, shape, layout and version looks like the
     one computed before (what the allocator does when it hands freed memory and a freed storage object
     back at the same addresses; waiting for it to happen made these tests skip in half the runs)."""
-    real = collector_module._value_key
+    real = hook_rows_module._value_key
 
     def without_addresses(t):  # the two addresses zeroed, every other field where the collector reads it
         key = real(t)
         return None if key is None else (0, key[1], 0, *key[3:])
 
-    monkeypatch.setattr(collector_module, "_value_key", without_addresses)
+    monkeypatch.setattr(hook_rows_module, "_value_key", without_addresses)
 
 
 def test_memory_replaced_through_data_is_not_reused():
