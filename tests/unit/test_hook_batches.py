@@ -215,3 +215,22 @@ def test_rows_written_at_the_hook_keep_the_hooks_values_and_hold_nothing():
     assert payload.partials[:, NANS].sum().item() == 0
     assert [row.name for row in payload.rows] == [f"m{i}.output" for i in range(300)]
     assert faults.total == 0
+
+
+@pytest.mark.skipif(not fused.AVAILABLE, reason="the row table is written by the native kernel")
+def test_row_table_grows_and_keeps_every_row():
+    """The table doubles when full and keeps the rows written before; a tensor the kernel cannot read
+    takes no row. Sums of squares within the kernel's 9.6e-7 relative bound (`_fused.c`), checked at 2e-6."""
+    from trainermon.collect.batch import RowTable
+    from trainermon.stats import SUMSQ
+
+    engine = StatsEngine(EngineOptions(nonfinite=True))
+    table = RowTable(capacity=2)
+    gen = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(10 + i, generator=gen) for i in range(5)]
+    assert table.write(engine, torch.arange(4)) is None  # an integer tensor: not the kernel's
+    rows = [table.write(engine, t) for t in tensors]
+    assert rows == [0, 1, 2, 3, 4] and table.capacity == len(table.result) == 8
+    for row, t in zip(rows, tensors):
+        exact = float(t.double().square().sum())
+        assert math.isclose(float(table.result[row, SUMSQ]), exact, rel_tol=2e-6)

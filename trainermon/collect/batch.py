@@ -36,20 +36,21 @@ class RowTable:
     """Rows the native kernel wrote at their hook (`StatsEngine.kernel_row`): a float64 CPU table of
     [capacity, NUM_PARTIALS] that doubles when full; `TableRun`s refer to its rows."""
 
-    __slots__ = ("result", "used")
+    __slots__ = ("result", "used", "capacity")
 
     def __init__(self, capacity: int = 256) -> None:
         self.result = torch.empty((capacity, NUM_PARTIALS), dtype=torch.float64)
         self.used = 0
+        self.capacity = capacity  # len(self.result), kept: a tensor's len() is a Python-level call
 
     def write(self, engine: Any, t: torch.Tensor) -> int | None:
         """`t`'s row, written now by the engine's kernel (`StatsEngine.kernel_row`); None when the kernel
         cannot read `t` (nothing written)."""
         row = self.used
-        if row == len(self.result):
+        if row == self.capacity:
             grown = torch.empty((2 * row, NUM_PARTIALS), dtype=torch.float64)
             grown[:row] = self.result
-            self.result = grown
+            self.result, self.capacity = grown, 2 * row
         if not engine.kernel_row(t, self.result, row):
             return None
         self.used = row + 1

@@ -69,7 +69,7 @@ class HookRows:
 
     def _reset_hook_rows(self) -> None:
         self._seen, self._seen_row, self._by_id = {}, {}, {}
-        self._table = RowTable(len(self._table.result))  # this step's size: no growth next step
+        self._table = RowTable(self._table.capacity)  # this step's size: no growth next step
         self._batch = HookBatch()
         self._watch = []
         self._held = 0
