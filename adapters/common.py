@@ -194,7 +194,7 @@ def state_values(optimizer: Any, params: Sequence[torch.Tensor], key: str) -> li
         return [None] * len(params)
     out: list[torch.Tensor | None] = []
     for p in params:
-        entry = state[p] if p in state else None  # `in` first: `state` may be a defaultdict
+        entry = state.get(p)  # not state[p]: `state` may be a defaultdict (one hash of the tensor, not two)
         value = None if entry is None else entry.get(key)
         out.append(value if isinstance(value, torch.Tensor) else None)
     return out
