@@ -21,10 +21,7 @@ from trainermon.stats import NUM_PARTIALS, SUMSQ, StatsEngine, Unreadable, empty
 from trainermon.stats.engine import check_not_capturing
 from trainermon.stats.kinds import local_view
 
-from .batch import (
-    Span,
-    TableRun,
-)
+from .batch import Span, TableRun
 from .hook_rows import HookRows
 from .placement import Local, Placement, Sharded, TensorPiece, takes_part, writes_rows
 from .records import RowMeta, RowMetaCache, StepPayload, StepScalars

@@ -21,7 +21,7 @@ class ParamSelection:
     params: list = field(default_factory=list)  # adapter MonitoredParams
     names: list[str] = field(default_factory=list)
     position: dict[int, int] = field(default_factory=dict)  # adapter index -> position in `params`
-    stages: list[int] = field(default_factory=list)  # each parameter's vpp_stage, as in `params`
+    stages: list[int] = field(init=False)  # each parameter's vpp_stage, as in `params`
 
     def __post_init__(self) -> None:
         self.stages = [mp.vpp_stage for mp in self.params]
