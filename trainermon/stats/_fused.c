@@ -51,12 +51,16 @@
 
 enum { CODE_F32 = 0, CODE_BF16 = 1, CODE_F16 = 2 };
 enum { ROW = 7, BLOCK = 4096, RUN = 16 };
-/* Elements the AVX2 loop asks for ahead of its reads, two cache lines per step. From memory (a tensor
-   larger than the last-level cache) the loop read at ~55% of torch's speed without it: 14.7 against 26.6
-   GB/s for a 64 MiB tensor here; with it and four chains per sum, 28.0 GB/s. A prefetch never faults, and
-   its address is formed as an integer, so reading ahead past a tensor's end is harmless. */
+/* Elements the AVX2 loop asks for ahead of its reads, two cache lines per step. Without it the loop reads
+   below torch's speed (1.24x torch's time from memory or a warm last-level cache here). How far ahead
+   pays depends on where the data lies (benchmarks/prefetch_sweep.py, session 22's host): from memory (a
+   1 GiB tensor, 11 GiB/s) 1.5 KiB ahead matched torch (0.97x) where 8 KiB took 1.18x; from a warm 480
+   MiB L3 (64 MiB, 20 GiB/s) 8 KiB gave 0.82x and 1.5 KiB 0.98x. 384 elements is the distance whose worse
+   case is best (the first host that measured this, with a small L3, had gained from 8 KiB: 28.0 against
+   torch's 26.6 GB/s). A prefetch never faults, and its address is formed as an integer, so reading ahead
+   past a tensor's end is harmless. */
 #ifndef PREFETCH
-#define PREFETCH 2048
+#define PREFETCH 384
 #endif
 #define PREFETCH_AHEAD(x, i)                                                                     \
     do {                                                                                         \
