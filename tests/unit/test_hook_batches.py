@@ -21,7 +21,7 @@ from torch import nn
 
 from tests.helpers import keyed, read_family, write_config
 from trainermon import TrainerMon
-from trainermon.collect.batch import HOLD_BYTES
+from trainermon.collect.batch import ACCELERATOR_HOLD_BYTES, HOLD_BYTES, HookBatch, hold_limit
 from trainermon.collect.collector import StepCollector, TransferCounter
 from trainermon.collect.records import StepScalars
 from trainermon.failsafe import FaultLog
@@ -192,6 +192,45 @@ def test_held_memory_is_bounded_and_batches_share_engine_calls():
     assert engine.calls - before <= 4 * 1024 * 1024 // HOLD_BYTES + 1
     norms = payload.partials[:, 0].sqrt().tolist()
     assert norms == pytest.approx([i * 128.0 for i in range(64)])
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_an_accelerator_holds_more_per_batch_than_the_cpu(device):
+    """On a GPU each engine call costs ~100 us of host time and activations are tens of MiB, so hook
+    tensors there are held up to `ACCELERATOR_HOLD_BYTES` (the CPU keeps its cache-sized hold): 64
+    tensors of 1 MiB are one engine call on CUDA, about 22 on the CPU, with the same exact rows."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (the CPU stand-in for the choice of limit is the next test)")
+    collector, engine, faults = _collector()
+    labels = [f"m{i}.output" for i in range(64)]
+    _learn(collector, labels, torch.ones(256 * 1024, device=device))  # 1 MiB each
+    before = engine.calls
+    tensors = [torch.full((256 * 1024,), float(i), device=device) for i in range(64)]  # 64 MiB in all
+    limit = HOLD_BYTES if device == "cpu" else ACCELERATOR_HOLD_BYTES
+    for label, t in zip(labels, tensors):
+        collector.add_local("actv", 0, [label], 0, [t])
+        assert collector._held <= limit
+    payload = collector.finish(1, StepScalars())
+    calls = engine.calls - before
+    if device == "cpu":
+        # a batch is reduced once it holds more than the limit: at most the limit plus one tensor
+        assert 64 * 2**20 // (HOLD_BYTES + 2**20) <= calls <= 64 * 2**20 // HOLD_BYTES + 1
+    else:
+        assert calls == 1  # everything held until the step's end
+    norms = payload.partials[:, 0].sqrt().tolist()
+    assert norms == pytest.approx([i * 512.0 for i in range(64)])
+    assert faults.total == 0
+
+
+def test_the_hold_limit_follows_the_batchs_device():
+    """CPU stand-in for the CUDA case above: the limit is chosen by the device of the batch's tensors
+    (a meta tensor stands for an accelerator's; nothing is computed from it)."""
+    batch = HookBatch()
+    assert hold_limit(batch, 1, 2) == 1  # empty: the CPU's, until a tensor decides
+    batch.tensors.append(torch.empty(4, device="meta"))
+    assert hold_limit(batch, 1, 2) == 2
+    batch.tensors[0] = torch.empty(4)
+    assert hold_limit(batch, 1, 2) == 1
 
 
 @pytest.mark.skipif(not fused.AVAILABLE, reason=f"native kernel: {fused.KIND}")

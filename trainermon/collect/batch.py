@@ -16,6 +16,11 @@ from trainermon.stats.partials import NANS, NUM_PARTIALS
 #: enough to stay within a CPU's L2 cache and to add little to peak memory, large enough that a narrow
 #: model's hooks share a few engine calls instead of one each.
 HOLD_BYTES = 2 << 20
+#: The same for hook tensors on an accelerator, where there is no cache to stay within: each engine call
+#: costs ~100-150 us of host time (kernel table, buffers, launches), and a GPU's activations are tens of
+#: MiB each, so a 2 MiB hold meant one call per hook. 256 MiB (0.2% of an 80 GB card) took `all` on an
+#: H200 from +27% to +16% on a 1.7e9-parameter GPT and from +300% to +122% on a 1.2e8 one (PERFORMANCE.md).
+ACCELERATOR_HOLD_BYTES = 256 << 20
 #: Tensors held by reference before a flush, whatever their size.
 HOLD_COUNT = 256
 
@@ -87,6 +92,13 @@ def stamp_of(t: torch.Tensor) -> tuple[int, int]:
     """What changes when a tensor's values are replaced through autograd's view (an in-place op bumps the
     version counter shared by every view) or its memory is swapped (`.data = `, storage resized)."""
     return t._version, t.data_ptr()
+
+
+def hold_limit(batch: HookBatch, cpu_bytes: int, accelerator_bytes: int) -> int:
+    """Bytes a batch may hold before it is reduced: by the device of its tensors (one per batch)."""
+    if not batch.tensors or batch.tensors[0].device.type == "cpu":
+        return cpu_bytes
+    return accelerator_bytes
 
 
 def same_device(batch: HookBatch, t: torch.Tensor) -> bool:

@@ -20,6 +20,7 @@ from trainermon.stats.kinds import PLAIN_TYPES as _PLAIN
 from trainermon.stats.kinds import local_view
 
 from .batch import (
+    ACCELERATOR_HOLD_BYTES,
     HOLD_BYTES,
     HOLD_COUNT,
     HookBatch,
@@ -27,6 +28,7 @@ from .batch import (
     Span,
     TableRun,
     compute_now,
+    hold_limit,
     learn_trust,
     reduce_held,
     same_device,
@@ -56,8 +58,9 @@ class HookRows:
         self.batching = True
         #: Reduce hook tensors the native kernel reads at their hook (benchmarks turn it off to compare).
         self.at_hook = True
-        #: Bytes of hook tensors held for one batched reduction (benchmarks raise it on GPUs to compare).
+        #: Bytes of hook tensors held for one batched reduction, on the CPU and on an accelerator.
         self.hold_bytes = HOLD_BYTES
+        self.hold_bytes_accelerator = ACCELERATOR_HOLD_BYTES
         #: Tensors already computed this step, by what their values are (`identity.value_key`), so that
         #: one activation seen as a module's output and as the next module's input is reduced once: the
         #: tensor computed (weakly) and its row. Separate dicts: a tuple holding a weak reference is never
@@ -207,16 +210,20 @@ class HookRows:
                 parts.append(ref)
         self._next = seq
         if self._held > self.hold_bytes or len(batch.tensors) + len(self._watch) > HOLD_COUNT:
-            self.flush()
+            # past the CPU's hold (the smaller): only then the device's limit is looked up
+            limit = hold_limit(batch, self.hold_bytes, self.hold_bytes_accelerator)
+            if self._held > limit or len(batch.tensors) + len(self._watch) > HOLD_COUNT:
+                self.flush()
 
     def flush(self) -> None:
         """Reduce the tensors recorded by reference in one engine call, and check that every tensor held
         since the last flush still has the values it had at its hook (version counter and address).
 
-        Held tensors: at most `hold_bytes` (plus one tensor) are kept alive beyond their hook, the memory
-        this costs. A (family, label) is batched only after a step in which its tensors were reduced at
-        their hook and found unchanged at the flush that followed (an in-place op after the hook, such
-        as `ReLU(inplace=True)` on a module's output, or Megatron freeing an output with `.data = `);
+        Held tensors: at most `hold_bytes` on the CPU, `hold_bytes_accelerator` on an accelerator (plus one
+        tensor), are kept alive beyond their hook, the memory this costs. A (family, label) is batched
+        only after a step in which its tensors were reduced at their hook and found unchanged at the flush
+        that followed (an in-place op after the hook, such as `ReLU(inplace=True)` on a module's output,
+        or Megatron freeing an output with `.data = `);
         should a batched tensor still change (a data-dependent path), its row is dropped and counted as
         a fault, and the label is reduced at its hook from then on. Not detected, as for the shared-row
         cache: memory rewritten without the version counter seeing it."""
