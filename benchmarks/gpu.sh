@@ -21,16 +21,17 @@ nvidia-smi >"$out/nvidia-smi.txt" 2>&1
 # skipped on machines without CUDA).
 "$py" -m pytest -q -rs tests/unit/test_transfers.py tests/unit/test_stats.py tests/unit/test_engine_accuracy.py \
   tests/unit/test_graph_taps.py tests/unit/test_triton_stats.py tests/unit/test_cuda_graphs.py \
+  tests/unit/test_hook_batches.py \
   2>&1 | tee "$out/tests.log"
 tests_rc=${PIPESTATUS[0]}
 PYTHONUNBUFFERED=1 "$py" benchmarks/gpu_overhead.py --json "$out/gpu_overhead.json" --profile "$out/profile.txt" 2>&1 | tee "$out/bench.log"
 bench_rc=${PIPESTATUS[0]}
-# Session 19's plan for the next GPU: hook tensors held for batched engine calls (256 MiB against the
-# CPU-sized 2 MiB), on the workload of record and on a small model whose step leaves the hooks' host
-# time exposed.
+# The hook batches: `all` with the GPU's hold (256 MiB of hook tensors per batched engine call, since
+# session 23) against `all-hold2` (2 MiB, the CPU's), on the workload of record and on a small model whose
+# step leaves the hooks' host time exposed.
 for size in full small; do
-  arms=none,all,all-hold256
-  [ "$size" = small ] && arms=none,wg,all,all-hold256
+  arms=none,all,all-hold2
+  [ "$size" = small ] && arms=none,wg,all,all-hold2
   PYTHONUNBUFFERED=1 "$py" benchmarks/gpu_overhead.py --size "$size" --arms "$arms" --overhead-only \
     --json "$out/gpu_hold_$size.json" --profile "$out/profile_hold_$size.txt" 2>&1 | tee -a "$out/bench.log"
   [ "${PIPESTATUS[0]}" = 0 ] || bench_rc=1

@@ -47,14 +47,14 @@ ARMS = ("none", "wg", "wg+mv+param", "all")
 # Experiments, not monitors (pick with --arms): the floor's read of every gradient in the step, once on the
 # training stream after backward, once per parameter on a side stream while backward runs (can overlap hide
 # the read that a `wg` row costs?).
-EXPERIMENTS = ("read", "read-overlap", "all-hold256")
-#: `all-hold256`: `all` with the collector holding up to 256 MiB of hook tensors for one batched engine call
-#: (2 MiB by default, sized for a CPU's L2 cache; a GPU's activations are larger than that, so each hook
-#: costs an engine call of its own, ~150 us of host time on an H100's host).
-HOLD_MIB = {"all-hold256": 256}
+EXPERIMENTS = ("read", "read-overlap", "all-hold2")
+#: `all-hold2`: `all` with the collector holding at most 2 MiB of hook tensors on the GPU for one batched
+#: engine call, the CPU's cache-sized hold and the GPU's before session 23 (256 MiB since): a GPU's
+#: activations are larger than that, so each hook costs an engine call of its own, ~150 us of host time.
+HOLD_MIB = {"all-hold2": 2}
 # The workload of record: a GPT of 8 layers of d=4096 (1.68e9 parameters with vocab 8192), bf16.
 FULL = {"d": 4096, "layers": 8, "heads": 32, "vocab": 8192, "seq": 1024, "batch": 4, "blocks": 10, "steps": 3}
-# A model whose step is short enough on an H100 for the hooks' host time to show (8.4e7 parameters).
+# A model whose step is short enough on an H100 for the hooks' host time to show (1.18e8 parameters).
 SMALL = {"d": 1024, "layers": 8, "heads": 16, "vocab": 8192, "seq": 512, "batch": 4, "blocks": 10, "steps": 5}
 QUICK = {"d": 64, "layers": 2, "heads": 4, "vocab": 128, "seq": 32, "batch": 2, "blocks": 3, "steps": 2}
 
@@ -92,7 +92,7 @@ def build_arm(arm: str, size: dict[str, int], device: torch.device, dtype: torch
         state["monitor"] = TrainerMon(path)
         state["monitor"].set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
         if arm in HOLD_MIB:
-            state["monitor"].loop.collector.hold_bytes = HOLD_MIB[arm] << 20
+            state["monitor"].loop.collector.hold_bytes_accelerator = HOLD_MIB[arm] << 20
     return state
 
 
@@ -206,6 +206,28 @@ def profile(arms: dict[str, dict], device: torch.device, path: str) -> str:
     return path
 
 
+def pyprofile(arms: dict[str, dict], device: torch.device, path: str) -> str:
+    """Five steps of each monitored arm under cProfile: the Python functions with the most own time, to
+    see where a host-bound step's monitor time goes (the profiler's own cost inflates every figure)."""
+    import cProfile
+    import io
+    import pstats
+
+    with open(path, "w", encoding="utf-8") as fh:
+        for name, state in arms.items():
+            if state["monitor"] is None:
+                continue
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(5):
+                step(state, device)
+            prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(35)
+            fh.write(f"=== {name}: 5 steps\n{text.getvalue()}\n")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--device", default="cuda")
@@ -219,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--overhead-only", action="store_true", help="step overhead only: no engine, accuracy or sync checks"
+    )
+    parser.add_argument(
+        "--pyprofile", help="write cProfile's top functions (own time) over 5 steps of each monitored arm"
     )
     parser.add_argument("--blocks", type=int, help="interleaved blocks (default: the workload's)")
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated, 'none' first (default: all)")
@@ -254,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         result["host_syncs_none_step"] = host_syncs(arms["none"], device)  # the training step's own
     if args.profile:
         result["profile"] = profile(arms, device, args.profile)
+    if args.pyprofile:
+        result["pyprofile"] = pyprofile(arms, device, args.pyprofile)
     for state in arms.values():
         if state["monitor"] is not None:
             state["monitor"].close()
