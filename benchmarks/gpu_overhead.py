@@ -155,6 +155,23 @@ def overhead(arms: dict[str, dict], size: dict[str, int], device: torch.device) 
     return result
 
 
+def step_peak(arms: dict[str, dict], device: torch.device) -> dict[str, float]:
+    """Per arm, the most GPU memory a step allocates above what was allocated before it (MiB, the larger
+    of two steps): the arms share one process, so their peaks are measured from each step's own start.
+    The difference between arms is what the monitor holds during a step (the hook batches)."""
+    peaks = {}
+    for name, state in arms.items():
+        worst = 0
+        for _ in range(2):
+            sync(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            step(state, device)
+            worst = max(worst, torch.cuda.max_memory_allocated(device) - before)
+        peaks[name] = worst / 2**20
+    return peaks
+
+
 def host_syncs(state: dict, device: torch.device) -> dict[str, Any] | None:
     """Synchronising calls reported during one collected step (CUDA only), the final synchronize excluded,
     with where each came from (the innermost frames of the Python stack at the warning)."""
@@ -270,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         "workload": {**size, "parameters": params, "dtype": str(dtype)},
         "overhead": overhead(arms, size, device),
     }
+    if device.type == "cuda":
+        result["step_peak_mib"] = step_peak(arms, device)
     if not args.overhead_only:
         grads = [p.grad for p in arms["none"]["model"].parameters() if p.grad is not None]
         result["engine"] = engine_vs_floor(grads, device, reps=20 if not args.quick else 3)
