@@ -40,6 +40,8 @@ BAD = [
     ("alert", {"rules": "AnomalyTurbulence"}, "alert.rules"),
     ("ur_distribution", True, "ur_distribution"),
     ("queue_size", 0, "queue_size"),
+    ("accelerator_hold_mib", -1, "accelerator_hold_mib"),
+    ("accelerator_hold_mib", "256", "accelerator_hold_mib"),
     ("write_interval_s", -1, "write_interval_s"),
     ("write_interval_s", "0.5", "write_interval_s"),
     ("write_interval_s", 3600, "write_interval_s"),

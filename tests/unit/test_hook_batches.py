@@ -24,6 +24,7 @@ from trainermon import TrainerMon
 from trainermon.collect.batch import ACCELERATOR_HOLD_BYTES, HOLD_BYTES, HookBatch, hold_limit
 from trainermon.collect.collector import StepCollector, TransferCounter
 from trainermon.collect.records import StepScalars
+from trainermon.config import MonitorConfig
 from trainermon.failsafe import FaultLog
 from trainermon.stats import NANS, EngineOptions, StatsEngine, fused
 
@@ -222,6 +223,43 @@ def test_an_accelerator_holds_more_per_batch_than_the_cpu(device):
     assert faults.total == 0
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_zero_hold_reduces_each_hooks_tensors_before_it_returns(device):
+    """`accelerator_hold_mib: 0`: nothing is held past the hook call, one engine call per call. On the CPU
+    the CPU's limit set to 0 stands in for it (the same check; the device only picks which limit)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (the CPU runs the same check with its own limit at 0)")
+    collector, engine, faults = _collector()
+    if device == "cpu":
+        collector.hold_bytes = 0
+    else:
+        collector.hold_bytes_accelerator = 0
+    labels = [f"m{i}.output" for i in range(8)]
+    _learn(collector, labels, torch.ones(1024, device=device))
+    before = engine.calls
+    for i, label in enumerate(labels):
+        collector.add_local("actv", 0, [label], 0, [torch.full((1024,), float(i), device=device)])
+        assert collector._held == 0
+    payload = collector.finish(1, StepScalars())
+    assert engine.calls - before == len(labels)
+    assert payload.partials[:, 0].sqrt().tolist() == pytest.approx([i * 32.0 for i in range(8)])
+    assert faults.total == 0
+
+
+def test_the_config_sets_the_accelerator_hold(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    model = nn.Linear(4, 4)
+    assert MonitorConfig().accelerator_hold_mib << 20 == ACCELERATOR_HOLD_BYTES
+    for mib, want in ((None, ACCELERATOR_HOLD_BYTES), (0, 0), (16, 16 << 20)):
+        extra = {} if mib is None else {"accelerator_hold_mib": mib}
+        cfg = write_config(tmp_path / f"c{mib}.json", xy_distribution=True, **extra)
+        monitor = TrainerMon(cfg)
+        monitor.set_monitor(model)
+        assert monitor.loop.collector.hold_bytes_accelerator == want
+        assert monitor.loop.collector.hold_bytes == HOLD_BYTES  # the CPU's stays
+        monitor.close()
+
+
 def test_the_hold_limit_follows_the_batchs_device():
     """CPU stand-in for the CUDA case above: the limit is chosen by the device of the batch's tensors
     (a meta tensor stands for an accelerator's; nothing is computed from it)."""
@@ -229,6 +267,7 @@ def test_the_hold_limit_follows_the_batchs_device():
     assert hold_limit(batch, 1, 2) == 1  # empty: the CPU's, until a tensor decides
     batch.tensors.append(torch.empty(4, device="meta"))
     assert hold_limit(batch, 1, 2) == 2
+    assert hold_limit(batch, 2 << 20, 0) == 0  # `accelerator_hold_mib: 0` is not raised to the CPU's
     batch.tensors[0] = torch.empty(4)
     assert hold_limit(batch, 1, 2) == 1
 

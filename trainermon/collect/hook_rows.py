@@ -58,7 +58,8 @@ class HookRows:
         self.batching = True
         #: Reduce hook tensors the native kernel reads at their hook (benchmarks turn it off to compare).
         self.at_hook = True
-        #: Bytes of hook tensors held for one batched reduction, on the CPU and on an accelerator.
+        #: Bytes of hook tensors held for one batched reduction, on the CPU and on an accelerator (the
+        #: config's `accelerator_hold_mib`; 0: reduced before the hook returns).
         self.hold_bytes = HOLD_BYTES
         self.hold_bytes_accelerator = ACCELERATOR_HOLD_BYTES
         #: Tensors already computed this step, by what their values are (`identity.value_key`), so that
@@ -209,11 +210,9 @@ class HookRows:
             else:
                 parts.append(ref)
         self._next = seq
-        if self._held > self.hold_bytes or len(batch.tensors) + len(self._watch) > HOLD_COUNT:
-            # past the CPU's hold (the smaller): only then the device's limit is looked up
-            limit = hold_limit(batch, self.hold_bytes, self.hold_bytes_accelerator)
-            if self._held > limit or len(batch.tensors) + len(self._watch) > HOLD_COUNT:
-                self.flush()
+        limit = hold_limit(batch, self.hold_bytes, self.hold_bytes_accelerator)
+        if self._held > limit or len(batch.tensors) + len(self._watch) > HOLD_COUNT:
+            self.flush()
 
     def flush(self) -> None:
         """Reduce the tensors recorded by reference in one engine call, and check that every tensor held

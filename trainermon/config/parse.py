@@ -350,6 +350,7 @@ def parse_config(raw: Any, source: str = "<dict>") -> MonitorConfig:
         stack_info=_bool(raw, "stack_info"),
         squash_name=_bool(raw, "squash_name"),
         queue_size=_int(raw, "queue_size", 1, 100_000),
+        accelerator_hold_mib=_int(raw, "accelerator_hold_mib", 0, 1 << 20),
         write_interval_s=_seconds(raw, "write_interval_s", 60.0),
         dynamic_watch=_choice(raw, "dynamic_watch", ("inotify", "polling")),
         parquet=_parquet(raw),

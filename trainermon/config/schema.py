@@ -124,6 +124,10 @@ class MonitorConfig:
     squash_name: bool = False
     # trainermon's own keys
     queue_size: int = 64
+    #: MiB of hook tensors (activations, their gradients) an accelerator keeps alive by reference for one
+    #: batched statistics call; 0: each hook's tensors are reduced before it returns (least memory, one
+    #: call per hook). The CPU's hold is fixed at 2 MiB (its cache).
+    accelerator_hold_mib: int = 256
     write_interval_s: float = 0.5  # how often the worker writes what is waiting; 0 = after every step
     dynamic_watch: str = "inotify"  # how the config file is watched in dynamic mode: inotify or polling
     parquet: ParquetConfig = field(default_factory=ParquetConfig)

@@ -130,6 +130,7 @@ class StepLoop:
             p.CommProbe(self),
         ]
         self.subscribe(self._reselect)
+        self.subscribe(self._configure_collector)
         for probe in self.probes:
             self.subscribe(probe.configure)
         self._publish(self.config)
@@ -150,6 +151,9 @@ class StepLoop:
 
     def _reselect(self, config: MonitorConfig) -> None:
         self.selection = select_params(self.adapter, config)
+
+    def _configure_collector(self, config: MonitorConfig) -> None:
+        self.collector.hold_bytes_accelerator = config.accelerator_hold_mib << 20
 
     def _publish(self, config: MonitorConfig) -> None:
         self.config = config
