@@ -3,7 +3,9 @@
 # torch already installed (nothing is downloaded): the CUDA tests, then the GPU overhead benchmark (step
 # overhead of wg and all, engine vs the _foreach_norm floor, host syncs, accuracy on the GPU).
 #   bash benchmarks/gpu.sh [OUT_DIR]       results: OUT_DIR/{nvidia-smi.txt,tests.log,gpu_overhead.json,profile.txt,
-#                                            gpu_hold_{full,small}.json}
+#                                            gpu_hold_{full,small}.json,profile_hold_*.txt,bench.log}
+# ~6 minutes on an H200 (tests 3.5). That is ten files: where only a few files come back from the machine,
+# write them elsewhere and pack them: bash benchmarks/gpu.sh /tmp/r; tar czf "$OUT/r.tgz" -C /tmp r
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-/tmp/trainermon-gpu}}
