@@ -18,7 +18,7 @@ from trainermon.stats.partials import NANS, NUM_PARTIALS
 HOLD_BYTES = 2 << 20
 #: The same for hook tensors on an accelerator, where there is no cache to stay within: each engine call
 #: costs ~100-150 us of host time (kernel table, buffers, launches), and a GPU's activations are tens of
-#: MiB each, so a 2 MiB hold meant one call per hook. 256 MiB (0.2% of an 80 GB card) took `all` on an
+#: MiB each, so a 2 MiB hold meant one call per hook. 256 MiB (0.3% of an 80 GB card) took `all` on an
 #: H200 from +27% to +16% on a 1.7e9-parameter GPT and from +300% to +122% on a 1.2e8 one (PERFORMANCE.md).
 ACCELERATOR_HOLD_BYTES = 256 << 20  # the default of the config key `accelerator_hold_mib`
 #: Tensors held by reference before a flush, whatever their size.
