@@ -131,6 +131,18 @@ def test_edit_during_collection_applies_next_step_and_restarts_count(dyn):
     assert monitor.config.dynamic_on is False  # the automatic stop was applied too
 
 
+def test_an_edit_of_the_gpu_hold_reaches_the_collector(dyn):
+    make, _ = dyn
+    path = make(dynamic_on=True, accelerator_hold_mib=64)
+    seen = []
+
+    def record(monitor: TrainerMon) -> None:
+        seen.append(monitor.loop.collector.hold_bytes_accelerator)
+
+    _train(path, 4, {1: lambda m: (record(m), _edit(path, accelerator_hold_mib=0)(m)), 3: record})
+    assert seen == [64 << 20, 0]
+
+
 def test_switched_on_again_after_automatic_stop(dyn):
     make, out = dyn
     path = make(dynamic_on=True, collect_times=2)
