@@ -133,3 +133,51 @@ def test_all_targets_valid_no_warning(tmp_path, out_dir, static_mode, caplog):
             mv_distribution=False,
         )
     assert not _warnings(caplog)
+
+
+def _train_sequential(tmp_path, layers: int, targets: dict) -> set[str]:
+    """A plain nn.Sequential of Linear layers, gradients on: the names of its grad_reduced rows."""
+    from trainermon import TrainerMon
+
+    tmp_path.mkdir()
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(layers)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(write_config(tmp_path / "cfg.json", targets=targets, wg_distribution=True))
+    monitor.set_monitor(model, optimizer=opt)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    monitor.close()
+    return {n for (n, _, _) in keyed(read_family(monitor.run_dir, "grad_reduced"))}
+
+
+def test_vpp_form_only_for_a_target_with_a_colon(tmp_path, out_dir, static_mode, caplog):
+    """Target "0" is module 0 of an nn.Sequential, not every parameter of vpp stage 0 (msprobe's `0:...`
+    form matched it); "0:2" is stage 0's module 2."""
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        assert _train_sequential(tmp_path / "a", 3, {"0": {}}) == {"0.weight", "0.bias"}
+        assert _train_sequential(tmp_path / "b", 3, {"0:2": {}}) == {"2.weight", "2.bias"}
+    assert not _warnings(caplog)
+
+
+def test_prefix_cutting_a_name_warns(tmp_path, out_dir, static_mode, caplog):
+    """Prefixes stay plain string prefixes (msprobe's): "1" selects layers 1 and 10, and says so once,
+    naming the fix; "1." selects layer 1 alone, silently."""
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        names = _train_sequential(tmp_path / "a", 11, {"1": {}})
+    assert names == {"1.weight", "1.bias", "10.weight", "10.bias"}
+    lines = _warnings(caplog)
+    assert len(lines) == 1 and "'1' selects parameters by name prefix" in lines[0], lines
+    assert "'10." in lines[0] and "'1.'" in lines[0], lines
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        assert _train_sequential(tmp_path / "b", 11, {"1.": {}}) == {"1.weight", "1.bias"}
+    assert not _warnings(caplog)
+
+
+def test_empty_target_is_refused(tmp_path):
+    from trainermon import TrainerMon
+    from trainermon.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"config key 'targets': got ''.*none empty"):
+        TrainerMon(write_config(tmp_path / "cfg.json", targets={"": {}}, wg_distribution=True))

@@ -147,6 +147,8 @@ def _targets(raw: dict) -> dict[str, dict]:
             "targets", value, 'an object mapping module or parameter names to objects, e.g. {"layers.0": {}}'
         )
     for name, spec in value.items():
+        if not name.strip():
+            raise _fail("targets", name, "module or parameter names, none empty (no targets: every one)")
         if not isinstance(spec, dict):
             raise _fail(f"targets.{name}", spec, "an object (msprobe uses {} or {'input': 'tensor'})")
     return dict(value)

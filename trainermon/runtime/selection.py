@@ -57,12 +57,25 @@ def _global_param_name(adapter, vpp_stage: int, name: str) -> str:
 
 
 def param_matches(vpp_stage: int, names: list[str], target: str) -> bool:
-    """A target selects a parameter whose name (any of them) starts with it: plainly, `vpp:`-prefixed or
-    squashed."""
+    """A target selects a parameter whose name (any of them) starts with it: plainly, squashed, or, for a
+    target with a `:`, `vpp:`-prefixed. (msprobe also tries the `vpp:` form for a target without one, so
+    that `"0"`, meant for module `0` of an `nn.Sequential`, selects every parameter of stage 0.)"""
+    staged = ":" in target
     return any(
-        n.startswith(target) or f"{vpp_stage}:{n}".startswith(target) or squash_name(n).startswith(target)
+        n.startswith(target)
+        or squash_name(n).startswith(target)
+        or (staged and f"{vpp_stage}:{n}".startswith(target))
         for n in names
     )
+
+
+def cuts_a_name(names: list[str], target: str) -> str | None:
+    """A name `target` selects by a prefix that ends inside one of its dotted parts (`layers.1` selecting
+    `layers.10.weight`), or None: such a target selects more than the module it seems to name."""
+    for n in names:
+        if n.startswith(target) and len(n) > len(target) and target[-1] != "." and n[len(target)] != ".":
+            return n
+    return None
 
 
 def select_params(adapter, config: MonitorConfig) -> ParamSelection:

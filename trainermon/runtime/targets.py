@@ -5,7 +5,9 @@ the closest names that exist (difflib), at `set_monitor` and at each config relo
   parameters and modules registered twice count under each);
 - a target that names only parameters while activations are collected (no module has that name);
 - a family switched on (activations; gradients, optimizer state or parameters) that the targets leave
-  with nothing at all.
+  with nothing at all;
+- a target that selects parameters by a prefix ending inside a dotted part of their name (`layers.1`
+  selects `layers.10.weight` too: prefixes are plain string prefixes, as in msprobe).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import logging
 
 from trainermon.config import MonitorConfig
 
-from .selection import module_matches, named_modules, param_aliases, param_matches
+from .selection import cuts_a_name, module_matches, named_modules, param_aliases, param_matches
 
 logger = logging.getLogger("trainermon")
 
@@ -41,6 +43,7 @@ class TargetCheck:
         module_names = list(dict.fromkeys(n for _, names in modules for n in names))
         # all_xy collects every module's activations whatever the targets say
         activations = (config.collects_actv or config.collects_actv_grad) and not config.all_xy
+        weights = config.collects_optimizer_side
         any_param = any_module = False
         unmatched = 0
         for target in config.targets:
@@ -53,7 +56,12 @@ class TargetCheck:
                     f"target {target!r} selects nothing: no parameter name starts with it and no module "
                     f"has that name; closest: {closest(target, module_names + param_names)}"
                 )
-            elif activations and not by_module:
+            if by_param and weights and (cut := cuts_a_name(param_names, target)) is not None:
+                self._say(
+                    f"target {target!r} selects parameters by name prefix (as msprobe does), so it also "
+                    f"selects {cut!r}; end it with '.' ({target + '.'!r}) to select that module alone"
+                )
+            if by_param and not by_module and activations:
                 self._say(
                     f"target {target!r} names parameters but no module, so it has no actv/actv_grad rows "
                     f"(activations are selected by module name); closest modules: "
@@ -67,7 +75,7 @@ class TargetCheck:
                 f"actv/actv_grad: the targets {wanted} select no module; modules are named like "
                 f"{module_names[:3]}"
             )
-        if (config.wg_distribution or config.mv_distribution or config.param_distribution) and not any_param:
+        if weights and not any_param:
             self._say(
                 f"gradients/optimizer state/parameters: the targets {wanted} select no parameter; "
                 f"parameters are named like {param_names[:3]}"
