@@ -80,12 +80,10 @@ def _cmd_on(args: argparse.Namespace) -> int:
             changes[switch] = False
         for family in wanted:
             changes[FAMILY_SWITCHES[family]] = True
-        if "actv" in wanted and "actv_grad" not in wanted:
-            changes["forward_only"] = True
-        elif "actv_grad" in wanted and "actv" not in wanted:
-            changes["backward_only"] = True
-        elif "xy_distribution" in [FAMILY_SWITCHES[f] for f in wanted]:
-            changes["forward_only"] = changes["backward_only"] = False
+        # Both set each time: the named families replace what an earlier `on --families` chose.
+        both = "xy" in wanted or {"actv", "actv_grad"} <= set(wanted)
+        changes["forward_only"] = "actv" in wanted and not both
+        changes["backward_only"] = "actv_grad" in wanted and not both
     try:
         with open(args.config, encoding="utf-8") as fh:
             current = json.load(fh)

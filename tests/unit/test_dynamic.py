@@ -276,6 +276,20 @@ def test_cli_on_and_off(tmp_path, capsys):
     assert "collect_times" in capsys.readouterr().err
 
 
+def test_cli_on_families_replace_the_previous_choice(tmp_path):
+    """Each `on --families` sets both forward_only and backward_only: actv, then actv_grad, is accepted
+    (the first call's forward_only once made the second an invalid config), and xy takes both."""
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(BASE))
+    expected = {"actv": (True, False), "actv_grad": (False, True), "grad_reduced": (False, False)}
+    expected |= {"actv,actv_grad": (False, False), "xy": (False, False), "xy,actv": (False, False)}
+    for families, (forward, backward) in [*expected.items(), ("actv", (True, False))]:
+        assert cli_main(["on", str(path), "--families", families]) == 0, families
+        saved = json.loads(path.read_text())
+        assert (saved["forward_only"], saved["backward_only"]) == (forward, backward), families
+        assert saved["xy_distribution"] is (families != "grad_reduced"), families
+
+
 # ---- two ranks -----------------------------------------------------------------------------------
 def _two_rank_switch(rank: int, world: int, root: str) -> list[int]:
     # Each rank reads its own copy of the config: a filesystem on which rank 1 sees edits 3 steps late.
