@@ -18,7 +18,8 @@ from tests.helpers import read_family, write_config
 from trainermon import ConfigError, TrainerMon, parse_config
 from trainermon.cli import main as cli_main
 from trainermon.collect.records import RowMeta, StatBatch
-from trainermon.pipeline.anomaly import AnomalyDetector, load_anomalies, parse_rules
+from trainermon.pipeline.anomaly import AnomalyDetector, load_anomalies
+from trainermon.pipeline.rule_specs import parse_rules
 
 
 def _batch(step: int, rows: list[tuple[str, str]], **columns: list[float]) -> StatBatch:
@@ -71,6 +72,56 @@ def test_bad_rule_config_names_the_key():
         parse_config({"alert": {"rules": [{"rule_name": "AnomalyNan", "args": {"threshold": "big"}}]}})
     with pytest.raises(ConfigError, match="alert.escalate_steps"):
         parse_config({"alert": {"rules": [], "escalate_steps": -1}})
+
+
+@pytest.mark.parametrize(
+    "alert, key, allowed",
+    [
+        ({"rule": []}, "alert.rule", "'rules', 'dump', 'escalate_steps'"),  # a misspelt section key
+        ({"rules": [], "escalate_step": 3}, "alert.escalate_step", "'escalate_steps'"),
+        ({"rules": [{"rule_name": "AnomalySpike", "arg": {"z": 3}}]}, r"alert.rules\[0\].arg", "'args'"),
+        ({"rules": [{"rule_name": "AnomalySpike", "args": {"zz": 3}}]}, r"alert.rules\[0\].args.zz", "'z'"),
+        (
+            {"rules": [{"rule_name": "AnomalyNan", "args": {"window": 3}}]},
+            r"alert.rules\[0\].args.window",
+            "'threshold'",
+        ),
+        (
+            {"rules": [{"rule_name": "AnomalySpike", "args": {"window": 5}}]},
+            r"alert.rules\[0\].args.window",
+            r"warmup \(10\)",
+        ),
+        (
+            {"rules": [{"rule_name": "AnomalySpike", "args": {"window": 0}}]},
+            r"alert.rules\[0\].args.window",
+            "never fires",
+        ),
+        (
+            {"rules": [{"rule_name": "AnomalyUpdateRatio", "args": {"warmup": 60}}]},
+            r"alert.rules\[0\].args.window",
+            r"\(60\)",
+        ),
+        (
+            {"rules": [{"rule_name": "AnomalySpike", "args": {"warmup": 2.5}}]},
+            r"alert.rules\[0\].args.warmup",
+            "whole number",
+        ),
+    ],
+)
+def test_unknown_alert_keys_and_a_window_that_never_fills_are_refused(alert, key, allowed):
+    """Each of these once left a rule off or on its defaults without a word."""
+    with pytest.raises(ConfigError, match=rf"config key '{key}'.*allowed: .*{allowed}"):
+        parse_config({"alert": alert})
+
+
+def test_every_rule_argument_is_accepted():
+    from trainermon.pipeline.rule_specs import RULE_ARGS
+
+    for name, args in RULE_ARGS.items():
+        rules = [{"rule_name": name, "args": dict.fromkeys(args, 20)}]
+        assert parse_config(
+            {"alert": {"rules": rules, "dump": True, "escalate_steps": 2}}
+        ).alert.rules == tuple(rules)
 
 
 def _steady_run(tmp_path, monkeypatch, steps: int, spike_step: int, **alert):

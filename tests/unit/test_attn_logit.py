@@ -27,7 +27,8 @@ import torch
 from tests.helpers import keyed, read_family, write_config
 from trainermon import ConfigError, TrainerMon, parse_config
 from trainermon.collect.records import RowMeta, StatBatch
-from trainermon.pipeline.anomaly import AnomalyDetector, load_anomalies, parse_rules
+from trainermon.pipeline.anomaly import AnomalyDetector, load_anomalies
+from trainermon.pipeline.rule_specs import parse_rules
 from trainermon.runtime import attn_math
 
 STEPS = 2

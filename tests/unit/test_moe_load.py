@@ -18,7 +18,8 @@ import torch
 from tests.helpers import keyed, read_family, write_config
 from trainermon import ConfigError, TrainerMon, parse_config
 from trainermon.collect.records import RowMeta, StatBatch
-from trainermon.pipeline.anomaly import AnomalyDetector, load_anomalies, parse_rules
+from trainermon.pipeline.anomaly import AnomalyDetector, load_anomalies
+from trainermon.pipeline.rule_specs import parse_rules
 
 pytest.importorskip("transformers")
 EXPERTS, STEPS = 4, 3

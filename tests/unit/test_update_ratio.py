@@ -16,7 +16,8 @@ from torch import nn
 from tests.helpers import assert_row_matches, keyed, read_family, ref_stats, write_config
 from trainermon import ConfigError, TrainerMon, parse_config
 from trainermon.collect.records import RowMeta, StatBatch
-from trainermon.pipeline.anomaly import AnomalyDetector, load_anomalies, parse_rules
+from trainermon.pipeline.anomaly import AnomalyDetector, load_anomalies
+from trainermon.pipeline.rule_specs import parse_rules
 
 OPS = ("norm", "mean", "min", "max")
 

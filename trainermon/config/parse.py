@@ -164,10 +164,16 @@ def _module_ranks(raw: dict) -> tuple[int, ...]:
     return tuple(value)
 
 
+ALERT_KEYS = ("rules", "dump", "escalate_steps")
+
+
 def _alert(raw: dict) -> AlertConfig:
-    from trainermon.pipeline.anomaly import parse_rules
+    from trainermon.pipeline.rule_specs import parse_rules
 
     value = _dict(raw, "alert")
+    for sub in value:
+        if sub not in ALERT_KEYS:
+            raise _fail(f"alert.{sub}", value[sub], f"a key of the 'alert' section: {list(ALERT_KEYS)}")
     rules = value.get("rules", [])
     if not isinstance(rules, list) or not all(isinstance(r, dict) for r in rules):
         raise _fail(

@@ -27,7 +27,6 @@ import math
 import os
 import time
 from collections import Counter, deque
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -36,17 +35,10 @@ import numpy as np
 from trainermon.collect.records import StatBatch
 
 from . import health_rules
+from .rule_specs import WARMUP, WINDOW, RuleSpec
 
 logger = logging.getLogger("trainermon")
 
-RULE_NAMES = (
-    "AnomalyTurbulence",
-    "AnomalyNan",
-    "AnomalySpike",
-    "AnomalyUpdateRatio",
-    "AnomalyExpertCollapse",
-    "AnomalyLogitGrowth",
-)
 STAGES = {"actv": "forward", "actv_grad": "backward", "grad_unreduced": "backward"}
 _STAGE_ORDER = {"forward": 0, "backward": 1, "optimizer": 2}
 GLOBAL_NORM = "global_grad_norm"
@@ -91,38 +83,6 @@ def sort_key(rec: dict) -> tuple:
         int(rec.get("call_order", 0)),
         int(rec.get("rank", 0)),
     )
-
-
-@dataclass(frozen=True)
-class RuleSpec:
-    name: str
-    args: dict
-
-
-def parse_rules(rules: Iterable[dict]) -> list[RuleSpec]:
-    """Validate alert rules; raises ValueError naming the rule, the key and what is allowed."""
-    out = []
-    for i, rule in enumerate(rules):
-        name = rule.get("rule_name")
-        if name not in RULE_NAMES:
-            raise ValueError(
-                f"config key 'alert.rules[{i}].rule_name': got {name!r}; allowed: one of {list(RULE_NAMES)}"
-            )
-        args = rule.get("args", {}) or {}
-        if not isinstance(args, dict):
-            raise ValueError(f"config key 'alert.rules[{i}].args': got {args!r}; allowed: an object")
-        for key, value in args.items():
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not math.isfinite(value)
-                or value < 0
-            ):
-                raise ValueError(
-                    f"config key 'alert.rules[{i}].args.{key}': got {value!r}; allowed: a non-negative number"
-                )
-        out.append(RuleSpec(name, dict(args)))
-    return out
 
 
 class _Rolling:
@@ -323,8 +283,8 @@ class AnomalyDetector:
         return out
 
     def _AnomalySpike(self, batch: StatBatch, args: dict, now: float) -> list[Anomaly]:
-        window = int(args.get("window", 50))
-        warmup = max(2, int(args.get("warmup", 10)))
+        window = int(args.get("window", WINDOW))
+        warmup = max(2, int(args.get("warmup", WARMUP)))
         z = float(args.get("z", 6.0))
         min_rel = float(args.get("min_rel", 0.1))
         out = []

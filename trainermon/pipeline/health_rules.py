@@ -18,6 +18,8 @@ from typing import Any
 
 from trainermon.collect.records import StatBatch
 
+from .rule_specs import WARMUP, WINDOW
+
 
 def update_ratio(det: Any, batch: StatBatch, args: dict, now: float) -> list:
     from .anomaly import _Rolling
@@ -26,7 +28,7 @@ def update_ratio(det: Any, batch: StatBatch, args: dict, now: float) -> list:
     if column is None:
         return []
     limit = args.get("threshold")
-    window, warmup = int(args.get("window", 50)), max(2, int(args.get("warmup", 10)))
+    window, warmup = int(args.get("window", WINDOW)), max(2, int(args.get("warmup", WARMUP)))
     z, min_rel = float(args.get("z", 6.0)), float(args.get("min_rel", 0.1))
     out = []
     for i, row in enumerate(batch.rows):

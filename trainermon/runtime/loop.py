@@ -161,7 +161,8 @@ class StepLoop:
             fn(config)
 
     def _make_detector(self) -> Any:
-        from trainermon.pipeline.anomaly import AnomalyDetector, parse_rules
+        from trainermon.pipeline.anomaly import AnomalyDetector
+        from trainermon.pipeline.rule_specs import parse_rules
 
         rules = parse_rules(self.config.alert.rules)
         pp_stage = 0
@@ -389,6 +390,6 @@ class _Events:
 
 
 def _rules(config: MonitorConfig) -> list:
-    from trainermon.pipeline.anomaly import parse_rules
+    from trainermon.pipeline.rule_specs import parse_rules
 
     return parse_rules(config.alert.rules)

@@ -1,0 +1,80 @@
+"""The alert rules a config may name, the arguments each takes, and their validation (`parse_rules`).
+
+Every key is checked: a misspelt argument or rule key would otherwise leave a rule on its defaults (or off)
+without a word. The rules themselves are in `anomaly.py` and `health_rules.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+#: Rule name -> the arguments it reads (msprobe's two rules take `threshold` only).
+RULE_ARGS: dict[str, tuple[str, ...]] = {
+    "AnomalyTurbulence": ("threshold",),
+    "AnomalyNan": ("threshold",),
+    "AnomalySpike": ("window", "warmup", "z", "min_rel"),
+    "AnomalyUpdateRatio": ("threshold", "window", "warmup", "z", "min_rel"),
+    "AnomalyExpertCollapse": ("cv", "dead"),
+    "AnomalyLogitGrowth": ("threshold", "growth"),
+}
+RULE_NAMES = tuple(RULE_ARGS)
+#: The rolling windows' defaults (`AnomalySpike`, `AnomalyUpdateRatio`); a warmup below 2 counts as 2.
+WINDOW, WARMUP = 50, 10
+
+
+@dataclass(frozen=True)
+class RuleSpec:
+    name: str
+    args: dict
+
+
+def parse_rules(rules: Iterable[dict]) -> list[RuleSpec]:
+    """Validate alert rules; raises ValueError naming the rule, the key, the value and what is allowed."""
+    out = []
+    for i, rule in enumerate(rules):
+        where = f"alert.rules[{i}]"
+        name = rule.get("rule_name")
+        if name not in RULE_ARGS:
+            raise ValueError(
+                f"config key '{where}.rule_name': got {name!r}; allowed: one of {list(RULE_NAMES)}"
+            )
+        for key in rule:
+            if key not in ("rule_name", "args"):
+                raise ValueError(f"config key '{where}.{key}': unknown; allowed: 'rule_name' and 'args'")
+        args = rule.get("args", {}) or {}
+        if not isinstance(args, dict):
+            raise ValueError(f"config key '{where}.args': got {args!r}; allowed: an object")
+        for key, value in args.items():
+            if key not in RULE_ARGS[name]:
+                raise ValueError(
+                    f"config key '{where}.args.{key}': {name} takes no such argument; allowed: "
+                    f"{list(RULE_ARGS[name])}"
+                )
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value < 0
+            ):
+                raise ValueError(
+                    f"config key '{where}.args.{key}': got {value!r}; allowed: a non-negative number"
+                )
+        if "window" in RULE_ARGS[name]:
+            _check_window(where, args)
+        out.append(RuleSpec(name, dict(args)))
+    return out
+
+
+def _check_window(where: str, args: dict) -> None:
+    """A rolling window shorter than the warmup never fills enough to judge: the rule could never fire."""
+    for key in ("window", "warmup"):
+        if key in args and args[key] != int(args[key]):
+            raise ValueError(f"config key '{where}.args.{key}': got {args[key]!r}; allowed: a whole number")
+    window, warmup = int(args.get("window", WINDOW)), max(2, int(args.get("warmup", WARMUP)))
+    if window < warmup:
+        raise ValueError(
+            f"config key '{where}.args.window': got {window}; allowed: at least the warmup ({warmup}), "
+            "else the window never holds enough values and the rule never fires"
+        )
