@@ -181,3 +181,44 @@ def test_empty_target_is_refused(tmp_path):
 
     with pytest.raises(ConfigError, match=r"config key 'targets': got ''.*none empty"):
         TrainerMon(write_config(tmp_path / "cfg.json", targets={"": {}}, wg_distribution=True))
+
+
+def _attach_warnings(tmp_path, caplog, **cfg_keys) -> list[str]:
+    """The trainermon warnings of `set_monitor` on a tiny model, and the run's output files."""
+    from trainermon import TrainerMon
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        monitor = TrainerMon(write_config(tmp_path / "cfg.json", **cfg_keys))
+        monitor.set_monitor(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        monitor.close()
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+@pytest.mark.parametrize(
+    "keys, said",
+    [
+        ({}, "switches on no family, so nothing is collected"),
+        ({"ops": ["norm"], "forward_only": True}, "forward_only has no effect"),
+        ({"wg_distribution": True, "backward_only": True}, "backward_only has no effect"),
+        ({"mv_distribution": True, "monitor_mbs_grad": True}, "monitor_mbs_grad has no effect"),
+        (
+            {"xy_distribution": True, "module_ranks": [5]},
+            "module_ranks [5]: no such rank in this job of 1, so no",
+        ),
+        (
+            {"xy_distribution": True, "module_ranks": [0, 3]},
+            "module_ranks [3]: no such rank in this job of 1",
+        ),
+        ({"wg_distribution": True, "dynamic_on": True}, "DYNAMIC_MONITOR is not 'true'"),
+    ],
+)
+def test_switches_that_select_nothing_say_so(tmp_path, out_dir, static_mode, caplog, keys, said):
+    """Each of these configs was accepted with no word while it collected nothing (or ignored a key)."""
+    lines = _attach_warnings(tmp_path, caplog, **keys)
+    assert [line for line in lines if said in line], lines
+
+
+def test_switches_that_select_something_say_nothing(tmp_path, out_dir, static_mode, caplog):
+    keys = {"xy_distribution": True, "forward_only": True, "module_ranks": [0], "wg_distribution": True}
+    assert not _attach_warnings(tmp_path, caplog, monitor_mbs_grad=True, **keys)

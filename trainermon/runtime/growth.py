@@ -30,6 +30,7 @@ class NewParamsProbe(Probe):
     def configure(self, config: MonitorConfig) -> None:
         try:
             self.targets.check(self.loop.adapter, config)
+            self.targets.check_switches(config, self.loop.world_size, self.loop.env.dynamic)
         except Exception as exc:  # noqa: BLE001 - a diagnostic never stops set_monitor or a reload
             self.loop.faults.record("target check", exc)
 

@@ -7,7 +7,10 @@ the closest names that exist (difflib), at `set_monitor` and at each config relo
 - a family switched on (activations; gradients, optimizer state or parameters) that the targets leave
   with nothing at all;
 - a target that selects parameters by a prefix ending inside a dotted part of their name (`layers.1`
-  selects `layers.10.weight` too: prefixes are plain string prefixes, as in msprobe).
+  selects `layers.10.weight` too: prefixes are plain string prefixes, as in msprobe);
+- switches that select nothing (`idle_switches`): no family on at all, `forward_only`/`backward_only`
+  without activations, `monitor_mbs_grad` without gradients, `module_ranks` naming no rank of the job,
+  `dynamic_on` without `DYNAMIC_MONITOR=true`.
 """
 
 from __future__ import annotations
@@ -81,7 +84,56 @@ class TargetCheck:
                 f"parameters are named like {param_names[:3]}"
             )
 
+    def check_switches(self, config: MonitorConfig, world_size: int, dynamic: bool) -> None:
+        for message in idle_switches(config, world_size, dynamic):
+            self._say(message)
+
     def _say(self, message: str) -> None:
         if message not in self.said:
             self.said.add(message)
             logger.warning("trainermon: %s", message)
+
+
+#: The switches of output families (besides the statistics: `print_struct`, `stack_info`).
+FAMILY_SWITCHES = (
+    "xy_distribution",
+    "all_xy",
+    "wg_distribution",
+    "mv_distribution",
+    "param_distribution",
+    "update_distribution",
+    "moe_distribution",
+    "print_struct",
+    "stack_info",
+)
+
+
+def idle_switches(config: MonitorConfig, world_size: int, dynamic: bool) -> list[str]:
+    """What the config switches on that can select nothing, one sentence each."""
+    out = []
+    activations = config.xy_distribution or config.all_xy
+    on = [k for k in FAMILY_SWITCHES if getattr(config, k)]
+    if not on and not config.cc_distribution.enable and not config.attn_logit_distribution.enable:
+        out.append(
+            f"the config switches on no family, so nothing is collected: set one of {list(FAMILY_SWITCHES)}, "
+            "cc_distribution.enable or attn_logit_distribution.enable"
+        )
+    for key in ("forward_only", "backward_only"):
+        if getattr(config, key) and not activations:
+            out.append(f"{key} has no effect: activations are off (xy_distribution and all_xy are false)")
+    if config.monitor_mbs_grad and not config.wg_distribution:
+        out.append("monitor_mbs_grad has no effect: wg_distribution is false")
+    missing = [r for r in config.module_ranks if r >= world_size]
+    if missing and activations:
+        alone = len(missing) == len(config.module_ranks)
+        out.append(
+            f"module_ranks {missing}: no such rank in this job of {world_size}"
+            + (", so no rank collects actv/actv_grad" if alone else "")
+        )
+    if config.dynamic_on and not dynamic:
+        out.append(
+            "dynamic_on is set but DYNAMIC_MONITOR is not 'true': the config file is not watched and "
+            "monitoring runs as configured from the start (msprobe's rule); export DYNAMIC_MONITOR=true "
+            "to switch it from the file"
+        )
+    return out
