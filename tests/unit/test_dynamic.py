@@ -276,6 +276,54 @@ def test_cli_on_and_off(tmp_path, capsys):
     assert "collect_times" in capsys.readouterr().err
 
 
+def _delete(path: str) -> Callable[[TrainerMon], None]:
+    def act(monitor: TrainerMon) -> None:
+        os.remove(path)
+        _wait_dirty(monitor)
+
+    return act
+
+
+def test_deleted_config_file_is_said_once_and_collection_goes_on(dyn, monkeypatch, caplog):
+    """Deleted for good: one warning once it stayed away GONE_S (0 here), the running config kept."""
+    monkeypatch.setattr("trainermon.runtime.control.GONE_S", 0.0)
+    make, out = dyn
+    path = make(dynamic_on=True)
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        _train(path, 6, {2: _delete(path)})
+    said = [r.getMessage() for r in caplog.records if "was deleted" in r.getMessage()]
+    assert len(said) == 1 and "dynamic_on=true" in said[0], said
+    assert _collected_steps(out) == [0, 1, 2, 3, 4, 5]
+
+
+def test_config_file_deleted_and_written_again_is_no_news(dyn, monkeypatch, caplog):
+    """An editor's delete-and-write: the new content applies and nothing is said about a deletion."""
+    monkeypatch.setattr("trainermon.runtime.control.GONE_S", 0.0)
+    make, out = dyn
+    path = make(dynamic_on=False)
+
+    def rewrite(monitor: TrainerMon) -> None:
+        os.remove(path)
+        with open(path, "w") as fh:
+            json.dump({**BASE, "dynamic_on": True, "collect_times": 2}, fh)
+        _wait_dirty(monitor)
+
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        _train(path, 6, {2: rewrite})
+    assert not [r for r in caplog.records if "deleted" in r.getMessage()]
+    assert _collected_steps(out) == [3, 4]
+
+
+def test_an_edit_with_an_unknown_key_is_warned_once(dyn, caplog):
+    make, out = dyn
+    path = make(dynamic_on=False)
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        _train(path, 4, {1: _edit(path, dynamic_on=True, colect_times=3)})
+    said = [r.getMessage() for r in caplog.records if "'colect_times'" in r.getMessage()]
+    assert len(said) == 1, said
+    assert _collected_steps(out) == [2, 3]
+
+
 def test_cli_on_families_replace_the_previous_choice(tmp_path):
     """Each `on --families` sets both forward_only and backward_only: actv, then actv_grad, is accepted
     (the first call's forward_only once made the second an invalid config), and xy takes both."""

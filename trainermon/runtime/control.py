@@ -19,11 +19,14 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from typing import Any
 
 from trainermon.config import ConfigError, MonitorConfig, parse_config
 
 logger = logging.getLogger("trainermon")
+#: Seconds a deleted config file may stay away (an editor's delete-and-write) before the monitor says so.
+GONE_S = 1.0
 
 
 def update_config_file(path: str, **changes: Any) -> dict:
@@ -143,6 +146,8 @@ class DynamicControl:
         except (OSError, ValueError):
             self._raw = None
         self._bad_warned: str | None = None
+        self._validated: MonitorConfig | None = None  # `_raw` parsed by the deciding rank (warned once)
+        self._gone_since: float | None = None  # when the file was found deleted (deciding rank)
         self._group: Any = None
         self._distributed = False
         self._rank = 0
@@ -165,15 +170,21 @@ class DynamicControl:
     def _read_if_changed(self) -> None:
         """Deciding rank: reload the file if the watcher saw a change. A bad file keeps the old config."""
         if self.watcher is None or not self.watcher.dirty:
+            if self._gone_since is not None:
+                self._check_gone()
             return
         self.watcher.dirty = False
         try:
             with open(self.path, encoding="utf-8") as fh:
                 text = fh.read()
             raw = json.loads(text)
-            parse_config(raw, source=self.path)  # validate before publishing
+            validated = parse_config(raw, source=self.path)  # validate before publishing
         except FileNotFoundError:
-            return  # deleted (an editor's save in progress): the re-creation will set dirty again
+            # Deleted: an editor's save in progress (its re-creation sets dirty again), or for good,
+            # which `_check_gone` says once the file has stayed away for GONE_S.
+            if self._gone_since is None:
+                self._gone_since = time.monotonic()
+            return
         except json.JSONDecodeError as exc:
             self._warn_bad(f"not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})")
             return
@@ -181,10 +192,24 @@ class DynamicControl:
             self._warn_bad(str(exc))
             return
         self._bad_warned = None
+        self._gone_since = None
         if raw == self._raw:
             return  # saved again with the same content (or a spurious event): nothing to apply
-        self._raw = raw
+        self._raw, self._validated = raw, validated
         self.version += 1
+
+    def _check_gone(self) -> None:
+        """A deleted config file that has not come back: said once (the running config stays)."""
+        if time.monotonic() - self._gone_since < GONE_S:
+            return
+        if not os.path.exists(self.path):
+            logger.warning(
+                "trainermon: %s was deleted and has not come back; keeping the current config "
+                "(dynamic_on=%s) until the file is written again",
+                self.path,
+                str(self.config.dynamic_on).lower(),
+            )
+        self._gone_since = None  # said, or back (the watcher's event reloads it)
 
     def _warn_bad(self, message: str) -> None:
         if message != self._bad_warned:  # once per distinct problem, not once per event
@@ -216,7 +241,9 @@ class DynamicControl:
             self._raw = json.loads(bytes(buf.tolist()).decode())
         elif self.version == previous:
             return None
-        self.config = parse_config(self._raw, source=self.path)
+        validated, self._validated = self._validated, None
+        # The deciding rank parsed this version already (and said its warnings); the others parse it once.
+        self.config = validated if validated is not None else parse_config(self._raw, source=self.path)
         return self.config
 
     def switch_off_in_file(self) -> None:
