@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Callable
 
 from .collect.records import STATE_FAMILIES
 
@@ -43,6 +44,33 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         return 2
     print(f"wrote {len(parts)} part files to {args.out}")
     return 0
+
+
+#: What `--steps` takes (anomalies, analyze, compare).
+STEPS = "N or FIRST-LAST, non-negative, FIRST <= LAST"
+
+
+def step_range(text: str | None) -> tuple[int, int] | None:
+    """`--steps` as (first, last), None without one; ValueError unless it is what `STEPS` says."""
+    if not text:
+        return None
+    lo, _, hi = text.partition("-")
+    first, last = int(lo), int(hi or lo)
+    if first < 0 or last < first:
+        raise ValueError(text)
+    return first, last
+
+
+def count(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= `minimum` (argparse names the option in its error)."""
+
+    def parse(text: str) -> int:
+        value = int(text)  # a ValueError: argparse says "invalid parse value"
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"got {value}; allowed: a whole number >= {minimum}")
+        return value
+
+    return parse
 
 
 #: --families names -> the config switches that turn them on.
@@ -116,14 +144,11 @@ def _cmd_anomalies(args: argparse.Namespace) -> int:
 
     from .pipeline.anomaly import load_anomalies
 
-    steps = None
-    if args.steps:
-        try:
-            lo, _, hi = args.steps.partition("-")
-            steps = (int(lo), int(hi or lo))
-        except ValueError:
-            print(f"error: --steps {args.steps!r}: allowed: N or FIRST-LAST", file=sys.stderr)
-            return 2
+    try:
+        steps = step_range(args.steps)
+    except ValueError:
+        print(f"error: --steps {args.steps!r}: allowed: {STEPS}", file=sys.stderr)
+        return 2
     if not os.path.isdir(args.dir):
         print(f"error: {args.dir!r} is not a directory", file=sys.stderr)
         return 2
@@ -192,8 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainermon", description="Low-overhead PyTorch training monitor")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a small GPT-like model on CPU with monitoring on")
-    demo.add_argument("--steps", type=int, default=30)
-    demo.add_argument("--grad-acc", type=int, default=2)
+    demo.add_argument("--steps", type=count(1), default=30)
+    demo.add_argument("--grad-acc", type=count(1), default=2)
     demo.add_argument("--output-dir", default=None, help="MONITOR_OUTPUT_DIR (default ./monitor_output)")
     demo.set_defaults(func=_cmd_demo)
     check = sub.add_parser("check-config", help="validate a monitor config file")
@@ -209,8 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     off.set_defaults(func=_cmd_off)
     an = sub.add_parser("anomalies", help="merge every rank's anomaly records in the order they happened")
     an.add_argument("dir", help="MONITOR_OUTPUT_DIR (searched recursively for anomaly_detected/)")
-    an.add_argument("--top", type=int, default=20, help="rows to print (all are written to JSON)")
-    an.add_argument("--steps", default=None, help="N or FIRST-LAST")
+    an.add_argument("--top", type=count(0), default=20, help="rows to print (all are written to JSON)")
+    an.add_argument("--steps", default=None, help=STEPS)
     an.add_argument("--json", default=None, help="output file (default DIR/anomaly_analysis.json)")
     an.set_defaults(func=_cmd_anomalies)
     conv = sub.add_parser(
@@ -219,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     conv.add_argument("csv_dir", help="a MONITOR_OUTPUT_DIR with rank directories, or one rank directory")
     conv.add_argument("out", help="dataset root to write (family=.../rank=.../part-*.parquet)")
-    conv.add_argument("--rows-per-part", type=int, default=1_000_000)
+    conv.add_argument("--rows-per-part", type=count(1), default=1_000_000)
     conv.add_argument(
         "--to",
         choices=("parquet", "tensorboard"),
@@ -237,11 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
     ana.add_argument("--family", action="append", help="families (repeat or comma-separate; default all)")
     ana.add_argument("--stat", action="append", help="heatmap statistics (default norm,mean,min,max)")
     ana.add_argument("--out", default=None, help="report directory (default ./trainermon_report)")
-    ana.add_argument("--steps", default=None, help="N or FIRST-LAST")
+    ana.add_argument("--steps", default=None, help=STEPS)
     ana.add_argument("--ranks", action="append", help="ranks to read (default all)")
     ana.add_argument("--run-id", default=None, help="keep only this run id's rows")
-    ana.add_argument("--top", type=int, default=10, help="layers in the growth ranking")
-    ana.add_argument("--max-columns", type=int, default=500, help="heatmap columns before steps are binned")
+    ana.add_argument("--top", type=count(1), default=10, help="layers in the growth ranking")
+    ana.add_argument(
+        "--max-columns", type=count(1), default=500, help="heatmap columns before steps are binned"
+    )
     _common(ana)
     ana.set_defaults(func=_cmd_analyze)
     cmp_ = sub.add_parser(
@@ -254,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--atol", type=float, default=0.0, help="absolute tolerance added to the threshold")
     cmp_.add_argument("--stat", action="append", help="statistics to compare (default norm)")
     cmp_.add_argument("--family", action="append", help="families to compare (default all in both)")
-    cmp_.add_argument("--steps", default=None, help="N or FIRST-LAST")
+    cmp_.add_argument("--steps", default=None, help=STEPS)
     cmp_.add_argument("--out", default=None, help="report directory (default ./trainermon_compare)")
     cmp_.add_argument("--max-plots", type=int, default=6, help="diverging tensors to plot")
     _common(cmp_)

@@ -240,6 +240,27 @@ def test_first_anomaly_names_layer_rank_and_step(tmp_path, capsys):
     assert "no anomalies" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["anomalies", "DIR", "--steps", "20-10"], "--steps '20-10': allowed: N or FIRST-LAST, non-negative"),
+        (["anomalies", "DIR", "--top", "-1"], "--top: got -1; allowed: a whole number >= 0"),
+        (["analyze", "DIR", "--steps", "5-1"], "FIRST <= LAST"),
+        (["compare", "DIR", "DIR", "--steps", "3-2"], "FIRST <= LAST"),
+        (["analyze", "DIR", "--top", "0"], "--top: got 0; allowed: a whole number >= 1"),
+        (["convert", "DIR", "OUT", "--rows-per-part", "0"], "--rows-per-part: got 0"),
+    ],
+)
+def test_cli_refuses_reversed_steps_and_negative_counts(tmp_path, capsys, argv, said):
+    """A reversed range once printed "no anomalies" and --top -1 all records but one: both rc 0."""
+    argv = [str(tmp_path) if a == "DIR" else str(tmp_path / "o") if a == "OUT" else a for a in argv]
+    try:
+        rc = cli_main(argv)
+    except SystemExit as exc:  # argparse's refusals
+        rc = exc.code
+    assert rc == 2 and said in capsys.readouterr().err
+
+
 def test_dump_false_detects_and_counts_but_writes_no_record_file(tmp_path):
     """msprobe's `alert.dump`: records are written to anomaly_detected/ only when it is true."""
     rules = parse_rules([{"rule_name": "AnomalyNan"}])

@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 
+from ..cli import STEPS, step_range
 from .analyze import _open, analyze
 from .compare import compare
 from .engines import is_url, resolve_engine
@@ -22,13 +23,6 @@ def _split(values: list[str] | None) -> list[str] | None:
     return [v.strip() for item in values for v in item.split(",") if v.strip()]
 
 
-def _step_range(text: str | None) -> tuple[int, int] | None:
-    if not text:
-        return None
-    lo, _, hi = text.partition("-")
-    return int(lo), int(hi or lo)
-
-
 def _progress(args: argparse.Namespace) -> bool | None:
     return True if args.progress else False if args.no_progress else None
 
@@ -37,11 +31,11 @@ def run_analyze(args: argparse.Namespace) -> int:
     """`trainermon analyze RUN`: read RUN, write the report, print the findings; 2 on bad input."""
 
     try:
-        steps = _step_range(args.steps)
+        steps = step_range(args.steps)
         ranks = [int(r) for r in _split(args.ranks) or []] or None
     except ValueError:
         print(
-            f"error: --steps {args.steps!r} / --ranks {args.ranks!r}: allowed: N or FIRST-LAST / R,R",
+            f"error: --steps {args.steps!r} / --ranks {args.ranks!r}: allowed: {STEPS} / R,R",
             file=sys.stderr,
         )
         return 2
@@ -102,9 +96,9 @@ def run_compare(args: argparse.Namespace) -> int:
     """`trainermon compare RUN BENCHMARK`: 0 no divergence, 1 divergence, 2 bad input."""
 
     try:
-        steps = _step_range(args.steps)
+        steps = step_range(args.steps)
     except ValueError:
-        print(f"error: --steps {args.steps!r}: allowed: N or FIRST-LAST", file=sys.stderr)
+        print(f"error: --steps {args.steps!r}: allowed: {STEPS}", file=sys.stderr)
         return 2
     try:
         urls = [p for p in (args.run, args.benchmark) if is_url(p)]
