@@ -8,6 +8,7 @@ inplace=True) gives a fresh row, and a run with the shortcut switched off gives 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -293,3 +294,58 @@ def test_a_parameter_returned_as_an_output_gets_one_gradient_row_per_call(tmp_pa
         for micro in range(2):
             assert float(rows[("lin.output_1", step, micro)]["norm"]) == pytest.approx(6.0)
     assert not model.lin.bias._backward_hooks  # nothing left on the Parameter
+
+
+@pytest.mark.parametrize("container", ["namedtuple", "return_types", "model_output", "ordered_dict"])
+def test_a_parameter_output_keeps_its_container_type(tmp_path, out_dir, container):
+    """The hooked view of a Parameter output goes back in a container of the output's own type: a plain
+    dict in place of an HF ModelOutput broke `out.bias` in the training loop, and a namedtuple was not
+    rebuilt at all (its gradient row was lost without a fault)."""
+    import collections
+
+    from transformers.utils import ModelOutput
+
+    pair = collections.namedtuple("Pair", "out bias")
+
+    @dataclasses.dataclass
+    class Out(ModelOutput):
+        out: torch.Tensor | None = None
+        bias: torch.Tensor | None = None
+
+    def wrap(out, bias):
+        if container == "namedtuple":
+            return pair(out, bias)
+        if container == "return_types":  # a structseq, as torch.max(x, dim) returns
+            return torch.return_types.max((out, bias))
+        if container == "model_output":
+            return Out(out=out, bias=bias)
+        return collections.OrderedDict(out=out, bias=bias)
+
+    class Biased(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Linear(4, 4, bias=False)
+            self.bias = nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return wrap(self.w(x), self.bias)
+
+    model = nn.Sequential(Biased())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(write_config(tmp_path / "c.json", xy_distribution=True, all_xy=True, ops=["norm"]))
+    monitor.set_monitor(model, optimizer=opt)
+    out = model(torch.ones(3, 4))
+    assert type(out) is type(wrap(None, None))
+    bias = out[1] if isinstance(out, tuple) else out["bias"]
+    assert bias is not model[0].bias and torch.equal(bias, model[0].bias)  # this call's hooked view
+    if container == "model_output":
+        assert out.bias is bias
+    ((out[0] if isinstance(out, tuple) else out["out"]) + bias).sum().backward()
+    opt.step()
+    monitor.close()
+    assert monitor.faults.total == 0, dict(monitor.faults.counts)
+    rows = keyed(read_family(monitor.run_dir, "actv_grad"))
+    label = "0.output_1"
+    assert float(rows[(label, 0, 0)]["norm"]) == pytest.approx(
+        3.0 * 2.0, rel=1e-6
+    )  # 3 per element, 4 of them

@@ -3,6 +3,7 @@ eager hooks (`activations`) and the traced ones (`graph_taps`)."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -54,13 +55,26 @@ def output_slots(output: Any) -> list[Any]:
 
 
 def replace_tensors(obj: Any, by_id: dict[int, torch.Tensor]) -> Any:
-    """`obj` (a tensor, tuple, list or dict of them) with the tensors whose id is in `by_id` replaced."""
+    """`obj` (a tensor, or a tuple, list or dict of them) with the tensors whose id is in `by_id` replaced,
+    in a container of its own type: a namedtuple, a `torch.return_types` tuple or an HF `ModelOutput`
+    (a dict subclass read by attribute) stays what the caller expects. A container that cannot be rebuilt
+    raises (the hook counts it as a fault and leaves the output as it was)."""
     if isinstance(obj, torch.Tensor):
         return by_id.get(id(obj), obj)
-    if type(obj) in (tuple, list):
-        return type(obj)(by_id.get(id(t), t) if isinstance(t, torch.Tensor) else t for t in obj)
+    kind = type(obj)
+    if isinstance(obj, (tuple, list)):
+        items = [by_id.get(id(t), t) if isinstance(t, torch.Tensor) else t for t in obj]
+        if kind is tuple or kind is list:
+            return kind(items)
+        return kind(*items) if hasattr(obj, "_fields") else kind(items)  # a namedtuple takes fields
     if isinstance(obj, dict):
-        return {k: by_id.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in obj.items()}
+        if kind is dict:
+            return {k: by_id.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in obj.items()}
+        new = copy.copy(obj)  # a subclass keeps its type (and ModelOutput its attributes) through setitem
+        for k, v in obj.items():
+            if isinstance(v, torch.Tensor) and id(v) in by_id:
+                new[k] = by_id[id(v)]
+        return new
     return obj
 
 
