@@ -69,8 +69,10 @@ class UpdateProbe(Probe):
             value = new.tensor.detach()
             if copy.dtype in _EXACT_INPLACE and value.dtype == copy.dtype:
                 delta = copy.sub_(value).neg_()  # w_before - w_after, negated: exactly w_after - w_before
-            else:
+            elif value.is_floating_point() and copy.is_floating_point():
                 delta = value.float() - copy.float()  # both exact in float32
+            else:  # complex: kept complex, so the engine refuses it as it refuses a complex parameter
+                delta = value - copy
             deltas.append(new._replace(tensor=delta))
         loop.record(FAMILY, sel.entries(deltas))
 
