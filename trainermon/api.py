@@ -46,8 +46,10 @@ class TrainerMon:
         self.config_file_path = str(config_file_path)
         self.loop = StepLoop(load_config(config_file_path), read_env(), self.config_file_path, process_group)
         self.grad_acc_steps = 1
-        ref = weakref.ref(self)
-        atexit.register(lambda: (m := ref()) is not None and m.close())
+        # The loop, not this object: a monitor made in a helper and not kept lives on in its hooks (which
+        # hold the loop), and its steps must still be flushed at exit.
+        ref = weakref.ref(self.loop)
+        atexit.register(lambda: (loop := ref()) is not None and loop.close())
 
     def set_monitor(
         self, model: torch.nn.Module | Sequence[torch.nn.Module], *args: Any, **kwargs: Any

@@ -9,6 +9,7 @@ import sys
 import textwrap
 from dataclasses import fields
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -126,8 +127,11 @@ def test_running_job_never_stops_or_changes_on_invalid_files(tmp_path):
     assert job.monitor.faults.total == 0
 
 
-def test_interpreter_exit_flushes_and_does_not_hang(tmp_path):
-    """No close() call: the atexit handler flushes the worker and the process exits promptly."""
+@pytest.mark.parametrize("kept", [True, False], ids=["kept", "made-in-a-helper"])
+def test_interpreter_exit_flushes_and_does_not_hang(tmp_path, kept):
+    """No close() call: the atexit handler flushes the worker and the process exits promptly, also for a
+    monitor made in a helper function and not kept (its hooks go on collecting; the handler once held
+    the monitor object only, found it gone at exit, and every step was lost)."""
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps({"wg_distribution": True, "xy_distribution": True, "ops": ["norm"]}))
     script = textwrap.dedent(
@@ -137,19 +141,26 @@ def test_interpreter_exit_flushes_and_does_not_hang(tmp_path):
         from trainermon import TrainerMon
         model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        monitor = TrainerMon({str(cfg)!r})
-        monitor.set_monitor(model, optimizer=opt)
+        def attach():
+            monitor = TrainerMon({str(cfg)!r})
+            monitor.set_monitor(model, optimizer=opt)
+            return monitor
+        monitor = attach()
+        print(monitor.run_dir)
+        if not {kept!r}:
+            del monitor
+            import gc
+            gc.collect()
         for _ in range(5):
             model(torch.randn(2, 4)).sum().backward()
             opt.step()
             opt.zero_grad()
-        print(monitor.run_dir)
         """
     )
     env = {**os.environ, "MONITOR_OUTPUT_DIR": str(tmp_path / "out")}
     env.pop("DYNAMIC_MONITOR", None)
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    run_dir = done.stdout.strip().splitlines()[-1]
+    run_dir = done.stdout.strip().splitlines()[0]
     with open(os.path.join(run_dir, "grad_reduced_4-4.csv")) as fh:
         assert len(fh.read().splitlines()) == 1 + 4  # header + the last step's 4 parameters
