@@ -184,3 +184,70 @@ def test_close_with_a_hung_sink_is_bounded(tmp_path, monkeypatch):
         mon.close()
         thread.join(10)
     assert returned and errors == [], errors
+
+
+@pytest.mark.parametrize("stuck_in", ["write", "flush"])
+def test_a_hung_sink_is_switched_off_and_the_others_go_on(tmp_path, monkeypatch, stuck_in):
+    """CSV stuck in one call (a dead NFS mount) for HUNG_S: one counted fault, and a new worker thread
+    writes every step to Parquet (the step being written when it hung included) and serves flush and
+    state_dict promptly; before, the one worker thread stalled every sink and each flush waited out its
+    timeout. The stuck call, when released, writes nothing more."""
+    import pyarrow.parquet  # noqa: F401 - imported now: a first import inside a write may take ~1 s
+
+    import trainermon.pipeline.worker as worker_mod
+
+    monkeypatch.setattr(worker_mod, "HUNG_S", 2.0)
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
+    entered, release = threading.Event(), threading.Event()
+    calls = {"write": 0, "flush": 0, "after": 0}
+    real = {name: getattr(csv_mod.CsvExporter, name) for name in ("write", "flush")}
+
+    def stuck(name):
+        def call(self, *args):
+            calls[name] += 1
+            if name == stuck_in and not entered.is_set():
+                entered.set()
+                release.wait(30)
+                calls["after"] += 1  # returned: the thread must stop without another call
+                return None
+            return real[name](self, *args)
+
+        return call
+
+    for name in real:
+        monkeypatch.setattr(csv_mod.CsvExporter, name, stuck(name))
+    cfg = write_config(
+        tmp_path / "cfg.json",
+        wg_distribution=True,
+        ops=["norm"],
+        format=["csv", "parquet"],
+        write_interval_s=0,
+        parquet={"steps_per_part": 1, "seconds_per_part": None},
+    )
+    model, opt = _small_model()
+    mon = TrainerMon(cfg)
+    mon.set_monitor(model, optimizer=opt)
+    try:
+        _steps(model, opt, 1)
+        if stuck_in == "flush":
+            returned, errors, _ = _returns_within(lambda: mon.flush(timeout=20), 0.0)  # a flush gets stuck
+        assert entered.wait(10)
+        time.sleep(2.1)
+        _steps(model, opt, 3)  # the first submit after HUNG_S notices
+        start = time.monotonic()
+        state = mon.state_dict()  # flushes: served by the new thread
+        took = time.monotonic() - start
+        assert took < 3 and state["step"] == 4, (took, state)
+        import trainermon as tm
+
+        parquet_steps = sorted(set(tm.load(tmp_path / "out").column("step").to_pylist()))
+        assert parquet_steps == [0, 1, 2, 3]
+        assert mon.faults.counts == {"exporter CsvExporter hung": 1}, dict(mon.faults.counts)
+        assert mon.dropped_rows == 0
+        written = dict(calls)
+    finally:
+        release.set()
+        time.sleep(0.2)
+        mon.close()
+    assert calls == {**written, "after": 1}  # released: no call after it, not even close's flush

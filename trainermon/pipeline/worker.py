@@ -12,13 +12,19 @@ batch of steps costs about the work itself.
 
 The list is bounded (`queue_size` steps). When it is full the step's records are dropped and counted
 (`dropped_rows`), never silently, and the training thread never waits for I/O.
+
+A sink stuck in one call for `HUNG_S` (a dead network filesystem) is switched off: the next `submit` or a
+waiting `flush` notices, counts a fault and starts a new worker thread that goes on with the other sinks
+(from the rest of the step being written). The stuck thread, should its call ever return, stops there.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -30,12 +36,24 @@ logger = logging.getLogger("trainermon")
 _STOP = object()
 
 WRITE_INTERVAL_S = MonitorConfig.write_interval_s  # the config default
+#: Seconds one exporter call may take before its sink counts as hung and is switched off.
+HUNG_S = 30.0
 
 
 class _Swap(NamedTuple):
     """Queue item: close the current exporters and continue with these."""
 
     exporters: list
+
+
+class _Resume(NamedTuple):
+    """What a replacement worker thread finishes first: the call (`write` or `flush`) the stuck thread was
+    making, on the exporters after the stuck one, then the queue item it was serving (`done`)."""
+
+    what: str
+    batch: StatBatch | None
+    first: int
+    done: object  # a flush's Event to set, _STOP to stop after, or None
 
 
 class BackgroundWorker:
@@ -62,15 +80,29 @@ class BackgroundWorker:
         # Appends and pops of a deque are atomic, so the training thread takes no lock and wakes nobody.
         self._pending: collections.deque = collections.deque()
         self._wake = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="trainermon-worker", daemon=True)
-        self._thread.start()
         self._closed = False
+        # The exporter call under way: (thread generation, exporter index, monotonic start), and what a
+        # replacement would resume; a thread whose generation is no longer current stops (`_check_hung`).
+        self._busy: tuple[int, int, float] | None = None
+        self._call: tuple[str, StatBatch | None, object] = ("write", None, None)
+        self._generation = 0
+        self._hung_lock = threading.Lock()
+        self._thread = self._start(None)
+
+    def _start(self, resume: _Resume | None) -> threading.Thread:
+        thread = threading.Thread(
+            target=self._run, args=(self._generation, resume), name="trainermon-worker", daemon=True
+        )
+        thread.start()
+        return thread
 
     def submit(self, payload: StepPayload) -> bool:
         """Hand a step to the worker. Never blocks; usually takes no lock and wakes no thread. Returns
         False (and counts the rows as dropped) when `queue_size` steps are already waiting."""
         if self._closed:
             return False
+        if self._busy is not None:
+            self._check_hung()
         waiting = len(self._pending)
         if waiting >= self._queue_size:
             self._wake.set()
@@ -98,14 +130,19 @@ class BackgroundWorker:
 
     def flush(self, timeout: float | None = None) -> None:
         """Block until every submitted step is written and every exporter flushed, or `timeout` passes
-        (a hung sink: a warning, never an exception)."""
+        (a hung sink: a warning, never an exception). A sink hung for HUNG_S is switched off meanwhile,
+        so a flush waits at most about HUNG_S for it."""
         if self._closed or not self._thread.is_alive():
             return
         done = threading.Event()
         self._pending.append(done)
         self._wake.set()
-        if not done.wait(timeout):
-            logger.warning("trainermon: flush gave up after %s s: an exporter is still writing", timeout)
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        while not done.wait(min(HUNG_S / 4, max(0.0, deadline - time.monotonic()))):
+            self._check_hung()
+            if time.monotonic() >= deadline:
+                logger.warning("trainermon: flush gave up after %s s: an exporter is still writing", timeout)
+                return
 
     def close(self, timeout: float = 30.0) -> None:
         """Write what is queued, then stop the worker and close the exporters; at most `timeout` seconds.
@@ -126,6 +163,28 @@ class BackgroundWorker:
                 return
         self._close_exporters()
 
+    def _check_hung(self) -> None:
+        """Any thread: a sink stuck in one call for HUNG_S is switched off (a counted fault), and a new
+        worker thread finishes that call's work on the other sinks, then serves the queue."""
+        with self._hung_lock:
+            busy = self._busy
+            if busy is None or busy[0] != self._generation or time.monotonic() - busy[2] < HUNG_S:
+                return
+            _, index, _ = busy
+            what, batch, done = self._call
+            self._generation += 1  # the stuck thread stops if its call ever returns
+            self._busy = None
+            self._disabled.add(index)
+            exporter = self.exporters[index]
+            self.faults.record(
+                f"exporter {type(exporter).__name__} hung",
+                TimeoutError(
+                    f"a {what} call has not returned for {HUNG_S:g} s (a dead filesystem or server?)"
+                ),
+                "this exporter is disabled, the others continue on a new worker thread",
+            )
+            self._thread = self._start(_Resume(what, batch, index + 1, done))
+
     def _close_exporters(self) -> None:
         for i, exporter in enumerate(self.exporters):
             if i in self._disabled:
@@ -136,21 +195,31 @@ class BackgroundWorker:
                 self.faults.record(f"exporter {type(exporter).__name__}.close", exc)
 
     # ---- worker thread -----------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, generation: int, resume: _Resume | None) -> None:
+        if resume is not None:
+            if not self._each(generation, resume.what, resume.batch, resume.first, resume.done):
+                return  # replaced again
+            if resume.what == "write":
+                self.written_batches += 1
+            if resume.done is _STOP:
+                return
+            if isinstance(resume.done, threading.Event):
+                resume.done.set()
         while True:
             self._wake.wait(self.interval_s or None)
             self._wake.clear()  # before draining: a wake-up for an item appended later is not lost
             while self._pending:
-                if not self._handle(self._pending.popleft()):
+                if not self._handle(self._pending.popleft(), generation):
                     return
 
-    def _handle(self, item) -> bool:
-        """Process one queue item; False when the worker is to stop."""
+    def _handle(self, item, generation: int) -> bool:
+        """Process one queue item; False when this thread is to stop (the worker's end, or replaced)."""
         if item is _STOP:
-            self._flush_exporters()
+            self._each(generation, "flush", None, 0, item)
             return False
         if isinstance(item, threading.Event):
-            self._flush_exporters()
+            if not self._each(generation, "flush", None, 0, item):
+                return False
             item.set()
             return True
         if isinstance(item, _Swap):
@@ -167,36 +236,39 @@ class BackgroundWorker:
                 observer(batch)
             except Exception as exc:  # noqa: BLE001
                 self.faults.record(f"observer {getattr(observer, '__name__', observer)}", exc)
-        self._export(batch)
+        if not self._each(generation, "write", batch, 0, None):
+            return False
         self.written_batches += 1
         return True
 
-    def _export(self, batch: StatBatch) -> None:
-        for i, exporter in enumerate(self.exporters):
+    def _each(self, generation: int, what: str, batch: StatBatch | None, first: int, done: object) -> bool:
+        """`exporter.write(batch)` or `exporter.flush()` on exporters `first`... that are on; one that
+        raises (disk full, permission denied) is switched off, the others go on. Each call is tracked for
+        `_check_hung`; False when this thread was replaced meanwhile (it then touches nothing more)."""
+        self._call = (what, batch, done)
+        for i in range(first, len(self.exporters)):
             if i in self._disabled:
                 continue
+            exporter = self.exporters[i]
+            self._busy = (generation, i, time.monotonic())
             try:
-                exporter.write(batch)
+                exporter.write(batch) if what == "write" else exporter.flush()
             except Exception as exc:  # noqa: BLE001
-                # A failing sink (disk full, permission denied) is switched off; the others go on.
+                if generation != self._generation:
+                    return False
                 self._disabled.add(i)
+                suffix = "" if what == "write" else f".{what}"
                 self.faults.record(
-                    f"exporter {type(exporter).__name__}",
+                    f"exporter {type(exporter).__name__}{suffix}",
                     exc,
                     "this exporter is disabled, the others continue",
                 )
                 _close_quietly(exporter)  # release its files and sockets
-
-    def _flush_exporters(self) -> None:
-        for i, exporter in enumerate(self.exporters):
-            if i in self._disabled:
-                continue
-            try:
-                exporter.flush()
-            except Exception as exc:  # noqa: BLE001
-                self._disabled.add(i)
-                self.faults.record(f"exporter {type(exporter).__name__}.flush", exc)
-                _close_quietly(exporter)
+            with self._hung_lock:
+                if generation != self._generation:
+                    return False
+                self._busy = None
+        return True
 
 
 def _close_quietly(exporter) -> None:
