@@ -17,6 +17,7 @@ to the last complete row. Rank 0 also writes the cross-rank summaries to `xrank_
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from operator import attrgetter, itemgetter
@@ -28,6 +29,8 @@ from trainermon.collect.records import XRANK_COLUMNS, StatBatch
 from trainermon.stats.table import BY_NAME, Kind
 
 from .base import Exporter, RunInfo
+
+logger = logging.getLogger("trainermon")
 
 #: Trailing columns of `comm_*.csv`: the collective calls a row sums over and the bytes they moved.
 COMM_COLUMNS = ("calls", "bytes")
@@ -114,6 +117,10 @@ class _RowFile:
 
     def flush(self) -> None:
         pass  # nothing is buffered
+
+    def gone(self) -> bool:
+        """The file was deleted while open (its run directory removed, say): writes would be lost."""
+        return os.fstat(self._fh.fileno()).st_nlink == 0
 
     def close(self) -> None:
         self._fh.close()
@@ -294,12 +301,20 @@ class CsvExporter(Exporter):
 
     def _file_for(self, family: str, step: int, with_micro: bool, header: list | None = None) -> _RowFile:
         first = (step // self.per_record) * self.per_record
+        path = os.path.join(self.run_dir, f"{family}_{first}-{first + self.per_record - 1}.csv")
         current = self._files.get(family)
         if current is not None and current[0] == first:
-            return current[1]
+            if not current[1].gone():  # one fstat per family and step, on the worker thread
+                return current[1]
+            logger.warning(
+                "trainermon: %s was deleted while open; rows from step %d on go to a new file there "
+                "(the rows written before it was deleted are gone with it)",
+                path,
+                step,
+            )
+            os.makedirs(self.run_dir, exist_ok=True)
         if current is not None:
             current[1].close()
-        path = os.path.join(self.run_dir, f"{family}_{first}-{first + self.per_record - 1}.csv")
         new = not os.path.exists(path)
         handle = _RowFile(path)
         if new:

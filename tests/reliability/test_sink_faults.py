@@ -248,3 +248,34 @@ def test_slow_filesystem_never_blocks_training(tmp_path, out_dir, monkeypatch, c
         f"(unmonitored {statistics.median(bare) * 1e3:.2f} ms); {written} rows written, "
         f"{mon.dropped_rows} dropped and counted"
     )
+
+
+def test_run_directory_deleted_mid_run_is_said_and_later_rows_are_kept(tmp_path, out_dir, caplog):
+    """`rm -r` of the run directory while CSV files are open (one file per 100 steps): the rows written
+    after it went into the deleted files, lost without a word. Now one warning per file, and the files
+    are made again, with their header, from the next step on."""
+    import shutil
+
+    cfg = write_config(
+        tmp_path / "cfg.json",
+        wg_distribution=True,
+        ops=["norm"],
+        write_interval_s=0,
+        step_count_per_record=100,
+    )
+    model, opt = _small_model()
+    mon = TrainerMon(cfg)
+    mon.set_monitor(model, optimizer=opt)
+    _steps(model, opt, 2)
+    mon.flush()
+    shutil.rmtree(mon.run_dir)
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        _steps(model, opt, 3)
+        mon.close()
+    assert mon.faults.total == 0, dict(mon.faults.counts)
+    said = [r.getMessage() for r in caplog.records if "was deleted while open" in r.getMessage()]
+    files = sorted(line.split("/")[-1].split(" ")[0] for line in said)
+    assert files == ["grad_reduced_0-99.csv", "grad_unreduced_0-99.csv"], said
+    assert all("from step 2 on" in line for line in said), said
+    assert sorted({int(r["step"]) for r in read_family(mon.run_dir, "grad_reduced")}) == [2, 3, 4]
+    assert not csv_problems(mon.run_dir)
