@@ -255,19 +255,23 @@ def test_the_same_live_tensor_is_still_reduced_once():
     assert first == second
 
 
+class Biased(nn.Module):
+    """Megatron's skip_bias_add shape: returns its matmul and its bias Parameter, packed by `wrap`."""
+
+    def __init__(self, wrap=lambda out, bias: (out, bias)) -> None:
+        super().__init__()
+        self.w = nn.Linear(4, 4, bias=False)
+        self.bias = nn.Parameter(torch.ones(4))
+        self.wrap = wrap
+
+    def forward(self, x):
+        return self.wrap(self.w(x), self.bias)
+
+
 def test_a_parameter_returned_as_an_output_gets_one_gradient_row_per_call(tmp_path, out_dir):
     """Megatron's skip_bias_add returns the bias Parameter itself as an output. A hook on the Parameter
     would fire for every later backward (every micro-batch's gradient under the same row) and would never
     be removed; the monitor hooks a view of it for each call instead."""
-
-    class Biased(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w = nn.Linear(4, 4, bias=False)
-            self.bias = nn.Parameter(torch.ones(4))
-
-        def forward(self, x):
-            return self.w(x), self.bias
 
     class Net(nn.Module):
         def __init__(self) -> None:
@@ -321,16 +325,7 @@ def test_a_parameter_output_keeps_its_container_type(tmp_path, out_dir, containe
             return Out(out=out, bias=bias)
         return collections.OrderedDict(out=out, bias=bias)
 
-    class Biased(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w = nn.Linear(4, 4, bias=False)
-            self.bias = nn.Parameter(torch.ones(4))
-
-        def forward(self, x):
-            return wrap(self.w(x), self.bias)
-
-    model = nn.Sequential(Biased())
+    model = nn.Sequential(Biased(wrap))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     monitor = TrainerMon(write_config(tmp_path / "c.json", xy_distribution=True, all_xy=True, ops=["norm"]))
     monitor.set_monitor(model, optimizer=opt)
