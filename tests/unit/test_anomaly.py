@@ -74,38 +74,25 @@ def test_bad_rule_config_names_the_key():
         parse_config({"alert": {"rules": [], "escalate_steps": -1}})
 
 
+def _rule(name: str, **args) -> dict:
+    return {"rules": [{"rule_name": name, "args": args}]}
+
+
+RULE0 = r"alert.rules\[0\]"
+
+
 @pytest.mark.parametrize(
     "alert, key, allowed",
     [
         ({"rule": []}, "alert.rule", "'rules', 'dump', 'escalate_steps'"),  # a misspelt section key
         ({"rules": [], "escalate_step": 3}, "alert.escalate_step", "'escalate_steps'"),
-        ({"rules": [{"rule_name": "AnomalySpike", "arg": {"z": 3}}]}, r"alert.rules\[0\].arg", "'args'"),
-        ({"rules": [{"rule_name": "AnomalySpike", "args": {"zz": 3}}]}, r"alert.rules\[0\].args.zz", "'z'"),
-        (
-            {"rules": [{"rule_name": "AnomalyNan", "args": {"window": 3}}]},
-            r"alert.rules\[0\].args.window",
-            "'threshold'",
-        ),
-        (
-            {"rules": [{"rule_name": "AnomalySpike", "args": {"window": 5}}]},
-            r"alert.rules\[0\].args.window",
-            r"warmup \(10\)",
-        ),
-        (
-            {"rules": [{"rule_name": "AnomalySpike", "args": {"window": 0}}]},
-            r"alert.rules\[0\].args.window",
-            "never fires",
-        ),
-        (
-            {"rules": [{"rule_name": "AnomalyUpdateRatio", "args": {"warmup": 60}}]},
-            r"alert.rules\[0\].args.window",
-            r"\(60\)",
-        ),
-        (
-            {"rules": [{"rule_name": "AnomalySpike", "args": {"warmup": 2.5}}]},
-            r"alert.rules\[0\].args.warmup",
-            "whole number",
-        ),
+        ({"rules": [{"rule_name": "AnomalySpike", "arg": {"z": 3}}]}, RULE0 + ".arg", "'args'"),
+        (_rule("AnomalySpike", zz=3), RULE0 + ".args.zz", "'z'"),
+        (_rule("AnomalyNan", window=3), RULE0 + ".args.window", "'threshold'"),
+        (_rule("AnomalySpike", window=5), RULE0 + ".args.window", r"warmup \(10\)"),
+        (_rule("AnomalySpike", window=0), RULE0 + ".args.window", "never fires"),
+        (_rule("AnomalyUpdateRatio", warmup=60), RULE0 + ".args.window", r"\(60\)"),
+        (_rule("AnomalySpike", warmup=2.5), RULE0 + ".args.warmup", "whole number"),
     ],
 )
 def test_unknown_alert_keys_and_a_window_that_never_fills_are_refused(alert, key, allowed):
