@@ -80,6 +80,50 @@ def test_micro_step_numbering(tmp_path, monkeypatch):
     assert read_family(monitor.run_dir, "actv_grad") == []  # forward_only
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_an_evaluation_pass_between_steps_is_no_micro_batch(tmp_path, out_dir, caplog, compiled):
+    """model.eval() + no_grad forwards between optimizer steps (an HF Trainer or Lightning evaluation)
+    were actv rows numbered as the next step's first micro-batches, shifting the real ones (actv_grad
+    too). They get no rows now, and one INFO line says so; a training forward in eval mode (with grad)
+    still counts."""
+    import logging
+
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(write_config(tmp_path / "cfg.json", xy_distribution=True, ops=["norm"]))
+    monitor.set_monitor(model, grad_acc_steps=2, optimizer=opt)
+    run = torch.compile(model, backend="aot_eager") if compiled else model
+    x = {s: [torch.randn(3, 4) for _ in range(2)] for s in range(3)}
+    with caplog.at_level(logging.INFO, logger="trainermon"):
+        for step in range(3):
+            if step == 1:
+                run.eval()
+                with torch.no_grad():
+                    for _ in range(3):
+                        run(torch.randn(5, 4))
+                run.train()
+            if step == 2:
+                run.eval()  # dropout off, still training: counted
+            for micro in range(2):
+                run(x[step][micro]).sum().backward()
+            run.train()
+            opt.step()
+            opt.zero_grad()
+    monitor.close()
+    for family in ("actv", "actv_grad"):
+        rows = [r for r in read_family(monitor.run_dir, family) if r["name"] == "0.output"]
+        assert sorted((int(r["step"]), int(r["micro_step"])) for r in rows) == [
+            (s, m) for s in range(3) for m in range(2)
+        ], family
+    said = [r.getMessage() for r in caplog.records if "evaluation pass" in r.getMessage()]
+    assert len(said) == 1, said
+    if compiled:
+        torch._dynamo.reset()  # leave no compiled graphs to later tests
+
+
 def test_gradient_hooks_are_kept_across_steps(tmp_path, monkeypatch):
     """One gradient hook per hooked slot and micro-step, made on the first collected step and reused after
     (no new hook objects per step for the garbage collector), with each step's rows still its own: the

@@ -155,6 +155,7 @@ class ActivationProbe(Probe):
         self._two_paths: list[Any] = []  # this step's written.TwoPaths, released at the next step's begin
         self._taps: Any = None  # graph_taps.TapSites once the hooks are pinned where the tap operators exist
         self._hooked: dict[int, HookedModule] = {}  # module id -> its hooks' state, once hooked
+        self._said_eval = False
 
     def configure(self, config: MonitorConfig) -> None:
         modules: list[tuple[int, str, torch.nn.Module]] = []
@@ -279,6 +280,15 @@ class ActivationProbe(Probe):
             self.loop.faults.record("forward pre-hook", exc)
             return None
 
+    def _evaluation_pass(self, name: str) -> None:
+        if not self._said_eval:
+            self._said_eval = True
+            logger.info(
+                "trainermon: %s ran in eval mode without grad (an evaluation pass): such forwards get no "
+                "actv rows and do not count as micro-batches of the training step",
+                name,
+            )
+
     def _hook_view(
         self, vpp_stage: int, tensor: torch.Tensor, labels: tuple[str, ...], micro: int, piece: str
     ) -> tuple[torch.Tensor, tuple]:
@@ -301,6 +311,9 @@ class ActivationProbe(Probe):
         loop = self.loop
         vpp_stage = hooked.vpp_stage
         try:
+            if not module.training and not torch.is_grad_enabled():
+                self._evaluation_pass(hooked.name)  # between steps (eval(), no_grad): not a micro-batch
+                return None
             key = id(module)
             bases = self._bases.pop(key, None) if self._bases else None
             recompute = in_backward()

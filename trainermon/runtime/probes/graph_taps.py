@@ -310,7 +310,16 @@ def traced_forward_hook(probe: Any, vpp_stage: int, name: str, module_key: int) 
     owner = str(module_key)  # an argument of `site`: see traced_pre_hook
     site = torch.compiler.assume_constant_result(make_site)
 
+    def say_evaluation_pass() -> bool:
+        probe._evaluation_pass(name)  # run by dynamo once, at trace time
+        return True
+
+    evaluation_pass = torch.compiler.assume_constant_result(say_evaluation_pass)
+
     def forward_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if not module.training and not torch.is_grad_enabled():
+            evaluation_pass()  # as the eager hook: no rows, no micro-batch; dynamo guards on both flags
+            return None
         grad = probe._actv_grad and torch.is_grad_enabled()
         actv = probe._actv
         inputs = input_slots(args, kwargs)
