@@ -468,6 +468,43 @@ def test_empty_tensors_are_no_nan(tmp_path):
     assert heatmap(summary, "grad_reduced", "norm").loc["empty.weight", 0] == 0.0
 
 
+@pytest.mark.parametrize(
+    "prefer, engine", [("csv", "pyarrow"), ("parquet", "pyarrow"), ("parquet", "duckdb")]
+)
+def test_the_nan_row_of_a_none_output_is_not_the_first_nan(tmp_path, out_dir, prefer, engine):
+    """A module returning (x, None) gets msprobe's NaN row for the None (shape [], dtype None): analyze
+    reported it as the run's first NaN at step 0, hiding the real one (step 2 here)."""
+
+    class Attn(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x), None  # as HF attention without output_attentions
+
+    model = torch.nn.Sequential()
+    model.attn = Attn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ops = ["norm", "min", "max", "mean"]
+    monitor = TrainerMon(
+        write_config(tmp_path / "c.json", xy_distribution=True, ops=ops, format=["csv", "parquet"])
+    )
+    monitor.set_monitor(model, optimizer=opt)
+    for step in range(4):
+        x = torch.ones(2, 4)
+        x[0, 0] = math.nan if step == 2 else 1.0
+        model.attn(x)[0].sum().backward()
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    placeholder = [r for r in read_family(monitor.run_dir, "actv") if r["name"] == "attn.output_1"]
+    assert len(placeholder) == 4 and all(r["norm"] == "nan" and r["dtype"] == "None" for r in placeholder)
+    first = analyze(open_run(out_dir, prefer=prefer), engine=engine, progress=False).first_nonfinite
+    assert (first.loc[0, "step"], first.loc[0, "name"]) == (2, "attn.fc.input"), first.head(3)
+    assert "attn.output_1" not in first["name"].tolist()
+
+
 # ---- names in one run only ---------------------------------------------------------------------------
 def test_names_only_in_one_run_are_listed(tmp_path, capsys):
     head = "vpp_stage,name,step,norm"

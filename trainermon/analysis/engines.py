@@ -219,11 +219,11 @@ def engine_scan(
             summary.xrank_rows = sess.frame(sqlplan.xrank_sql(cond))
         if fams:
             cond = sqlplan.where(fams, rank_list, steps, source.run_id)
-            sess.view("base", sqlplan.base_select(stats, cond, sess.file_ordinal))
+            sess.view("base", sqlplan.base_select(stats, cond, sess.file_ordinal, sess.dialect))
             summary.copies.update(_copies(sess, stats))
             if summary.copies:
                 cond = f"{cond} AND {sqlplan.exclude(summary.copies)}"
-                sess.view("base", sqlplan.base_select(stats, cond, sess.file_ordinal))
+                sess.view("base", sqlplan.base_select(stats, cond, sess.file_ordinal, sess.dialect))
                 summary.notes.append(copies_note(summary.copies))
             cells = sess.frame(sqlplan.cells_sql(stats))
             summary.rows_read = int(cells["_rows"].sum()) if len(cells) else 0

@@ -114,6 +114,10 @@ def _make_batch(table: Any, family: str, rank: int, stats: list[str], with_numel
             numel = _to_float(table.column("numel"))[0]
         elif "shape" in names_present:
             numel = _numel_from_shapes(table.column("shape"))
+            if "dtype" in names_present:  # a None output's NaN row (shape [], dtype None): no elements
+                import pyarrow.compute as pc
+
+                numel[pc.equal(table.column("dtype"), "None").to_numpy(zero_copy_only=False)] = 0.0
         else:
             numel = np.full(n, np.nan)
     return Batch(family, rank, tensors, codes, step, micro, values, numel, path)
@@ -164,11 +168,13 @@ def csv_batches(
     if "step" not in header or not ({"name", "param_name"} & set(header)):
         raise ValueError(f"{f.path}: a CSV file without 'name' and 'step' columns (columns: {header})")
     types: dict[str, Any] = {"name": pa.string(), "param_name": pa.string(), "step": pa.int64()}
-    types.update({"vpp_stage": pa.int64(), "micro_step": pa.int64(), "shape": pa.string()})
+    types.update(
+        {"vpp_stage": pa.int64(), "micro_step": pa.int64(), "shape": pa.string(), "dtype": pa.string()}
+    )
     types.update({s: pa.float64() for s in ALL_STATS + ("numel",)})
     wanted = ["vpp_stage", "name", "param_name", "step", "micro_step"] + stats
     if with_numel:
-        wanted += ["numel"] if "numel" in header else ["shape"]
+        wanted += ["numel"] if "numel" in header else ["shape", "dtype"]
     include = [c for c in wanted if c in header]
     reader = pcsv.open_csv(
         f.path,

@@ -78,8 +78,10 @@ class _NonFinite:
                 hit = values > 0
             else:
                 hit = ~np.isfinite(values)
-                if empty is not None and stat != "norm":
-                    hit &= ~empty  # an empty tensor's mean/min/max are NaN by definition
+                if empty is not None:
+                    # no elements, no values: an empty tensor's mean/min/max are NaN by definition, and a
+                    # NaN norm with no elements is the row msprobe writes for a None output
+                    hit &= ~empty
             if valid is not None:
                 hit &= valid
             bad |= hit

@@ -28,9 +28,12 @@ _INF = "CAST('Infinity' AS DOUBLE)"
 class Dialect:
     name: str
     hash_fn: str  # a 64-bit hash of several columns
+    zero: str = "0.0"  # `base`'s `_z`: see `_isnan`
 
 
-DUCKDB = Dialect("duckdb", "hash")
+# DuckDB's zero is volatile (see `_isnan`); Spark's optimizer does not fold isnan() by statistics, and
+# its CTE rewrite fails on a volatile column read twice (PLAN_VALIDATION_FAILED_RULE_IN_BATCH, 4.x).
+DUCKDB = Dialect("duckdb", "hash", zero="0 * random()")
 SPARK = Dialect("spark", "xxhash64")
 
 
@@ -57,7 +60,7 @@ def where(
     return " AND ".join(parts)
 
 
-def base_select(stats: list[str], cond: str, file_ordinal: bool = False) -> str:
+def base_select(stats: list[str], cond: str, file_ordinal: bool = False, dialect: Dialect = SPARK) -> str:
     """Rows as the analysis reads them: names unwrapped (leading `module.` segments dropped, as the
     pyarrow reader does), micro_step -1 where none, `_empty` for numel 0, `_w` the mean weight, and
     `_ord` the row's position in reading order (file by rank then name, then row in the file), an
@@ -69,7 +72,7 @@ def base_select(stats: list[str], cond: str, file_ordinal: bool = False) -> str:
         "SELECT s.family, CAST(s.rank AS INT) AS rank, CAST(s.vpp_stage AS INT) AS vpp_stage, "
         "regexp_replace(s.name, '^(module[.])+', '') AS name, CAST(s.step AS BIGINT) AS step, "
         "CAST(COALESCE(s.micro_step, -1) AS INT) AS micro, "
-        f"{cols}, COALESCE(s.numel = 0, FALSE) AS _empty, "
+        f"{cols}, COALESCE(s.numel = 0, FALSE) AS _empty, {dialect.zero} AS _z, "
         "COALESCE(CAST(s.numel AS DOUBLE), 1.0) AS _w, "
     )
     if file_ordinal:
@@ -84,6 +87,14 @@ def base_select(stats: list[str], cond: str, file_ordinal: bool = False) -> str:
     )
 
 
+def _isnan(v: str) -> str:
+    """isnan(v) that no engine can answer from a Parquet file's min/max statistics: those leave NaN out,
+    and DuckDB 2.0 took them as proof that a column holds none (it folded isnan() to FALSE and found no
+    NaN in a run that had some). `_z` is `base`'s zero, volatile where the dialect needs it (a column:
+    Spark refuses a volatile expression inside an aggregate); adding it keeps every value as it is."""
+    return f"isnan({v} + _z)"
+
+
 def _aggregates(stat: str) -> list[str]:
     """The accumulators of one statistic (names as in `grid._NEEDS`), as SQL aggregates."""
     rule = BY_NAME[stat].combine
@@ -95,7 +106,7 @@ def _aggregates(stat: str) -> list[str]:
             f"sum({v} * {v}) AS sq_{stat}",
             f"min({v}) AS first_{stat}",
             # every row bit-identical (and none NaN): copies of one tensor (grid.py)
-            f"(count_if(isnan({v})) = 0 AND min({v}) = max({v})) AS same_{stat}",
+            f"(count_if({_isnan(v)}) = 0 AND min({v}) = max({v})) AS same_{stat}",
         ]
     if rule in (Combine.MEAN_BY_FINITE, Combine.MEAN_BY_NUMEL):
         return [
@@ -107,7 +118,7 @@ def _aggregates(stat: str) -> list[str]:
         # numpy's minimum/maximum propagate NaN; SQL orders NaN above every number: say it explicitly
         return [
             f"count({v}) AS n_{stat}",
-            f"CASE WHEN count_if(isnan({v})) > 0 THEN {NAN} ELSE {fn}({v}) END AS {stat}",
+            f"CASE WHEN count_if({_isnan(v)}) > 0 THEN {NAN} ELSE {fn}({v}) END AS {stat}",
         ]
     return [f"count({v}) AS n_{stat}", f"sum({v}) AS {stat}"]  # Combine.SUM: nans, infs
 
@@ -136,9 +147,7 @@ def bad_expr(stats: list[str]) -> str:
         if s in ("nans", "infs"):
             terms.append(f"COALESCE({s} > 0, FALSE)")
         else:
-            hit = f"(isnan({s}) OR {s} = {_INF} OR {s} = -{_INF})"
-            if s != "norm":
-                hit = f"({hit} AND NOT _empty)"
+            hit = f"({_isnan(s)} OR {s} = {_INF} OR {s} = -{_INF}) AND NOT _empty"  # no elements: no values
             terms.append(f"COALESCE({hit}, FALSE)")
     return " OR ".join(terms) or "FALSE"
 
