@@ -737,6 +737,29 @@ def test_cli_errors(tmp_path, capsys, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["ds", "empty"]
 
 
+def test_a_statistic_the_run_did_not_record_is_said(tmp_path, out_dir, capsys):
+    """`--stat mean` on a run recorded with ops norm, min: exit 2 naming it (it was an empty report
+    and exit 0); next to a recorded one, a note."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(
+        write_config(
+            tmp_path / "c.json", wg_distribution=True, ops=["norm", "min"], format=["csv", "parquet"]
+        )
+    )
+    monitor.set_monitor(model, optimizer=opt)
+    for _ in range(2):
+        model(torch.ones(3, 4)).sum().backward()
+        opt.step()
+    monitor.close()
+    for fmt, engine in (("csv", "pyarrow"), ("parquet", "pyarrow"), ("parquet", "duckdb")):
+        common = [str(out_dir), "--format", fmt, "--engine", engine, "--out", str(tmp_path / "rep")]
+        assert main(["analyze", *common, "--stat", "mean"]) == 2, (fmt, engine)
+        assert "statistics ['mean'] are not recorded" in capsys.readouterr().err
+        assert main(["analyze", *common, "--stat", "norm,mean"]) == 0, (fmt, engine)
+        assert "note: statistics ['mean'] are not recorded" in capsys.readouterr().out
+
+
 def test_progress_bar_only_when_asked_or_on_a_terminal(tmp_path, capsys):
     stream = io.StringIO()
     bar = Progress(10, "scan", enabled=True, stream=stream, min_interval=0)

@@ -236,6 +236,8 @@ def analyze(
                 heatmaps[(fam, stat)] = heatmap(summary, fam, stat)
         if growth_stat in grid.seen_stats:
             growth_tables[fam] = growth(summary, fam, growth_stat, top=top)
+    if stats is not None and summary.rows_read:
+        _check_recorded(summary, fams, wanted, source.path)
     rule = {**SPIKE_DEFAULTS, **(spike_rule or {})}
     norm = global_grad_norm(summary)
     return Analysis(
@@ -254,6 +256,22 @@ def analyze(
         engine=engine,
         head_logits=head_logits_last_step(source, steps) if "attn_logit" in fams else None,
     )
+
+
+def _check_recorded(summary: RunSummary, fams: list[str], wanted: list[str], path: Any) -> None:
+    """Statistics asked for by name that the selected families never recorded: an error when none was,
+    a note naming them when some were (a report without them must not look complete)."""
+    seen = set().union(*(summary.grids[f].seen_stats for f in fams if f in summary.grids))
+    missing = [s for s in wanted if s not in seen]
+    if missing and len(missing) == len(wanted):
+        raise KeyError(
+            f"statistics {missing} are not recorded in {path!r} for families {fams} (the run's config "
+            "`ops` chose what was recorded)"
+        )
+    if missing:
+        summary.notes.append(
+            f"statistics {missing} are not recorded in the selected rows: no heatmap for them"
+        )
 
 
 def open_with(
