@@ -554,6 +554,38 @@ def test_msprobe_module_prefixes_are_stripped_so_cells_align(runs, tmp_path, cap
     assert len(same.only_in_run) == 0 and len(same.only_in_benchmark) == 0
 
 
+def test_first_divergence_reports_one_statistic_and_a_missing_one_is_named(tmp_path, capsys):
+    """With --stat max --stat norm, the first divergence named `max` with its values but carried the
+    larger relative difference of `norm`; a statistic neither run recorded was 'no shared names'."""
+    head = "vpp_stage,name,step,norm,max"
+    for run, norm, big in (("run", 2.0, 1.0), ("bench", 4.0, 2.5)):  # max: 0.6 apart; norm: 0.5
+        _write_csv(
+            tmp_path / run / f"Jan01_00-00-00-rank0-{run}" / "grad_reduced_0-0.csv",
+            head,
+            [f"0,w,0,{norm},{big}"],
+        )
+    for stats, want in (
+        (["max", "norm"], ("max", 1.0, 2.5, 0.6)),
+        (["norm", "max"], ("norm", 2.0, 4.0, 0.5)),
+    ):
+        first = compare(tmp_path / "run", tmp_path / "bench", stats=stats).first
+        assert (first.stat, first.run_value, first.benchmark_value) == want[:3]
+        assert first.rel_diff == pytest.approx(want[3], rel=1e-12)
+    code = main(
+        [
+            "compare",
+            str(tmp_path / "run"),
+            str(tmp_path / "bench"),
+            "--stat",
+            "mean",
+            "--out",
+            str(tmp_path / "o"),
+        ]
+    )
+    assert code == 2
+    assert "no cell compared: grad_reduced: ['mean'] not in both runs" in capsys.readouterr().err
+
+
 def test_zero_cells_compared_is_an_error_with_names(tmp_path, capsys):
     """Two runs without one (family, name, step) in common: exit 2, saying why and showing names, never
     "no divergence" (which is what comparing nothing used to print)."""

@@ -143,9 +143,14 @@ class NothingCompared(ValueError):
     """The two runs share no (family, name, step) cell: a comparison would prove nothing."""
 
 
-def _nothing_compared(sum_a: Any, sum_b: Any, fam_a: list[str], fam_b: list[str], common: list[str]) -> str:
+def _nothing_compared(
+    sum_a: Any, sum_b: Any, fam_a: list[str], fam_b: list[str], common: list[str], notes: list[str]
+) -> str:
     if not common:
         return f"no cell compared: the runs share no family (run: {fam_a}, benchmark: {fam_b})"
+    unrecorded = [n for n in notes if n.endswith("not in both runs, not compared")]
+    if unrecorded:  # the statistics asked for, not the names, are what is missing
+        return "no cell compared: " + "; ".join(unrecorded)
     lines = ["no cell compared: the runs share no (family, name, step) with the statistics asked for"]
     for label, summary in (("run", sum_a), ("benchmark", sum_b)):
         grid = summary.grids[common[0]]
@@ -233,6 +238,7 @@ def compare(
         which = np.full(shape, -1, dtype=np.int64)
         va_first = np.full(shape, np.nan)
         vb_first = np.full(shape, np.nan)
+        rel_first = np.full(shape, np.nan)  # the relative difference of the statistic `which` names
         nfa = fa.nonfinite[np.ix_(ia, ca)]
         nfb = fb.nonfinite[np.ix_(ib, cb)]
         for si, stat in enumerate(usable):
@@ -247,7 +253,7 @@ def compare(
             r_s = np.where(both_ok, r, np.where(here & (a_bad != b_bad), np.inf, 0.0))
             new = d_s & (which < 0)
             which[new] = si
-            va_first[new], vb_first[new] = a[new], b[new]
+            va_first[new], vb_first[new], rel_first[new] = a[new], b[new], r_s[new]
             div |= d_s
             compared |= here
             rel = np.fmax(rel, np.where(here, r_s, 0.0))
@@ -270,7 +276,7 @@ def compare(
                 usable[int(which[i, j])],
                 float(va_first[i, j]),
                 float(vb_first[i, j]),
-                float(rel[i, j]),
+                float(rel_first[i, j]),
                 first_name,
             )
             firsts.append(((step, math.inf if micro < 0 else micro, family_order(family), family, i), d))
@@ -288,7 +294,7 @@ def compare(
                     "stat": [usable[int(which[k, c])] for k, c in zip(rows_any, first_col)],
                     "run_value": va_first[rows_any, first_col],
                     "benchmark_value": vb_first[rows_any, first_col],
-                    "rel_diff_at_first": rel[rows_any, first_col],
+                    "rel_diff_at_first": rel_first[rows_any, first_col],
                     "divergent_cells": div[rows_any].sum(axis=1),
                     "max_rel_diff": np.where(div[rows_any], rel[rows_any], 0.0).max(axis=1),
                     "_micro": [math.inf if m < 0 else m for m in fmicros],
@@ -316,7 +322,7 @@ def compare(
             }
         )
     if not sum(row["cells_compared"] for row in per_family):
-        raise NothingCompared(_nothing_compared(sum_a, sum_b, fam_a, fam_b, common))
+        raise NothingCompared(_nothing_compared(sum_a, sum_b, fam_a, fam_b, common, notes))
     columns = ["family", "vpp_stage", "name", "label", "first_step", "first_micro_step", "stat", "run_value"]
     columns += ["benchmark_value", "rel_diff_at_first", "divergent_cells", "max_rel_diff"]
     if divergent_parts:
