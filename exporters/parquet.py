@@ -53,6 +53,7 @@ from .parquet_files import (  # noqa: F401
     parse_part_name,
     part_name,
     partition_schema,
+    pointer,
     write_dataset_marker,
     write_part,
 )
@@ -97,9 +98,8 @@ class ParquetExporter(Exporter):
             ),
         }
         os.makedirs(run.run_dir, exist_ok=True)
-        pointer = {"dataset": self.root, "rank": run.rank, "run_id": run.run_id}
         with open(os.path.join(run.run_dir, POINTER_FILE), "w", encoding="utf-8") as fh:
-            json.dump(pointer, fh)
+            json.dump(pointer(run.run_dir, self.root, run.rank, run.run_id), fh)
 
     def write(self, batch: StatBatch) -> None:
         if not batch.rows:

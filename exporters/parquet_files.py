@@ -40,6 +40,42 @@ DATASET_MARKER = "_trainermon_dataset.json"
 POINTER_FILE = "parquet.json"  # in each rank's run directory: where its rows went
 
 
+def has_partitions(path: str) -> bool:
+    """Whether `path` is a dataset root: its marker file, or family=... directories."""
+    if os.path.isfile(os.path.join(path, DATASET_MARKER)):
+        return True
+    try:
+        return any(e.name.startswith("family=") and e.is_dir() for e in os.scandir(path))
+    except OSError:
+        return False
+
+
+def pointer(run_dir: str, dataset: str, rank: int, run_id: str) -> dict:
+    """What a run directory's POINTER_FILE says: the dataset's path, also relative to the run directory
+    (so that a copied or moved output tree reads its own dataset), the rank and the run id."""
+    return {"dataset": dataset, "relative": os.path.relpath(dataset, run_dir), "rank": rank, "run_id": run_id}
+
+
+def read_pointer(run_dir: str) -> tuple[str, str | None] | None:
+    """(dataset root, run id) of a run directory with a POINTER_FILE, None without one. The dataset is
+    looked for relative to the run directory first, then (pointers written before `relative` existed)
+    beside it under the same name, then at the absolute path written: output moved as a whole finds its
+    own copy, never the original's."""
+    path = os.path.join(run_dir, POINTER_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as fh:
+        saved = json.load(fh)
+    dataset = saved["dataset"]
+    candidates = [os.path.join(run_dir, saved["relative"])] if "relative" in saved else []
+    candidates += [
+        os.path.join(os.path.dirname(os.path.abspath(run_dir)), os.path.basename(dataset)),
+        dataset,
+    ]
+    found = next((c for c in candidates if has_partitions(c)), dataset)
+    return os.path.normpath(found), saved.get("run_id")
+
+
 def _pa():
     try:
         import pyarrow as pa

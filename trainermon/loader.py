@@ -8,18 +8,18 @@ groups by their statistics.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
 from typing import Any
 
 from trainermon.exporters.parquet_files import (
     COLUMNS,
-    DATASET_MARKER,
     POINTER_FILE,
     file_schema,
+    has_partitions,
     parse_part_name,
     partition_schema,
+    read_pointer,
 )
 
 #: Columns of the returned table, in order.
@@ -69,24 +69,23 @@ def _step_filter(steps: Any) -> tuple[int, int, list[int] | None] | None:
 
 
 def resolve_dataset(path: str | os.PathLike) -> tuple[str, str | None]:
-    """(dataset root, run id or None) for a dataset root, an output root or a rank's run directory."""
+    """(dataset root, run id or None) for a dataset root, an output root or a rank's run directory.
+    Raises FileNotFoundError when `path` is none of them (a typo must not read as an empty table)."""
     path = os.fspath(path)
-    if os.path.isfile(os.path.join(path, POINTER_FILE)):  # a run directory
-        with open(os.path.join(path, POINTER_FILE), encoding="utf-8") as fh:
-            pointer = json.load(fh)
-        return pointer["dataset"], pointer.get("run_id")
-    if os.path.isdir(path) and not _has_partitions(path) and _has_partitions(os.path.join(path, "parquet")):
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"trainermon.load: {path!r} is not a directory or a Parquet part file")
+    pointed = read_pointer(path)  # a run directory
+    if pointed is not None:
+        return pointed
+    if has_partitions(path):
+        return path, None
+    if has_partitions(os.path.join(path, "parquet")):
         return os.path.join(path, "parquet"), None  # MONITOR_OUTPUT_DIR with the default dataset dir
-    return path, None
-
-
-def _has_partitions(path: str) -> bool:
-    if os.path.isfile(os.path.join(path, DATASET_MARKER)):
-        return True
-    try:
-        return any(e.name.startswith("family=") for e in os.scandir(path))
-    except OSError:
-        return False
+    raise FileNotFoundError(
+        f"trainermon.load: no trainermon Parquet dataset at {path!r}: expected a dataset root "
+        "(family=*/rank=*/part-*.parquet), an output root holding one under parquet/, or a run directory "
+        f"with {POINTER_FILE}"
+    )
 
 
 def select_files(
@@ -171,6 +170,13 @@ def load(
         if pointed_run is not None and run_ids is None:
             run_ids = [pointed_run]
         step_range = None if step_spec is None else (step_spec[0], step_spec[1])
+        if families is not None:
+            present = [e.name[len("family=") :] for e in os.scandir(root) if e.name.startswith("family=")]
+            unknown = [f for f in families if f not in present]
+            if unknown:
+                raise ValueError(
+                    f"trainermon.load: families {unknown} are not in {root!r} (it has {sorted(present)})"
+                )
         files = select_files(root, families, rank_list, step_range)
         if not files:
             table = full_schema.empty_table()

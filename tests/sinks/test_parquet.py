@@ -315,9 +315,40 @@ def test_filtered_load_reads_only_needed_files(tmp_path):
     df = trainermon.load(root, family="exp_avg", ranks=3, steps=range(20, 30, 3), as_pandas=True)
     assert sorted(set(df["step"])) == [20, 23, 26, 29] and len(df) == 4 * len(names)
     assert trainermon.load(root, family="exp_avg", ranks=7, steps=[25]).num_rows == len(names)
-    assert trainermon.load(root, family="nothing").num_rows == 0
+    with pytest.raises(ValueError, match="families \\['nothing'\\] are not in"):  # not an empty table
+        trainermon.load(root, family="nothing")
     with pytest.raises(Exception):  # noqa: B017 - proof that the corrupted files would have been noticed
         trainermon.load(root, family="exp_avg", ranks=[0])
+
+
+def test_load_refuses_what_is_not_there_and_a_moved_tree_reads_its_own_copy(tmp_path, monkeypatch):
+    """A misspelt path or family read as an empty table; a run directory whose output tree was moved
+    read nothing (its pointer held the old absolute path), or the original where it still existed."""
+    import shutil
+
+    mon = run_monitored(
+        tmp_path, {"wg_distribution": True, "ops": ["norm"], "format": ["parquet"]}, 2, 1, monkeypatch
+    )
+    mon.close()
+    out = tmp_path / "out"
+    rows = trainermon.load(out, family="grad_reduced").num_rows
+    assert rows > 0 and trainermon.load(mon.run_dir, family="grad_reduced").num_rows == rows
+    with pytest.raises(FileNotFoundError, match="is not a directory"):
+        trainermon.load(tmp_path / "ouy")
+    with pytest.raises(FileNotFoundError, match="no trainermon Parquet dataset"):
+        trainermon.load(tmp_path)  # holds out/, not a dataset
+    with pytest.raises(ValueError, match=r"families \['grad_reducd'\] are not in .*'grad_reduced'"):
+        trainermon.load(out, family="grad_reducd")
+    shutil.copytree(out, tmp_path / "copy")
+    moved = tmp_path / "copy" / os.path.basename(mon.run_dir)
+    shutil.rmtree(out / "parquet" / "family=grad_reduced")  # the original loses its rows: the copy keeps them
+    assert trainermon.load(moved, family="grad_reduced").num_rows == rows
+    shutil.rmtree(out)
+    assert trainermon.load(moved, family="grad_reduced").num_rows == rows
+    from trainermon.analysis import open_run
+
+    source = open_run(moved)
+    assert source.kind == "parquet" and source.root == str(tmp_path / "copy" / "parquet")
 
 
 def test_convert_trainermon_csv_matches_exporter(tmp_path, monkeypatch):

@@ -18,7 +18,6 @@ filter and the column projection are pushed into `pyarrow.dataset` (Parquet) and
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -28,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from trainermon.collect.records import FAMILIES
+from trainermon.exporters.parquet_files import has_partitions, read_pointer
 from trainermon.stats.table import COUNT_STATS, FLOAT_STATS
 
 #: Statistics the analysis knows (float statistics, then counts), from the statistics table, then the
@@ -39,8 +39,6 @@ _CSV_FILE = re.compile(r"^(?P<family>.+)_(?P<first>\d+)-(?P<last>\d+)\.csv$")
 _RANK_DIR = re.compile(r"rank(?P<rank>\d+)(?:-(?P<id>[^/\\]+))?$")
 _VPP_PREFIX = re.compile(r"^(?P<vpp>\d+):(?P<name>.*)$")
 _INT = re.compile(r"-?\d+")
-_DATASET_MARKER = "_trainermon_dataset.json"
-_POINTER = "parquet.json"
 
 
 def family_order(family: str) -> int:
@@ -109,7 +107,7 @@ class RunSource:
         when RUN is a dataset root or a rank's run directory."""
         path = os.path.abspath(self.path)
         candidates = [path]
-        inner = _has_partitions(path) or _RANK_DIR.search(os.path.basename(path)) is not None
+        inner = has_partitions(path) or _RANK_DIR.search(os.path.basename(path)) is not None
         if inner:
             candidates.append(os.path.dirname(path))
         if self.kind == "parquet" and os.path.abspath(self.root) != os.path.join(path, "parquet"):
@@ -168,15 +166,6 @@ class RunSource:
 
 
 # ---- detection --------------------------------------------------------------------------------------
-def _has_partitions(path: str) -> bool:
-    if os.path.isfile(os.path.join(path, _DATASET_MARKER)):
-        return True
-    try:
-        return any(e.name.startswith("family=") and e.is_dir() for e in os.scandir(path))
-    except OSError:
-        return False
-
-
 def open_run(path: str | os.PathLike, prefer: str = "auto", run_id: str | None = None) -> RunSource:
     """Detect what `path` holds (see the module doc) and list its files.
 
@@ -192,14 +181,12 @@ def open_run(path: str | os.PathLike, prefer: str = "auto", run_id: str | None =
         raise FileNotFoundError(f"{path!r} is not a directory")
     if prefer in ("auto", "parquet"):
         root, pointed = None, None
-        if _has_partitions(path):
+        if has_partitions(path):
             root = path
-        elif _has_partitions(os.path.join(path, "parquet")):
+        elif has_partitions(os.path.join(path, "parquet")):
             root = os.path.join(path, "parquet")
-        elif os.path.isfile(os.path.join(path, _POINTER)):
-            with open(os.path.join(path, _POINTER), encoding="utf-8") as fh:
-                pointer = json.load(fh)
-            root, pointed = pointer["dataset"], pointer.get("run_id")
+        elif (found := read_pointer(path)) is not None:
+            root, pointed = found
         if root is not None:
             wanted_run = run_id if run_id is not None else pointed
             files = _parquet_files(root, wanted_run)
