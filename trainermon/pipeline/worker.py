@@ -97,8 +97,9 @@ class BackgroundWorker:
         return thread
 
     def submit(self, payload: StepPayload) -> bool:
-        """Hand a step to the worker. Never blocks; usually takes no lock and wakes no thread. Returns
-        False (and counts the rows as dropped) when `queue_size` steps are already waiting."""
+        """Hand a step to the worker. Never blocks; usually wakes no thread, and takes a lock only while an
+        exporter call is under way (to see whether it hung). Returns False (and counts the rows as
+        dropped) when `queue_size` steps are already waiting."""
         if self._closed:
             return False
         if self._busy is not None:
