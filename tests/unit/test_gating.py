@@ -80,15 +80,27 @@ def test_micro_step_numbering(tmp_path, monkeypatch):
     assert read_family(monitor.run_dir, "actv_grad") == []  # forward_only
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """No compiled graphs nor dynamo counters left to later tests, pass or fail: a monitor attached after
+    graphs were compiled pins its hooks at once (see test_compile.py)."""
+    yield
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_an_evaluation_pass_between_steps_is_no_micro_batch(tmp_path, out_dir, caplog, compiled):
+def test_an_evaluation_pass_between_steps_is_no_micro_batch(
+    tmp_path, out_dir, caplog, fresh_dynamo, compiled
+):
     """model.eval() + no_grad forwards between optimizer steps (an HF Trainer or Lightning evaluation)
     were actv rows numbered as the next step's first micro-batches, shifting the real ones (actv_grad
     too). They get no rows now, and one INFO line says so; a training forward in eval mode (with grad)
     still counts."""
     import logging
-
-    import torch._dynamo
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
@@ -120,8 +132,6 @@ def test_an_evaluation_pass_between_steps_is_no_micro_batch(tmp_path, out_dir, c
         ], family
     said = [r.getMessage() for r in caplog.records if "evaluation pass" in r.getMessage()]
     assert len(said) == 1, said
-    if compiled:
-        torch._dynamo.reset()  # leave no compiled graphs to later tests
 
 
 def test_gradient_hooks_are_kept_across_steps(tmp_path, monkeypatch):
