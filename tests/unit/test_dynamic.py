@@ -43,11 +43,13 @@ def _wait_dirty(monitor: TrainerMon, timeout: float = 5.0) -> None:
     assert watcher.dirty, "the watcher did not see the save"
 
 
-def _train(cfg_path: str, steps: int, actions: dict[int, Callable[[TrainerMon], None]]) -> TrainerMon:
+def _train(
+    cfg_path: str, steps: int, actions: dict[int, Callable[[TrainerMon], None]], process_group=None
+) -> TrainerMon:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = TrainerMon(cfg_path)
+    monitor = TrainerMon(cfg_path, process_group=process_group)
     monitor.set_monitor(model, optimizer=opt)
     for i in range(steps):
         if i in actions:
@@ -339,8 +341,13 @@ def test_cli_on_families_replace_the_previous_choice(tmp_path):
 
 
 # ---- two ranks -----------------------------------------------------------------------------------
-def _two_rank_switch(rank: int, world: int, root: str) -> list[int]:
+def _two_rank_switch(rank: int, world: int, root: str, own_group: bool) -> list[int]:
     # Each rank reads its own copy of the config: a filesystem on which rank 1 sees edits 3 steps late.
+    # own_group: each rank passes a group of itself alone as process_group (msprobe's Megatron insertion
+    # passes the pipeline group: one rank with PP=1); the decision is still the job's.
+    import torch.distributed as dist
+
+    group = dist.new_subgroups(group_size=1)[0] if own_group else None
     os.environ["DYNAMIC_MONITOR"] = "true"
     out = os.path.join(root, f"out{rank}")
     os.environ["MONITOR_OUTPUT_DIR"] = out
@@ -357,10 +364,13 @@ def _two_rank_switch(rank: int, world: int, root: str) -> list[int]:
 
         return act
 
-    _train(path, 12, {2 + lag: edit(dynamic_on=True), 6 + lag: edit(dynamic_on=False)})
+    _train(path, 12, {2 + lag: edit(dynamic_on=True), 6 + lag: edit(dynamic_on=False)}, group)
     return _collected_steps(out)
 
 
-def test_two_ranks_switch_on_the_same_step(tmp_path):
-    steps = run_ranks(_two_rank_switch, world_size=2, root=str(tmp_path))
+@pytest.mark.parametrize("own_group", [False, True], ids=["default-group", "process_group-of-one"])
+def test_two_ranks_switch_on_the_same_step(tmp_path, own_group):
+    """With a process_group of one rank each, each rank once decided alone: rank 1 switched 3 steps
+    late here, and with xrank summaries on the first rank to switch waited in their collective forever."""
+    steps = run_ranks(_two_rank_switch, world_size=2, timeout=120, root=str(tmp_path), own_group=own_group)
     assert steps[0] == steps[1] == [3, 4, 5, 6]

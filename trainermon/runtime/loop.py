@@ -137,7 +137,10 @@ class StepLoop:
         for probe in self.probes:
             self._handles += probe.attach()
         if self.control is not None:
-            self.control.attach(self.process_group)  # collective across ranks
+            # Collective over the whole job, never `process_group` (msprobe's Megatron insertion passes the
+            # pipeline group, a single rank with PP=1): ranks that switch at different steps meet in
+            # different collectives and the job hangs.
+            self.control.attach(None)
         step_handles = adapter.attach_step(_Events(self))
         self.hooked = bool(step_handles)
         self._handles += step_handles
