@@ -330,7 +330,7 @@ def test_cli_on_families_replace_the_previous_choice(tmp_path):
     """Each `on --families` sets both forward_only and backward_only: actv, then actv_grad, is accepted
     (the first call's forward_only once made the second an invalid config), and xy takes both."""
     path = tmp_path / "cfg.json"
-    path.write_text(json.dumps(BASE))
+    path.write_text(json.dumps({**BASE, "all_xy": True}))  # every module's activations, by itself
     expected = {"actv": (True, False), "actv_grad": (False, True), "grad_reduced": (False, False)}
     expected |= {"actv,actv_grad": (False, False), "xy": (False, False), "xy,actv": (False, False)}
     for families, (forward, backward) in [*expected.items(), ("actv", (True, False))]:
@@ -338,6 +338,7 @@ def test_cli_on_families_replace_the_previous_choice(tmp_path):
         saved = json.loads(path.read_text())
         assert (saved["forward_only"], saved["backward_only"]) == (forward, backward), families
         assert saved["xy_distribution"] is (families != "grad_reduced"), families
+        assert saved["all_xy"] is False, families  # `on --families grad_reduced` must not keep activations
 
 
 # ---- two ranks -----------------------------------------------------------------------------------
