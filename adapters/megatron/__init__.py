@@ -53,7 +53,7 @@ from trainermon.names import clean_name
 
 from ..base import GRAD_REDUCED, GRAD_UNREDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
 from ..common import Restore, guarded, hook_optimizer_step, unwrap
-from .layout import MegatronLayout, global_renames, rename
+from .layout import MegatronLayout, global_renames, is_tp_sharded, rename
 from .optimizer import Slot, build_slots
 
 logger = logging.getLogger("trainermon")
@@ -102,6 +102,12 @@ class MegatronAdapter(Adapter):
             self.dp_group = getattr(self._ddps[0], "dp_cp_group", None)
         if self.dp_group is None:
             self.dp_group = self.layout.dp.group
+        if self.dp_group is None and self.layout.splits_model:
+            # Data parallelism of size 1 without Megatron's DDP: its real group, not None (the whole job
+            # to a placement, which would make the tensor-parallel ranks copies of each other).
+            from megatron.core import parallel_state as ps
+
+            self.dp_group = ps.get_data_parallel_group(with_context_parallel=True)
         self._warn_missing_chunks()
         self._tapped: list[Any] = []  # bucket groups whose start_grad_sync is wrapped
         self._seen_groups: set[int] = set()
@@ -121,8 +127,13 @@ class MegatronAdapter(Adapter):
         wrappers = _wrapper_types()
         if isinstance(optimizer, MegatronOptimizer):
             return True
-        return any(isinstance(c, (*wrappers, MegatronModule)) for c in chunks) and any(
-            hasattr(p, "main_grad") for c in chunks for p in c.parameters()
+        if not any(isinstance(c, (*wrappers, MegatronModule)) for c in chunks):
+            return False
+        params = [p for c in chunks for p in c.parameters()]
+        # main_grad: Megatron's DDP. Tensor-parallel pieces without it (a torch optimizer on Megatron's
+        # parallel layers): only this adapter knows they are pieces of larger parameters.
+        return any(hasattr(p, "main_grad") for p in params) or (
+            MegatronLayout.read().tp.size > 1 and any(is_tp_sharded(p) for p in params)
         )
 
     # ---- model ---------------------------------------------------------------------------------

@@ -52,6 +52,11 @@ def build_slots(
     slots: dict[int, Slot] = {}
     leaves = leaf_optimizers(optimizer) if optimizer is not None else []
     for leaf in leaves:
+        if isinstance(leaf, torch.optim.Optimizer):  # a torch optimizer on a Megatron model, no wrapper
+            for group in leaf.param_groups:
+                for p in group["params"]:
+                    slots[id(p)] = Slot(p, leaf, replica(p), layout.full_shape(p))
+            continue
         inner = getattr(leaf, "optimizer", None)
         if getattr(leaf, "is_stub_optimizer", False) or inner is None:
             continue
