@@ -95,7 +95,7 @@ class TargetCheck:
 
 
 #: The switches of output families (besides the statistics: `print_struct`, `stack_info`).
-FAMILY_SWITCHES = (
+OUTPUT_SWITCHES = (
     "xy_distribution",
     "all_xy",
     "wg_distribution",
@@ -112,10 +112,10 @@ def idle_switches(config: MonitorConfig, world_size: int, dynamic: bool) -> list
     """What the config switches on that can select nothing, one sentence each."""
     out = []
     activations = config.xy_distribution or config.all_xy
-    on = [k for k in FAMILY_SWITCHES if getattr(config, k)]
+    on = [k for k in OUTPUT_SWITCHES if getattr(config, k)]
     if not on and not config.cc_distribution.enable and not config.attn_logit_distribution.enable:
         out.append(
-            f"the config switches on no family, so nothing is collected: set one of {list(FAMILY_SWITCHES)}, "
+            f"the config switches on no family, so nothing is collected: set one of {list(OUTPUT_SWITCHES)}, "
             "cc_distribution.enable or attn_logit_distribution.enable"
         )
     for key in ("forward_only", "backward_only"):
