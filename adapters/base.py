@@ -160,6 +160,13 @@ class Adapter(ABC):
     def new_step(self) -> None:  # noqa: B027 - optional hook
         """Called at every step boundary, before the next step's backward."""
 
+    def clip_entries(self) -> Sequence[Any]:
+        """The functions that clip this framework's gradients in place between backward and the
+        optimizer's pre-step (`trainermon.runtime.clip_watch.ClipEntry`): the step's gradients are read
+        before the first of them runs. None, the default: the framework clips inside its optimizer step,
+        after the pre-step (Megatron, DeepSpeed)."""
+        return ()
+
     # ---- gradients seen in backward ----------------------------------------------------------------
     def install_grad_taps(self, taps: GradTaps) -> list[Any]:
         """Install always-on pre-reduce taps that call `taps.on_unreduced` during backward. Returns handles.

@@ -27,6 +27,7 @@ import torch
 
 from trainermon.collect.placement import LOCAL, Placement, Replicated, TensorPiece
 from trainermon.names import clean_name
+from trainermon.runtime.clip_watch import torch_clip_entries
 
 from .base import GRAD_REDUCED, GRAD_UNREDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
 from .common import OncePerStep, guarded, hook_optimizer_step, is_wrapper, state_values, unwrap
@@ -113,6 +114,9 @@ class TorchAdapter(Adapter):
 
     def attach_step(self, events: Any) -> list[Any]:
         return [] if self.optimizer is None else hook_optimizer_step(self.optimizer, events)
+
+    def clip_entries(self) -> Sequence[Any]:
+        return torch_clip_entries()
 
     def new_step(self) -> None:
         self._seen.clear()

@@ -23,7 +23,7 @@ nvidia-smi >"$out/nvidia-smi.txt" 2>&1
 # skipped on machines without CUDA).
 "$py" -m pytest -q -rs tests/unit/test_transfers.py tests/unit/test_stats.py tests/unit/test_engine_accuracy.py \
   tests/unit/test_graph_taps.py tests/unit/test_triton_stats.py tests/unit/test_cuda_graphs.py \
-  tests/unit/test_hook_batches.py \
+  tests/unit/test_hook_batches.py tests/unit/test_clipping.py \
   2>&1 | tee "$out/tests.log"
 tests_rc=${PIPESTATUS[0]}
 PYTHONUNBUFFERED=1 "$py" benchmarks/gpu_overhead.py --json "$out/gpu_overhead.json" --profile "$out/profile.txt" 2>&1 | tee "$out/bench.log"

@@ -21,6 +21,7 @@ import torch
 
 from trainermon.collect.placement import LOCAL, Placement, Replicated, Sharded, TensorPiece
 from trainermon.names import clean_name
+from trainermon.runtime.clip_watch import ClipEntry, torch_clip_entries
 
 from ..base import GRAD_REDUCED, GRAD_UNREDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
 from ..common import (
@@ -170,6 +171,12 @@ class Fsdp1Adapter(Adapter):
 
     def attach_step(self, events: Any) -> list[Any]:
         return [] if self.optimizer is None else hook_optimizer_step(self.optimizer, events)
+
+    def clip_entries(self) -> Sequence[Any]:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        # FSDP's own clipping scales the sharded gradients itself, not through torch's functions
+        return (*torch_clip_entries(), ClipEntry(FullyShardedDataParallel, "clip_grad_norm_", method=True))
 
     def parameters(self) -> list[MonitoredParam]:
         if self._params is not None:

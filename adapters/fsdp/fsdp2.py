@@ -23,6 +23,7 @@ import torch
 
 from trainermon.collect.placement import LOCAL, Placement, Sharded, TensorPiece
 from trainermon.names import clean_name
+from trainermon.runtime.clip_watch import torch_clip_entries
 
 from ..base import GRAD_REDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
 from ..common import (
@@ -125,6 +126,9 @@ class Fsdp2Adapter(Adapter):
 
     def attach_step(self, events: Any) -> list[Any]:
         return [] if self.optimizer is None else hook_optimizer_step(self.optimizer, events)
+
+    def clip_entries(self) -> Sequence[Any]:
+        return torch_clip_entries()  # torch's clipping takes DTensor gradients (torchtitan's too)
 
     def parameters(self) -> list[MonitoredParam]:
         if self._params is not None:

@@ -50,6 +50,7 @@ import torch
 from trainermon.collect.placement import LOCAL, Placement, Sharded, TensorPiece
 from trainermon.collect.records import StepScalars
 from trainermon.names import clean_name
+from trainermon.runtime.clip_watch import torch_clip_entries
 
 from ..base import GRAD_REDUCED, GRAD_UNREDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
 from ..common import Restore, guarded, hook_optimizer_step, unwrap
@@ -188,6 +189,10 @@ class MegatronAdapter(Adapter):
             )
 
     # ---- the step ------------------------------------------------------------------------------
+    def clip_entries(self) -> Sequence[Any]:
+        """A Megatron optimizer clips after the pre event; a torch optimizer is clipped by the user."""
+        return () if _is_megatron_optimizer(self.optimizer) else torch_clip_entries()
+
     def attach_step(self, events: Any) -> list[Any]:
         """Megatron optimizers: the pre event fires inside `step()` right after `prepare_grads()` (reduced,
         unscaled, not yet clipped gradients), the post event after `step()` returns, with its results.

@@ -8,7 +8,8 @@ the same FSDP2 + TP on a 3-D mesh 2x1x2 (a dimension of size 1); FSDP1 HYBRID_SH
 For every layout and step, against full tensors the test builds itself (`full_tensor()`, FSDP1's
 `summon_full_params`): every optimizer-side row (grad_reduced, param_origin, param_updated, and the
 moments for DTensor layouts) with its full shape and values, written by exactly one rank of the job; the
-sum of written grad_reduced norm^2 and the monitor's global norm against torch's `clip_grad_norm_`; the
+sum of written grad_reduced norm^2 and the monitor's global norm against torch's `clip_grad_norm_` (or
+FSDP1's), which clips every step (max_norm below the norm: the rows are read before it scales them); the
 pre-reduce gradient of a tensor-parallel weight present on every rank with its piece labelled; and the
 losses bit-identical to the same run without the monitor.
 """
@@ -26,6 +27,7 @@ from tests.helpers import read_family, ref_stats
 
 OPS = ("norm", "mean", "min", "max")
 STEPS = 2
+MAX_NORM = 1e-3  # below every step's gradient norm: the clipping scales the gradients in place
 D, HIDDEN = 8, 32
 CASES = (
     "hsdp",
@@ -214,7 +216,7 @@ def _train(case: str, rank: int, out_root: str | None) -> dict:
         monitor = TrainerMon(cfg)
         monitor.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
     dtensor = case in DTENSOR_CASES
-    refs, norms, losses, derived = {}, [], [], []
+    refs, norms, losses, derived, clipped = {}, [], [], [], []
     for step in range(STEPS):
         gen = torch.Generator().manual_seed(100 * step + dp)
         x, y = torch.randn(4, 6, generator=gen), torch.randn(4, 3, generator=gen)
@@ -224,17 +226,16 @@ def _train(case: str, rank: int, out_root: str | None) -> dict:
         _average_over_dp(model)
         losses.append(loss.item())
         if monitor is None:
+            _clip(model, dtensor)  # as the monitored run does: the losses must stay bit-identical
             optimizer.step()
             continue
         if dtensor:
             params, grads = _dtensor_full(model, "param"), _dtensor_full(model, "grad")
-            try:
-                norms.append(float(_full(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))))
-            except RuntimeError:  # torch 2.13 cannot stack norms of DTensors on different meshes
-                norms.append(math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values())))
         else:
             params, grads = _fsdp1_full(model, False), _fsdp1_full(model, True)
-            norms.append(float(model.clip_grad_norm_(1e9)))
+        norm, how = _clip(model, dtensor)
+        clipped.append(how)
+        norms.append(norm)
         optimizer.step()
         after = {"param_updated": _dtensor_full(model, "param") if dtensor else _fsdp1_full(model, False)}
         if dtensor:
@@ -253,9 +254,33 @@ def _train(case: str, rank: int, out_root: str | None) -> dict:
         "refs": refs,
         "norms": norms,
         "derived": derived,
+        "clipped": clipped,
         "losses": losses,
         "faults": {} if monitor is None else dict(monitor.faults.counts),
     }
+
+
+def _clip(model, dtensor: bool) -> tuple[float, str]:
+    """Clips the gradients to MAX_NORM as the job's framework does; the norm before clipping, and how.
+    torch 2.13's `clip_grad_norm_` cannot stack the norms of DTensors on different meshes (tensor
+    parallelism here): the norm is then summed per gradient, and the gradients scaled by torch's public
+    `clip_grads_with_norm_` (torchtitan's way), once per mesh (one call cannot mix meshes either)."""
+    import torch
+
+    if not dtensor:
+        return float(model.clip_grad_norm_(MAX_NORM)), "fsdp1"
+    try:
+        return float(_full(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))), "norm_"
+    except RuntimeError:
+        pass
+    params = [p for p in model.parameters() if p.grad is not None]
+    total = math.sqrt(sum(float(_full(p.grad).double().pow(2).sum()) for p in params))
+    by_mesh: dict = {}
+    for p in params:
+        by_mesh.setdefault(id(getattr(p.grad, "device_mesh", None)), []).append(p)
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, MAX_NORM, torch.tensor(total))
+    return total, "with_norm_"
 
 
 def _partial(rank: int) -> dict:
@@ -325,6 +350,7 @@ def _check(results: list[dict], case: str) -> None:
     assert not wrong, (case, len(wrong), wrong[:5])
     for step in range(STEPS):
         torch_norm = per_rank[0]["norms"][step]
+        assert torch_norm > 10 * MAX_NORM  # where the clipping ran, it did scale the gradients
         rows = [row for res in per_rank for row in read_family(res["run_dir"], "grad_reduced")]
         total = math.sqrt(sum(float(r["norm"]) ** 2 for r in rows if int(r["step"]) == step))
         assert abs(total - torch_norm) <= 1e-5 * torch_norm, (case, step, total, torch_norm)
@@ -353,3 +379,5 @@ def test_dtensor_and_hybrid_layouts_on_four_ranks(tmp_path: Path) -> None:
         except AssertionError as exc:
             failures.append(f"{case}: {str(exc)[:600]}")
     assert not failures, "\n".join(failures)
+    # All three ways of clipping ran: torch's clip_grad_norm_, clip_grads_with_norm_, FSDP1's method
+    assert {how for case in CASES for how in results[0][case]["clipped"]} == {"norm_", "with_norm_", "fsdp1"}

@@ -6,7 +6,9 @@ model for a few steps beside a plain, unsharded replica trained in lockstep on t
 - grad_reduced: the replica's gradients averaged over the ranks (all_reduce), the optimizer's input;
 - param_origin / exp_avg / exp_avg_sq / param_updated: the replica's Adam, fed those averaged gradients;
 - actv: the replica's module outputs;
-- the global grad norm: FSDP's own `clip_grad_norm_` total norm on the same step.
+- the global grad norm: FSDP's own `clip_grad_norm_` total norm on the same step (FSDP1's method, torch's
+  function on FSDP2's DTensor gradients), with a max_norm that clips every step: the rows and the norm are
+  read before the clipping scales the gradients (the replica is clipped the same way before its update).
 At the end the replica's parameters are also checked against FSDP's gathered ones (summon_full_params /
 full_tensor(): test references only).
 """
@@ -33,6 +35,7 @@ from tests.helpers import assert_row_matches, keyed, read_family, ref_stats
 
 OPS = ("norm", "mean", "min", "max")
 STEPS = 3
+MAX_NORM = 1e-3  # below every step's gradient norm: the clipping scales the gradients in place
 CASES: list[dict[str, Any]] = [
     {"id": "fsdp1-orig-full", "fsdp": 1, "orig": True, "strategy": "FULL_SHARD", "ckpt": True},
     {"id": "fsdp1-flat-full", "fsdp": 1, "orig": False, "strategy": "FULL_SHARD", "ckpt": False},
@@ -219,6 +222,7 @@ def _run_case(case: dict[str, Any], rank: int, world: int, out_dir: str) -> dict
             p.grad = reduced / world
             _record(refs, "grad_reduced", name, step, p.grad)
             _record(refs, "param_origin", name, step, p)
+        torch.nn.utils.clip_grad_norm_(replica.parameters(), MAX_NORM)  # not the monitored model's
         before = {name: p.detach().clone() for name, p in replica.named_parameters()}
         ref_opt.step()
         for name, p in replica.named_parameters():
@@ -240,11 +244,10 @@ def _run_case(case: dict[str, Any], rank: int, world: int, out_dir: str) -> dict
             else:
                 fsdp_model.set_requires_gradient_sync(last)
                 _loss(fsdp_model(x), y).backward()
-        # A huge max_norm: the total norm is returned and the gradients are left as they are.
         if case["fsdp"] == 1:
-            total = fsdp_model.clip_grad_norm_(1e9)
+            total = fsdp_model.clip_grad_norm_(MAX_NORM)
         else:
-            total = torch.nn.utils.clip_grad_norm_(fsdp_model.parameters(), 1e9)
+            total = torch.nn.utils.clip_grad_norm_(fsdp_model.parameters(), MAX_NORM)
             total = total.full_tensor() if hasattr(total, "full_tensor") else total
         clip_norms.append(float(total))
         opt.step()
@@ -330,9 +333,10 @@ def test_fsdp_families_match_references(
     shapes = {r["name"]: json.loads(r["shape"]) for r in read_family(r0["run_dir"], "grad_unreduced")}
     assert shapes["scale"] == [1] and shapes["inp.weight"] == [16, 8]
 
-    # Global grad norm = sqrt(sum of grad_reduced norm^2) = FSDP's clip_grad_norm_ total norm.
+    # Global grad norm = sqrt(sum of grad_reduced norm^2) = FSDP's clip_grad_norm_ total norm, pre-clip.
     reduced = read_family(r0["run_dir"], "grad_reduced")
     for step in range(STEPS):
+        assert r0["clip_norms"][step] > 10 * MAX_NORM  # the clipping did scale the gradients
         total = math.sqrt(sum(float(r["norm"]) ** 2 for r in reduced if int(r["step"]) == step))
         assert total == pytest.approx(r0["clip_norms"][step], rel=1e-5)
     assert r0["global_norm"] == pytest.approx(r0["clip_norms"][-1], rel=1e-5)

@@ -15,6 +15,7 @@ from tests.helpers import assert_row_matches, keyed, read_family, ref_stats, wri
 
 OPS = ("norm", "min", "max", "mean")
 FAMILIES = ("grad_reduced", "param_origin", "param_updated", "exp_avg", "exp_avg_sq")
+CLIP_VALUE = 1e-4  # below most gradient entries: clipping changes them
 
 
 def _run(rank: int, world: int, root: str) -> dict:
@@ -78,6 +79,8 @@ def _run(rank: int, world: int, root: str) -> dict:
         for name, p in net.named_parameters():
             refs[("grad_reduced", name, step)] = ref_stats(full(p.grad, p))
             refs[("param_origin", name, step)] = ref_stats(full(p.data, p))
+        # The user's clipping, by value (the same on every rank): the rows are read before it
+        torch.nn.utils.clip_grad_value_(net.parameters(), CLIP_VALUE)
         opt.step()
         for name, p in net.named_parameters():
             refs[("param_updated", name, step)] = ref_stats(full(p.data, p))
@@ -97,6 +100,8 @@ def test_tensor_parallel_pieces_under_a_torch_optimizer_are_merged_and_written_o
     assert [r["adapter"] for r in results] == ["megatron", "megatron"]
     assert results[0]["faults"] == results[1]["faults"] == {}
     refs, shapes = results[0]["refs"], results[0]["shapes"]
+    biggest = max(max(-ref["min"], ref["max"]) for (f, _, _), ref in refs.items() if f == "grad_reduced")
+    assert biggest > 10 * CLIP_VALUE  # the clipping changed the gradients
     for family in FAMILIES:
         assert not results[1]["rows"][family], family  # written once: by the first rank of every group
         rows = results[0]["rows"][family]

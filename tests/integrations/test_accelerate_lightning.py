@@ -19,6 +19,7 @@ from tests.helpers import assert_row_matches, keyed, read_family, ref_stats, wri
 from .common import OPS, Samples, TinyRegressor, grad_refs, moment_refs
 
 GAS, BATCH, MICRO_BATCHES = 2, 4, 8  # 4 optimizer steps
+MAX_NORM = 1e-3  # gradient clipping far below the gradients' norm: every step is clipped
 
 
 def _check(run_dir: str, refs: dict, families: tuple[str, ...]) -> None:
@@ -79,6 +80,8 @@ def test_accelerate_gradient_accumulation(tmp_path, out_dir, static_mode, caplog
                 for name, p in shadow.named_parameters():
                     refs[("grad_unreduced", name, step)] = ref_stats(p.grad)
                     assert torch.allclose(p.grad, model.get_parameter(name).grad, rtol=1e-6, atol=1e-9)
+                # Clipped every step: the rows are the gradients before it (the references above)
+                assert acc.clip_grad_norm_(model.parameters(), MAX_NORM) > 100 * MAX_NORM
             opt.step()
             opt.zero_grad()
             if acc.sync_gradients:
@@ -136,11 +139,18 @@ def test_lightning_callback_one_process(tmp_path, out_dir, static_mode, caplog):
     trainer = pl.Trainer(
         max_epochs=1, accelerator="cpu", devices=1, accumulate_grad_batches=GAS, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[callback, refs], default_root_dir=str(tmp_path / "pl"),
+        callbacks=[callback, refs], default_root_dir=str(tmp_path / "pl"), gradient_clip_val=MAX_NORM,
     )  # fmt: skip
     loader = torch.utils.data.DataLoader(Samples(BATCH * MICRO_BATCHES), batch_size=BATCH)
     with caplog.at_level(logging.INFO, logger="trainermon"):
         trainer.fit(Module(), loader)
+    # on_before_optimizer_step comes before Lightning's clipping: the references are pre-clip, and
+    # every step was clipped
+    squares = [0.0] * refs.steps
+    for (family, _, step), ref in refs.refs.items():
+        if family == "grad_reduced":
+            squares[step] += ref["norm"] ** 2
+    assert min(squares) > (100 * MAX_NORM) ** 2, squares
     monitor = callback.monitor
     assert monitor.loop.closed and monitor.faults.total == 0, dict(monitor.faults.counts)
     attached = [r.getMessage() for r in caplog.records if "attached" in r.getMessage()]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 
 import pytest
@@ -30,16 +31,33 @@ def _args(out: str, **extra) -> transformers.TrainingArguments:
 
 
 class _References(transformers.TrainerCallback):
-    """Reference statistics at the Trainer's optimizer steps: gradients as the optimizer gets them (after
-    clipping), moments right after the update, and the head's outputs at every forward."""
+    """Reference statistics at the Trainer's optimizer steps: gradients as the optimizer gets them, taken
+    before the Trainer's clipping where it clips (`watch_clipping`), moments right after the update, and
+    the head's outputs at every forward."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.refs: dict = {}
         self.actv: list[dict] = []
+        self.clip_norms: dict[int, float] = {}  # step -> the norm the Trainer's clipping returned
         model.head.register_forward_hook(lambda m, a, out: self.actv.append(ref_stats(out)))
 
+    def watch_clipping(self, trainer: transformers.Trainer) -> None:
+        """The Trainer clips through its accelerator: the gradients are taken just before that."""
+        accelerator, model = trainer.accelerator, trainer.model
+        original = accelerator.clip_grad_norm_
+
+        def clip(parameters, *args, **kwargs):
+            step = trainer.state.global_step
+            grad_refs(model, step, self.refs)
+            norm = original(list(parameters), *args, **kwargs)
+            self.clip_norms[step] = float(norm)
+            return norm
+
+        accelerator.clip_grad_norm_ = clip
+
     def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
-        grad_refs(model, state.global_step, self.refs)
+        if state.global_step not in self.clip_norms:
+            grad_refs(model, state.global_step, self.refs)
 
     def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kw):
         moment_refs(model, optimizer, state.global_step, self.refs)
@@ -65,9 +83,10 @@ def test_trainer_one_process_with_gradient_accumulation(tmp_path, out_dir, stati
     model = TinyRegressor()
     callback, refs = TrainerMonCallback(cfg), _References(model)
     trainer = transformers.Trainer(
-        model=model, args=_args(str(tmp_path / "hf"), gradient_accumulation_steps=GAS),
+        model=model, args=_args(str(tmp_path / "hf"), gradient_accumulation_steps=GAS, max_grad_norm=1e-3),
         train_dataset=Samples(SAMPLES), callbacks=[callback, refs],
     )  # fmt: skip
+    refs.watch_clipping(trainer)
     with caplog.at_level(logging.INFO, logger="trainermon"):
         trainer.train()
     monitor = callback.monitor
@@ -82,6 +101,14 @@ def test_trainer_one_process_with_gradient_accumulation(tmp_path, out_dir, stati
         if f == "grad_reduced":
             refs.refs[("grad_unreduced", n, s)] = ref
     _check(monitor.run_dir, refs.refs, ("grad_reduced", "grad_unreduced", "exp_avg", "exp_avg_sq"))
+    # The Trainer clipped every step (max_grad_norm far below the norm); the grad_reduced rows are the
+    # gradients before it, so their global norm is the one the Trainer's clipping returned (and logs).
+    assert sorted(refs.clip_norms) == list(range(steps))
+    reduced = read_family(monitor.run_dir, "grad_reduced")
+    for step, norm in refs.clip_norms.items():
+        assert norm > 100 * 1e-3
+        total = math.sqrt(sum(float(r["norm"]) ** 2 for r in reduced if int(r["step"]) == step))
+        assert total == pytest.approx(norm, rel=1e-5), step
     head = {(s, m): row for (n, s, m), row in keyed(read_family(monitor.run_dir, "actv")).items()
             if n == "head.output"}  # fmt: skip
     assert set(head) == {(s, m) for s in range(steps) for m in range(GAS)}

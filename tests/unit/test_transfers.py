@@ -66,10 +66,14 @@ def _monitor(
     return monitor, model, optimizer
 
 
-def _step(model: nn.Module, optimizer: torch.optim.Optimizer, device: str = "cpu") -> None:
+def _step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, device: str = "cpu", clip: bool = False
+) -> None:
     optimizer.zero_grad(set_to_none=True)
     x = torch.randn(5, 8, device=device)
     model(x).square().mean().backward()
+    if clip:  # the gradients are read here, before the clipping scales them (`clip_watch`)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
     optimizer.step()
 
 
@@ -113,7 +117,8 @@ def test_idle_dynamic_monitor_never_computes_or_transfers(tmp_path, dynamic_mode
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: no CUDA device on this machine")
-def test_monitored_step_never_syncs_outside_the_transfer_point(tmp_path, monkeypatch):
+@pytest.mark.parametrize("clip", [False, True], ids=["no-clipping", "clip_grad_norm_"])
+def test_monitored_step_never_syncs_outside_the_transfer_point(tmp_path, monkeypatch, clip):
     import trainermon.collect.collector as collector
 
     monitor, model, optimizer = _monitor(tmp_path, monkeypatch, device="cuda")
@@ -129,12 +134,12 @@ def test_monitored_step_never_syncs_outside_the_transfer_point(tmp_path, monkeyp
 
     monkeypatch.setattr(collector, "transfer_to_host", allowed)
     try:
-        _step(model, optimizer, "cuda")  # warm-up outside the check (lazy init, allocator)
+        _step(model, optimizer, "cuda", clip)  # warm-up outside the check (lazy init, allocator)
         before = monitor.loop.transfers.count
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            _step(model, optimizer, "cuda")
+            _step(model, optimizer, "cuda", clip)
         finally:
             torch.cuda.set_sync_debug_mode(0)
         assert monitor.loop.transfers.count == before + 1

@@ -1,7 +1,7 @@
 """Parameters that become trainable after `set_monitor`: unfrozen (`requires_grad_(True)`) or handed to
 the optimizer later with `add_param_group`. At each collected step's boundary the adapter is asked for
 them (a count of flags, a rescan only when it changed); new ones join the selection under the config's
-targets, with one log line. They are looked for again when the step's gradients are read (`pre_optim`),
+targets, with one log line. They are looked for again when the step's gradients are read (`grads_final`),
 so a parameter unfrozen during an iteration has its rows from that iteration's step on. Under DDP they
 have no pre-reduce tap (DDP itself only reduces the parameters that were trainable when it was built)."""
 
@@ -37,7 +37,7 @@ class NewParamsProbe(Probe):
     def begin(self, plan: StepPlan) -> None:
         self._refresh(plan)
 
-    def pre_optim(self, plan: StepPlan) -> None:
+    def grads_final(self, plan: StepPlan) -> None:
         self._refresh(plan)
 
     def _refresh(self, plan: StepPlan) -> None:

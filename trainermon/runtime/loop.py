@@ -7,6 +7,8 @@ Lifecycle of one step (step = optimizer step, from `start_iteration`):
                  collected steps
     forward /    activation hooks and gradient taps add rows to the collector (`record`, `record_local`)
     backward
+    grads        `probe.grads_final`: the reduced gradients are read, once: where the user clips them, before
+                 the clipping scales them (`clip_watch`), else at the pre-step
     pre          the adapter's `events.pre()`: reduced gradients ready, update not run: `probe.pre_optim`
     post         the adapter's `events.post(scalars)`: `probe.post_optim`, then, on a collected step, one
                  packed reduction per process group and one device-to-host copy (`StepCollector.finish`),
@@ -25,6 +27,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from trainermon.adapters.base import StepEvents
 from trainermon.collect.collector import StepCollector
 from trainermon.collect.records import StatBatch, StepScalars
 from trainermon.collect.transfer import TransferCounter
@@ -32,6 +35,7 @@ from trainermon.collect.xrank import CrossRank
 from trainermon.config import Env, MonitorConfig
 from trainermon.failsafe import FaultLog
 from trainermon.pipeline.derive import Deriver
+from trainermon.pipeline.rule_specs import parse_rules
 from trainermon.pipeline.worker import BackgroundWorker
 from trainermon.stats.engine import EngineOptions, StatsEngine, check_not_capturing
 
@@ -94,6 +98,7 @@ class StepLoop:
         self._handles: list[Any] = []
         self._subscribers: list[Callable[[MonitorConfig], None]] = []
         self._pending_state: dict | None = None
+        self._grads_read = False  # this step's gradients were read (at clipping or at the pre-step)
         self.closed = False
 
     # ==== attaching ================================================================================
@@ -141,7 +146,7 @@ class StepLoop:
             # pipeline group, a single rank with PP=1): ranks that switch at different steps meet in
             # different collectives and the job hangs.
             self.control.attach(None)
-        step_handles = adapter.attach_step(_Events(self))
+        step_handles = adapter.attach_step(StepEvents(self.on_pre_optim, self.on_post_optim))
         self.hooked = bool(step_handles)
         self._handles += step_handles
         if self._pending_state is not None:
@@ -165,7 +170,6 @@ class StepLoop:
 
     def _make_detector(self) -> Any:
         from trainermon.pipeline.anomaly import AnomalyDetector
-        from trainermon.pipeline.rule_specs import parse_rules
 
         rules = parse_rules(self.config.alert.rules)
         pp_stage = 0
@@ -227,9 +231,19 @@ class StepLoop:
             self.collector.add_missing(family, vpp_stage, labels, micro)
 
     # ==== the step events ===========================================================================
+    def on_grads_final(self) -> None:
+        """The step's gradients are final: the probes read them (`grads_final`), once a step. Called by the
+        user's gradient clipping before it scales them (`clip_watch`), else at the optimizer's pre-step."""
+        if not self.plan.scheduled or self._grads_read:
+            return
+        self._grads_read = True
+        with self.clock:
+            self._each("grads_final", "reading the step's gradients")
+
     def on_pre_optim(self) -> None:
         if not self.plan.scheduled:
             return
+        self.on_grads_final()
         with self.clock:
             self._each("pre_optim", "optimizer pre-step")
 
@@ -277,6 +291,7 @@ class StepLoop:
         scheduled = (self.control is None or config.dynamic_on) and self.schedule.wants(self.step)
         self.plan = plan_step(config, self.step, scheduled, self.escalation.active_at(self.step))
         self._step_mark = self.clock.now()
+        self._grads_read = False
         if self.adapter is not None:
             self.adapter.new_step()
         for probe in self.probes:
@@ -308,7 +323,7 @@ class StepLoop:
         old = self.config
         self.engine.options = engine_options(config)
         self.schedule = Schedule(config)  # a new config restarts the collection count
-        self.detector.rules = _rules(config)
+        self.detector.rules = parse_rules(config.alert.rules)
         self.detector.dump = config.alert.dump
         self._publish(config)
         if self.worker is not None:
@@ -382,17 +397,3 @@ class StepLoop:
             self.worker.close()
         if self.detector is not None:
             self.detector.close()
-
-
-class _Events:
-    """The loop's step events as the adapter sees them (`adapters.base.StepEvents`)."""
-
-    def __init__(self, loop: StepLoop) -> None:
-        self.pre = loop.on_pre_optim
-        self.post = loop.on_post_optim
-
-
-def _rules(config: MonitorConfig) -> list:
-    from trainermon.pipeline.rule_specs import parse_rules
-
-    return parse_rules(config.alert.rules)

@@ -4,6 +4,8 @@ fail-open by the loop:
     attach()            once, at set_monitor: install what stays installed (returns removable handles)
     configure(config)   at attach and at every config reload
     begin(plan)         at every step boundary: arm or disarm hooks for this step's plan
+    grads_final(plan)   collected steps: the reduced gradients are final, before the user's clipping scales
+                        them (or at the optimizer's pre-step, just before `pre_optim`, without clipping)
     pre_optim(plan)     collected steps: reduced gradients ready, the update not run yet
     post_optim(plan)    collected steps: the update done
     end(plan)           collected steps, after the hand-off to the worker

@@ -22,6 +22,9 @@ class Probe:
     def begin(self, plan: StepPlan) -> None:
         pass
 
+    def grads_final(self, plan: StepPlan) -> None:
+        pass
+
     def pre_optim(self, plan: StepPlan) -> None:
         pass
 

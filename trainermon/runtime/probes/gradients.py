@@ -3,8 +3,10 @@
 grad_unreduced comes from the adapter's pre-reduce taps during backward (always installed when weight
 gradients may be collected, inert on other steps), or is read at the step where no tap exists; with
 `monitor_mbs_grad`, per micro-batch from taps armed for the collected step only. grad_reduced is read
-when the reduced gradients are ready (`pre_optim`). Where no data-parallel reduction exists the two are the
-same tensors, computed once.
+when the reduced gradients are final (`grads_final`): before the user's gradient clipping scales them where
+the adapter names its framework's clipping (`Adapter.clip_entries`, watched on collected steps only), else
+at the optimizer's pre-step. Where no data-parallel reduction exists the two are the same tensors,
+computed once.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from trainermon.adapters.base import GRAD_REDUCED, GRAD_UNREDUCED, GradTaps
 from trainermon.collect.placement import LOCAL, TensorPiece
 
+from ..clip_watch import Watch, watch
 from ..plan import StepPlan
 from .base import Probe
 
@@ -44,6 +47,8 @@ class GradientProbe(Probe):
         self.taps = GradTaps(self._on_unreduced, self._on_microbatch)
         self._step_handles: list[Any] = []
         self._microbatch: dict[int, int] = {}  # parameter index -> micro-batches seen this step
+        self._clipping: Watch | None = None  # the clipping functions, watched while a step reads gradients
+        self._model_ids: tuple[Any, frozenset[int]] = (None, frozenset())  # (selection, its models' params)
 
     def attach(self) -> list[Any]:
         loop = self.loop
@@ -62,8 +67,48 @@ class GradientProbe(Probe):
             self._step_handles += self.loop.adapter.install_microbatch_taps(
                 self.loop.selection.params, self.taps
             )
+        self._watch_clipping(plan.grads)
 
-    def pre_optim(self, plan: StepPlan) -> None:
+    def _watch_clipping(self, on: bool) -> None:
+        if on and self._clipping is None:
+            entries = tuple(self.loop.adapter.clip_entries())
+            if entries:
+                self._clipping = watch(self._before_clipping, entries)
+        elif not on and self._clipping is not None:
+            self._clipping.remove()
+            self._clipping = None
+
+    def _before_clipping(self, params: list | None, owner: Any) -> None:
+        """Called by a clipping function, before it scales gradients: this step's gradients are read now
+        if it clips this monitor's model (a loop with two models and two monitors clips each on its own)."""
+        loop = self.loop
+        try:
+            if loop.closed or not loop.plan.grads:
+                return
+            adapter = loop.adapter
+            if owner is not None:
+                ours = any(owner is chunk for chunk in adapter.chunks)
+            else:
+                ids = self._ids_of_models()
+                ours = any(id(p) in ids for p in params or ())
+            if ours:
+                loop.on_grads_final()
+        except Exception as exc:  # noqa: BLE001 - never into the training loop
+            loop.faults.record("gradient clipping", exc)
+
+    def _ids_of_models(self) -> frozenset[int]:
+        """The ids of every parameter of the model chunks (what a user passes to the clipping), kept while
+        the selection stands (a new trainable parameter makes a new selection)."""
+        selection, ids = self._model_ids
+        if selection is not self.loop.selection:
+            adapter = self.loop.adapter
+            models = {id(m): m for m in (*adapter.chunks, *adapter.roots())}.values()
+            ids = frozenset(id(p) for m in models for p in m.parameters())
+            ids |= {id(mp.param) for mp in adapter.parameters()}
+            self._model_ids = (self.loop.selection, ids)
+        return ids
+
+    def grads_final(self, plan: StepPlan) -> None:
         if not plan.grads:
             return
         loop, adapter, sel = self.loop, self.loop.adapter, self.loop.selection
@@ -83,6 +128,7 @@ class GradientProbe(Probe):
         loop.record("grad_reduced", sel.entries(reduced))
 
     def close(self) -> None:
+        self._watch_clipping(False)
         for handle in self._step_handles:
             handle.remove()
         self._step_handles.clear()

@@ -1,0 +1,226 @@
+"""Gradients are read before the user's gradient clipping scales them (`runtime/clip_watch.py`): the
+grad_reduced rows and the global grad norm are the pre-clip values, whichever way the loop clips, and the
+global grad norm equals what `clip_grad_norm_` returns. References: the gradients cloned in the test just
+before the clipping call, in float64."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import clip_grad_norm_  # imported by name before any monitor exists
+
+import trainermon.runtime.clip_watch as clip_watch
+from trainermon import TrainerMon
+
+MAX_NORM = 1e-3  # far below the gradients' norm (~1): every step is clipped
+
+
+def _total_then_scale(params) -> torch.Tensor:
+    """torchtitan's way: the norm first, then the public in-place scaling."""
+    params = list(params)
+    total = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    torch.nn.utils.clip_grads_with_norm_(params, MAX_NORM, total)
+    return total
+
+
+CLIPS = {
+    "clip_grad_norm_": lambda params: torch.nn.utils.clip_grad_norm_(list(params), MAX_NORM),
+    "imported-by-name": lambda params: clip_grad_norm_(list(params), MAX_NORM),
+    "generator": lambda params: torch.nn.utils.clip_grad_norm_((p for p in params), MAX_NORM),
+    "keyword": lambda params: torch.nn.utils.clip_grad_norm_(parameters=list(params), max_norm=MAX_NORM),
+    "total-then-scale": _total_then_scale,
+    "by-value": lambda params: torch.nn.utils.clip_grad_value_(list(params), MAX_NORM),
+}
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+
+
+def _monitor(tmp_path, monkeypatch, model, optimizer, name: str = "config.json", **extra) -> TrainerMon:
+    path = tmp_path / name
+    config = {"targets": {}, "wg_distribution": True, "ops": ["norm", "min", "max"], "format": "csv"}
+    path.write_text(json.dumps({**config, **extra}))
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    monitor = TrainerMon(str(path))
+    monitor.set_monitor(model, optimizer=optimizer)
+    return monitor
+
+
+def _norms(monitor: TrainerMon, family: str) -> dict[str, float]:
+    batch = monitor.last_batch
+    norms = batch.values["norm"]
+    return {r.name: float(norms[i]) for i, r in enumerate(batch.rows) if r.family == family}
+
+
+def _backward(model: nn.Module, seed: int) -> None:
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(seed)).to(next(model.parameters()).device)
+    (model(x).square().mean() * 100).backward()
+
+
+def _before_clip(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().to(torch.float64).clone() for n, p in model.named_parameters()}
+
+
+CASES = [("cpu", how) for how in sorted(CLIPS)] + [
+    pytest.param(
+        "cuda", how, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: none here")
+    )
+    for how in ("clip_grad_norm_", "total-then-scale")
+]
+
+
+@pytest.mark.parametrize("device,how", CASES)
+def test_rows_and_global_norm_are_read_before_clipping(tmp_path, monkeypatch, device, how):
+    """On CUDA the read is kernels queued on the stream ahead of the clipping's in-place scaling."""
+    torch.manual_seed(0)
+    model = _net().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = _monitor(tmp_path, monkeypatch, model, optimizer)
+    try:
+        for step in range(3):
+            optimizer.zero_grad(set_to_none=True)
+            _backward(model, step)
+            ref = _before_clip(model)
+            returned = CLIPS[how](model.parameters())
+            clipped = {n: float(p.grad.double().norm()) for n, p in model.named_parameters()}
+            optimizer.step()
+            monitor.flush()
+            want = {n: float(g.norm()) for n, g in ref.items()}
+            want_total = math.sqrt(sum(v * v for v in want.values()))
+            assert want_total > 100 * MAX_NORM  # the clipping did scale the gradients
+            assert max(clipped.values()) < 0.1 * max(want.values())
+            for family in ("grad_reduced", "grad_unreduced"):
+                got = _norms(monitor, family)
+                assert got.keys() == want.keys(), (family, got.keys())
+                for name, value in got.items():
+                    assert value == pytest.approx(want[name], rel=1e-5), (how, step, family, name)
+            global_norm = monitor.last_batch.derived.global_grad_norm
+            assert global_norm == pytest.approx(want_total, rel=1e-5)
+            if returned is not None:  # clip_grad_norm_ returns the norm it clipped by: the same
+                assert global_norm == pytest.approx(float(returned), rel=1e-5)
+        assert monitor.faults.total == 0
+    finally:
+        monitor.close()
+
+
+def _originals() -> dict[str, object]:
+    return {f"{e.owner.__name__}.{e.name}": e.owner.__dict__[e.name] for e in clip_watch.torch_clip_entries()}
+
+
+def test_torch_functions_are_wrapped_on_collected_steps_only(tmp_path, monkeypatch):
+    """step_interval 2: the wrappers exist while a step that collects gradients runs, not on the steps
+    between, and not after close."""
+    originals = _originals()
+    model = _net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = _monitor(tmp_path, monkeypatch, model, optimizer, step_interval=2)
+    wrapped_at: list[bool] = []
+    try:
+        for step in range(4):
+            optimizer.zero_grad(set_to_none=True)
+            _backward(model, step)
+            wrapped_at.append(_originals() != originals)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            optimizer.step()
+    finally:
+        monitor.close()
+    assert wrapped_at == [True, False, True, False]
+    assert _originals() == originals
+    assert clip_grad_norm_ is torch.nn.utils.clip_grad_norm_  # the public function itself is never replaced
+
+
+def test_clipping_another_model_reads_nothing(tmp_path, monkeypatch):
+    """Two models, two monitors, one loop (a GAN): the first model's clipping comes before the second
+    model's backward; the second monitor reads its gradients at its own clipping, not at the first's."""
+    torch.manual_seed(0)
+    first, second = _net(), _net()
+    opt_first = torch.optim.SGD(first.parameters(), lr=0.01)
+    opt_second = torch.optim.SGD(second.parameters(), lr=0.01)
+    mon_first = _monitor(tmp_path, monkeypatch, first, opt_first, "first.json")
+    mon_second = _monitor(tmp_path, monkeypatch, second, opt_second, "second.json")
+    try:
+        for step in range(2):
+            opt_first.zero_grad(set_to_none=True)
+            opt_second.zero_grad(set_to_none=True)
+            _backward(first, step)
+            ref_first = _before_clip(first)
+            torch.nn.utils.clip_grad_norm_(first.parameters(), MAX_NORM)
+            opt_first.step()
+            _backward(second, 10 + step)
+            ref_second = _before_clip(second)
+            torch.nn.utils.clip_grad_norm_(second.parameters(), MAX_NORM)
+            opt_second.step()
+            for monitor, ref in ((mon_first, ref_first), (mon_second, ref_second)):
+                monitor.flush()
+                got = _norms(monitor, "grad_reduced")
+                assert got == pytest.approx({n: float(g.norm()) for n, g in ref.items()}, rel=1e-5)
+        assert mon_first.faults.total == 0 and mon_second.faults.total == 0
+    finally:
+        mon_first.close()
+        mon_second.close()
+
+
+def test_a_failure_in_the_clipping_watch_never_reaches_the_loop(tmp_path, monkeypatch):
+    """The read at clipping raises: counted once, the user's clipping runs and returns its norm, and the
+    step's rows are read at the pre-step (then post-clip: the only gradients left)."""
+    model = _net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = _monitor(tmp_path, monkeypatch, model, optimizer)
+
+    def broken() -> None:
+        raise RuntimeError("boom")
+
+    try:
+        monkeypatch.setattr(monitor.loop, "on_grads_final", broken)
+        optimizer.zero_grad(set_to_none=True)
+        _backward(model, 0)
+        ref_total = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+        returned = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        assert float(returned) == pytest.approx(ref_total, rel=1e-6)
+        monkeypatch.undo()
+        optimizer.step()
+        monitor.flush()
+        assert monitor.faults.total == 1
+        assert monitor.last_batch.derived.global_grad_norm == pytest.approx(MAX_NORM, rel=1e-3)
+    finally:
+        monitor.close()
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Compiled code and dynamo's counters must not reach later tests (they pin module hooks)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+
+def test_a_compiled_clipping_is_read_before_it_scales(tmp_path, monkeypatch, fresh_dynamo):
+    """`clip_grad_norm_` inside a torch.compile'd function, every other step collected: the wrapper is a
+    graph break where it exists, and the rows of collected steps are pre-clip."""
+    torch.manual_seed(0)
+    model = _net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = _monitor(tmp_path, monkeypatch, model, optimizer, step_interval=2)
+    clip = torch.compile(lambda params: torch.nn.utils.clip_grad_norm_(params, MAX_NORM), backend="eager")
+    try:
+        for step in range(4):
+            optimizer.zero_grad(set_to_none=True)
+            _backward(model, step)
+            want = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+            returned = float(clip(list(model.parameters())))
+            optimizer.step()
+            monitor.flush()
+            assert returned == pytest.approx(want, rel=1e-6) and want > 100 * MAX_NORM
+            if step % 2 == 0:
+                assert monitor.last_batch.step == step
+                assert monitor.last_batch.derived.global_grad_norm == pytest.approx(want, rel=1e-5)
+        assert monitor.faults.total == 0
+    finally:
+        monitor.close()
