@@ -23,7 +23,6 @@ Under torch.compile a wrapper is a graph break (it is marked not compilable: the
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -44,18 +43,17 @@ class ClipEntry:
     name: str
     method: bool = False
 
-    @classmethod
-    def in_module(cls, module: str, name: str) -> ClipEntry:
-        return cls(importlib.import_module(module), name)
-
 
 def torch_clip_entries() -> tuple[ClipEntry, ...]:
     """torch's in-place clipping functions (see the module docstring)."""
+    from torch.nn import utils
+    from torch.nn.utils import clip_grad
+
     return (
-        ClipEntry.in_module("torch.nn.utils.clip_grad", "_clip_grads_with_norm_"),
-        ClipEntry.in_module("torch.nn.utils", "clip_grads_with_norm_"),
-        ClipEntry.in_module("torch.nn.utils.clip_grad", "clip_grad_value_"),
-        ClipEntry.in_module("torch.nn.utils", "clip_grad_value_"),
+        ClipEntry(clip_grad, "_clip_grads_with_norm_"),
+        ClipEntry(utils, "clip_grads_with_norm_"),
+        ClipEntry(clip_grad, "clip_grad_value_"),
+        ClipEntry(utils, "clip_grad_value_"),
     )
 
 
