@@ -92,6 +92,7 @@ class MegatronAdapter(Adapter):
         self.layout = MegatronLayout.read()
         self._renames = [global_renames(root) for root in self._roots]
         self._params: list[MonitoredParam] | None = None
+        self._attention_shards: dict | None = None  # module id -> labels, inside tensor-parallel attention
         self._slots: dict[int, Slot] | None = None
         self._param_dp_group: dict[int, Any] = {}
         for ddp in self._ddps:
@@ -161,7 +162,10 @@ class MegatronAdapter(Adapter):
         return Sharded(*groups) if groups else LOCAL
 
     def activation_shards(self, module: torch.nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        return self.layout.activation_shards(module)
+        if self._attention_shards is None:  # once: the modules inside tensor-parallel attention
+            self._attention_shards = self.layout.attention_shards(self._roots)
+        inside = self._attention_shards.get(id(module))
+        return inside if inside is not None else self.layout.activation_shards(module)
 
     def parameters(self) -> list[MonitoredParam]:
         if self._params is None:

@@ -94,6 +94,34 @@ class MegatronLayout:
             return (sequence,), (last, bias)
         return (f"Shard(-1){split}",), (sequence,)
 
+    def attention_shards(self, roots: list[torch.nn.Module]) -> dict[int, tuple[tuple[str, ...], ...]]:
+        """`activation_shards` of the modules inside tensor-parallel attention, by module id: they hold
+        this rank's heads. Core attention takes q, k, v as [s, b, heads, d] (split along dim 2) and returns
+        [s, b, heads * d] (the last); its softmax and dropout see [b, heads, s, s] (dim 1); per-head q/k
+        norms see [s, b, heads, d]. Self- and cross-attention only: multi-latent attention's q/k norms
+        see the compressed latents, which are not split by head."""
+        from megatron.core.transformer.attention import CrossAttention, SelfAttention
+
+        if self.tp.size == 1:
+            return {}
+        split = f"[tp={self.tp.rank}/{self.tp.size}]"
+        heads, scores = f"Shard(2){split}", f"Shard(1){split}"
+        out: dict[int, tuple[tuple[str, ...], ...]] = {}
+        for root in roots:
+            for attention in root.modules():
+                if not isinstance(attention, (SelfAttention, CrossAttention)):
+                    continue
+                core = getattr(attention, "core_attention", None)
+                if isinstance(core, torch.nn.Module):
+                    out[id(core)] = ((heads, heads, heads), (f"Shard(-1){split}",))
+                    for inner in ("scale_mask_softmax", "attention_dropout"):
+                        if isinstance(getattr(core, inner, None), torch.nn.Module):
+                            out[id(getattr(core, inner))] = ((scores,), (scores,))
+                for norm in ("q_layernorm", "k_layernorm"):
+                    if isinstance(getattr(attention, norm, None), torch.nn.Module):
+                        out[id(getattr(attention, norm))] = ((heads,), (heads,))
+        return out
+
     @property
     def splits_model(self) -> bool:
         return self.tp.size > 1 or self.pp.size > 1 or self.ep.size > 1 or self.etp.size > 1

@@ -31,11 +31,13 @@ import torch
 
 from tests.distributed import run_ranks
 from tests.helpers import read_family, ref_stats
+from tests.megatron_gpt import HEADS
 
 if importlib.util.find_spec("megatron") is None:
     pytest.skip("megatron-core is not installed", allow_module_level=True)
 
 OPS = ("norm", "mean", "min", "max")
+QK_NORMS = ("q_layernorm", "k_layernorm")
 STEPS = 2
 DROP_AUX = {"moe_expert_capacity_factor": 1.0, "moe_aux_loss_coeff": 0.01}
 OPTIMIZER_FAMILIES = {
@@ -326,11 +328,25 @@ def _check_layout(
                     want = f"Shard(-1){split}"
                 elif name.endswith(("linear_fc1.input", "linear_qkv.input", "linear_fc2.output")):
                     want = f"Shard(0){split}" if sp else ""
+                elif ".core_attention.input_" in name:  # q, k, v: [s, b, this rank's heads, d]
+                    want = f"Shard(2){split}"
+                    assert json.loads(row["shape"])[2] == HEADS // tp, (tag, row)
+                elif name.endswith("core_attention.output"):  # [s, b, this rank's heads * d]
+                    want = f"Shard(-1){split}"
+                elif ".scale_mask_softmax." in name or ".attention_dropout." in name:  # [b, heads, s, s]
+                    want = f"Shard(1){split}"
+                    assert json.loads(row["shape"])[1] == HEADS // tp, (tag, row)
+                elif any(f".{norm}." in name for norm in QK_NORMS):  # [s, b, this rank's heads, d]
+                    want = f"Shard(2){split}"
+                    assert json.loads(row["shape"])[2] == HEADS // tp, (tag, row)
                 else:
                     continue
                 assert row["shard"] == want, (tag, rank, row)
-                checked[(family, name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1])] += 1
-        assert len(checked) == 14, (tag, sorted(checked))  # 7 kinds of rows, actv and actv_grad
+                kind = name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1]
+                checked[(family, kind.replace("input_1", "input_0").replace("input_2", "input_0"))] += 1
+        # 7 kinds of rows around the linear layers, 6 in attention (core attention's q/k/v as one), 4
+        # of the q/k norms (identities: the local spec's), in actv and actv_grad
+        assert len(checked) == 34, (tag, sorted(checked))
     for rank in range(len(results)):
         coords = _coords(results, tag, rank)
         assert coords["rank"] == rank and coords["tp"][1] == tp, (tag, coords)
