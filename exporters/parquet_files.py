@@ -50,6 +50,19 @@ def has_partitions(path: str) -> bool:
         return False
 
 
+def find_dataset(path: str) -> tuple[str, str | None] | None:
+    """(dataset root, run id or None) of what `path` is: a run directory (its POINTER_FILE), a dataset
+    root, or an output root holding one under `parquet/` (the default dataset directory); None when it is
+    none of them. `trainermon.load` and the analysis commands read their paths through this."""
+    pointed = read_pointer(path)
+    if pointed is not None:
+        return pointed
+    if has_partitions(path):
+        return path, None
+    under = os.path.join(path, "parquet")
+    return (under, None) if has_partitions(under) else None
+
+
 def pointer(run_dir: str, dataset: str, rank: int, run_id: str) -> dict:
     """What a run directory's POINTER_FILE says: the dataset's path, also relative to the run directory
     (so that a copied or moved output tree reads its own dataset), the rank and the run id."""

@@ -16,10 +16,9 @@ from trainermon.exporters.parquet_files import (
     COLUMNS,
     POINTER_FILE,
     file_schema,
-    has_partitions,
+    find_dataset,
     parse_part_name,
     partition_schema,
-    read_pointer,
 )
 
 #: Columns of the returned table, in order.
@@ -74,13 +73,9 @@ def resolve_dataset(path: str | os.PathLike) -> tuple[str, str | None]:
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"trainermon.load: {path!r} is not a directory or a Parquet part file")
-    pointed = read_pointer(path)  # a run directory
-    if pointed is not None:
-        return pointed
-    if has_partitions(path):
-        return path, None
-    if has_partitions(os.path.join(path, "parquet")):
-        return os.path.join(path, "parquet"), None  # MONITOR_OUTPUT_DIR with the default dataset dir
+    found = find_dataset(path)
+    if found is not None:
+        return found
     raise FileNotFoundError(
         f"trainermon.load: no trainermon Parquet dataset at {path!r}: expected a dataset root "
         "(family=*/rank=*/part-*.parquet), an output root holding one under parquet/, or a run directory "

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from trainermon.collect.records import FAMILIES
-from trainermon.exporters.parquet_files import has_partitions, read_pointer
+from trainermon.exporters.parquet_files import find_dataset, has_partitions
 from trainermon.stats.table import COUNT_STATS, FLOAT_STATS
 
 #: Statistics the analysis knows (float statistics, then counts), from the statistics table, then the
@@ -180,13 +180,7 @@ def open_run(path: str | os.PathLike, prefer: str = "auto", run_id: str | None =
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path!r} is not a directory")
     if prefer in ("auto", "parquet"):
-        root, pointed = None, None
-        if has_partitions(path):
-            root = path
-        elif has_partitions(os.path.join(path, "parquet")):
-            root = os.path.join(path, "parquet")
-        elif (found := read_pointer(path)) is not None:
-            root, pointed = found
+        root, pointed = find_dataset(path) or (None, None)
         if root is not None:
             wanted_run = run_id if run_id is not None else pointed
             files = _parquet_files(root, wanted_run)
