@@ -104,6 +104,38 @@ class TrainerMon:
             self.run_dir,
         )
 
+    def set_wrapped_optimizer(self, optimizer: Any) -> None:
+        """msprobe's older interface: the optimizer that a later `monitor_gnorm_with_ad` attaches to."""
+        self._wrapped_optimizer = optimizer
+
+    def monitor_gnorm_with_ad(
+        self,
+        model: torch.nn.Module | Sequence[torch.nn.Module],
+        optimizer: Any = None,
+        grad_acc_steps: int = 1,
+        tp_group: Any = None,
+        dp_group: Any = None,
+        start_iteration: int = 0,
+    ) -> None:
+        """msprobe's older name for `set_monitor`, in its argument order; without `optimizer`, the one given
+        to `set_wrapped_optimizer` (msprobe logs an error and monitors nothing when there is none: this
+        raises instead)."""
+        if optimizer is None:
+            optimizer = getattr(self, "_wrapped_optimizer", None)
+        if optimizer is None:
+            raise TypeError(
+                "trainermon: monitor_gnorm_with_ad() needs an optimizer: pass optimizer=... or call "
+                "set_wrapped_optimizer(optimizer) first"
+            )
+        self.set_monitor(
+            model,
+            optimizer=optimizer,
+            grad_acc_steps=grad_acc_steps,
+            tp_group=tp_group,
+            dp_group=dp_group,
+            start_iteration=start_iteration,
+        )
+
     def step(self) -> None:
         """Mark the end of a training step by hand, for loops whose optimizer cannot be hooked.
 

@@ -38,7 +38,7 @@ BAD = [
     ("cc_distribution", {"ops": ["all_reduce", "gossip"]}, "cc_distribution.ops"),
     ("cc_distribution", {"sometimes": True}, "cc_distribution.sometimes"),
     ("alert", {"rules": "AnomalyTurbulence"}, "alert.rules"),
-    ("ur_distribution", True, "ur_distribution"),
+    ("mg_direction", True, "mg_direction"),
     ("queue_size", 0, "queue_size"),
     ("accelerator_hold_mib", -1, "accelerator_hold_mib"),
     ("accelerator_hold_mib", "256", "accelerator_hold_mib"),
@@ -58,6 +58,27 @@ def test_bad_value_names_key_and_value(key, value, named):
     shown = value if isinstance(value, str) else repr(value)
     if not isinstance(value, (list, dict)):
         assert str(shown) in message or repr(value) in message
+
+
+def test_a_config_with_every_msprobe_key_parses_and_says_what_is_off(caplog):
+    """msprobe's documented full config (every key it lists, `ur_distribution` on) runs: msprobe 26 itself
+    turns the update/ratio heatmaps off for csv with a warning, and so does this, naming the key."""
+    raw = {
+        "targets": {"layers.0": {"input": "tuple[2]:0", "output": "tensor"}},
+        "wg_distribution": True, "dynamic_on": False, "start_step": 0, "collect_times": 100,
+        "step_interval": 1, "print_struct": False, "module_ranks": [0, 1], "ur_distribution": True,
+        "xy_distribution": True, "all_xy": True, "forward_only": False, "backward_only": False,
+        "mv_distribution": True, "param_distribution": True, "monitor_mbs_grad": True,
+        "cc_distribution": {"enable": True, "cc_codeline": []},
+        "alert": {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.5}}], "dump": False},
+        "format": "csv", "ops": ["min", "max", "norm", "zeros", "nans", "mean"], "eps": 1e-8, "ndigits": 12,
+        "step_count_per_record": 1, "append_output": [], "squash_name": False,
+    }  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        cfg = parse_config(raw)
+    assert cfg.wg_distribution and cfg.mv_distribution and cfg.ndigits == 12
+    off = [r.getMessage() for r in caplog.records if "ur_distribution" in r.getMessage()]
+    assert len(off) == 1 and "switched off" in off[0], off
 
 
 def test_forward_only_and_backward_only_conflict():

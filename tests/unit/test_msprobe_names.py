@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from torch import nn
 
@@ -86,14 +87,19 @@ def pyapprox(value: float):
 def test_msprobe_26_positional_order_is_understood(tmp_path, out_dir):
     """msprobe 26.2's set_monitor(model, optimizer, grad_acc_steps) beside the older keyword form."""
     cfg = write_config(tmp_path / "c.json", wg_distribution=True, xy_distribution=True, all_xy=True)
-    for call in ("positional", "keywords"):
+    for call in ("positional", "keywords", "monitor_gnorm_with_ad", "set_wrapped_optimizer"):
         model = nn.Sequential(nn.Linear(2, 2))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         monitor = TrainerMon(cfg)
         if call == "positional":
             monitor.set_monitor(model, opt, 2)
-        else:
+        elif call == "keywords":
             monitor.set_monitor(model, grad_acc_steps=2, optimizer=opt)
+        elif call == "monitor_gnorm_with_ad":  # msprobe's older name, its argument order
+            monitor.monitor_gnorm_with_ad(model, opt, 2)
+        else:  # msprobe's oldest form: the optimizer first, then the model alone
+            monitor.set_wrapped_optimizer(opt)
+            monitor.monitor_gnorm_with_ad(model, grad_acc_steps=2)
         for micro in range(2):
             model(torch.full((1, 2), float(micro + 1))).sum().backward()
         opt.step()
@@ -102,3 +108,10 @@ def test_msprobe_26_positional_order_is_understood(tmp_path, out_dir):
         micro_steps = {r["micro_step"] for r in read_family(monitor.run_dir, "actv")}
         assert micro_steps == {"0", "1"}, (call, micro_steps)
         assert read_family(monitor.run_dir, "grad_reduced"), call
+
+
+def test_monitor_gnorm_with_ad_without_an_optimizer_says_what_is_missing(tmp_path, out_dir):
+    monitor = TrainerMon(write_config(tmp_path / "c.json", wg_distribution=True))
+    with pytest.raises(TypeError, match="set_wrapped_optimizer"):
+        monitor.monitor_gnorm_with_ad(nn.Linear(2, 2))
+    monitor.close()

@@ -27,7 +27,6 @@ UNAVAILABLE_FORMATS = {
 }
 #: msprobe keys for features trainermon does not have. Accepted when falsy, refused when switched on.
 UNSUPPORTED_WHEN_ON = {
-    "ur_distribution": "msprobe's update/ratio heatmaps are not supported; update_distribution gives ratio",
     "mg_direction": "momentum/gradient direction tracking is not supported yet",
     "l2_targets": "msprobe's L2 feature hooks are not supported",
     "recording_l2_features": "msprobe's L2 feature hooks are not supported",
@@ -35,6 +34,13 @@ UNSUPPORTED_WHEN_ON = {
 }
 #: Keys that are accepted and ignored with no effect on trainermon (kept for drop-in compatibility).
 INERT_KEYS = ("sa_order", "heatmap_visualizer", "csv")
+#: msprobe keys that msprobe itself switches off, with a warning, for every output format trainermon has
+#: (its heatmaps need its TensorBoard writer, which msprobe 26 lacks): the same here, so that msprobe's own
+#: example config runs.
+OFF_WITH_A_WARNING = {
+    "ur_distribution": "msprobe's update/ratio heatmaps are not written (msprobe 26 turns them off for csv "
+    "too); update_distribution gives the update/weight ratio",
+}
 MAX_NDIGITS = 17
 PARQUET_COMPRESSIONS = ("zstd", "snappy", "gzip", "lz4", "none")
 _DEFAULT = MonitorConfig()
@@ -312,13 +318,16 @@ def parse_config(raw: Any, source: str = "<dict>") -> MonitorConfig:
     """
     if not isinstance(raw, dict):
         raise ConfigError(f"config {source}: the top level must be a JSON object, got {_type_name(raw)}")
-    known = {f.name for f in fields(MonitorConfig)} | set(UNSUPPORTED_WHEN_ON) | set(INERT_KEYS)
+    known = {f.name for f in fields(MonitorConfig)} | {*UNSUPPORTED_WHEN_ON, *INERT_KEYS, *OFF_WITH_A_WARNING}
     for key in raw:
         if not isinstance(key, str) or key not in known:
             logger.warning("trainermon: unknown config key %r in %s is ignored", key, source)
     for key, why in UNSUPPORTED_WHEN_ON.items():
         if raw.get(key):
             raise _fail(key, raw[key], f"false or absent ({why})")
+    for key, why in OFF_WITH_A_WARNING.items():
+        if raw.get(key):
+            logger.warning("trainermon: config key %r in %s is switched off: %s", key, source, why)
 
     forward_only = _bool(raw, "forward_only")
     backward_only = _bool(raw, "backward_only")
