@@ -201,14 +201,20 @@ def fresh_dynamo():
     torch._dynamo.utils.counters.clear()
 
 
-def test_a_compiled_clipping_is_read_before_it_scales(tmp_path, monkeypatch, fresh_dynamo):
-    """`clip_grad_norm_` inside a torch.compile'd function, every other step collected: the wrapper is a
-    graph break where it exists, and the rows of collected steps are pre-clip."""
+def test_a_compiled_clipping_runs_compiled_and_is_read_at_the_pre_step(tmp_path, monkeypatch, fresh_dynamo):
+    """`clip_grad_norm_` inside `torch.compile(fullgraph=True)`, every other step collected: the wrapper
+    is traced through to torch's function (a graph break would fail fullgraph), the clipping runs as a
+    compiled graph on every step, and the rows, read at the pre-step, are post-clip (as documented)."""
+    from torch._dynamo.testing import CompileCounter
+
     torch.manual_seed(0)
     model = _net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = _monitor(tmp_path, monkeypatch, model, optimizer, step_interval=2)
-    clip = torch.compile(lambda params: torch.nn.utils.clip_grad_norm_(params, MAX_NORM), backend="eager")
+    counter = CompileCounter()
+    clip = torch.compile(
+        lambda params: torch.nn.utils.clip_grad_norm_(params, MAX_NORM), backend=counter, fullgraph=True
+    )
     try:
         for step in range(4):
             optimizer.zero_grad(set_to_none=True)
@@ -220,7 +226,94 @@ def test_a_compiled_clipping_is_read_before_it_scales(tmp_path, monkeypatch, fre
             assert returned == pytest.approx(want, rel=1e-6) and want > 100 * MAX_NORM
             if step % 2 == 0:
                 assert monitor.last_batch.step == step
-                assert monitor.last_batch.derived.global_grad_norm == pytest.approx(want, rel=1e-5)
+                assert monitor.last_batch.derived.global_grad_norm == pytest.approx(MAX_NORM, rel=1e-3)
         assert monitor.faults.total == 0
+    finally:
+        monitor.close()
+    # one graph per variant of the clipping's globals (wrapped, original); every call ran a graph
+    assert 1 <= counter.frame_count <= 2, counter.frame_count
+
+
+def _clear(model: nn.Module) -> None:
+    for p in model.parameters():
+        p.grad = None
+
+
+def test_an_iteration_dropped_without_zero_grad_is_read_again(tmp_path, monkeypatch):
+    """A loop that drops an iteration whose clipped norm is not finite (`continue`, gradients cleared by
+    `p.grad = None`, no zero_grad() and no optimizer step): the next iteration's clipping reads its own
+    gradients and the first read's rows are taken out; the step's rows are the applied iteration's."""
+    torch.manual_seed(0)
+    model = _net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = _monitor(tmp_path, monkeypatch, model, optimizer)
+    applied: list[dict[str, torch.Tensor]] = []
+    try:
+        for iteration in range(3):
+            _clear(model)
+            _backward(model, iteration)
+            if iteration == 1:
+                next(model.parameters()).grad[0, 0] = float("nan")  # this iteration is dropped
+            ref = _before_clip(model)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            if not torch.isfinite(norm):
+                continue
+            applied.append(ref)
+            optimizer.step()
+            monitor.flush()
+            got = _norms(monitor, "grad_reduced")
+            assert got == pytest.approx({n: float(g.norm()) for n, g in ref.items()}, rel=1e-5), iteration
+            assert len(monitor.last_batch.rows) == len(ref) * 2  # grad_reduced and grad_unreduced, once
+            total = math.sqrt(sum(float(g.norm()) ** 2 for g in ref.values()))
+            assert monitor.last_batch.derived.global_grad_norm == pytest.approx(total, rel=1e-5)
+        assert len(applied) == 2 and monitor.faults.total == 0
+    finally:
+        monitor.close()
+
+
+def test_clipping_each_micro_batch_reads_before_the_last_clipping(tmp_path, monkeypatch):
+    """Clipping after every micro-batch's backward (an accumulation loop that clips too often): the
+    step's rows are the gradients just before its last clipping, the ones the optimizer's input is made
+    from, not the first micro-batch's alone."""
+    torch.manual_seed(0)
+    model = _net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = _monitor(tmp_path, monkeypatch, model, optimizer)
+    try:
+        for step in range(2):
+            optimizer.zero_grad(set_to_none=True)
+            for micro in range(3):
+                _backward(model, 10 * step + micro)
+                ref = _before_clip(model)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            optimizer.step()
+            monitor.flush()
+            got = _norms(monitor, "grad_reduced")
+            assert got == pytest.approx({n: float(g.norm()) for n, g in ref.items()}, rel=1e-5), step
+            assert len(monitor.last_batch.rows) == len(ref) * 2
+        assert monitor.faults.total == 0
+    finally:
+        monitor.close()
+
+
+def test_a_clipping_before_any_gradient_exists_reads_again_at_the_next(tmp_path, monkeypatch):
+    """FSDP2 under `set_requires_gradient_sync(False)` has no `.grad` until its reducing micro-batch, so a
+    loop clipping every micro-batch first clips nothing: the next clipping reads the gradients (found
+    with FSDP2 on 2 ranks, where the global norm was 0)."""
+    torch.manual_seed(0)
+    model = _net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = _monitor(tmp_path, monkeypatch, model, optimizer)
+    try:
+        optimizer.zero_grad(set_to_none=True)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)  # no gradient yet
+        _backward(model, 0)
+        ref = _before_clip(model)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()
+        monitor.flush()
+        assert _norms(monitor, "grad_reduced") == pytest.approx({n: float(g.norm()) for n, g in ref.items()})
+        total = math.sqrt(sum(float(g.norm()) ** 2 for g in ref.values()))
+        assert monitor.last_batch.derived.global_grad_norm == pytest.approx(total, rel=1e-5)
     finally:
         monitor.close()

@@ -171,6 +171,20 @@ class StepCollector(HookRows):
             self._order.append(self._next)
             self._next += 1
 
+    def mark(self) -> tuple[int, ...]:
+        """Where the step's parameter-family rows end now (`take_out`): the kept rows, their partials'
+        parts and the sharded rows. Hook rows (`add_local`) are kept elsewhere and not counted."""
+        return len(self._rows), len(self._parts), len(self._sharded.rows)
+
+    def take_out(self, start: tuple[int, ...], end: tuple[int, ...]) -> None:
+        """Remove the rows added between two marks of this step (the same step, `end` after `start`):
+        rows added after `end` stay. Nothing is computed or moved; the rows' partials are dropped."""
+        (rows0, parts0, sharded0), (rows1, parts1, sharded1) = start, end
+        del self._rows[rows0:rows1], self._order[rows0:rows1], self._parts[parts0:parts1]
+        kept = self._sharded
+        for column in (kept.rows, kept.order, kept.over, kept.writes, kept.parts, kept.flags):
+            del column[sharded0:sharded1]
+
     def _skip(self, family: str, why: Unreadable) -> None:
         if self.faults is not None:
             self.faults.record(f"unreadable tensor ({why.kind})", why, f"its {family} row is skipped")

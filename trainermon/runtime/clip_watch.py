@@ -17,21 +17,26 @@ torch.nn.utils import clip_grad_value_`) keeps the original: the rows are then r
 The wrappers exist only while some monitor's collected step reads gradients (`watch` / `Watch.remove`),
 like the collective wrappers of `trainermon.comm.patch`: steps that collect nothing call torch's own
 functions. A wrapper costs one Python call and, with its listeners, a set lookup per clipped parameter.
-Under torch.compile a wrapper is a graph break (it is marked not compilable: the reads need real tensors).
+A clipping that torch.compile traces calls the original (no graph break, so `fullgraph=True` stays
+valid, and no recompilation after the monitor is gone): its gradients are read at the pre-step.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-#: listener(parameters, owner): parameters is a list (None for a method entry), owner the model a method
-#: entry was called on (None for a function entry).
-Listener = Callable[[list | None, Any], None]
+
+class Listener(Protocol):
+    def before_clipping(self, params: list | None, owner: Any) -> None:
+        """`params`: the clipped parameters as a list (None for a method entry); `owner`: the model a
+        method entry was called on (None for a function entry). Never raises."""
+
+    def after_clipping(self) -> None:
+        """The clipping returned (or raised). Never raises."""
 
 
 @dataclass(frozen=True)
@@ -114,21 +119,23 @@ def watch(listener: Listener, entries: tuple[ClipEntry, ...]) -> Watch:
 def _wrap(original: Any, entry: ClipEntry) -> Any:
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if not _listeners:
+        if not _listeners or torch.compiler.is_compiling():
             return original(*args, **kwargs)
         if entry.method:
             params, owner = None, args[0] if args else None
         else:
             args, kwargs, params = _listed(args, kwargs)
             owner = None
-        for listener in list(_listeners):
-            listener(params, owner)  # listeners never raise (see `GradientProbe`)
-        return original(*args, **kwargs)
+        listeners = list(_listeners)
+        for listener in listeners:
+            listener.before_clipping(params, owner)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            for listener in listeners:
+                listener.after_clipping()
 
-    try:
-        return torch.compiler.disable(wrapper)
-    except Exception:  # noqa: BLE001 - a build without dynamo: nothing compiles anyway
-        return wrapper
+    return wrapper
 
 
 def _listed(args: tuple, kwargs: dict) -> tuple[tuple, dict, list]:

@@ -99,6 +99,7 @@ class StepLoop:
         self._subscribers: list[Callable[[MonitorConfig], None]] = []
         self._pending_state: dict | None = None
         self._grads_read = False  # this step's gradients were read (at clipping or at the pre-step)
+        self._grads_rows: tuple = ((), ())  # the collector's marks around that read
         self.closed = False
 
     # ==== attaching ================================================================================
@@ -231,14 +232,21 @@ class StepLoop:
             self.collector.add_missing(family, vpp_stage, labels, micro)
 
     # ==== the step events ===========================================================================
-    def on_grads_final(self) -> None:
+    def on_grads_final(self, again: bool = False) -> None:
         """The step's gradients are final: the probes read them (`grads_final`), once a step. Called by the
-        user's gradient clipping before it scales them (`clip_watch`), else at the optimizer's pre-step."""
-        if not self.plan.scheduled or self._grads_read:
+        user's gradient clipping before it scales them (`clip_watch`), else at the optimizer's pre-step.
+        `again`: they changed since that read; its rows are taken out and the gradients read anew."""
+        if not self.plan.scheduled or (self._grads_read and not again):
             return
-        self._grads_read = True
         with self.clock:
+            with self._lock:
+                if self._grads_read:
+                    self.collector.take_out(*self._grads_rows)
+                start = self.collector.mark()
+            self._grads_read = True
             self._each("grads_final", "reading the step's gradients")
+            with self._lock:
+                self._grads_rows = (start, self.collector.mark())
 
     def on_pre_optim(self) -> None:
         if not self.plan.scheduled:

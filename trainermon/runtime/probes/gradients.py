@@ -23,6 +23,8 @@ from ..clip_watch import Watch, watch
 from ..plan import StepPlan
 from .base import Probe
 
+_UNSET = object()  # no clipping read the gradients yet this step
+
 
 def _same_pieces(a: list, b: list) -> bool:
     """The two lists describe the very same tensors with the same placement."""
@@ -48,6 +50,7 @@ class GradientProbe(Probe):
         self._step_handles: list[Any] = []
         self._microbatch: dict[int, int] = {}  # parameter index -> micro-batches seen this step
         self._clipping: Watch | None = None  # the clipping functions, watched while a step reads gradients
+        self._stamp: Any = _UNSET  # a gradient's (id, version) after this step's last clipping
         self._model_ids: tuple[Any, frozenset[int]] = (None, frozenset())  # (selection, its models' params)
 
     def attach(self) -> list[Any]:
@@ -61,6 +64,7 @@ class GradientProbe(Probe):
             handle.remove()
         self._step_handles.clear()
         self._microbatch.clear()
+        self._stamp = _UNSET
         self.taps.active = plan.grads and not plan.microbatch_grads
         self.loop.adapter.arm_grad_taps(self.taps.active)
         if plan.microbatch_grads:
@@ -73,14 +77,16 @@ class GradientProbe(Probe):
         if on and self._clipping is None:
             entries = tuple(self.loop.adapter.clip_entries())
             if entries:
-                self._clipping = watch(self._before_clipping, entries)
+                self._clipping = watch(self, entries)
         elif not on and self._clipping is not None:
             self._clipping.remove()
             self._clipping = None
 
-    def _before_clipping(self, params: list | None, owner: Any) -> None:
+    def before_clipping(self, params: list | None, owner: Any) -> None:
         """Called by a clipping function, before it scales gradients: this step's gradients are read now
-        if it clips this monitor's model (a loop with two models and two monitors clips each on its own)."""
+        if it clips this monitor's model (a loop with two models and two monitors clips each on its own).
+        Read again, replacing the first read, when the gradients changed since the step's last clipping
+        (a backward ran: an iteration dropped without `zero_grad()`, or clipping per micro-batch)."""
         loop = self.loop
         try:
             if loop.closed or not loop.plan.grads:
@@ -92,9 +98,26 @@ class GradientProbe(Probe):
                 ids = self._ids_of_models()
                 ours = any(id(p) in ids for p in params or ())
             if ours:
-                loop.on_grads_final()
+                loop.on_grads_final(again=self._stamp is not _UNSET and self._stamp != self._grad_stamp())
         except Exception as exc:  # noqa: BLE001 - never into the training loop
             loop.faults.record("gradient clipping", exc)
+
+    def after_clipping(self) -> None:
+        try:
+            if self.loop.plan.grads:
+                self._stamp = self._grad_stamp()
+        except Exception as exc:  # noqa: BLE001
+            self.loop.faults.record("gradient clipping", exc)
+
+    def _grad_stamp(self) -> tuple | None:
+        """The first selected gradient's identity and in-place version: both stay while nothing but the
+        clipping touches the gradients, and change with a backward (accumulated in place, or a new tensor
+        after `p.grad = None`). None: no gradient yet (FSDP2 before the reducing micro-batch)."""
+        for mp in self.loop.selection.params:
+            grad = mp.param.grad
+            if grad is not None:
+                return id(grad), grad._version
+        return None
 
     def _ids_of_models(self) -> frozenset[int]:
         """The ids of every parameter of the model chunks (what a user passes to the clipping), kept while
@@ -109,6 +132,7 @@ class GradientProbe(Probe):
         return ids
 
     def grads_final(self, plan: StepPlan) -> None:
+        self._stamp = _UNSET
         if not plan.grads:
             return
         loop, adapter, sel = self.loop, self.loop.adapter, self.loop.selection
