@@ -7,8 +7,9 @@ Lifecycle of one step (step = optimizer step, from `start_iteration`):
                  collected steps
     forward /    activation hooks and gradient taps add rows to the collector (`record`, `record_local`)
     backward
-    grads        `probe.grads_final`: the reduced gradients are read, once: where the user clips them, before
-                 the clipping scales them (`clip_watch`), else at the pre-step
+    grads        `probe.grads_final`: the reduced gradients are read where the user clips them, before the
+                 clipping scales them (`clip_watch`; again, replacing that read, if a backward changed
+                 them before a later clipping), else at the pre-step
     pre          the adapter's `events.pre()`: reduced gradients ready, update not run: `probe.pre_optim`
     post         the adapter's `events.post(scalars)`: `probe.post_optim`, then, on a collected step, one
                  packed reduction per process group and one device-to-host copy (`StepCollector.finish`),
