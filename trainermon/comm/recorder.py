@@ -3,11 +3,17 @@
 the call completes: at once for a blocking call, from the returned work's future for `async_op=True`,
 after the wait for a functional collective), and sum them per (op, group, call site, input/output,
 micro-step). `rows()` turns a step's sums into `comm` rows; `checks()` gives what the invariant checks
-need. Completion callbacks may run on the backend's thread: every change of the sums takes `lock`."""
+need. Completion callbacks may run on the backend's thread: every change of the sums takes `lock`.
+
+A completed future hands its callbacks to the backend's thread only after it has woken its waiters, and a
+callback added in that window runs at once on the adding thread: DDP's own `.then`, added after ours, can
+let the backward finish while our read still waits for the GIL on gloo's thread. So the step's end
+(`settle`) waits for every completion callback of a completed call before the sums are taken."""
 
 from __future__ import annotations
 
 import re
+import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +31,9 @@ from .sites import call_site, short
 from .spec import OpSpec, redop_name
 
 FAMILY = "comm"
+#: How long the step's end waits for the completion callback of a collective that has completed (it runs
+#: on the backend's thread and needs the GIL); only a stuck callback makes it wait that long.
+CALLBACK_WAIT_S = 10.0
 
 
 @dataclass
@@ -71,6 +80,7 @@ class CommRecorder:
         self.unmatched: set[str] = set()  # sites seen that no cc_codeline pattern matched
         self.sites: Counter[tuple[str, str, str]] = Counter()  # cc_log_only: (op, group, site) -> calls
         self.pending: list[tuple[Any, Callable[[], None]]] = []  # works without a future
+        self.inflight: list[tuple[Any, threading.Event]] = []  # (future, its callback has run)
         self.coalesced: list[_Call] = []  # queued in a _coalescing_manager block: read at its exit
         self.reset()
 
@@ -84,6 +94,7 @@ class CommRecorder:
             self.sums: dict[tuple, _Sum] = {}
             self.check_entries: dict[CheckKey, CheckEntry] = {}
             self.generation += 1
+        self.inflight = []  # a step left unsettled (a switch-off): its callbacks are dropped by generation
 
     # ==== the wrappers' side ====================================================================
     def active(self) -> bool:
@@ -181,12 +192,17 @@ class CommRecorder:
             self.pending.append((work, fn))  # no future (gloo send/recv): read at the step's end
             return
 
+        finished = threading.Event()
+
         def done(_: Any) -> None:
             try:
                 fn()
             except Exception as exc:  # noqa: BLE001 - runs on the backend's thread
                 self.fault("collective completion", exc)
+            finally:
+                finished.set()
 
+        self.inflight.append((future, finished))
         future.then(done)
 
     def coalesced_done(self, cm: Any, async_ops: bool) -> None:
@@ -199,9 +215,16 @@ class CommRecorder:
                 self._finish(call)
 
     def settle(self) -> int:
-        """At the step's end: the outputs of completed works that had no future; returns how many works
-        had not completed (their statistics are dropped)."""
+        """At the step's end: the outputs of completed works that had no future, and the completion
+        callbacks still running for completed ones (waited for: no sync, they only read host memory or
+        enqueue device work); returns how many works had not completed (their statistics are dropped)."""
         left = 0
+        for future, finished in self.inflight:
+            if finished.is_set():
+                continue
+            if not future.done() or not finished.wait(CALLBACK_WAIT_S):  # the wait releases the GIL
+                left += 1
+        self.inflight = []
         for call in self.coalesced:  # a coalescing block whose exit was not seen: read now
             self.pending.append((None, lambda call=call: self._finish(call)))
         self.coalesced = []
