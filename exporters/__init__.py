@@ -47,6 +47,10 @@ def _make(fmt: str) -> Exporter:
         from .tensorboard import TensorBoardExporter
 
         return TensorBoardExporter()
+    if fmt == "api":
+        from .memory import InMemoryExporter
+
+        return InMemoryExporter()
     raise ValueError(f"no exporter for format {fmt!r}")  # config validation lets through known formats
 
 

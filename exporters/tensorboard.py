@@ -16,6 +16,7 @@ import math
 
 from trainermon.collect.family_columns import FAMILY_COLUMNS
 from trainermon.collect.records import StatBatch
+from trainermon.names import msprobe_tag
 from trainermon.stats.table import VALUE_STATS
 
 from .base import Exporter, RunInfo
@@ -23,24 +24,6 @@ from .base import Exporter, RunInfo
 _FAMILY_FLOATS = {
     f: [n for n, kind in cols if kind in ("float", "int")] for f, cols in FAMILY_COLUMNS.items()
 }
-
-#: trainermon's family -> msprobe's tag kind
-KIND = {
-    "grad_unreduced": "pre_grad",
-    "grad_reduced": "post_grad",
-    "param_origin": "param_origin",
-    "param_updated": "param_updated",
-    "exp_avg": "exp_avg",
-    "exp_avg_sq": "exp_avg_sq",
-    "actv": "actv",
-    "actv_grad": "actv_grad",
-}
-
-
-def tag_prefix(family: str, vpp_stage: int, name: str, micro_step: int | None, rank: int) -> str:
-    """msprobe's tag of a row, without the `_{statistic}` suffix."""
-    key = f"{vpp_stage}:{name}" if micro_step is None else f"{vpp_stage}:{name}:{micro_step}"
-    return f"{key}/rank{rank}/{KIND.get(family, family)}"
 
 
 class TensorBoardExporter(Exporter):
@@ -63,7 +46,7 @@ class TensorBoardExporter(Exporter):
             key = (row.family, row.vpp_stage, row.name, row.micro_step)
             prefix = self._prefixes.get(key)
             if prefix is None:
-                prefix = self._prefixes[key] = tag_prefix(*key, self.rank)
+                prefix = self._prefixes[key] = msprobe_tag(*key, self.rank)
             for op, column in columns:
                 add(f"{prefix}_{op}", float(column[i]), step)
             for extra in _FAMILY_FLOATS.get(row.family, ()):  # update: ratio; moe_load: load_cv, ...

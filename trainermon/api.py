@@ -14,6 +14,7 @@ import torch
 from .collect.records import StatBatch
 from .config import ConfigError, MonitorConfig, load_config, read_env
 from .failsafe import FaultLog
+from .inmemory import metric_dict
 from .runtime.loop import StepLoop
 from .runtime.probes.side_outputs import PrintStructDone
 
@@ -46,6 +47,7 @@ class TrainerMon:
         self.config_file_path = str(config_file_path)
         self.loop = StepLoop(load_config(config_file_path), read_env(), self.config_file_path, process_group)
         self.grad_acc_steps = 1
+        self._said_off: set[str] = set()  # in-memory calls whose family is off, warned once each
         # The loop, not this object: a monitor made in a helper and not kept lives on in its hooks (which
         # hold the loop), and its steps must still be flushed at exit.
         ref = weakref.ref(self.loop)
@@ -135,6 +137,37 @@ class TrainerMon:
             dp_group=dp_group,
             start_iteration=start_iteration,
         )
+
+    # ---- msprobe's in-memory metrics (its "api" format; any format here) ----------------------------
+    def generate_wgrad_metrics(self) -> tuple[dict, dict]:
+        """(reduced, unreduced) gradient statistics of the last collected step: its `grad_reduced` and
+        `grad_unreduced` rows as `{tag: {statistic: float64 0-d tensor}}`, keyed by msprobe's tags
+        (`reduced["0:fc.weight/rank0/post_grad"]["norm"]`). Call after the optimizer step: msprobe reads
+        the gradients at the call, trainermon gives the step it finished. Waits for the background worker
+        (as `flush` does); no collective, no device work. ({}, {}) before a collected step or without
+        `wg_distribution` (said once)."""
+        batch = self._finished("generate_wgrad_metrics", "wg_distribution", self.config.wg_distribution)
+        return self._metrics(batch, "grad_reduced"), self._metrics(batch, "grad_unreduced")
+
+    def generate_xy_metrics(self) -> tuple[dict, dict]:
+        """(actv, actv_grad): the activation and activation-gradient statistics of the last collected step,
+        as `generate_wgrad_metrics` gives the gradients' (`actv["0:fc.output:0/rank0/actv"]["norm"]`,
+        with the micro-step). Same call point and cost; ({}, {}) without `xy_distribution`/`all_xy`."""
+        on = self.config.collects_actv or self.config.collects_actv_grad
+        batch = self._finished("generate_xy_metrics", "xy_distribution", on)
+        return self._metrics(batch, "actv"), self._metrics(batch, "actv_grad")
+
+    def _finished(self, call: str, key: str, on: bool) -> StatBatch | None:
+        if not on:
+            if call not in self._said_off:
+                self._said_off.add(call)
+                logger.warning("trainermon: %s(): %s is off in the config: no statistics to give", call, key)
+            return None
+        self.flush()
+        return self.loop.last_batch
+
+    def _metrics(self, batch: StatBatch | None, family: str) -> dict:
+        return metric_dict(batch, family, self.loop.rank, self.config.ops)
 
     def step(self) -> None:
         """Mark the end of a training step by hand, for loops whose optimizer cannot be hooked.

@@ -30,6 +30,7 @@ from trainermon.exporters.parquet_files import (
     write_dataset_marker,
     write_part,
 )
+from trainermon.names import msprobe_tag
 
 logger = logging.getLogger("trainermon")
 
@@ -119,8 +120,6 @@ def convert(
 def to_tensorboard(csv_dir: str | os.PathLike, out: str | os.PathLike) -> list[str]:
     """Write every CSV file under `csv_dir` as TensorBoard scalars under `out/{rank directory}`, tagged as
     the TensorBoard sink tags them; return the directories written. Needs the tensorboard package."""
-    from trainermon.exporters.tensorboard import tag_prefix
-
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as exc:
@@ -148,7 +147,7 @@ def to_tensorboard(csv_dir: str | os.PathLike, out: str | os.PathLike) -> list[s
                 stats = [s for s in STATS if columns.get(s) is not None]
                 for i, r in enumerate(rows):
                     micro = int(columns["micro_step"][i])
-                    prefix = tag_prefix(
+                    prefix = msprobe_tag(
                         family,
                         columns["vpp_stage"][i],
                         columns["name"][i],

@@ -50,3 +50,23 @@ def unique_names(names: list[str], fallbacks: list[str]) -> list[str]:
             result.append(n if k == 0 else f"{n}#{k}")
         return result
     return out
+
+
+#: trainermon's family -> msprobe's tag kind (its TensorBoard tags and in-memory metric keys)
+MSPROBE_KIND = {
+    "grad_unreduced": "pre_grad",
+    "grad_reduced": "post_grad",
+    "param_origin": "param_origin",
+    "param_updated": "param_updated",
+    "exp_avg": "exp_avg",
+    "exp_avg_sq": "exp_avg_sq",
+    "actv": "actv",
+    "actv_grad": "actv_grad",
+}
+
+
+def msprobe_tag(family: str, vpp_stage: int, name: str, micro_step: int | None, rank: int) -> str:
+    """msprobe's tag of a row, without the `_{statistic}` suffix: `0:layers.0.weight/rank0/post_grad`,
+    `0:layers.0.output:1/rank0/actv` (with the micro-step)."""
+    key = f"{vpp_stage}:{name}" if micro_step is None else f"{vpp_stage}:{name}:{micro_step}"
+    return f"{key}/rank{rank}/{MSPROBE_KIND.get(family, family)}"

@@ -30,7 +30,6 @@ BAD = [
     ("ndigits", 99, "ndigits"),
     ("format", "xlsx", "format"),
     ("format", [], "format"),
-    ("format", "api", "format"),
     ("step_count_per_record", 0, "step_count_per_record"),
     ("dynamic_on", "true", "dynamic_on"),
     ("cc_distribution", {"enable": "yes"}, "cc_distribution.enable"),

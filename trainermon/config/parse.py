@@ -20,11 +20,8 @@ logger = logging.getLogger("trainermon")
 
 #: msprobe ops that trainermon accepts but does not compute (warned and dropped).
 IGNORED_MSPROBE_OPS = ("id",)
-SUPPORTED_FORMATS = ("csv", "parquet", "prometheus", "tensorboard")
-#: Formats that exist in msprobe or in trainermon's plan but are not available in this build.
-UNAVAILABLE_FORMATS = {
-    "api": "msprobe's in-memory 'api' format is not supported; use csv",
-}
+#: "api" (msprobe's name): no sink; the statistics are read in memory (`TrainerMon.generate_*_metrics`).
+SUPPORTED_FORMATS = ("csv", "parquet", "prometheus", "tensorboard", "api")
 #: msprobe keys for features trainermon does not have. Accepted when falsy, refused when switched on.
 UNSUPPORTED_WHEN_ON = {
     "mg_direction": "momentum/gradient direction tracking is not supported yet",
@@ -135,8 +132,6 @@ def _formats(raw: dict) -> tuple[str, ...]:
         )
     out: list[str] = []
     for fmt in items:
-        if fmt in UNAVAILABLE_FORMATS:
-            raise _fail("format", fmt, f"{list(SUPPORTED_FORMATS)} ({UNAVAILABLE_FORMATS[fmt]})")
         if fmt not in SUPPORTED_FORMATS:
             raise _fail("format", fmt, f"one of {list(SUPPORTED_FORMATS)}")
         if fmt not in out:
