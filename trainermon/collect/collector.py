@@ -171,10 +171,25 @@ class StepCollector(HookRows):
             self._order.append(self._next)
             self._next += 1
 
+    def add_computed(self, metas: Sequence[RowMeta], parts: Sequence[torch.Tensor]) -> None:
+        """Rows whose partials were computed already, one [1, NUM_PARTIALS] row each (the comm probe's
+        sums of a step's collectives): kept as they are, in order."""
+        for meta, row in zip(metas, parts):
+            self._rows.append(meta)
+            self._parts.append(row)
+            self._order.append(self._next)
+            self._next += 1
+
     def mark(self) -> tuple[int, ...]:
         """Where the step's parameter-family rows end now (`take_out`): the kept rows, their partials'
         parts and the sharded rows. Hook rows (`add_local`) are kept elsewhere and not counted."""
         return len(self._rows), len(self._parts), len(self._sharded.rows)
+
+    def restart(self, marks: tuple[tuple[int, ...], tuple[int, ...]] | None) -> tuple[int, ...]:
+        """`take_out(*marks)` when given (an earlier read of the rows being read again), then `mark()`."""
+        if marks is not None:
+            self.take_out(*marks)
+        return self.mark()
 
     def take_out(self, start: tuple[int, ...], end: tuple[int, ...]) -> None:
         """Remove the rows added between two marks of this step (the same step, `end` after `start`):

@@ -241,9 +241,7 @@ class StepLoop:
             return
         with self.clock:
             with self._lock:
-                if self._grads_read:
-                    self.collector.take_out(*self._grads_rows)
-                start = self.collector.mark()
+                start = self.collector.restart(self._grads_rows if self._grads_read else None)
             self._grads_read = True
             self._each("grads_final", "reading the step's gradients")
             with self._lock:

@@ -117,13 +117,8 @@ class CommProbe(Probe):
         try:
             rows, parts, entries = recorder.take()
             checks = entries if recorder.config.check else []
-            collector = self.loop.collector
-            with self.loop._lock:  # the collector's own lists: rows computed already, added as they are
-                for meta, row in zip(rows, parts):
-                    collector._rows.append(meta)
-                    collector._parts.append(row)
-                    collector._order.append(collector._next)
-                    collector._next += 1
+            with self.loop._lock:
+                self.loop.collector.add_computed(rows, parts)
         except Exception as exc:  # noqa: BLE001 - the check below must still run: other ranks wait in it
             self.loop.faults.record("comm rows", exc, "this step's comm rows are dropped")
         finally:
