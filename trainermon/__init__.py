@@ -6,6 +6,7 @@ from .config import ConfigError, MonitorConfig, load_config, parse_config
 
 if TYPE_CHECKING:
     from .api import PrintStructDone, TrainerMon
+    from .csv2tb import csv2tensorboard_by_step
     from .loader import load
     from .seed import seed_all
 
@@ -13,6 +14,7 @@ __version__ = "0.1.0"
 __all__ = [
     "TrainerMon",
     "ConfigError",
+    "csv2tensorboard_by_step",
     "MonitorConfig",
     "PrintStructDone",
     "load",
@@ -33,6 +35,10 @@ def __getattr__(name: str):
         from .seed import seed_all
 
         return seed_all
+    if name == "csv2tensorboard_by_step":
+        from .csv2tb import csv2tensorboard_by_step
+
+        return csv2tensorboard_by_step
     if name == "load":
         from .loader import load
 

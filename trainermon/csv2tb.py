@@ -1,0 +1,187 @@
+"""msprobe's `csv2tensorboard_by_step`, for scripts that call it: the CSV output of the runs between two
+times (trainermon's or msprobe's) as TensorBoard event files laid out and tagged as msprobe writes them,
+`{output}/rank{R}/{family}/` with tags `vp{vpp}:{name}[:micro{m}]/{statistic}`, one scalar per CSV step.
+(`trainermon convert --to tensorboard` writes the TensorBoard sink's tags instead.)
+
+Run directories are `{time}-rank{R}-...` under `monitor_path`, `{time}` as `Nov27_09-06-49`; the times
+given select them, both ends included. Where msprobe keeps an arbitrary one of several runs of one rank in
+the range, this takes the latest and names the others in a warning; where it writes an empty output for a
+range with no run, this raises."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import re
+import shutil
+from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor
+from datetime import datetime
+
+from .convert import _columns, _number, _read_csv
+
+logger = logging.getLogger("trainermon")
+
+#: The families msprobe converts (its `data_type_list` values).
+FAMILIES = (
+    "actv",
+    "actv_grad",
+    "exp_avg",
+    "exp_avg_sq",
+    "grad_unreduced",
+    "grad_reduced",
+    "param_origin",
+    "param_updated",
+)
+#: Statistic columns written as scalars, where the CSV has them (msprobe's, then trainermon's own).
+STAT_COLUMNS = ("norm", "min", "max", "zeros", "nans", "id", "mean", "infs", "numel")
+TIME_FORMAT = "%b%d_%H-%M-%S"
+_RUN_DIR = re.compile(r"^([\w-]{0,20})-rank(\d{1,5})-")
+MAX_PROCESSES = 128
+
+
+def csv2tensorboard_by_step(
+    monitor_path: str | os.PathLike,
+    time_start: str | None = None,
+    time_end: str | None = None,
+    process_num: int = 1,
+    data_type_list: list[str] | None = None,
+    output_dirpath: str | os.PathLike | None = None,
+) -> str:
+    """Convert the runs under `monitor_path` whose time is within [`time_start`, `time_end`] (None: open)
+    for the families in `data_type_list` (None: all of `FAMILIES`), `process_num` ranks at a time; return
+    the output directory (default `{monitor_path}/{now}-csv2tensorboard_by_step`). Needs tensorboard."""
+    if (
+        isinstance(process_num, bool)
+        or not isinstance(process_num, int)
+        or not 1 <= process_num <= MAX_PROCESSES
+    ):
+        raise ValueError(f"process_num: {process_num!r}; allowed: an integer from 1 to {MAX_PROCESSES}")
+    families = _families(data_type_list)
+    monitor_path = os.fspath(monitor_path)
+    if not os.path.isdir(monitor_path):
+        raise FileNotFoundError(f"monitor_path: {monitor_path!r} is not a directory")
+    start, end = _time("time_start", time_start), _time("time_end", time_end)
+    if start is not None and end is not None and start > end:
+        raise ValueError(f"time_start: {time_start!r} is after time_end {time_end!r}")
+    runs = run_directories(monitor_path, start, end)
+    if not runs:
+        raise FileNotFoundError(
+            f"monitor_path: no '{{time}}-rank{{R}}-...' run directory in {monitor_path!r} between "
+            f"{time_start or 'the first'} and {time_end or 'the last'}"
+        )
+    if output_dirpath is None:
+        now = datetime.now().strftime(TIME_FORMAT)
+        output_dirpath = os.path.join(monitor_path, f"{now}-csv2tensorboard_by_step")
+    out = os.fspath(output_dirpath)
+    os.makedirs(out, exist_ok=True)
+    tasks = [(rank, path, families, out) for rank, path in sorted(runs.items())]
+    if process_num == 1 or len(tasks) == 1:
+        for task in tasks:
+            convert_rank(*task)
+    else:
+        context = multiprocessing.get_context("spawn")  # never fork a process that may hold threads
+        with ProcessPoolExecutor(min(process_num, len(tasks)), mp_context=context) as pool:
+            for future in [pool.submit(convert_rank, *task) for task in tasks]:
+                future.result()
+    logger.info("trainermon: csv2tensorboard_by_step: %d rank(s) written to %s", len(tasks), out)
+    return out
+
+
+def run_directories(monitor_path: str, start: datetime | None, end: datetime | None) -> dict[int, str]:
+    """{rank: run directory} of the runs within [start, end]: the latest run of a rank, with a warning
+    naming the others."""
+    found: dict[int, list[tuple[datetime, str]]] = defaultdict(list)
+    for name in sorted(os.listdir(monitor_path)):
+        match = _RUN_DIR.match(name)
+        path = os.path.join(monitor_path, name)
+        if match is None or not os.path.isdir(path):
+            continue
+        try:
+            when = datetime.strptime(match.group(1), TIME_FORMAT)
+        except ValueError:
+            continue  # not a run directory's time
+        if (start is None or when >= start) and (end is None or when <= end):
+            found[int(match.group(2))].append((when, path))
+    chosen = {}
+    for rank, runs in found.items():
+        runs.sort()
+        chosen[rank] = runs[-1][1]
+        if len(runs) > 1:
+            logger.warning(
+                "trainermon: csv2tensorboard_by_step: rank %d has %d runs in the range; "
+                "converting the latest (%s), not %s",
+                rank,
+                len(runs),
+                os.path.basename(runs[-1][1]),
+                [os.path.basename(p) for _, p in runs[:-1]],
+            )
+    return chosen
+
+
+def convert_rank(rank: int, directory: str, families: tuple[str, ...], out: str) -> None:
+    """One rank directory: one event-file directory per family with rows (an earlier one replaced)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    files = os.listdir(directory)
+    for family in families:
+        pattern = re.compile(rf"{re.escape(family)}_\d+-\d+\.csv")
+        series: dict[str, dict[int, list[tuple[str, float]]]] = defaultdict(dict)
+        for name in sorted(f for f in files if pattern.fullmatch(f)):
+            _read_family(os.path.join(directory, name), series)
+        if not series:
+            continue
+        target = os.path.join(out, f"rank{rank}", family)
+        if os.path.exists(target):
+            logger.warning("trainermon: csv2tensorboard_by_step: replacing %s", target)
+            shutil.rmtree(target)
+        writer = SummaryWriter(target)
+        try:
+            for tag, steps in series.items():
+                for step in sorted(steps):
+                    for stat, value in steps[step]:
+                        writer.add_scalar(f"{tag}/{stat}", value, step)
+        finally:
+            writer.close()
+
+
+def _read_family(path: str, series: dict[str, dict[int, list[tuple[str, float]]]]) -> None:
+    rows = _read_csv(path)
+    if not rows:
+        return
+    columns = _columns(rows, "")
+    stats = [s for s in STAT_COLUMNS if s in rows[0]]
+    for i, row in enumerate(rows):
+        tag = f"vp{columns['vpp_stage'][i]}:{columns['name'][i]}"
+        micro = int(columns["micro_step"][i])
+        if micro >= 0:
+            tag = f"{tag}:micro{micro}"
+        step = int(columns["step"][i])
+        if step in series[tag]:
+            raise ValueError(f"{path}: {tag} has step {step} twice")
+        series[tag][step] = [(stat, _number(row[stat])) for stat in stats]
+
+
+def _families(data_type_list: list[str] | None) -> tuple[str, ...]:
+    if data_type_list is None:
+        return FAMILIES
+    if not isinstance(data_type_list, list) or not data_type_list:
+        raise ValueError(
+            f"data_type_list: {data_type_list!r}; allowed: a non-empty list from {list(FAMILIES)}"
+        )
+    for family in data_type_list:
+        if family not in FAMILIES:
+            raise ValueError(f"data_type_list: {family!r}; allowed: {list(FAMILIES)}")
+    return tuple(dict.fromkeys(data_type_list))
+
+
+def _time(key: str, value: str | None) -> datetime | None:
+    if value is None:
+        return None
+    try:
+        return datetime.strptime(value, TIME_FORMAT)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{key}: {value!r}; allowed: a run directory's time prefix such as 'Nov27_09-06-49'"
+        ) from None
