@@ -139,13 +139,18 @@ class TrainerMon:
         )
 
     # ---- msprobe's in-memory metrics (its "api" format; any format here) ----------------------------
-    def generate_wgrad_metrics(self) -> tuple[dict, dict]:
+    def generate_wgrad_metrics(self, post_grad_dict: dict | None = None) -> tuple[dict, dict]:
         """(reduced, unreduced) gradient statistics of the last collected step: its `grad_reduced` and
         `grad_unreduced` rows as `{tag: {statistic: float64 0-d tensor}}`, keyed by msprobe's tags
         (`reduced["0:fc.weight/rank0/post_grad"]["norm"]`). Call after the optimizer step: msprobe reads
         the gradients at the call, trainermon gives the step it finished. Waits for the background worker
         (as `flush` does); no collective, no device work. ({}, {}) before a collected step or without
         `wg_distribution` (said once)."""
+        if post_grad_dict is not None:  # msprobe 26.2's own optimizer hook passes the gradients it read
+            raise TypeError(
+                "trainermon: generate_wgrad_metrics() takes no gradients (post_grad_dict): the monitor reads "
+                "them itself; call generate_wgrad_metrics() after the optimizer step"
+            )
         batch = self._finished("generate_wgrad_metrics", "wg_distribution", self.config.wg_distribution)
         return self._metrics(batch, "grad_reduced"), self._metrics(batch, "grad_unreduced")
 
