@@ -1,5 +1,5 @@
 """A collective's completion callback still running on gloo's thread when the step ends is waited for, not
-lost (2 real gloo ranks, one launch).
+lost (2 real gloo ranks, one launch); a completed call's future (and its outputs) is not kept.
 
 The race this pins down, as DDP's default hook runs into it: a torch Future that completes wakes its
 waiters first and hands its callbacks to the backend's thread after; a callback added in between runs at
@@ -59,8 +59,21 @@ def _race(rank: int, world: int) -> dict:
     metas, parts, checks = recorder.take()
     outputs = [float(p[0, SUM]) for m, p in zip(metas, parts) if "/output@" in m.name]
     (key, entry), *_ = checks
+    # A completed call leaves nothing behind before the step's end: its future holds its output tensors.
+    recorder.compute = lambda tensors: engine.compute_rows(tensors)  # no slow reads from here on
+    for _ in range(5):
+        big = torch.ones(1 << 16)
+        call = recorder.before(spec, (big,), {"async_op": True})
+        work = dist.all_reduce(big, async_op=True)
+        recorder.after(call, work)
+        work.wait()
+    deadline = time.monotonic() + 30
+    while recorder.inflight and time.monotonic() < deadline:
+        time.sleep(0.01)  # a callback may still be finishing on gloo's thread
+    held = len(recorder.inflight)
     dist.barrier()
     return {
+        "held": held,
         "late": late,
         "outputs": outputs,
         "check_out": None if entry.out_row is None else float(entry.out_row[0, SUM]),
@@ -78,3 +91,4 @@ def test_completion_callback_on_the_backend_thread_is_waited_for():
         assert got["late"] == 0, rank
         assert got["outputs"] == [want], (rank, got)  # the output's sum, in this step's rows
         assert got["check_out"] == want, (rank, got)  # and in the invariant check's line
+        assert got["held"] == 0, rank

@@ -12,8 +12,10 @@ let the backward finish while our read still waits for the GIL on gloo's thread.
 
 from __future__ import annotations
 
+import itertools
 import re
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,8 +33,8 @@ from .sites import call_site, short
 from .spec import OpSpec, redop_name
 
 FAMILY = "comm"
-#: How long the step's end waits for the completion callback of a collective that has completed (it runs
-#: on the backend's thread and needs the GIL); only a stuck callback makes it wait that long.
+#: How long the step's end waits, in all, for the completion callbacks of collectives that have completed
+#: (they run on the backend's thread and need the GIL); only a stuck callback makes it wait that long.
 CALLBACK_WAIT_S = 10.0
 
 
@@ -80,7 +82,9 @@ class CommRecorder:
         self.unmatched: set[str] = set()  # sites seen that no cc_codeline pattern matched
         self.sites: Counter[tuple[str, str, str]] = Counter()  # cc_log_only: (op, group, site) -> calls
         self.pending: list[tuple[Any, Callable[[], None]]] = []  # works without a future
-        self.inflight: list[tuple[Any, threading.Event]] = []  # (future, its callback has run)
+        #: Completion callbacks not yet run: {key: (future, set when it has run)}; each removes its entry
+        self.inflight: dict[int, tuple[Any, threading.Event]] = {}
+        self._keys = itertools.count()
         self.coalesced: list[_Call] = []  # queued in a _coalescing_manager block: read at its exit
         self.reset()
 
@@ -94,7 +98,7 @@ class CommRecorder:
             self.sums: dict[tuple, _Sum] = {}
             self.check_entries: dict[CheckKey, CheckEntry] = {}
             self.generation += 1
-        self.inflight = []  # a step left unsettled (a switch-off): its callbacks are dropped by generation
+        self.inflight.clear()  # a step left unsettled (a switch-off): its callbacks are dropped by generation
 
     # ==== the wrappers' side ====================================================================
     def active(self) -> bool:
@@ -192,7 +196,7 @@ class CommRecorder:
             self.pending.append((work, fn))  # no future (gloo send/recv): read at the step's end
             return
 
-        finished = threading.Event()
+        finished, key = threading.Event(), next(self._keys)
 
         def done(_: Any) -> None:
             try:
@@ -201,8 +205,9 @@ class CommRecorder:
                 self.fault("collective completion", exc)
             finally:
                 finished.set()
+                self.inflight.pop(key, None)  # nothing of a completed call is kept (its outputs)
 
-        self.inflight.append((future, finished))
+        self.inflight[key] = (future, finished)
         future.then(done)
 
     def coalesced_done(self, cm: Any, async_ops: bool) -> None:
@@ -219,12 +224,14 @@ class CommRecorder:
         callbacks still running for completed ones (waited for: no sync, they only read host memory or
         enqueue device work); returns how many works had not completed (their statistics are dropped)."""
         left = 0
-        for future, finished in self.inflight:
+        deadline = time.monotonic() + CALLBACK_WAIT_S
+        for future, finished in list(self.inflight.values()):
             if finished.is_set():
                 continue
-            if not future.done() or not finished.wait(CALLBACK_WAIT_S):  # the wait releases the GIL
+            # a done future's callback is running or about to: wait for it (the wait releases the GIL)
+            if not future.done() or not finished.wait(max(0.0, deadline - time.monotonic())):
                 left += 1
-        self.inflight = []
+        self.inflight.clear()
         for call in self.coalesced:  # a coalescing block whose exit was not seen: read now
             self.pending.append((None, lambda call=call: self._finish(call)))
         self.coalesced = []
