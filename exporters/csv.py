@@ -144,9 +144,12 @@ class CsvExporter(Exporter):
         self.ndigits = run.config.ndigits
         self.per_record = run.config.step_count_per_record
         os.makedirs(self.run_dir, exist_ok=True)
-        if run.coords:  # which piece of the parallel layout this rank's own rows come from
-            with open(os.path.join(self.run_dir, "layout.json"), "w", encoding="utf-8") as fh:
-                json.dump({"rank": run.rank, "world_size": run.world_size, **run.coords}, fh, sort_keys=True)
+        # Which piece of the parallel layout this rank's own rows come from, and how msprobe's tags name
+        # its unreduced gradients (`trainermon convert --to tensorboard` reads it)
+        layout = {"rank": run.rank, "world_size": run.world_size, **run.coords}
+        layout["grad_unreduced_kind"] = run.grad_unreduced_kind
+        with open(os.path.join(self.run_dir, "layout.json"), "w", encoding="utf-8") as fh:
+            json.dump(layout, fh, sort_keys=True)
 
     def header(self, with_micro_step: bool, family: str = "") -> list[str]:
         head = ["vpp_stage", "name", "step"] + (["micro_step"] if with_micro_step else [])

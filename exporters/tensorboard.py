@@ -3,8 +3,9 @@ and dashboards built on msprobe's output keep working.
 
 One `SummaryWriter` per rank directory (the run directory, as msprobe), written on the background worker.
 Tags, as msprobe writes them: `{vpp_stage}:{name}[:{micro_step}]/rank{R}/{kind}_{statistic}` with kind
-`pre_grad` (grad_unreduced), `post_grad` (grad_reduced), `param_origin`, `param_updated`, `exp_avg`,
-`exp_avg_sq`, `actv`, `actv_grad`; e.g. `0:layers.0.weight/rank0/post_grad_norm`. trainermon's own
+`acc_grad` or `pre_grad` (grad_unreduced, as msprobe names it for the framework:
+`trainermon.names.grad_unreduced_kind`), `post_grad` (grad_reduced), `param_origin`, `param_updated`,
+`exp_avg`, `exp_avg_sq`, `actv`, `actv_grad`; e.g. `0:layers.0.weight/rank0/post_grad_norm`. trainermon's own
 step values are their own scalars: `trainermon/global_grad_norm`, `trainermon/loss_scale`. Needs the
 `tensorboard` package (`pip install 'trainermon[tensorboard]'`); without it the sink does not open, with
 one error, and the other sinks go on.
@@ -35,6 +36,7 @@ class TensorBoardExporter(Exporter):
                 "format 'tensorboard' needs the tensorboard package: pip install 'trainermon[tensorboard]'"
             ) from exc
         self.rank = run.rank
+        self.unreduced = run.grad_unreduced_kind
         self.ops = [op for op in run.config.ops if op in VALUE_STATS or op == "numel"]
         self.writer = SummaryWriter(log_dir=run.run_dir)
         self._prefixes: dict[tuple, str] = {}
@@ -46,7 +48,7 @@ class TensorBoardExporter(Exporter):
             key = (row.family, row.vpp_stage, row.name, row.micro_step)
             prefix = self._prefixes.get(key)
             if prefix is None:
-                prefix = self._prefixes[key] = msprobe_tag(*key, self.rank)
+                prefix = self._prefixes[key] = msprobe_tag(*key, self.rank, self.unreduced)
             for op, column in columns:
                 add(f"{prefix}_{op}", float(column[i]), step)
             for extra in _FAMILY_FLOATS.get(row.family, ()):  # update: ratio; moe_load: load_cv, ...

@@ -15,6 +15,7 @@ from .collect.records import StatBatch
 from .config import ConfigError, MonitorConfig, load_config, read_env
 from .failsafe import FaultLog
 from .inmemory import metric_dict
+from .names import grad_unreduced_kind
 from .runtime.loop import StepLoop
 from .runtime.probes.side_outputs import PrintStructDone
 
@@ -172,7 +173,9 @@ class TrainerMon:
         return self.loop.last_batch
 
     def _metrics(self, batch: StatBatch | None, family: str) -> dict:
-        return metric_dict(batch, family, self.loop.rank, self.config.ops)
+        adapter = getattr(self.loop.adapter, "name", "")
+        unreduced = grad_unreduced_kind(adapter, self.config.monitor_mbs_grad)
+        return metric_dict(batch, family, self.loop.rank, self.config.ops, unreduced)
 
     def step(self) -> None:
         """Mark the end of a training step by hand, for loops whose optimizer cannot be hooked.

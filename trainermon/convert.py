@@ -63,6 +63,16 @@ def _rank_and_run(directory: str) -> tuple[int, str]:
     return int(match.group("rank")), match.group("id") or base
 
 
+def _layout(directory: str) -> dict:
+    """The run's `layout.json` (trainermon's CSV runs), {} where there is none (msprobe's, older ones)."""
+    try:
+        with open(os.path.join(directory, "layout.json"), encoding="utf-8") as fh:
+            layout = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    return layout if isinstance(layout, dict) else {}
+
+
 def find_csv_files(csv_dir: str) -> dict[str, list[tuple[str, str]]]:
     """{directory: [(family, path), ...]} for every CSV file of the tool layout under `csv_dir`."""
     found: dict[str, list[tuple[str, str]]] = defaultdict(list)
@@ -136,6 +146,7 @@ def to_tensorboard(csv_dir: str | os.PathLike, out: str | os.PathLike) -> list[s
     written = []
     for directory, files in sorted(groups.items()):
         rank, _run_id = _rank_and_run(directory)
+        unreduced = _layout(directory).get("grad_unreduced_kind", "pre_grad")
         target = os.path.join(out, os.path.basename(os.path.normpath(directory)))
         writer = SummaryWriter(log_dir=target)
         try:
@@ -153,6 +164,7 @@ def to_tensorboard(csv_dir: str | os.PathLike, out: str | os.PathLike) -> list[s
                         columns["name"][i],
                         None if micro < 0 else micro,
                         rank,
+                        unreduced,
                     )
                     for stat in stats:
                         writer.add_scalar(f"{prefix}_{stat}", _number(r[stat]), int(r["step"]))

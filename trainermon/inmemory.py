@@ -5,6 +5,7 @@ step's rows as `{tag: {statistic: 0-d tensor}}`, keyed by msprobe's tags without
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -14,17 +15,27 @@ from trainermon.stats.table import VALUE_STATS
 
 
 def metric_dict(
-    batch: StatBatch | None, family: str, rank: int, ops: Sequence[str]
-) -> dict[str, dict[str, torch.Tensor]]:
+    batch: StatBatch | None, family: str, rank: int, ops: Sequence[str], unreduced: str = "pre_grad"
+) -> dict[str, dict[str, Any]]:
     """The rows of `family` in `batch` (none: {}), each with the configured statistics it has as float64
-    scalars on the CPU. Costs one small tensor per value; no device work."""
+    scalars on the CPU, and `shape` (a torch.Size) and `dtype` (a torch.dtype) when configured, as msprobe
+    gives them. `unreduced`: the tag kind of grad_unreduced rows. One small tensor per value; no device
+    work."""
     if batch is None:
         return {}
-    wanted = [op for op in ops if op in VALUE_STATS or op == "numel"]  # not shape, dtype: no numbers
+    wanted = [op for op in ops if op in VALUE_STATS or op == "numel"]
     columns = [(op, batch.values[op]) for op in wanted if op in batch.values]
-    out: dict[str, dict[str, torch.Tensor]] = {}
+    shape, dtype = "shape" in ops, "dtype" in ops
+    out: dict[str, dict[str, Any]] = {}
     for i, row in enumerate(batch.rows):
         if row.family == family:
-            tag = msprobe_tag(family, row.vpp_stage, row.name, row.micro_step, rank)
-            out[tag] = {op: torch.tensor(float(column[i]), dtype=torch.float64) for op, column in columns}
+            tag = msprobe_tag(family, row.vpp_stage, row.name, row.micro_step, rank, unreduced)
+            values: dict[str, Any] = {
+                op: torch.tensor(float(column[i]), dtype=torch.float64) for op, column in columns
+            }
+            if shape:
+                values["shape"] = torch.Size(row.shape)
+            if dtype:
+                values["dtype"] = row.dtype
+            out[tag] = values
     return out

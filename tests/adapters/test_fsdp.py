@@ -255,6 +255,7 @@ def _run_case(case: dict[str, Any], rank: int, world: int, out_dir: str) -> dict
 
     monitor.flush()
     global_norm = monitor.last_batch.derived.global_grad_norm if monitor.last_batch is not None else None
+    _, unreduced = monitor.generate_wgrad_metrics()  # msprobe's in-memory form of the last step
     adapter = monitor.loop.adapter.name
     faults = monitor.faults.total
     monitor.close()
@@ -268,6 +269,7 @@ def _run_case(case: dict[str, Any], rank: int, world: int, out_dir: str) -> dict
         "clip_norms": clip_norms,
         "global_norm": global_norm,
         "adapter": adapter,
+        "unreduced_tags": sorted({tag.split("/", 1)[1] for tag in unreduced}),
         "faults": faults,
         "drift": drift,
         "empty_here": empty_here,
@@ -309,6 +311,8 @@ def test_fsdp_families_match_references(
     acc, mbs, bf16 = case.get("acc", 1), case.get("mbs", False), case.get("mp", False)
     assert r0["adapter"] == f"fsdp{case['fsdp']}"
     assert r0["faults"] == 0 and r1["faults"] == 0
+    # msprobe names FSDP's gradients before the reduce-scatter `pre_grad` (plain torch: `acc_grad`)
+    assert r0["unreduced_tags"] == ["rank0/pre_grad"] and r1["unreduced_tags"] == ["rank1/pre_grad"]
     assert max(r0["drift"].values()) < 1e-5, r0["drift"]
     assert r0["empty_here"] + r1["empty_here"] > 0, "no parameter without elements on a rank: edge untested"
     assert all("_fsdp_wrapped_module" not in n and "_checkpoint" not in n for n in names)

@@ -15,7 +15,7 @@ from trainermon import TrainerMon
 pytest.importorskip("tensorboard", reason="the tensorboard package is in the test extras; CI installs it")
 
 KIND = {
-    "grad_unreduced": "pre_grad",
+    "grad_unreduced": "acc_grad",  # msprobe's name where it hooks gradient accumulation (plain torch)
     "grad_reduced": "post_grad",
     "param_origin": "param_origin",
     "param_updated": "param_updated",

@@ -23,7 +23,8 @@ REL = 1e-5
 
 
 def _close(got: dict, want: dict) -> None:
-    assert set(got) == set(OPS), got
+    assert set(got) == {*OPS, "shape", "dtype"}, got  # shape and dtype always, as msprobe gives them
+    assert got["shape"] == want["shape"] and got["dtype"] == want["dtype"], got
     for op in OPS:
         value = float(got[op])
         assert got[op].dtype == torch.float64 and got[op].dim() == 0
@@ -31,6 +32,10 @@ def _close(got: dict, want: dict) -> None:
             assert value == want[op], (op, value, want[op])
         else:
             assert math.isclose(value, want[op], rel_tol=REL, abs_tol=1e-7), (op, value, want[op])
+
+
+def _ref(t: torch.Tensor) -> dict:
+    return {**ref_stats(t), "shape": t.shape, "dtype": t.dtype}
 
 
 def _model() -> nn.Module:
@@ -55,9 +60,9 @@ def _train_and_read(cfg: str, steps: int) -> tuple[TrainerMon, list]:
         out.square().sum().backward()
         out = out.detach()
         want = {
-            "grads": {n: ref_stats(p.grad) for n, p in model.named_parameters()},
-            "actv": {"0.output": ref_stats(hidden[-1]), "2.output": ref_stats(out)},
-            "actv_grad": {"2.output": ref_stats(2 * out)},  # d(sum out^2)/d out
+            "grads": {n: _ref(p.grad) for n, p in model.named_parameters()},
+            "actv": {"0.output": _ref(hidden[-1]), "2.output": _ref(out)},
+            "actv_grad": {"2.output": _ref(2 * out)},  # d(sum out^2)/d out
         }
         opt.step()
         opt.zero_grad()
@@ -72,10 +77,10 @@ def test_wgrad_and_xy_metrics_are_the_steps_statistics(tmp_path, out_dir):
     for want, (reduced, unreduced), (actv, actv_grad) in seen:
         names = ["0.weight", "0.bias", "2.weight", "2.bias"]
         assert sorted(reduced) == sorted(f"0:{n}/rank0/post_grad" for n in names)
-        assert sorted(unreduced) == sorted(f"0:{n}/rank0/pre_grad" for n in names)
+        assert sorted(unreduced) == sorted(f"0:{n}/rank0/acc_grad" for n in names)
         for n in names:  # one process: the gradient before and after the (absent) reduction
             _close(reduced[f"0:{n}/rank0/post_grad"], want["grads"][n])
-            _close(unreduced[f"0:{n}/rank0/pre_grad"], want["grads"][n])
+            _close(unreduced[f"0:{n}/rank0/acc_grad"], want["grads"][n])
         for name, ref in want["actv"].items():
             _close(actv[f"0:{name}:0/rank0/actv"], ref)
         for name, ref in want["actv_grad"].items():

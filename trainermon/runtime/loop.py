@@ -113,6 +113,7 @@ class StepLoop:
         self.adapter = adapter
         self.step = start_iteration
         self.outputs.coords = adapter.coordinates()
+        self.outputs.adapter_name = adapter.name
         self.xrank.attach()  # collective: a CPU group (the summaries' layout check, the run id)
         self.outputs.share(self.xrank.cpu_group)  # collective: rank 0's run id on every rank
         self.detector = self._make_detector()

@@ -10,6 +10,7 @@ from typing import Any
 
 from trainermon.config import Env, MonitorConfig
 from trainermon.failsafe import FaultLog
+from trainermon.names import grad_unreduced_kind
 
 
 class Outputs:
@@ -28,6 +29,7 @@ class Outputs:
         self.world_size = world_size
         self.faults = faults
         self.coords: dict = {}  # the rank's place in the parallel layout, set by the loop at attach
+        self.adapter_name = ""  # set by the loop at attach (msprobe's tag kinds depend on it)
         self.run_id = uuid.uuid4().hex[:8]
         self._started = int(time.time())
         self.run_dir = self._new_dir()
@@ -63,6 +65,7 @@ class Outputs:
             config,
             self.local_rank,
             self.coords,
+            grad_unreduced_kind(self.adapter_name, config.monitor_mbs_grad),
         )
         try:
             return build_exporters(run, faults=self.faults)
