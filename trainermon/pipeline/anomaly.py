@@ -35,7 +35,7 @@ import numpy as np
 from trainermon.collect.records import StatBatch
 
 from . import health_rules
-from .rule_specs import WARMUP, WINDOW, RuleSpec
+from .rule_specs import WARMUP, WINDOW, RuleSpec, parse_rules
 
 logger = logging.getLogger("trainermon")
 
@@ -136,6 +136,18 @@ class AnomalyDetector:
         self.on_anomaly: list = []  # callbacks(step, anomalies) — escalation hooks in
         #: Records found elsewhere (AnomalyComm, on the training thread), reported with the next check.
         self.external: deque[Anomaly] = deque()
+
+    @classmethod
+    def for_job(cls, alert: Any, out_dir: str, rank: int, process_group: Any = None) -> AnomalyDetector:
+        """The detector of a monitor with the config's `alert` section. `process_group`: msprobe's
+        pipeline group, whose rank numbers this rank's stage in the records (one local query, no
+        collective). Built even without rules (it finds nothing): a reload may add them."""
+        stage = 0
+        if process_group is not None:
+            import torch.distributed as dist
+
+            stage = dist.get_group_rank(process_group, rank)
+        return cls(parse_rules(alert.rules), out_dir, rank, stage, alert.dump)
 
     # ---- per step ------------------------------------------------------------------------------
     def totals(self) -> dict[str, int]:

@@ -174,14 +174,8 @@ class StepLoop:
     def _make_detector(self) -> Any:
         from trainermon.pipeline.anomaly import AnomalyDetector
 
-        rules = parse_rules(self.config.alert.rules)
-        pp_stage = 0
-        if self.process_group is not None:
-            import torch.distributed as dist
-
-            pp_stage = dist.get_group_rank(self.process_group, self.rank)
-        # Always built (with no rules it finds nothing): a reload may add rules and keeps its history.
-        detector = AnomalyDetector(rules, self.outputs.root, self.rank, pp_stage, self.config.alert.dump)
+        alert, group = self.config.alert, self.process_group
+        detector = AnomalyDetector.for_job(alert, self.outputs.root, self.rank, group)
         detector.on_anomaly.append(self._escalate)
         return detector
 
