@@ -95,3 +95,24 @@ def test_everything_msprobe_writes_is_there_with_the_same_value(tmp_path):
     assert not wrong, f"{len(wrong)} values differ, e.g. {wrong[:5]}"
     excluded = sum(1 for k, r in theirs.items() if _deliberate(k, r))
     assert compared >= 4 * (len(theirs) - excluded) - 4 * 80 and compared > 1500, (compared, len(theirs))
+
+
+def test_csv2tensorboard_by_step_converts_msprobes_own_output_as_msprobe_does(tmp_path):
+    """`trainermon.csv2tensorboard_by_step` on msprobe's own CSV output writes the event files msprobe's
+    converter of the same name writes from it: the same tags, steps and values."""
+    pytest.importorskip("tensorboard", reason="the tensorboard package is in the test extras")
+    from tests.sinks.test_csv2tb import _tree
+    from trainermon import csv2tensorboard_by_step
+
+    out = str(tmp_path / "msprobe")
+    _run("msprobe", out)
+    theirs, ours = str(tmp_path / "tb_msprobe"), str(tmp_path / "tb_ours")
+    script = (
+        "import sys; from msprobe.pytorch.monitor.csv2tb import csv2tensorboard_by_step as f; "
+        "f(sys.argv[1], output_dirpath=sys.argv[2])"
+    )
+    subprocess.run([sys.executable, "-c", script, out, theirs], check=True, capture_output=True, timeout=300)
+    csv2tensorboard_by_step(out, output_dirpath=ours)
+    want, got = _tree(theirs), _tree(ours)
+    assert len(want) >= 6 and sum(len(v) for v in want.values()) > 100, want.keys()
+    assert got == want

@@ -6,6 +6,7 @@ it, the latest (with a warning); bad arguments are refused naming the argument."
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -30,7 +31,11 @@ def _events(directory: str) -> dict[str, dict[int, float]]:
 
     acc = EventAccumulator(directory, size_guidance={"scalars": 0})
     acc.Reload()
-    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+    # NaN as a string: a NaN value compares unequal to itself, an equal tree must still compare equal
+    return {
+        tag: {e.step: "nan" if math.isnan(e.value) else e.value for e in acc.Scalars(tag)}
+        for tag in acc.Tags()["scalars"]
+    }
 
 
 def _tree(out: str) -> dict[tuple[str, str], dict]:
