@@ -77,14 +77,22 @@ def csv2tensorboard_by_step(
     out = os.fspath(output_dirpath)
     os.makedirs(out, exist_ok=True)
     tasks = [(rank, path, families, out) for rank, path in sorted(runs.items())]
+    written: set[str] = set()
     if process_num == 1 or len(tasks) == 1:
         for task in tasks:
-            convert_rank(*task)
+            written.update(convert_rank(*task))
     else:
         context = multiprocessing.get_context("spawn")  # never fork a process that may hold threads
         with ProcessPoolExecutor(min(process_num, len(tasks)), mp_context=context) as pool:
             for future in [pool.submit(convert_rank, *task) for task in tasks]:
-                future.result()
+                written.update(future.result())
+    asked = families if data_type_list is not None else () if written else FAMILIES
+    if [f for f in asked if f not in written]:
+        logger.warning(
+            "trainermon: csv2tensorboard_by_step: no rows of %s in the %d run(s) converted",
+            [f for f in asked if f not in written],
+            len(tasks),
+        )
     logger.info("trainermon: csv2tensorboard_by_step: %d rank(s) written to %s", len(tasks), out)
     return out
 
@@ -120,11 +128,13 @@ def run_directories(monitor_path: str, start: datetime | None, end: datetime | N
     return chosen
 
 
-def convert_rank(rank: int, directory: str, families: tuple[str, ...], out: str) -> None:
-    """One rank directory: one event-file directory per family with rows (an earlier one replaced)."""
+def convert_rank(rank: int, directory: str, families: tuple[str, ...], out: str) -> list[str]:
+    """One rank directory: one event-file directory per family with rows (an earlier one replaced);
+    returns the families written."""
     from torch.utils.tensorboard import SummaryWriter
 
     files = os.listdir(directory)
+    written = []
     for family in families:
         pattern = re.compile(rf"{re.escape(family)}_\d+-\d+\.csv")
         series: dict[str, dict[int, list[tuple[str, float]]]] = defaultdict(dict)
@@ -144,6 +154,8 @@ def convert_rank(rank: int, directory: str, families: tuple[str, ...], out: str)
                         writer.add_scalar(f"{tag}/{stat}", value, step)
         finally:
             writer.close()
+        written.append(family)
+    return written
 
 
 def _read_family(path: str, series: dict[str, dict[int, list[tuple[str, float]]]]) -> None:

@@ -128,6 +128,15 @@ def test_time_range_and_the_latest_run_of_a_rank(runs, tmp_path, caplog):
         csv2tensorboard_by_step(root, time_start="Jan01_00-00-00", time_end="Jan01_00-00-01")
 
 
+def test_a_family_asked_for_with_no_rows_is_said(tmp_path, out_dir, caplog):
+    _run(write_config(tmp_path / "c.json", wg_distribution=True, ops=OPS))
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        out = csv2tensorboard_by_step(str(out_dir), data_type_list=["grad_reduced", "actv"])
+    assert os.listdir(os.path.join(out, "rank0")) == ["grad_reduced"]
+    said = [r.getMessage() for r in caplog.records if "no rows of ['actv']" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "key"),
     [
