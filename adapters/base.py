@@ -116,6 +116,12 @@ class Adapter(ABC):
         larger tensor on this rank (a column-parallel layer's output), e.g. `Shard(-1)[tp=1/2]`."""
         return (), ()
 
+    def msprobe_unreduced_kind(self, per_micro_batch: bool) -> str:
+        """How msprobe's tags name this framework's gradients before the reduction: `acc_grad` where it
+        reads them at the parameters' gradient accumulation (plain PyTorch, DDP, and with
+        `monitor_mbs_grad`), `pre_grad` where it patches the framework's reduction. Names only."""
+        return "acc_grad"
+
     @property
     def splits_model(self) -> bool:
         """The model's tensors are spread over ranks that write different ones (pipeline stages, tensor

@@ -25,7 +25,7 @@ class RunInfo:
     #: gradients) comes from. Written with the run (CSV: `layout.json` in the run directory; Parquet: the
     #: run metadata).
     coords: dict = field(default_factory=dict)
-    #: msprobe's tag kind of this run's grad_unreduced rows (`trainermon.names.grad_unreduced_kind`)
+    #: msprobe's tag kind of this run's grad_unreduced rows (`Adapter.msprobe_unreduced_kind`)
     grad_unreduced_kind: str = "pre_grad"
 
 

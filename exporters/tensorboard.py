@@ -4,7 +4,7 @@ and dashboards built on msprobe's output keep working.
 One `SummaryWriter` per rank directory (the run directory, as msprobe), written on the background worker.
 Tags, as msprobe writes them: `{vpp_stage}:{name}[:{micro_step}]/rank{R}/{kind}_{statistic}` with kind
 `acc_grad` or `pre_grad` (grad_unreduced, as msprobe names it for the framework:
-`trainermon.names.grad_unreduced_kind`), `post_grad` (grad_reduced), `param_origin`, `param_updated`,
+`Adapter.msprobe_unreduced_kind`), `post_grad` (grad_reduced), `param_origin`, `param_updated`,
 `exp_avg`, `exp_avg_sq`, `actv`, `actv_grad`; e.g. `0:layers.0.weight/rank0/post_grad_norm`. trainermon's own
 step values are their own scalars: `trainermon/global_grad_norm`, `trainermon/loss_scale`. Needs the
 `tensorboard` package (`pip install 'trainermon[tensorboard]'`); without it the sink does not open, with

@@ -15,7 +15,6 @@ from .collect.records import StatBatch
 from .config import ConfigError, MonitorConfig, load_config, read_env
 from .failsafe import FaultLog
 from .inmemory import metric_dict
-from .names import grad_unreduced_kind
 from .runtime.loop import StepLoop
 from .runtime.probes.side_outputs import PrintStructDone
 
@@ -173,8 +172,8 @@ class TrainerMon:
         return self.loop.last_batch
 
     def _metrics(self, batch: StatBatch | None, family: str) -> dict:
-        adapter = getattr(self.loop.adapter, "name", "")
-        unreduced = grad_unreduced_kind(adapter, self.config.monitor_mbs_grad)
+        adapter, mbs = self.loop.adapter, self.config.monitor_mbs_grad
+        unreduced = "pre_grad" if adapter is None else adapter.msprobe_unreduced_kind(mbs)
         return metric_dict(batch, family, self.loop.rank, self.config.ops, unreduced)
 
     def step(self) -> None:

@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import re
 import shutil
+import threading
 from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
 from datetime import datetime
@@ -78,12 +79,22 @@ def csv2tensorboard_by_step(
     os.makedirs(out, exist_ok=True)
     tasks = [(rank, path, families, out) for rank, path in sorted(runs.items())]
     written: set[str] = set()
-    if process_num == 1 or len(tasks) == 1:
+    workers = min(process_num, len(tasks))
+    if workers > 1 and threading.active_count() > 1:
+        # A forked copy of a process with threads may hold their locks forever, and a spawned one runs
+        # the caller's script again (without a main guard: the conversion, again, in every worker)
+        logger.warning(
+            "trainermon: csv2tensorboard_by_step: process_num=%d, but this process runs %d threads: "
+            "converting in this process, one rank after another",
+            process_num,
+            threading.active_count(),
+        )
+        workers = 1
+    if workers == 1:
         for task in tasks:
             written.update(convert_rank(*task))
     else:
-        context = multiprocessing.get_context("spawn")  # never fork a process that may hold threads
-        with ProcessPoolExecutor(min(process_num, len(tasks)), mp_context=context) as pool:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
             for future in [pool.submit(convert_rank, *task) for task in tasks]:
                 written.update(future.result())
     asked = families if data_type_list is not None else () if written else FAMILIES
@@ -106,10 +117,10 @@ def run_directories(monitor_path: str, start: datetime | None, end: datetime | N
         path = os.path.join(monitor_path, name)
         if match is None or not os.path.isdir(path):
             continue
-        try:
-            when = datetime.strptime(match.group(1), TIME_FORMAT)
-        except ValueError:
-            continue  # not a run directory's time
+        when = _parse_time(match.group(1))
+        if when is None:
+            logger.warning("trainermon: csv2tensorboard_by_step: no run time in the name %s: skipped", name)
+            continue
         if (start is None or when >= start) and (end is None or when <= end):
             found[int(match.group(2))].append((when, path))
     chosen = {}
@@ -176,24 +187,28 @@ def _read_family(path: str, series: dict[str, dict[int, list[tuple[str, float]]]
 
 
 def _families(data_type_list: list[str] | None) -> tuple[str, ...]:
-    if data_type_list is None:
+    if data_type_list is None or data_type_list == []:  # msprobe: an empty list is every family
         return FAMILIES
-    if not isinstance(data_type_list, list) or not data_type_list:
-        raise ValueError(
-            f"data_type_list: {data_type_list!r}; allowed: a non-empty list from {list(FAMILIES)}"
-        )
+    if not isinstance(data_type_list, list):
+        raise ValueError(f"data_type_list: {data_type_list!r}; allowed: a list from {list(FAMILIES)}")
     for family in data_type_list:
         if family not in FAMILIES:
             raise ValueError(f"data_type_list: {family!r}; allowed: {list(FAMILIES)}")
     return tuple(dict.fromkeys(data_type_list))
 
 
+def _parse_time(text: str) -> datetime | None:
+    """A run directory's time, in a leap year (the names have none: Feb29 must parse), or None."""
+    try:
+        return datetime.strptime(f"2000{text}", f"%Y{TIME_FORMAT}")
+    except (TypeError, ValueError):
+        return None
+
+
 def _time(key: str, value: str | None) -> datetime | None:
     if value is None:
         return None
-    try:
-        return datetime.strptime(value, TIME_FORMAT)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"{key}: {value!r}; allowed: a run directory's time prefix such as 'Nov27_09-06-49'"
-        ) from None
+    when = _parse_time(value) if isinstance(value, str) else None
+    if when is None:
+        raise ValueError(f"{key}: {value!r}; allowed: a run directory's time prefix such as 'Nov27_09-06-49'")
+    return when

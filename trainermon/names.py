@@ -65,23 +65,12 @@ MSPROBE_KIND = {
 }
 
 
-def grad_unreduced_kind(adapter: str, per_micro_batch: bool) -> str:
-    """msprobe's tag kind of the gradients before the reduction: `acc_grad` where msprobe hooks the
-    parameters' gradient accumulation (plain PyTorch and DDP, and with `monitor_mbs_grad` any model but an
-    FSDP one), `pre_grad` where it patches the framework's reduction (FSDP, Megatron, DeepSpeed)."""
-    if adapter.startswith("fsdp"):
-        return "pre_grad"
-    if per_micro_batch:
-        return "acc_grad"
-    return "pre_grad" if adapter in ("megatron", "deepspeed") else "acc_grad"
-
-
 def msprobe_tag(
     family: str, vpp_stage: int, name: str, micro_step: int | None, rank: int, unreduced: str = "pre_grad"
 ) -> str:
     """msprobe's tag of a row, without the `_{statistic}` suffix: `0:layers.0.weight/rank0/post_grad`,
     `0:layers.0.output:1/rank0/actv` (with the micro-step). `unreduced`: the kind of `grad_unreduced` rows
-    (`grad_unreduced_kind`)."""
+    (`Adapter.msprobe_unreduced_kind`)."""
     key = f"{vpp_stage}:{name}" if micro_step is None else f"{vpp_stage}:{name}:{micro_step}"
     kind = unreduced if family == "grad_unreduced" else MSPROBE_KIND.get(family, family)
     return f"{key}/rank{rank}/{kind}"

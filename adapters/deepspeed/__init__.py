@@ -112,6 +112,12 @@ class DeepSpeedAdapter(Adapter):
             )
         context.grad_acc_steps = steps
 
+    def msprobe_unreduced_kind(self, per_micro_batch: bool) -> str:
+        # msprobe patches the reduction of DeepSpeedZeroOptimizer (ZeRO-1/2) only; ZeRO-0 (also with
+        # BF16_Optimizer) and ZeRO-3 fall back to its hooks on the gradient accumulation
+        zero12 = hasattr(self.engine.optimizer, "bit16_groups")
+        return "pre_grad" if zero12 and not per_micro_batch else "acc_grad"
+
     @classmethod
     def owns_optimizer(cls, optimizer: Any) -> bool:
         return is_deepspeed_object(optimizer)

@@ -136,6 +136,9 @@ class Fsdp1Adapter(Adapter):
 
     name = "fsdp1"
 
+    def msprobe_unreduced_kind(self, per_micro_batch: bool) -> str:
+        return "pre_grad"  # msprobe patches FSDP's post-backward reduction, with monitor_mbs_grad too
+
     def __init__(self, chunks: Sequence[torch.nn.Module], optimizer: Any, context: AdapterContext) -> None:
         super().__init__(chunks, optimizer, context)
         fsdp_cls = _fsdp1_class()

@@ -95,6 +95,9 @@ class Fsdp2Adapter(Adapter):
 
     name = "fsdp2"
 
+    def msprobe_unreduced_kind(self, per_micro_batch: bool) -> str:
+        return "pre_grad"  # msprobe patches FSDP's post-backward reduction, with monitor_mbs_grad too
+
     def __init__(self, chunks: Sequence[torch.nn.Module], optimizer: Any, context: AdapterContext) -> None:
         super().__init__(chunks, optimizer, context)
         module_cls = _fsdp2_module_class()

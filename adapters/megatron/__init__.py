@@ -83,6 +83,9 @@ def _is_megatron_optimizer(optimizer: Any) -> bool:
 class MegatronAdapter(Adapter):
     name = "megatron"
 
+    def msprobe_unreduced_kind(self, per_micro_batch: bool) -> str:
+        return "acc_grad" if per_micro_batch else "pre_grad"  # msprobe patches Megatron's grad sync
+
     def __init__(self, chunks: Sequence[torch.nn.Module], optimizer: Any, context: AdapterContext) -> None:
         super().__init__(chunks, optimizer, context)
         from megatron.core.distributed import DistributedDataParallel

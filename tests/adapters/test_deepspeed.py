@@ -254,6 +254,14 @@ def _run_case(rank: int, world: int, out_root: str, case_index: int, case: dict[
         h.remove()
     monitor.close()
     assert monitor.faults.total == 0, dict(monitor.faults.counts)
+    # msprobe's tag kind for the unreduced gradients: pre_grad where msprobe patches the reduction of
+    # DeepSpeedZeroOptimizer (ZeRO-1/2), acc_grad where it hooks the gradient accumulation (the rest)
+    zero12 = type(engine.optimizer).__name__ == "DeepSpeedZeroOptimizer"
+    kind = "pre_grad" if zero12 and not case["mbs"] else "acc_grad"
+    _, unreduced = monitor.generate_wgrad_metrics()
+    assert unreduced and {tag.rsplit("/", 1)[1] for tag in unreduced} == {kind}, (case, sorted(unreduced)[:2])
+    with open(os.path.join(monitor.run_dir, "layout.json")) as fh:
+        assert json.load(fh)["grad_unreduced_kind"] == kind  # what the TensorBoard sink and convert use
     # The step counter follows the engine's optimizer steps, skipped ones included.
     assert monitor.current_step == engine.global_steps == STEPS
     assert engine.skipped_steps == (1 if overflow_step is not None else 0)

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -126,6 +127,51 @@ def test_time_range_and_the_latest_run_of_a_rank(runs, tmp_path, caplog):
     assert os.listdir(only_first) == ["rank0"]  # rank 1's copy is of the second run
     with pytest.raises(FileNotFoundError, match="monitor_path: no"):
         csv2tensorboard_by_step(root, time_start="Jan01_00-00-00", time_end="Jan01_00-00-01")
+
+
+def test_several_processes_write_what_one_writes(runs, tmp_path, caplog):
+    """process_num > 1 forks workers (msprobe forks too; spawning would run the caller's script again in
+    each); in a process running threads, where a fork may deadlock, it converts in this process."""
+    root, _, second = runs
+    start = os.path.basename(second)[:14]
+    one = csv2tensorboard_by_step(root, time_start=start, output_dirpath=str(tmp_path / "one"))
+    # a script without a main guard, in a fresh interpreter (one thread: the workers are forked)
+    two = str(tmp_path / "two")
+    script = (
+        "import sys; from trainermon import csv2tensorboard_by_step as f; "
+        "f(sys.argv[1], time_start=sys.argv[2], process_num=2, output_dirpath=sys.argv[3])"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, root, start, two], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and "converting in this process" not in done.stderr, done.stderr[-2000:]
+    assert _tree(two) == _tree(one) and len(_tree(one)) == 2 * len(FAMILIES)
+    stop = threading.Event()
+    busy = threading.Thread(target=stop.wait)
+    busy.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="trainermon"):
+            here = csv2tensorboard_by_step(
+                root, time_start=start, process_num=2, output_dirpath=str(tmp_path / "here")
+            )
+    finally:
+        stop.set()
+        busy.join()
+    assert _tree(here) == _tree(one)
+    assert any("converting in this process" in r.getMessage() for r in caplog.records)
+
+
+def test_february_29_and_an_empty_family_list(runs, tmp_path):
+    """A run started on February 29 is a run (its name has no year); `data_type_list=[]` is every family,
+    as in msprobe."""
+    root, _, second = runs
+    leap = tmp_path / "leap"
+    leap.mkdir()
+    shutil.copytree(second, leap / ("Feb29_12-00-00" + os.path.basename(second)[14:]))
+    out = csv2tensorboard_by_step(
+        str(leap), time_start="Feb29_00-00-00", data_type_list=[], output_dirpath=str(tmp_path / "o")
+    )
+    assert sorted(os.listdir(os.path.join(out, "rank0"))) == sorted(FAMILIES)
 
 
 def test_a_family_asked_for_with_no_rows_is_said(tmp_path, out_dir, caplog):

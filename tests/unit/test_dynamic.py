@@ -133,6 +133,20 @@ def test_edit_during_collection_applies_next_step_and_restarts_count(dyn):
     assert monitor.config.dynamic_on is False  # the automatic stop was applied too
 
 
+def test_an_edit_of_monitor_mbs_grad_writes_its_rows_under_their_own_header(dyn):
+    """grad_unreduced gains a micro_step column: the rows after the edit go to a new run directory whose
+    files have it in their header (not into the open file, under a header without it)."""
+    make, out = dyn
+    path = make(dynamic_on=True, step_count_per_record=4, ops=["norm"])
+    _train(path, 4, {1: _edit(path, monitor_mbs_grad=True)})
+    by_step: dict[int, set] = {}
+    for p in glob.glob(os.path.join(out, "*", "grad_unreduced_*.csv")):
+        for r in csv.DictReader(open(p)):
+            assert float(r["norm"]) > 0 and r["shape"].startswith("["), (p, r)  # columns where they belong
+            by_step.setdefault(int(r["step"]), set()).add(r.get("micro_step"))
+    assert by_step == {0: {None}, 1: {None}, 2: {"0"}, 3: {"0"}}
+
+
 def test_an_edit_of_the_gpu_hold_reaches_the_collector(dyn):
     make, _ = dyn
     path = make(dynamic_on=True, accelerator_hold_mib=64)

@@ -166,4 +166,12 @@ class MonitorConfig:
         return any(on)
 
     #: Keys whose change gives new output columns or sinks (a reloaded config opens a new run directory).
-    OUTPUT_KEYS = ("ops", "format", "step_count_per_record", "ndigits", "parquet", "prometheus")
+    OUTPUT_KEYS = (
+        "ops",
+        "format",
+        "step_count_per_record",
+        "ndigits",
+        "parquet",
+        "prometheus",
+        "monitor_mbs_grad",  # grad_unreduced's micro_step column, and msprobe's tag kind for it
+    )

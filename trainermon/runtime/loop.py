@@ -113,7 +113,7 @@ class StepLoop:
         self.adapter = adapter
         self.step = start_iteration
         self.outputs.coords = adapter.coordinates()
-        self.outputs.adapter_name = adapter.name
+        self.outputs.unreduced_kind = adapter.msprobe_unreduced_kind
         self.xrank.attach()  # collective: a CPU group (the summaries' layout check, the run id)
         self.outputs.share(self.xrank.cpu_group)  # collective: rank 0's run id on every rank
         self.detector = self._make_detector()

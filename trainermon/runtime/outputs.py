@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
 from trainermon.config import Env, MonitorConfig
 from trainermon.failsafe import FaultLog
-from trainermon.names import grad_unreduced_kind
 
 
 class Outputs:
@@ -29,7 +29,8 @@ class Outputs:
         self.world_size = world_size
         self.faults = faults
         self.coords: dict = {}  # the rank's place in the parallel layout, set by the loop at attach
-        self.adapter_name = ""  # set by the loop at attach (msprobe's tag kinds depend on it)
+        #: msprobe's tag kind of grad_unreduced rows, given monitor_mbs_grad (the adapter's, set at attach)
+        self.unreduced_kind: Callable[[bool], str] = lambda per_micro_batch: "pre_grad"
         self.run_id = uuid.uuid4().hex[:8]
         self._started = int(time.time())
         self.run_dir = self._new_dir()
@@ -65,7 +66,7 @@ class Outputs:
             config,
             self.local_rank,
             self.coords,
-            grad_unreduced_kind(self.adapter_name, config.monitor_mbs_grad),
+            self.unreduced_kind(config.monitor_mbs_grad),
         )
         try:
             return build_exporters(run, faults=self.faults)
