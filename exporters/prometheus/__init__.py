@@ -96,7 +96,8 @@ class PrometheusExporter(Exporter):
         self.sd_path: str | None = None
         # Binding fails here (port taken, bad address): the sink is disabled with one error and training
         # goes on.
-        self.server: http.MetricsServer | None = http.start(host, port, self, self._render())
+        group = (run.run_id, run.rank)  # this monitor's sinks: a reopened one may take the port over
+        self.server: http.MetricsServer | None = http.start(host, port, self, self._render(), group)
         self.host = host
         self.port = self.server.server_address[1]
         self.discovery_error: OSError | None = None
@@ -144,7 +145,7 @@ class PrometheusExporter(Exporter):
                 )
             os.makedirs(directory, exist_ok=True)
             self.sd_path = os.path.join(directory, f"rank{run.rank}-{run.run_id}.json")
-            http.atomic_json(self.sd_path, [{"targets": [target], "labels": {"run_id": run.run_id}}])
+            http.write_target(self.sd_path, [{"targets": [target], "labels": {"run_id": run.run_id}}], self)
 
     def attach_error_counts(self, errors: Any, formats: list[str]) -> None:
         """Called by build_exporters: the shared per-sink failure counts to export."""
@@ -171,8 +172,9 @@ class PrometheusExporter(Exporter):
         self._counter_to(m.dropped, derived.dropped_rows, "_last_dropped")
         self._counter_to(m.faults, derived.monitor_faults, "_last_faults")
         for rule, total in derived.anomalies_total.items():
-            child = self._child(m.anomalies, (rank, rule))
-            if child is not None and total > child._value.get():
+            # Outside the series budget: a handful of rules, and the one series an alert waits for
+            child = m.anomalies.labels(rank, rule)
+            if total > child._value.get():
                 child.inc(total - child._value.get())
         if batch.rows:
             self._update_stats(batch)
@@ -307,10 +309,7 @@ class PrometheusExporter(Exporter):
     def close(self) -> None:
         self._stop_server()
         if self.sd_path is not None:
-            try:
-                os.unlink(self.sd_path)  # the target is gone: Prometheus stops scraping it
-            except FileNotFoundError:
-                pass
+            http.remove_target(self.sd_path, self)
             self.sd_path = None
 
 

@@ -23,6 +23,9 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: open (a dynamic config change opens the new sinks before closing the old ones) takes the server over.
 LIVE: dict[tuple[str, int], MetricsServer] = {}
 LIVE_LOCK = threading.Lock()
+#: Which sink wrote each file_sd target file: the file of a run keeps its path when its sink is reopened,
+#: and only the sink that wrote it last may remove it.
+SD_OWNERS: dict[str, object] = {}
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -52,6 +55,7 @@ class MetricsServer(ThreadingHTTPServer):
     request_queue_size = 256  # dozens of concurrent scrapers must not overflow the listen backlog
     page: bytes = b""
     owner: object = None
+    group: object = None  # the monitor (run and rank) whose sinks may take this server over
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._active: dict[threading.Thread, socket.socket] = {}
@@ -93,11 +97,21 @@ class MetricsServer(ThreadingHTTPServer):
             thread.join(max(0.0, end - time.monotonic()))
 
 
-def start(host: str, port: int, owner: Any, page: bytes) -> MetricsServer:
+def start(host: str, port: int, owner: Any, page: bytes, group: object = None) -> MetricsServer:
     """The endpoint at (host, port), owned by `owner`: a live one of this process with a fixed port is
-    taken over, else a new server thread starts. Binding errors (port taken) propagate to the caller."""
+    taken over, else a new server thread starts. A live server of the same `group` (the sinks of one
+    monitor) on that port under another host is shut down first: the port is the new address's. Binding
+    errors (port taken) propagate to the caller."""
     with LIVE_LOCK:
         server = LIVE.get((host, port)) if port else None
+        if server is None and port:
+            for (other_host, other_port), other in list(LIVE.items()):
+                if other_port == port and group is not None and other.group == group:
+                    LIVE.pop((other_host, other_port))
+                    other.owner = owner  # its own sink's later stop() leaves it alone
+                    other.shutdown()
+                    other.server_close()
+                    other.close_connections()
         if server is None:
             server = MetricsServer((host, port), Handler)
             thread = threading.Thread(
@@ -107,6 +121,7 @@ def start(host: str, port: int, owner: Any, page: bytes) -> MetricsServer:
             thread.start()
             LIVE[(host, server.server_address[1])] = server
         server.owner = owner
+        server.group = group
         server.page = page
     return server
 
@@ -120,6 +135,25 @@ def stop(server: MetricsServer, owner: Any, host: str, port: int) -> None:
     server.shutdown()
     server.server_close()
     server.close_connections()
+
+
+def write_target(path: str, body: Any, owner: object) -> None:
+    """Write a file_sd target file, owned by `owner` from now on."""
+    atomic_json(path, body)
+    with LIVE_LOCK:
+        SD_OWNERS[path] = owner
+
+
+def remove_target(path: str, owner: object) -> None:
+    """Remove a target file, unless a newer sink wrote it since (the same run reopened its sinks)."""
+    with LIVE_LOCK:
+        if SD_OWNERS.get(path) is not owner:
+            return
+        del SD_OWNERS[path]
+    try:
+        os.unlink(path)  # the target is gone: Prometheus stops scraping it
+    except FileNotFoundError:
+        pass
 
 
 def atomic_json(path: str, body: Any) -> None:

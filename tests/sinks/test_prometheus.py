@@ -361,3 +361,66 @@ def test_reopen_on_a_fixed_port_takes_the_endpoint_over(tmp_path, monkeypatch):
         assert value(s, "trainermon_info", run_id="b", version="0.1.0") == 1
     finally:
         new.close()
+
+
+def _free_port() -> int:
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    return port
+
+
+def _batch(step: int, rows: int = 1, anomalies: dict | None = None):
+    from trainermon.collect.records import Derived, RowMeta, StatBatch
+
+    metas = [RowMeta("grad_reduced", 0, f"layers.{i}.w", None, (2,), torch.float32, 2) for i in range(rows)]
+    vals = {k: np.ones(rows) for k in ("norm", "mean", "min", "max", "zeros", "numel")}
+    return StatBatch(step=step, rows=metas, values=vals, derived=Derived(anomalies_total=anomalies or {}))
+
+
+def test_a_reopened_sink_of_the_same_run_keeps_its_discovery_file_and_may_change_host(tmp_path, monkeypatch):
+    """A reload that changes an output key reopens the sinks of the same run (same run id and rank): the
+    new sink opens before the old one closes. The old one's close must not delete the file_sd target the
+    new one wrote (same path), and a new host on the same fixed port must get the port, not fail on it."""
+    from trainermon.exporters import RunInfo
+    from trainermon.exporters.prometheus import PrometheusExporter
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    port = _free_port()
+    sd = tmp_path / "prometheus_sd" / "rank0-run1.json"
+    for old_host, new_host in (("127.0.0.1", "127.0.0.1"), ("127.0.0.1", "localhost")):
+        configs = [
+            parse_config({"prometheus": {"port": port, "host": host, "max_series": m}})
+            for host, m in ((old_host, 100), (new_host, 200))
+        ]
+        old, new = PrometheusExporter(), PrometheusExporter()
+        old.open(RunInfo(str(tmp_path / "a"), str(tmp_path), 0, 1, "run1", configs[0]))
+        new.open(RunInfo(str(tmp_path / "b"), str(tmp_path), 0, 1, "run1", configs[1]))
+        try:
+            old.close()
+            with open(sd) as fh:
+                assert json.load(fh)[0]["targets"] == [f"{new_host}:{port}"], (old_host, new_host)
+            new.write(_batch(5))
+            assert value(scrape(f"http://{new_host}:{port}/metrics"), "trainermon_last_step") == 5
+        finally:
+            new.close()
+        assert not sd.exists()  # the last sink of the run removes its target
+
+
+def test_an_anomaly_rule_first_seen_past_the_series_budget_is_still_exported(tmp_path, monkeypatch):
+    from trainermon.exporters import RunInfo
+    from trainermon.exporters.prometheus import PrometheusExporter
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    cfg = parse_config({"format": ["prometheus"], "prometheus": {"port": 0, "max_series": 4}})
+    sink = PrometheusExporter()
+    sink.open(RunInfo(str(tmp_path / "a"), str(tmp_path), 0, 1, "run1", cfg))
+    try:
+        sink.write(_batch(0, rows=8))  # the layer series use up the budget
+        sink.write(_batch(1, rows=8, anomalies={"AnomalyNan": 3}))  # a rule added by a reload
+        s = scrape(f"http://127.0.0.1:{sink.port}/metrics")
+        assert value(s, "trainermon_series_dropped_total") > 0
+        assert value(s, "trainermon_anomalies_total", rule="AnomalyNan") == 3
+    finally:
+        sink.close()
