@@ -97,7 +97,14 @@ class PrometheusExporter(Exporter):
         # Binding fails here (port taken, bad address): the sink is disabled with one error and training
         # goes on.
         group = (run.run_id, run.rank)  # this monitor's sinks: a reopened one may take the port over
-        self.server: http.MetricsServer | None = http.start(host, port, self, self._render(), group)
+        try:
+            self.server: http.MetricsServer | None = http.start(host, port, self, self._render(), group)
+        except OSError as exc:  # say which address, and where the port came from
+            raise OSError(
+                exc.errno,
+                f"cannot serve rank {run.rank}'s metrics at {host}:{port} (prometheus.port "
+                f"{section.port} + LOCAL_RANK {run.local_rank}): {exc.strerror or exc}",
+            ) from exc
         self.host = host
         self.port = self.server.server_address[1]
         self.discovery_error: OSError | None = None

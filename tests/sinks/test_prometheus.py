@@ -239,6 +239,8 @@ def test_port_taken_disables_only_that_sink(tmp_path, monkeypatch, caplog):
         blocker.close()
     errors = [r for r in caplog.records if "prometheus sink is disabled" in r.getMessage()]
     assert len(errors) == 1 and "Address already in use" in errors[0].getMessage()
+    # which address, and where its port came from
+    assert f"127.0.0.1:{taken} (prometheus.port {taken - 1} + LOCAL_RANK 1)" in errors[0].getMessage()
     assert [type(e).__name__ for e in mon.loop.worker.exporters] == ["CsvExporter"]
     assert len(glob.glob(os.path.join(mon.run_dir, "grad_reduced_*.csv"))) == 3
 
