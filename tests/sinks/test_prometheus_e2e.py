@@ -137,6 +137,7 @@ def test_prometheus_end_to_end(tmp_path, out_dir):
         "param_distribution": True,
         "ops": ["norm", "min", "max", "mean", "nans", "infs"],
         "format": ["prometheus"],
+        "alert": {"rules": [{"rule_name": "AnomalySpike"}], "dump": False},  # TrainermonAnomaly
     }
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
     torch.manual_seed(0)
@@ -201,6 +202,15 @@ def test_prometheus_end_to_end(tmp_path, out_dir):
         assert firing[0]["labels"]["rank"] == "0" and firing[0]["labels"]["severity"] == "warning"
         assert float(firing[0]["value"]) > 100 * normal  # gradients x1000: the norm x1000
         assert trainer.error is None and trainer.spiked_step is not None
+
+        # The monitor's own rule saw the spike too, and its counter's alert fires, by rule.
+        def anomaly_firing():
+            found = api(base, "/api/v1/alerts")["data"]["alerts"]
+            name = "TrainermonAnomaly"
+            return [a for a in found if a["labels"]["alertname"] == name and a["state"] == "firing"]
+
+        firing = wait_for(anomaly_firing, 30, "the TrainermonAnomaly alert to fire")
+        assert firing[0]["labels"]["rule"] == "AnomalySpike" and firing[0]["labels"]["rank"] == "0"
 
         # Every expression of the dashboard parses and returns data from this run.
         failures = []
