@@ -634,3 +634,62 @@ def test_an_output_the_hook_cannot_rebuild(tmp_path, out_dir):
     assert ("pair.output_0", 0, 0) in rows[None][1]
     for got, want in zip(rows["aot_eager"][:2], rows[None][:2]):
         _same_rows(got, want)
+
+
+class Layer(nn.Module):
+    """One of many identical blocks: each runs compiled only if dynamo compiled it (the counter below)."""
+
+    eager_calls = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():
+            Layer.eager_calls += 1  # traced away in a compiled block
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+def test_blocks_compiled_one_by_one_share_their_graphs(tmp_path, out_dir):
+    """torchtitan compiles each block on its own. With the hooks' module keys as graph inputs (not guarded
+    constants), twelve identical blocks share their graphs: every block runs compiled (dynamo's
+    recompile_limit is 8: one compile per block would leave four eager), the graph count does not grow
+    with the blocks, and the rows equal the eager run's."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    def make() -> nn.Module:
+        return nn.Sequential(*[Layer() for _ in range(12)])
+
+    rows = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = make()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        cfg = write_config(tmp_path / f"blocks{compiled}.json", xy_distribution=True, ops=list(OPS))
+        monitor = TrainerMon(cfg)
+        monitor.set_monitor(model, optimizer=opt)
+        if compiled:
+            for i, block in enumerate(model):
+                model[i] = torch.compile(block, backend="aot_eager")
+        gen = torch.Generator().manual_seed(1)
+        for _step in range(3):
+            Layer.eager_calls = 0
+            model(torch.randn(4, 8, generator=gen)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        monitor.close()
+        if compiled:
+            assert Layer.eager_calls == 0  # the last step: every block compiled
+            assert counters["stats"]["unique_graphs"] <= 6, dict(counters["stats"])
+        assert monitor.faults.total == 0
+        rows[compiled] = (
+            keyed(read_family(monitor.run_dir, "actv")),
+            keyed(read_family(monitor.run_dir, "actv_grad")),
+        )
+    _same_rows(rows[True][0], rows[False][0])
+    _same_rows(rows[True][1], rows[False][1])
+    assert ("11.fc2.output", 2, 0) in rows[True][0] and ("11.fc2.output", 2, 0) in rows[True][1]

@@ -7,10 +7,13 @@ suffices). It puts one opaque operator call in the graph instead, `trainermon::t
 runs the monitor's eager code at run time on the real tensors: the same rows, from the same statistics
 code, as in eager mode.
 
-- `site` is an integer constant in the graph: a `TapSite` holding what the eager hook would work out per
-  call (row names, shard labels, which slots are missing). It is made once per traced structure, while
-  dynamo traces (`torch.compiler.assume_constant_result`: a constant, no graph break), and reused by later
-  traces of the same structure.
+- `site` is an integer constant in the graph: the shape of the call (which slots are tensors, activations,
+  graded), numbered once per shape while dynamo traces (`torch.compiler.assume_constant_result`: a
+  constant, no graph break). The module is a second argument, `owner`: its key in a 0-d CPU tensor, an
+  input of the graph rather than a constant, so that identical blocks compiled one by one (torchtitan's
+  way) share their graphs. At run time (`SiteShape.at`) the pair gives a `TapSite`, made on its first
+  call, holding what the eager hook would work out per call (row names, shard labels, which slots are
+  missing).
 - Gradients: the tensors whose gradients are wanted pass through `Tap`, an autograd function whose forward
   returns aliases of them (their memory, no copy) and whose backward calls `trainermon::tap_grad` with
   their gradients (the same gradient the eager hook on the tensor's autograd node would see). An
@@ -135,21 +138,107 @@ class TapSite:
                 loop.faults.record("compiled activation-gradient hook", exc)
 
 
+class SiteShape:
+    """One (hook, traced structure): the `TapSite` of each module that calls it, made on its first call."""
+
+    __slots__ = ("probe", "make", "sites")
+
+    def __init__(self, probe: Any, make: Any) -> None:
+        self.probe = probe
+        self.make = make  # owner -> TapSite
+        self.sites: dict[int, TapSite] = {}
+
+    def at(self, owner: int) -> TapSite:
+        site = self.sites.get(owner)
+        if site is None:
+            site = self.sites[owner] = self.make(owner)
+        return site
+
+
 class TapSites:
-    """A probe's sites, one per (module, hook, traced structure), numbered for the operators."""
+    """A probe's site shapes, one per (hook, traced structure), numbered for the operators. `pre_site` and
+    `forward_site` are what the traced hooks call: one function per probe for every module, so that dynamo
+    has nothing module-specific to guard on (the module is the `owner` tensor, an input of the graph)."""
 
     def __init__(self, probe: Any) -> None:
         self.probe = probe
         self._by_key: dict[tuple, int] = {}
         self.waiting: list[TapSite] = []  # sites that queued a micro-step this step (see `begin_step`)
+        # plain functions (dynamo's constant-result marker does not take bound methods)
+        self.pre_site = torch.compiler.assume_constant_result(lambda *shape: self._pre_number(*shape))
+        self.forward_site = torch.compiler.assume_constant_result(lambda *shape: self._forward_number(*shape))
 
     def number(self, key: tuple, make: Any) -> int:
-        """The site number for `key`, made by `make()` the first time (at trace time only)."""
+        """The shape number for `key`; `make(owner)` gives a module's site (trace time only)."""
         number = self._by_key.get(key)
         if number is None:
             number = self._by_key[key] = next(_NUMBERS)
-            _SITES[number] = make()
+            _SITES[number] = SiteShape(self.probe, make)
         return number
+
+    def _pre_number(self, kinds: tuple[int, ...], keywords: tuple[str, ...], first: tuple[int, ...]) -> int:
+        probe = self.probe
+
+        def make(owner: int) -> TapSite:
+            hooked = probe._hooked[owner]
+            name = hooked.name
+            positional = len(kinds) - len(keywords)
+            tensor_positions = [i for i in range(positional) if kinds[i] != NOT_TENSOR]
+            numbered = dict(zip(tensor_positions, io_names(f"{name}.input", len(tensor_positions))))
+            activations = [i for i, kind in enumerate(kinds) if kind >= ACTIVATION]
+            pieces = hooked.shards[0]
+            grads: dict[int, tuple[list[str], str]] = {}
+            for position, i in enumerate(activations):
+                if kinds[i] != GRADED:
+                    continue
+                label = numbered[i] if i < positional else f"{name}.input_{keywords[i - positional]}"
+                if first[i] not in grads:
+                    grads[first[i]] = ([], pieces[position] if position < len(pieces) else "")
+                grads[first[i]][0].append(label)
+            rows = tuple((tuple(labels), piece) for labels, piece in grads.values())
+            return TapSite(probe, owner, hooked.vpp_stage, False, (), (), rows)
+
+        return self.number(("pre", kinds, keywords, first), make)
+
+    def _forward_number(
+        self,
+        in_kinds: tuple[int, ...],
+        out_kinds: tuple[int, ...],
+        alone: bool,
+        actv: bool,
+        same: tuple[int, ...],
+    ) -> tuple[int, tuple[int, ...], int]:
+        probe = self.probe
+        graded = [i for i, kind in enumerate(out_kinds) if kind == GRADED]
+        in_take = [i for i, kind in enumerate(in_kinds) if kind >= ACTIVATION] if actv else []
+        unique = [p for p, first in enumerate(same) if first == p]
+        slot = {p: unique.index(same[p]) for p in range(len(same))}  # position -> tapped tensor
+        view_of_graded = tuple(slot[p] for p in range(len(graded)))
+
+        def make(owner: int) -> TapSite:
+            hooked = probe._hooked[owner]
+            in_labels = io_names(f"{hooked.name}.input", len(in_kinds))
+            out_labels = io_names(f"{hooked.name}.output", len(out_kinds))
+            in_pieces, out_pieces = hooked.shards
+            in_pieces, out_pieces = padded(in_pieces, len(in_kinds)), padded(out_pieces, len(out_kinds))
+            rows: list[tuple[int, str, str]] = []
+            if actv:
+                out_take = [i for i, kind in enumerate(out_kinds) if kind == ACTIVATION]
+                at = {i: slot[p] for p, i in enumerate(graded)}
+                at.update({i: slot[len(graded) + len(in_take) + p] for p, i in enumerate(out_take)})
+                rows = [(slot[len(graded) + p], in_labels[i], in_pieces[i]) for p, i in enumerate(in_take)]
+                rows += [(at[i], out_labels[i], out_pieces[i]) for i in sorted(at)]
+            missing = ()
+            if actv and not alone:
+                missing = tuple(out_labels[i] for i, kind in enumerate(out_kinds) if kind == NOT_TENSOR)
+            grads: dict[int, tuple[list[str], str]] = {}
+            for p, i in enumerate(graded):
+                grads.setdefault(slot[p], ([], out_pieces[i]))[0].append(out_labels[i])
+            rows_of_grads = tuple((tuple(labels), piece) for labels, piece in grads.values())
+            return TapSite(probe, owner, hooked.vpp_stage, True, tuple(rows), missing, rows_of_grads)
+
+        key = ("fwd", in_kinds, out_kinds, alone, actv, same)
+        return self.number(key, make), view_of_graded, len(set(view_of_graded))
 
     def begin_step(self) -> None:
         """Forget gradients still awaited from an earlier step (a forward without its backward). Only the
@@ -209,34 +298,12 @@ def traced_pre_hook(probe: Any, vpp_stage: int, name: str, module_key: int) -> A
     `Tap` (the eager pre-hook's views, here aliases made in the graph). Names as the eager pre-hook gives
     them."""
 
-    def make_site(
-        owner: str, kinds: tuple[int, ...], keywords: tuple[str, ...], first: tuple[int, ...]
-    ) -> int:
-        def make() -> TapSite:
-            positional = len(kinds) - len(keywords)
-            tensor_positions = [i for i in range(positional) if kinds[i] != NOT_TENSOR]
-            numbered = dict(zip(tensor_positions, io_names(f"{name}.input", len(tensor_positions))))
-            activations = [i for i, kind in enumerate(kinds) if kind >= ACTIVATION]
-            pieces = probe._hooked[module_key].shards[0]
-            grads: dict[int, tuple[list[str], str]] = {}
-            for position, i in enumerate(activations):
-                if kinds[i] != GRADED:
-                    continue
-                label = numbered[i] if i < positional else f"{name}.input_{keywords[i - positional]}"
-                if first[i] not in grads:
-                    grads[first[i]] = ([], pieces[position] if position < len(pieces) else "")
-                grads[first[i]][0].append(label)
-            rows = tuple((tuple(labels), piece) for labels, piece in grads.values())
-            return TapSite(probe, module_key, vpp_stage, False, (), (), rows)
-
-        return probe._taps.number(("pre", owner, kinds, keywords, first), make)
-
-    # The module's key is an argument, not only a closure value, so that dynamo guards on it: a hook
-    # compiled as a frame of its own (graph breaks around it, as under torch 2.11's compiled DDP) would
-    # otherwise be reused for every module with the site of the first. A string: an int that differs
-    # between compiles of one frame becomes symbolic, which a constant-result function cannot take.
-    owner = str(module_key)
-    site = torch.compiler.assume_constant_result(make_site)
+    # The module's key is an input of the graph, not a constant: a 0-d CPU tensor (dynamo guards on an int
+    # reached through a module's hooks as on a constant), so that blocks compiled one by one share one
+    # graph instead of compiling one each, and a hook compiled as a frame of its own (as under torch
+    # 2.11's compiled DDP) still records each module's rows under its own names.
+    owner = torch.tensor(module_key, dtype=torch.int64)
+    site = probe._taps.pre_site
 
     def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         if not probe._actv_grad or not torch.is_grad_enabled():
@@ -250,7 +317,7 @@ def traced_pre_hook(probe: Any, vpp_stage: int, name: str, module_key: int) -> A
             return None
         first = _same(slots)
         graded = [i for i in range(len(slots)) if kinds[i] == GRADED and first[i] == i]
-        views = Tap.apply(site(owner, kinds, keywords, first), len(graded), *[slots[i] for i in graded])
+        views = Tap.apply(site(kinds, keywords, first), owner, len(graded), *[slots[i] for i in graded])
         view_of = dict(zip(graded, views))
         for i in range(len(slots)):
             if kinds[i] == GRADED:
@@ -269,46 +336,8 @@ def traced_forward_hook(probe: Any, vpp_stage: int, name: str, module_key: int) 
     The tapped tensors, in order: the graded outputs, the activation inputs, the other activation outputs
     (the last two only for actv), each object once."""
 
-    def make_site(
-        owner: str,
-        in_kinds: tuple[int, ...],
-        out_kinds: tuple[int, ...],
-        alone: bool,
-        actv: bool,
-        same: tuple[int, ...],
-    ) -> tuple[int, tuple[int, ...], int]:
-        graded = [i for i, kind in enumerate(out_kinds) if kind == GRADED]
-        in_take = [i for i, kind in enumerate(in_kinds) if kind >= ACTIVATION] if actv else []
-        unique = [p for p, first in enumerate(same) if first == p]
-        slot = {p: unique.index(same[p]) for p in range(len(same))}  # position -> tapped tensor
-        view_of_graded = tuple(slot[p] for p in range(len(graded)))
-
-        def make() -> TapSite:
-            in_labels = io_names(f"{name}.input", len(in_kinds))
-            out_labels = io_names(f"{name}.output", len(out_kinds))
-            in_pieces, out_pieces = probe._hooked[module_key].shards
-            in_pieces, out_pieces = padded(in_pieces, len(in_kinds)), padded(out_pieces, len(out_kinds))
-            rows: list[tuple[int, str, str]] = []
-            if actv:
-                out_take = [i for i, kind in enumerate(out_kinds) if kind == ACTIVATION]
-                at = {i: slot[p] for p, i in enumerate(graded)}
-                at.update({i: slot[len(graded) + len(in_take) + p] for p, i in enumerate(out_take)})
-                rows = [(slot[len(graded) + p], in_labels[i], in_pieces[i]) for p, i in enumerate(in_take)]
-                rows += [(at[i], out_labels[i], out_pieces[i]) for i in sorted(at)]
-            missing = ()
-            if actv and not alone:
-                missing = tuple(out_labels[i] for i, kind in enumerate(out_kinds) if kind == NOT_TENSOR)
-            grads: dict[int, tuple[list[str], str]] = {}
-            for p, i in enumerate(graded):
-                grads.setdefault(slot[p], ([], out_pieces[i]))[0].append(out_labels[i])
-            rows_of_grads = tuple((tuple(labels), piece) for labels, piece in grads.values())
-            return TapSite(probe, module_key, vpp_stage, True, tuple(rows), missing, rows_of_grads)
-
-        key = ("fwd", owner, in_kinds, out_kinds, alone, actv, same)
-        return probe._taps.number(key, make), view_of_graded, len(set(view_of_graded))
-
-    owner = str(module_key)  # an argument of `site`: see traced_pre_hook
-    site = torch.compiler.assume_constant_result(make_site)
+    owner = torch.tensor(module_key, dtype=torch.int64)  # an input of the graph: see traced_pre_hook
+    site = probe._taps.forward_site
 
     def say_evaluation_pass() -> bool:
         probe._evaluation_pass(name)  # run by dynamo once, at trace time
@@ -342,14 +371,13 @@ def traced_forward_hook(probe: Any, vpp_stage: int, name: str, module_key: int) 
         if not tensors:
             return None
         same = _same(tensors)
-        number, view_of_graded, n_graded = site(
-            owner, in_kinds, out_kinds, isinstance(output, torch.Tensor), actv, same
-        )
+        alone = isinstance(output, torch.Tensor)
+        number, view_of_graded, n_graded = site(in_kinds, out_kinds, alone, actv, same)
         unique = [t for p, t in enumerate(tensors) if same[p] == p]
         if not graded:
-            torch.ops.trainermon.tap(unique, number, [])
+            torch.ops.trainermon.tap(unique, number, owner, [])
             return None
-        views = Tap.apply(number, n_graded, *unique)
+        views = Tap.apply(number, owner, n_graded, *unique)
         if isinstance(output, torch.Tensor):
             return views[0]
         if isinstance(output, dict):

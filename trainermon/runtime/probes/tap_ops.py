@@ -23,8 +23,17 @@ from ...stats.kinds import local_view
 
 logger = logging.getLogger("trainermon")
 
-#: site number -> the site, for the operators (which get only tensors and the number)
-_SITES: dict[int, Any] = {}  # graph_taps.TapSite
+#: site number -> the site's shape (graph_taps.SiteShape), which gives the site of each module (`owner`)
+_SITES: dict[int, Any] = {}
+
+
+def _site(site: int, owner: torch.Tensor) -> Any:
+    """The recording site of (shape number, module), made on its first call; None once closed. `owner`:
+    the module's key in a 0-d int64 CPU tensor (read without a device sync)."""
+    shape = _SITES.get(site)
+    return None if shape is None else shape.at(int(owner))
+
+
 _state: dict[str, Any] = {}  # "ops": the registered operators, or "error": why registering failed;
 # "dtensor": whether the rule for DTensors is registered
 
@@ -45,13 +54,13 @@ def _register_ops() -> Any:
     for every backend: `torch.library.custom_op`'s Python layers cost ~20 us more per call. `shards`: a
     shard label per tensor, filled in where DTensors were given (`local_pieces`); [] for plain tensors."""
 
-    def tap(tensors: list[torch.Tensor], site: int, shards: list[str]) -> None:
-        found = _SITES.get(site)
+    def tap(tensors: list[torch.Tensor], site: int, owner: torch.Tensor, shards: list[str]) -> None:
+        found = _site(site, owner)
         if found is not None:
             found.forward(tensors, shards)
 
-    def tap_grad(grads: list[torch.Tensor | None], site: int, shards: list[str]) -> None:
-        found = _SITES.get(site)
+    def tap_grad(grads: list[torch.Tensor | None], site: int, owner: torch.Tensor, shards: list[str]) -> None:
+        found = _site(site, owner)
         if found is not None:
             found.backward(grads, shards)
 
@@ -64,8 +73,8 @@ def _register_ops() -> Any:
     # captures it; the tap then records nothing and says so (`CapturingCudaGraph`).
     unsafe = getattr(torch.Tag, "cudagraph_unsafe", None)
     tags = (unsafe,) if unsafe is not None else ()
-    library.define("tap(Tensor[] tensors, int site, str[] shards) -> ()", tags=tags)
-    library.define("tap_grad(Tensor?[] grads, int site, str[] shards) -> ()", tags=tags)
+    library.define("tap(Tensor[] tensors, int site, Tensor owner, str[] shards) -> ()", tags=tags)
+    library.define("tap_grad(Tensor?[] grads, int site, Tensor owner, str[] shards) -> ()", tags=tags)
     for name, kernel in (("tap", tap), ("tap_grad", tap_grad)):
         library.impl(name, kernel, "CompositeExplicitAutograd")
         torch.library.register_fake(f"trainermon::{name}", lambda *args: None, lib=library)
@@ -81,7 +90,7 @@ def local_pieces(cls: Any, op: Any, types: Any, args: tuple, kwargs: dict) -> No
     operator on plain tensors; no collective, no copy. Without it DTensor's dispatch would refuse the
     operators (no sharding rule), and the hooks of a module that sees DTensors would break the graph,
     which torch 2.13 then fails to compile around an in-place module (see `graph_taps`)."""
-    tensors, site = args[0], args[1]
+    tensors, site, owner = args[0], args[1], args[2]
     locals_, shards = [], []
     try:
         for t in tensors:
@@ -89,13 +98,13 @@ def local_pieces(cls: Any, op: Any, types: Any, args: tuple, kwargs: dict) -> No
             locals_.append(local)
             shards.append(label)
     except Exception as exc:  # noqa: BLE001 - no rows from this call, never a failed compile
-        found = _SITES.get(site)
-        if found is not None:
-            found.probe.loop.faults.record(
+        shape = _SITES.get(site)  # not the module's site: this may run while the graph is traced
+        if shape is not None:
+            shape.probe.loop.faults.record(
                 "DTensor activation tap", exc, "this call's rows are not written by the compiled graph"
             )
         return
-    op(locals_, site, shards)
+    op(locals_, site, owner, shards)
 
 
 @torch.compiler.assume_constant_result  # run as plain Python while dynamo traces: no graph break
@@ -117,19 +126,24 @@ def dtensors_allowed() -> bool:
 
 
 class Tap(torch.autograd.Function):
-    """`Tap.apply(site, graded, *tensors)`: records `tensors` through the site; returns aliases of the
+    """`Tap.apply(site, owner, graded, *tensors)`: records `tensors` through the site of module `owner`
+    (`_site`); returns aliases of the
     first `graded` of them, whose gradients go to the site in backward. Detached aliases, not views:
     autograd forbids writing in place into a view made inside a custom function (dynamo refused to
     compile ReLU(inplace=True) after a tap); an alias shares the tensor's version counter, so a write
     into it is seen where the tensor was saved for backward, as it would be without the tap."""
 
     @staticmethod
-    def forward(ctx: Any, site: int, graded: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any, site: int, owner: torch.Tensor, graded: int, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         ctx.site, ctx.rest = site, len(tensors) - graded
-        torch.ops.trainermon.tap(list(tensors), site, [])
+        ctx.save_for_backward(owner)
+        torch.ops.trainermon.tap(list(tensors), site, owner, [])
         return tuple(t.detach() for t in tensors[:graded])
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        torch.ops.trainermon.tap_grad(list(grads), ctx.site, [])
-        return (None, None, *grads, *(None,) * ctx.rest)  # the tensors only recorded get no gradient
+        (owner,) = ctx.saved_tensors
+        torch.ops.trainermon.tap_grad(list(grads), ctx.site, owner, [])
+        return (None, None, None, *grads, *(None,) * ctx.rest)  # the tensors only recorded get no gradient
