@@ -136,7 +136,8 @@ class Metrics:
             registry=reg,
         )
         self.info.labels(rank, run_id, __version__).set(1)
-        for metric in (self.steps, self.time_total, self.nonfinite, self.dropped, self.faults):
+        # counters seen at 0 from the first page: increase() sees their first event
+        for metric in (self.steps, self.skipped, self.time_total, self.nonfinite, self.dropped, self.faults):
             metric.labels(rank)
         for rule in rules:
             self.anomalies.labels(rank, rule)
