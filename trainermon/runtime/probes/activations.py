@@ -212,8 +212,8 @@ class ActivationProbe(Probe):
         if self._taps and hooked.traced_pre is None:
             from .graph_taps import traced_forward_hook, traced_pre_hook
 
-            hooked.traced_pre = traced_pre_hook(self, hooked.vpp_stage, hooked.name, key)
-            hooked.traced_forward = traced_forward_hook(self, hooked.vpp_stage, hooked.name, key)
+            hooked.traced_pre = traced_pre_hook(self, key)  # names come from `_hooked[key]` at run time
+            hooked.traced_forward = traced_forward_hook(self, hooked.name, key)
 
     def close(self) -> None:
         release(self._two_paths)

@@ -293,7 +293,7 @@ def _same(values: list[Any]) -> tuple[int, ...]:
     return tuple(first)
 
 
-def traced_pre_hook(probe: Any, vpp_stage: int, name: str, module_key: int) -> Any:
+def traced_pre_hook(probe: Any, module_key: int) -> Any:
     """The pre-hook as dynamo traces it: the module's inputs whose gradients are wanted pass through a
     `Tap` (the eager pre-hook's views, here aliases made in the graph). Names as the eager pre-hook gives
     them."""
@@ -328,7 +328,7 @@ def traced_pre_hook(probe: Any, vpp_stage: int, name: str, module_key: int) -> A
     return pre_hook
 
 
-def traced_forward_hook(probe: Any, vpp_stage: int, name: str, module_key: int) -> Any:
+def traced_forward_hook(probe: Any, name: str, module_key: int) -> Any:
     """The forward hook as dynamo traces it: one `trainermon::tap` with the module's activation inputs and
     outputs (actv rows; the module's forward counted), the outputs whose gradients are wanted through a
     `Tap` (its aliases replace them in the output). Names as the eager forward hook gives them.
