@@ -136,8 +136,7 @@ class Metrics:
             registry=reg,
         )
         self.info.labels(rank, run_id, __version__).set(1)
-        # counters seen at 0 from the first page: increase() sees their first event
-        for metric in (self.steps, self.skipped, self.time_total, self.nonfinite, self.dropped, self.faults):
+        for metric in (self.steps, self.time_total, self.nonfinite, self.dropped, self.faults):
             metric.labels(rank)
         for rule in rules:
             self.anomalies.labels(rank, rule)
