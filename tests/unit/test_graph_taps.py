@@ -603,8 +603,9 @@ def test_an_in_place_module_after_a_tapped_output(tmp_path, out_dir, backend):
 
 
 def test_an_output_the_hook_cannot_rebuild(tmp_path, out_dir):
-    """A namedtuple output (as a ModelOutput would be) cannot be rebuilt with the tap's aliases: that
-    hook runs its eager body outside the graph, so the output's gradient rows are still written."""
+    """A namedtuple output (as a ModelOutput would be): its gradient rows are written from inside the
+    graph (fullgraph, no break), equal to eager mode's. (Before the output hooks, an output the tap's
+    aliases could not be rebuilt into broke the graph; on a torch older than 2.12 it still does.)"""
     from collections import namedtuple
 
     import torch._dynamo
@@ -629,8 +630,10 @@ def test_an_output_the_hook_cannot_rebuild(tmp_path, out_dir):
             out = self.pair(x)
             return self.head(out.h) + out.aux[:, None]
 
-    rows = {backend: _train_rows(tmp_path, "n", Top, backend) for backend in (None, "aot_eager")}
-    assert rows[None][2] == 0 and rows["aot_eager"][2] == 0
+    rows = {
+        backend: _train_rows(tmp_path, "n", Top, backend, fullgraph=True) for backend in (None, "aot_eager")
+    }
+    assert rows[None][2] == 0 and rows["aot_eager"][2] == 0 and rows["aot_eager"][3] == 0
     assert ("pair.output_0", 0, 0) in rows[None][1]
     for got, want in zip(rows["aot_eager"][:2], rows[None][:2]):
         _same_rows(got, want)
@@ -693,3 +696,56 @@ def test_blocks_compiled_one_by_one_share_their_graphs(tmp_path, out_dir):
     _same_rows(rows[True][0], rows[False][0])
     _same_rows(rows[True][1], rows[False][1])
     assert ("11.fc2.output", 2, 0) in rows[True][0] and ("11.fc2.output", 2, 0) in rows[True][1]
+
+
+class Attention(nn.Module):
+    """Returns its scores and a value it also uses itself (as HF attention returns its weights):
+    `weights` feeds `mixed` inside and is not used outside; `h` is used both inside and outside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        h = x * 1.5 + 0.1  # no submodule's output: only this module's tap can see its gradient
+        weights = torch.softmax(self.q(h), dim=-1)
+        mixed = torch.tanh(h) * weights
+        return mixed, weights, h
+
+
+class UsesItsOwnOutputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.attn, self.b = nn.Linear(8, 8), Attention(), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mixed, _, h = self.attn(self.a(x))
+        return self.b(mixed) * h
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_an_output_the_module_also_uses_itself(tmp_path, out_dir, backend):
+    """The gradient row of an output is the whole gradient of that tensor, as in eager mode and msprobe:
+    the part that flows back through the module's own use of it too (`h`), and for an output used only
+    inside (`weights`), only that part. A tap placed after the forward, on the returned tensor, saw the
+    outside part alone (h: norm 5.2 for 6.3) and a zero gradient for `weights`."""
+    eager = _train_rows(tmp_path, "e", UsesItsOwnOutputs, None)
+    compiled = _train_rows(tmp_path, "c", UsesItsOwnOutputs, backend, fullgraph=True)
+    assert eager[2] == 0 and compiled[2] == 0 and compiled[3] == 0
+    assert {("attn.output_1", 1, 0), ("attn.output_2", 1, 0)} <= set(eager[1])
+    _same_rows(compiled[0], eager[0])
+    _same_rows(compiled[1], eager[1])
+
+
+def test_a_torch_without_traced_tensor_hooks_taps_outputs_with_aliases(tmp_path, out_dir, monkeypatch):
+    """On a torch whose dynamo cannot trace `register_hook` on a graph's intermediate tensors (older than
+    2.12; simulated here by switching the feature off), the outputs pass through `Tap` aliases: still no
+    graph break, rows equal eager mode's on a model whose modules do not use their own outputs."""
+    from trainermon.runtime.probes import graph_taps
+
+    eager = _run(tmp_path, "eager", None)
+    monkeypatch.setattr(graph_taps, "HOOKS_IN_GRAPH", False)
+    actv, grads, _, faults, breaks = _run(tmp_path, "aliases", "aot_eager")
+    assert faults == 0 and not breaks
+    _same_rows(actv, eager[0])
+    _same_rows(grads, eager[1])

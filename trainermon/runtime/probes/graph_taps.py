@@ -14,11 +14,17 @@ code, as in eager mode.
   way) share their graphs. At run time (`SiteShape.at`) the pair gives a `TapSite`, made on its first
   call, holding what the eager hook would work out per call (row names, shard labels, which slots are
   missing).
-- Gradients: the tensors whose gradients are wanted pass through `Tap`, an autograd function whose forward
-  returns aliases of them (their memory, no copy) and whose backward calls `trainermon::tap_grad` with
-  their gradients (the same gradient the eager hook on the tensor's autograd node would see). An
-  in-place module next (ReLU(inplace=True)) writes into the alias: the input gradient of such a module,
-  which eager mode misses (its pre-hook's view is rebased by the write), is written here.
+- Gradients of outputs: a `register_hook` on each output tensor whose gradient is wanted, whose body
+  (`trainermon::tap_grad`) dynamo puts in the backward graph. It gets the tensor's accumulated gradient,
+  as the eager hook on the tensor's autograd node does, including what flows back through the module's
+  own uses of the tensor (`return y, f(y)`). The output is returned as it is, so any container works.
+  A torch whose dynamo cannot trace such hooks (`HOOKS_IN_GRAPH` false: older than 2.12) gets aliases
+  from `Tap` in the output instead, which see only the gradient through the returned tensor.
+- Gradients of inputs (the pre-hook): they pass through `Tap`, an autograd function whose forward returns
+  aliases of them (their memory, no copy) and whose backward calls `trainermon::tap_grad` with their
+  gradients: this module's part, as the eager pre-hook's view gives. An in-place module
+  (ReLU(inplace=True)) writes into the alias: the input gradient of such a module, which eager mode
+  misses (its pre-hook's view is rebased by the write), is written here.
 - DTensor activations (tensor parallelism) are tapped too: the operators' rule for DTensors records each
   one's local piece with its shard label, as the eager hooks do. With graph breaks at those hooks instead,
   torch 2.13 failed to compile a model whose ReLU(inplace=True) writes a DTensor ("got mixed torch.Tensor
@@ -31,9 +37,9 @@ without the version counter seeing it (measured: b's input, tanh(a's output), wr
 Costs, measured on the 2-core CPU host: the operator's dispatch is 2-4 us; a tensor it takes must exist
 in memory (the compiler cannot fuse its producer into the next kernel), which cost 10-25 us in a
 microbenchmark built to show it (`x * 2`, tap, `+ 1`); module outputs mostly exist anyway. One call per
-hooked forward, one per pre-hook that taps inputs, one per `Tap` backward: on a 32-layer MLP, ~23 us per
-call all told, the monitor's statistics and rows included, the same as the eager hooks (see
-docs/PERFORMANCE.md).
+hooked forward, one per pre-hook that taps inputs, one per graded output or `Tap` in backward: on a
+32-layer MLP, ~23 us per call all told, the monitor's statistics and rows included, the same as the eager
+hooks (see docs/PERFORMANCE.md).
 Recomputation under non-reentrant activation checkpointing inside the compiled region writes no second
 row (the rows equal the eager run's, tested).
 """
@@ -85,7 +91,7 @@ class TapSite:
         self.actv = actv  # (position in tensors, label, shard label) per actv row
         self.missing = missing  # labels of output slots that are not tensors
         self.grads = grads  # (labels, shard label) per graded tensor, in order
-        self.micros: deque[int] = deque()
+        self.micros: list[deque[int]] = [deque() for _ in grads]  # per graded tensor: hooks fire apart
 
     def forward(self, tensors: list[torch.Tensor], shards: list[str]) -> None:
         probe = self.probe
@@ -111,9 +117,10 @@ class TapSite:
                 if self.missing and probe._actv:
                     loop.record_missing("actv", self.vpp_stage, list(self.missing), micro)
                 if self.grads:
-                    if not self.micros:
+                    if not any(self.micros):
                         probe._taps.waiting.append(self)
-                    self.micros.append(micro)
+                    for queue in self.micros:
+                        queue.append(micro)
             except Exception as exc:  # noqa: BLE001
                 loop.faults.record("compiled forward hook", exc)
 
@@ -121,7 +128,10 @@ class TapSite:
         loop = self.probe.loop
         with loop.clock:
             try:
-                micro = self.micros.popleft() if self.micros else 0
+                micro = 0
+                for queue, grad in zip(self.micros, grads):
+                    if grad is not None and queue:  # every graded tensor of a call: one micro-step
+                        micro = queue.popleft()
                 if not loop.plan.collecting:
                     return
                 labels, tensors, pieces = [], [], []
@@ -245,7 +255,8 @@ class TapSites:
         sites that queued one: this runs on every step, collected or not."""
         if self.waiting:
             for site in self.waiting:
-                site.micros.clear()
+                for queue in site.micros:
+                    queue.clear()
             self.waiting.clear()
 
     def close(self) -> None:
@@ -258,6 +269,12 @@ class TapSites:
 # Slot kinds, worked out by the traced code (tensor properties dynamo knows while tracing) and passed as
 # constants to the site maker, which turns them into names and positions (plain Python, run once).
 NOT_TENSOR, OTHER_TENSOR, ACTIVATION, GRADED = 0, 1, 2, 3
+try:  # dynamo traces `register_hook` on a graph's intermediate tensors into its backward (torch 2.12+)
+    from torch._higher_order_ops.register_hook import register_hook_op  # noqa: F401
+
+    HOOKS_IN_GRAPH = True
+except ImportError:  # older: a graph break, an error under fullgraph; the outputs get `Tap` aliases
+    HOOKS_IN_GRAPH = False
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -328,10 +345,23 @@ def traced_pre_hook(probe: Any, module_key: int) -> Any:
     return pre_hook
 
 
+def _grad_hook(number: int, owner: torch.Tensor, p: int, n: int) -> Any:
+    """The hook on graded output `p` of `n`: dynamo puts its body in the backward graph, where it gets the
+    tensor's accumulated gradient (eager mode's hook on the tensor's autograd node sees the same)."""
+
+    def hook(grad: torch.Tensor) -> None:
+        grads: list[torch.Tensor | None] = [None] * n
+        grads[p] = grad
+        torch.ops.trainermon.tap_grad(grads, number, owner, [])
+
+    return hook
+
+
 def traced_forward_hook(probe: Any, name: str, module_key: int) -> Any:
     """The forward hook as dynamo traces it: one `trainermon::tap` with the module's activation inputs and
-    outputs (actv rows; the module's forward counted), the outputs whose gradients are wanted through a
-    `Tap` (its aliases replace them in the output). Names as the eager forward hook gives them.
+    outputs (actv rows; the module's forward counted), and a hook on each output whose gradient is wanted
+    (`_grad_hook`; on a torch without `HOOKS_IN_GRAPH`, a `Tap` whose aliases replace them in the output).
+    Names as the eager forward hook gives them.
 
     The tapped tensors, in order: the graded outputs, the activation inputs, the other activation outputs
     (the last two only for actv), each object once."""
@@ -355,9 +385,9 @@ def traced_forward_hook(probe: Any, name: str, module_key: int) -> Any:
         outputs = output_slots(output)
         if not (_tappable(inputs) and _tappable(outputs)):
             return UNTAPPED
-        if grad and not (isinstance(output, torch.Tensor) or type(output) in (tuple, list, dict)):
-            # an output this hook cannot rebuild with the aliases (a namedtuple, a ModelOutput): the eager
-            # body hooks its tensors' autograd nodes instead, outside the graph
+        if grad and not HOOKS_IN_GRAPH and not _rebuildable(output):
+            # an older torch: the aliases must replace the outputs, and this output (a namedtuple, a
+            # ModelOutput) cannot be rebuilt with them; the eager body hooks its tensors' nodes instead
             for t in outputs:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     return UNTAPPED
@@ -374,21 +404,32 @@ def traced_forward_hook(probe: Any, name: str, module_key: int) -> Any:
         alone = isinstance(output, torch.Tensor)
         number, view_of_graded, n_graded = site(in_kinds, out_kinds, alone, actv, same)
         unique = [t for p, t in enumerate(tensors) if same[p] == p]
-        if not graded:
+        if not graded or HOOKS_IN_GRAPH:
             torch.ops.trainermon.tap(unique, number, owner, [])
+            for p in range(n_graded):  # the whole gradient of the tensor, inner uses included
+                unique[p].register_hook(_grad_hook(number, owner, p, n_graded))
             return None
-        views = Tap.apply(number, owner, n_graded, *unique)
-        if isinstance(output, torch.Tensor):
-            return views[0]
-        if isinstance(output, dict):
-            rebuilt_output = dict(output)
-            keys = [k for k, v in output.items() if is_activation(v)]
-            for i, u in zip(graded, view_of_graded):
-                rebuilt_output[keys[i]] = views[u]
-            return rebuilt_output
-        slots = list(output)
-        for i, u in zip(graded, view_of_graded):
-            slots[i] = views[u]
-        return type(output)(slots)
+        return _with_aliases(output, graded, view_of_graded, Tap.apply(number, owner, n_graded, *unique))
 
     return forward_hook
+
+
+def _rebuildable(output: Any) -> bool:
+    return isinstance(output, torch.Tensor) or type(output) in (tuple, list, dict)
+
+
+def _with_aliases(output: Any, graded: list[int], view_of_graded: tuple[int, ...], views: tuple) -> Any:
+    """`output` with its graded tensors replaced by the `Tap`'s aliases (torch without `HOOKS_IN_GRAPH`):
+    their gradients then reach the site, but only the part that flows through the returned tensor."""
+    if isinstance(output, torch.Tensor):
+        return views[0]
+    if isinstance(output, dict):
+        rebuilt_output = dict(output)
+        keys = [k for k, v in output.items() if is_activation(v)]
+        for i, u in zip(graded, view_of_graded):
+            rebuilt_output[keys[i]] = views[u]
+        return rebuilt_output
+    slots = list(output)
+    for i, u in zip(graded, view_of_graded):
+        slots[i] = views[u]
+    return type(output)(slots)
