@@ -10,20 +10,27 @@ laid out over that dimension's process group:
   disjoint pieces, so partial statistics are merged over that group (`Sharded` over it). Which elements a
   strided piece holds does not matter to sums, minima and maxima, only that the pieces are disjoint.
 - `Replicate()`: copies, so only coordinate 0 of that group takes part and writes (`replicated`).
-- `Partial(op)`: each rank holds a summand, not a piece: statistics cannot be merged from it. The value
-  is first redistributed to `Replicate` on those dimensions (one all-reduce of the tensor over that
-  group, on every rank of it; no placement torch 2.13 gives parameters, gradients or optimizer states
-  in the layouts tested is Partial, so this is the rare path).
+- `Partial(op)`: each rank holds a summand, not a piece: statistics cannot be merged from it. Sequence
+  parallelism leaves the gradients of the norms' weights Partial over the TP group until the optimizer
+  step. For the rows of the full tensor, the adapters reduce a step's Partial tensors
+  together: one all-reduce per (mesh dimension, dtype) of their packed local values, not one per tensor
+  (a 32-layer model under sequence parallelism has ~65 such gradients). A rank's own values
+  (`local_piece`, the unreduced gradient) are its summand, labelled `Partial(sum)[tp=i/n]`, with no
+  collective.
 
 Mesh dimensions of size 1 are ignored (nothing to merge or copy). The groups are listed in mesh dimension
-order, the same on every rank, as the collector's merge requires.
+order, the same on every rank, as the collector's merge requires. A mesh cut from a larger one, or
+flattened from some of its dimensions (torchtitan's "dp_shard_cp"), holds copies of the tensor along the
+root mesh's dimensions on which all its ranks share one coordinate (`_dims_outside`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from trainermon.collect.placement import LOCAL, Placement, Replicated, Sharded, TensorPiece
 from trainermon.stats.kinds import shard_label
@@ -67,23 +74,34 @@ def placement_of(t: Any) -> Placement:
     return Replicated(*copies) if copies else LOCAL
 
 
+_OUTSIDE: dict[int, tuple[Any, list[Any]]] = {}  # id(mesh) -> (mesh, its groups outside): asked per tensor
+
+
 def _dims_outside(mesh: Any) -> list[Any]:
-    """Groups of the root mesh's dimensions (size > 1) that the sub-mesh `mesh` does not have.
-    `DeviceMesh._get_root_mesh` is private (torch 2.13); a mesh without it is taken as its own root."""
+    """Groups of the root mesh's dimensions (size > 1) along which every rank of `mesh` has the same
+    coordinate: `mesh` is one slice of them, and its tensors are copies over them. Decided by the ranks,
+    not the names: a flattened mesh ("dp_shard_cp" of "dp_shard" x "cp") spans dimensions it does not
+    name. `DeviceMesh._get_root_mesh` is private (torch 2.13); a mesh without it is taken as its own root."""
+    cached = _OUTSIDE.get(id(mesh))
+    if cached is not None and cached[0] is mesh:
+        return cached[1]
     get_root = getattr(mesh, "_get_root_mesh", None)
     root = get_root() if callable(get_root) else None
-    if root is None or root is mesh or not root.mesh_dim_names or not mesh.mesh_dim_names:
-        return []
-    mine = set(mesh.mesh_dim_names)
-    return [
-        root.get_group(d)
-        for d, name in enumerate(root.mesh_dim_names)
-        if name not in mine and root.size(d) > 1
-    ]
+    groups = []
+    if root is not None and root is not mesh:
+        coords = torch.isin(root.mesh, mesh.mesh.flatten()).nonzero()  # root coordinates of mesh's ranks
+        groups = [
+            root.get_group(d)
+            for d in range(root.ndim)
+            if root.size(d) > 1 and bool((coords[:, d] == coords[0, d]).all())
+        ]
+    _OUTSIDE[id(mesh)] = (mesh, groups)
+    return groups
 
 
 def without_partial(t: Any) -> Any:
-    """`t` with every `Partial` mesh dimension reduced to `Replicate` (a collective over that group)."""
+    """`t` with every `Partial` mesh dimension reduced to `Replicate` (a collective over that group, for
+    this tensor alone: `reduce_partials` packs a step's Partial tensors into one)."""
     if not any(p.is_partial() for p in t.placements):
         return t
     from torch.distributed.tensor import Replicate
@@ -106,13 +124,52 @@ def dtensor_piece(t: Any, dtype: torch.dtype | None = None) -> TensorPiece:
 
 
 def local_piece(t: Any) -> TensorPiece:
-    """This rank's own values of a DTensor as a `Local` row, labelled with the piece it is."""
-    t = without_partial(t)
+    """This rank's own values of a DTensor as a `Local` row, labelled with the piece it is (a Partial
+    tensor's summand: `Partial(sum)[tp=0/2]`). No collective."""
     with torch.no_grad():
         local = t.to_local()
     return TensorPiece(
         local, LOCAL, tuple(local.shape), local.dtype, shard_label(t.placements, t.device_mesh)
     )
+
+
+def reduce_partials(values: Sequence[Any]) -> list[Any]:
+    """`values` with each DTensor that is `Partial(sum)` or `Partial(avg)` on some mesh dimensions made
+    `Replicate` there. Cost: one all-reduce per (mesh dimension, dtype) over the packed local values of
+    the tensors Partial on it (a copy of them in, one out), run in the same order on every rank, which
+    holds when every rank reads the same tensors, as the adapters do. Other reduce ops (max, min) are
+    redistributed one by one."""
+    out = list(values)
+    buckets: dict[tuple, list[int]] = {}
+    for i, v in enumerate(out):
+        if v is None or not is_dtensor(v) or not any(p.is_partial() for p in v.placements):
+            continue
+        dims = tuple((d, p.reduce_op) for d, p in enumerate(v.placements) if p.is_partial())
+        if all(op in ("sum", "avg") for _, op in dims):
+            buckets.setdefault((id(v.device_mesh), dims, v.dtype), []).append(i)
+        else:
+            out[i] = without_partial(v)
+    if buckets:
+        from torch.distributed.tensor import DTensor, Replicate
+    for (_, dims, dtype), indices in buckets.items():
+        mesh = out[indices[0]].device_mesh
+        with torch.no_grad():
+            locals_ = [out[i].to_local() for i in indices]
+            packed = torch.cat([t.reshape(-1) for t in locals_]).to(dtype)
+            for d, op in dims:
+                dist.all_reduce(packed, group=mesh.get_group(d))
+                if op == "avg":
+                    packed.div_(mesh.size(d))
+        offset = 0
+        for i, local in zip(indices, locals_):
+            t = out[i]
+            reduced = packed[offset : offset + local.numel()].view(local.shape)
+            offset += local.numel()
+            placements = [Replicate() if p.is_partial() else p for p in t.placements]
+            out[i] = DTensor.from_local(
+                reduced, mesh, placements, run_check=False, shape=t.shape, stride=t.stride()
+            )
+    return out
 
 
 def splits_over_ranks(params: list[Any]) -> bool:

@@ -31,7 +31,7 @@ from trainermon.runtime.clip_watch import torch_clip_entries
 
 from .base import GRAD_REDUCED, GRAD_UNREDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
 from .common import OncePerStep, guarded, hook_optimizer_step, is_wrapper, state_values, unwrap
-from .dtensor import dtensor_piece, is_dtensor, local_piece, splits_over_ranks
+from .dtensor import dtensor_piece, is_dtensor, local_piece, reduce_partials, splits_over_ranks
 
 
 class TorchAdapter(Adapter):
@@ -185,8 +185,8 @@ class TorchAdapter(Adapter):
         if kind == GRAD_UNREDUCED:
             return [None if mp.param.grad is None else self._own(mp.param.grad) for mp in params]
         tensors = self._tensors(kind, params)
-        if self._tensor_parallel:
-            return [self._piece(t) for t in tensors]
+        if self._tensor_parallel:  # Partial tensors (sequence parallelism's norm grads) reduced together
+            return [self._piece(t) for t in reduce_partials(tensors)]
         replica = self._replica
         return [None if t is None else TensorPiece(t, replica, tuple(t.shape), t.dtype) for t in tensors]
 

@@ -36,7 +36,7 @@ from ..common import (
     unwrap,
     wrapper_types,
 )
-from ..dtensor import dtensor_piece, is_dtensor, placement_of, splits_over_ranks
+from ..dtensor import dtensor_piece, is_dtensor, placement_of, reduce_partials, splits_over_ranks
 from . import fsdp_imported
 
 logger = logging.getLogger("trainermon")
@@ -249,8 +249,9 @@ class Fsdp2Adapter(Adapter):
         return TensorPiece(value, self._placement_of[mp.index], tuple(mp.param.shape), value.dtype)
 
     def read(self, kind: str, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
-        if kind == GRAD_REDUCED:
-            return [self._piece(mp, mp.param.grad) for mp in params]
+        if kind == GRAD_REDUCED:  # Partial gradients (sequence parallelism's norms) reduced together
+            grads = reduce_partials([mp.param.grad for mp in params])
+            return [self._piece(mp, g) for mp, g in zip(params, grads)]
         if kind == PARAM:
             return [self._piece(mp, mp.param.detach()) for mp in params]
         return self._optimizer_state(params, kind)
