@@ -190,3 +190,123 @@ def test_expert_collapse_rule(tmp_path):
     det.close()
     got = {(r["name"], r["stat"], r["baseline"]) for r in load_anomalies(str(tmp_path))}
     assert got == {("layers.1.mlp.router", "load_cv", 0.5), ("layers.1.mlp.router", "zeros", 0.2)}
+
+
+def _switch():
+    from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
+
+    config = SwitchTransformersConfig(
+        vocab_size=32,
+        d_model=16,
+        d_kv=4,
+        d_ff=32,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=2,
+        num_experts=EXPERTS,
+        encoder_sparse_step=1,
+        decoder_sparse_step=1,
+        expert_capacity=64,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    return SwitchTransformersForConditionalGeneration(config)
+
+
+def test_switch_router_one_hot_output_is_a_routing_map(tmp_path, monkeypatch):
+    """transformers' Switch router returns (one-hot expert index [batch, seq, experts] int64, probs,
+    logits): the counts are the one-hot's column sums (they were read as indices: every count 0, and a
+    fault), against the router's own output seen by a hook of the test's own."""
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    model = _switch()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = TrainerMon(write_config(tmp_path / "c.json", moe_distribution=True))
+    mon.set_monitor(model, optimizer=opt)
+    routers = [(n, m) for n, m in model.named_modules() if type(m).__name__ == "SwitchTransformersTop1Router"]
+    seen: dict[str, torch.Tensor] = {}
+
+    def hook(module, inputs, output, name):
+        seen[name] = output[0].reshape(-1, EXPERTS).sum(0)
+
+    handles = [m.register_forward_hook(lambda m, i, o, n=n: hook(m, i, o, n)) for n, m in routers]
+    refs = {}
+    gen = torch.Generator().manual_seed(1)
+    for step in range(2):
+        ids = torch.randint(0, 32, (2, 8), generator=gen)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        refs.update({(n, step): c.tolist() for n, c in seen.items()})
+    for h in handles:
+        h.remove()
+    mon.close()
+    assert mon.loop.faults.total == 0
+    rows = {(r["name"], int(r["step"])): r for r in read_family(mon.run_dir, "moe_load")}
+    assert set(rows) == set(refs) and len(refs) == 2 * len(routers) == 8
+    for key, want in refs.items():
+        assert json.loads(rows[key]["expert_load"]) == want and sum(want) == 16, (key, rows[key])
+
+
+class _Router(torch.nn.Module):
+    """A custom top-2 router: `order` says what it returns (indices first, or floating values only)."""
+
+    def __init__(self, order: str) -> None:
+        super().__init__()
+        self.num_experts, self.order = EXPERTS, order
+        self.gate = torch.nn.Linear(8, EXPERTS)
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        weights, indices = torch.softmax(self.gate(x), -1).topk(2, dim=-1)
+        if self.order == "bad-indices":  # a faulty router: the monitor's count fails
+            return weights, indices - EXPERTS
+        return (indices, weights) if self.order == "indices-first" else (weights, weights.sum(-1))
+
+
+class _Moe(torch.nn.Module):
+    def __init__(self, order: str) -> None:
+        super().__init__()
+        self.routers = torch.nn.ModuleList([_Router(order), _Router(order)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(r(x)[1 if r.order == "indices-first" else 0].sum() for r in self.routers)  # weights
+
+
+@pytest.mark.parametrize("order", ["indices-first", "floats", "bad-indices"])
+def test_router_outputs_that_are_not_last_indices(tmp_path, monkeypatch, caplog, order):
+    """Indices before the weights: counted from the indices (the float weights were truncated to expert
+    0: [32, 0, 0, 0]). A router that returns floating values only: said once per router, no moe_load
+    row (it was written as all zeros, a collapse that never happened), and no fault. A count that fails
+    (indices out of range) is a counted fault, and that router's row is left out too (not zeros)."""
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    torch.manual_seed(0)
+    model = _Moe(order)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    refs = {}
+    for i, router in enumerate(model.routers):
+        if order == "indices-first":
+            router.register_forward_hook(
+                lambda m, inp, out, i=i: refs.__setitem__(
+                    f"routers.{i}", torch.bincount(out[0].flatten(), minlength=EXPERTS).tolist()
+                )
+            )
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        mon = TrainerMon(write_config(tmp_path / "c.json", moe_distribution=True))
+        mon.set_monitor(model, optimizer=opt)
+        for _ in range(2):
+            model(torch.randn(16, 8)).backward()
+            opt.step()
+            opt.zero_grad()
+        mon.close()
+    assert (mon.loop.faults.total > 0) == (order == "bad-indices")
+    rows = {(r["name"], int(r["step"])): r for r in read_family(mon.run_dir, "moe_load")}
+    said = [r.message for r in caplog.records if "returned no integer or bool tensor" in r.message]
+    if order == "floats":
+        assert rows == {} and len(said) == 2 and "routers.0" in said[0], said
+    elif order == "bad-indices":
+        assert rows == {} and not said
+    else:
+        assert not said and set(rows) == {(f"routers.{i}", s) for i in range(2) for s in range(2)}
+        for (name, step), row in rows.items():
+            if step == 1:  # the hooks above keep the last step's indices
+                assert json.loads(row["expert_load"]) == refs[name] and sum(refs[name]) == 32

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 
 from trainermon.collect.family_columns import FAMILY_COLUMNS
-from trainermon.stats import MAX, MIN, SUM, SUMSQ
+from trainermon.stats import MAX, MIN, NANS, SUM, SUMSQ
 
 UPDATE_FAMILY, UPDATE_BASE = "update", "_update_base"
 MOE_FAMILY, MOE_HIDDEN = "moe_load", "_moe"
@@ -57,9 +57,12 @@ def moe_load(rows: tuple, partials: np.ndarray) -> tuple[tuple, np.ndarray, Call
     if not hidden:
         return rows, partials, None
     routers: dict[tuple[int, str], dict[int, float]] = {}
+    unknown = set()  # routers whose counts some rank could not read (NaN rows, `runtime/probes/moe.py`)
     for i in hidden:
         r = rows[i]
         routers.setdefault((r.vpp_stage, r.name), {})[r.micro_step] = float(partials[i, SUM])
+        if r.micro_step >= 0 and (partials[i, NANS] > 0 or not np.isfinite(partials[i, SUM])):
+            unknown.add((r.vpp_stage, r.name))
     out = set(hidden)
     keep = [i for i in range(len(rows)) if i not in out]
 
@@ -72,7 +75,7 @@ def moe_load(rows: tuple, partials: np.ndarray) -> tuple[tuple, np.ndarray, Call
         stats = {k: [] for k in ("norm", "mean", "min", "max", "zeros", "nans", "infs", "numel")}
         for (vpp, name), got in routers.items():
             experts = sorted(k for k in got if k >= 0)
-            if experts != list(range(len(experts))) or not experts:
+            if experts != list(range(len(experts))) or not experts or (vpp, name) in unknown:
                 continue  # an expert row a rank could not compute: no row rather than a wrong one
             load = np.array([got[e] for e in experts])
             mean = float(load.mean())

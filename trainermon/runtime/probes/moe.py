@@ -4,11 +4,15 @@ expert-parallel ranks too), with the tokens the router dropped (capacity factor)
 
 Routers: modules whose class name ends in `Router` and that know their expert count (`num_experts`, as
 transformers' `MixtralTopKRouter`, or `config.num_moe_experts`, as Megatron-Core's `TopKRouter`). A
-forward hook, armed on collected steps only, reads the router's own output: top-k expert indices
-(`[tokens, k]` integers, transformers) or a routing map (`[tokens, experts]` bool, Megatron, after token
-dropping). Counts stay on the device (bincount / sum, no host sync) and are summed over the step's
-micro-batches. Recomputed forwards (activation checkpointing) are counted again: their tokens were routed
-twice.
+forward hook, armed on collected steps only, reads the router's own output (`routing_of`): the last
+integer or bool tensor of it, a routing map when its last dimension is the expert count (`[tokens,
+experts]` bool, Megatron, after token dropping; the one-hot `[batch, seq, experts]` integers of
+transformers' Switch router), else top-k expert indices (`[tokens, k]` integers, Mixtral). Floating
+tensors (logits, probabilities, weights) are never read as indices. Counts stay on the device (sum /
+scatter_add, no host sync) and are summed over the step's micro-batches. Recomputed forwards (activation
+checkpointing) are counted again: their tokens were routed twice. A router whose output holds no routing
+tensor, or whose hook failed, is said once and gets NaN counts for the step: its `moe_load` row is left
+out rather than written as zeros.
 
 At the post-step hook each router adds hidden rows (`HIDDEN`): one per expert, whose value is this rank's
 count, placed as the adapter says tokens are spread (`adapter.token_placement()`), so the collector sums
@@ -46,7 +50,20 @@ def router_experts(module: torch.nn.Module) -> int | None:
 
 
 class _Router:
-    __slots__ = ("vpp", "name", "module", "experts", "counts", "dropped", "aux", "calls", "drops", "has_aux")
+    __slots__ = (
+        "vpp",
+        "name",
+        "module",
+        "experts",
+        "counts",
+        "dropped",
+        "aux",
+        "calls",
+        "drops",
+        "has_aux",
+        "failed",
+        "said",
+    )
 
     def __init__(self, vpp: int, name: str, module: torch.nn.Module, experts: int) -> None:
         self.vpp, self.name, self.module, self.experts = vpp, name, module, experts
@@ -56,6 +73,7 @@ class _Router:
         self.has_aux = bool(getattr(config, "moe_aux_loss_coeff", 0.0)) and hasattr(
             module, "attach_and_log_load_balancing_loss"
         )
+        self.said = False  # an output without a routing tensor, said once
         self.reset()
 
     def reset(self) -> None:
@@ -63,6 +81,7 @@ class _Router:
         self.dropped: torch.Tensor | None = None
         self.aux: torch.Tensor | None = None
         self.calls = 0
+        self.failed = False  # this step's counts are unknown: NaN rows, no moe_load row
 
 
 class MoEProbe(Probe):
@@ -114,16 +133,28 @@ class MoEProbe(Probe):
             try:
                 self._count(router, output)
             except Exception as exc:  # noqa: BLE001 - never into the training loop
+                router.failed = True
                 self.loop.faults.record("moe router hook", exc)
 
         return hook
 
     def _count(self, router: _Router, output: Any) -> None:
-        chosen = output[-1] if isinstance(output, (tuple, list)) else output
-        if not isinstance(chosen, torch.Tensor):
+        found = routing_of(output, router.experts, _topk(router.module))
+        if found is None:
+            router.failed = True
+            if not router.said:
+                router.said = True
+                logger.warning(
+                    "trainermon: router %s returned no integer or bool tensor (expert indices or a routing "
+                    "map, last dimension %d), only %s: its moe_load rows are left out",
+                    router.name,
+                    router.experts,
+                    _describe(output),
+                )
             return
+        is_map, chosen = found
         chosen = chosen.detach()
-        if chosen.dtype == torch.bool:  # routing map [tokens, experts] (Megatron), after dropping
+        if is_map:  # routing map [tokens, experts] (Megatron, after dropping; Switch's one-hot)
             routed = chosen.reshape(-1, router.experts).sum(0)
             if router.drops:
                 topk = int(getattr(router.module, "topk", 0) or 0)
@@ -145,6 +176,8 @@ class MoEProbe(Probe):
             device = r.counts.device if r.counts is not None else torch.device("cpu")
             counts = r.counts if r.counts is not None else torch.zeros(r.experts, device=device)
             values = counts.float()
+            if r.failed:  # NaN: the merged rows tell the worker to leave this router out (health.py)
+                values = torch.full((r.experts,), float("nan"), device=device)
             for e in range(r.experts):
                 piece = TensorPiece(values[e : e + 1], placement, (1,), torch.int64)
                 entries.append((r.vpp, r.name, e, piece))
@@ -157,6 +190,39 @@ class MoEProbe(Probe):
                 piece = TensorPiece(aux.float().reshape(1), placement, (1,), torch.float32)
                 entries.append((r.vpp, r.name, MOE_AUX, piece))
         self.loop.record(MOE_HIDDEN, entries)
+
+
+def routing_of(output: Any, experts: int, topk: int | None) -> tuple[bool, torch.Tensor] | None:
+    """(is a routing map, tensor): the last integer or bool tensor of a router's output (the output
+    itself, or the tensors of a tuple / list). A map when it is bool, or when its last dimension is the
+    expert count (unless the router routes each token to all of them, `topk == experts`); top-k indices
+    otherwise. None when the output holds no such tensor (logits or probabilities only)."""
+    if isinstance(output, torch.Tensor):
+        tensors = [output]
+    elif isinstance(output, (tuple, list)):
+        tensors = [t for t in output if isinstance(t, torch.Tensor)]
+    else:
+        return None
+    for t in reversed(tensors):
+        if t.dtype == torch.bool:
+            return True, t
+        if not (t.is_floating_point() or t.is_complex()):
+            return (t.dim() >= 2 and t.shape[-1] == experts and topk != experts), t
+    return None
+
+
+def _topk(module: torch.nn.Module) -> int | None:
+    for attr in ("topk", "top_k"):
+        k = getattr(module, attr, None)
+        if isinstance(k, int) and not isinstance(k, bool):
+            return k
+    return None
+
+
+def _describe(output: Any) -> str:
+    items = output if isinstance(output, (tuple, list)) else [output]
+    kinds = [f"{t.dtype} {list(t.shape)}" for t in items if isinstance(t, torch.Tensor)]
+    return ", ".join(kinds) or type(output).__name__
 
 
 def _group_size(groups: tuple) -> int:
