@@ -310,3 +310,18 @@ def test_router_outputs_that_are_not_last_indices(tmp_path, monkeypatch, caplog,
         for (name, step), row in rows.items():
             if step == 1:  # the hooks above keep the last step's indices
                 assert json.loads(row["expert_load"]) == refs[name] and sum(refs[name]) == 32
+
+
+def test_rule_arguments_that_could_never_fire_or_always_would_are_refused():
+    """`dead` is a fraction of the experts (the rule fires when more than it got no token): 1 or more can
+    never fire. `growth` below 1 would fire on every layer's first step (a logit above a fraction of
+    itself). Both refused, naming the key, the value and what is allowed; the bounds themselves pass."""
+    for rule, args, match in (
+        ("AnomalyExpertCollapse", {"dead": 2}, r"'alert.rules\[0\].args.dead': got 2; allowed: a fraction"),
+        ("AnomalyExpertCollapse", {"dead": 1.0}, r"args.dead': got 1.0; allowed: .* below 1"),
+        ("AnomalyLogitGrowth", {"growth": 0.5}, r"rules\[0\].args.growth': got 0.5; allowed: at least 1"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            parse_config({"alert": {"rules": [{"rule_name": rule, "args": args}]}})
+    for rule, args in (("AnomalyExpertCollapse", {"dead": 0}), ("AnomalyLogitGrowth", {"growth": 1})):
+        assert parse_config({"alert": {"rules": [{"rule_name": rule, "args": args}]}})

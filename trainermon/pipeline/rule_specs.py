@@ -63,8 +63,27 @@ def parse_rules(rules: Iterable[dict]) -> list[RuleSpec]:
                 )
         if "window" in RULE_ARGS[name]:
             _check_window(where, args)
+        _check_range(where, args)
         out.append(RuleSpec(name, dict(args)))
     return out
+
+
+def _check_range(where: str, args: dict) -> None:
+    """Arguments whose values past a bound make the rule useless: it could never fire (`dead` >= 1: the
+    fraction of experts without a token is at most 1 and must exceed it), or would fire on every layer at
+    its first step (`growth` < 1: a logit is above a fraction of itself)."""
+    dead = args.get("dead")
+    if dead is not None and dead >= 1:
+        raise ValueError(
+            f"config key '{where}.args.dead': got {dead!r}; allowed: a fraction of the experts, at least 0 "
+            "and below 1 (the rule fires when more than that fraction got no token)"
+        )
+    growth = args.get("growth")
+    if growth is not None and growth < 1:
+        raise ValueError(
+            f"config key '{where}.args.growth': got {growth!r}; allowed: at least 1 (a factor over the "
+            "layer's first collected max logit; below 1 the first step itself would fire)"
+        )
 
 
 def _check_window(where: str, args: dict) -> None:
