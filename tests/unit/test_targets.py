@@ -222,3 +222,24 @@ def test_switches_that_select_nothing_say_so(tmp_path, out_dir, static_mode, cap
 def test_switches_that_select_something_say_nothing(tmp_path, out_dir, static_mode, caplog):
     keys = {"xy_distribution": True, "forward_only": True, "module_ranks": [0], "wg_distribution": True}
     assert not _attach_warnings(tmp_path, caplog, monitor_mbs_grad=True, **keys)
+
+
+def test_target_of_frozen_parameters_says_they_are_frozen(tmp_path, out_dir, static_mode, caplog):
+    """A target whose parameters are all frozen is not a typo: the warning says they are frozen (it said
+    "no parameter name starts with it", and offered the closest names)."""
+    from trainermon import TrainerMon
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        monitor = TrainerMon(
+            write_config(tmp_path / "cfg.json", targets={"0.": {}, "2.": {}}, wg_distribution=True)
+        )
+        monitor.set_monitor(model, optimizer=torch.optim.SGD(model[2].parameters(), lr=0.1))
+        model(torch.randn(3, 4)).sum().backward()
+        monitor.loop.adapter.optimizer.step()
+        monitor.close()
+    lines = _warnings(caplog)
+    assert len(lines) == 1, lines
+    assert "'0.' selects only frozen parameters" in lines[0] and "'0.weight', '0.bias'" in lines[0], lines
+    assert {n for (n, _, _) in keyed(read_family(monitor.run_dir, "grad_reduced"))} == {"2.weight", "2.bias"}

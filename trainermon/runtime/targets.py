@@ -2,7 +2,8 @@
 the closest names that exist (difflib), at `set_monitor` and at each config reload.
 
 - a target that no parameter name starts with and no module is named (any of their names: tied
-  parameters and modules registered twice count under each);
+  parameters and modules registered twice count under each); one that selects only frozen parameters
+  (`requires_grad=False`, which have no rows) says so instead;
 - a target that names only parameters while activations are collected (no module has that name);
 - a family switched on (activations; gradients, optimizer state or parameters) that the targets leave
   with nothing at all;
@@ -32,6 +33,21 @@ def closest(word: str, names: list[str], n: int = 3) -> list[str]:
     )
 
 
+def frozen_matching(adapter, target: str) -> list[str]:
+    """Names of the frozen parameters of the model that `target` selects (the adapter lists trainable
+    parameters only)."""
+    from trainermon.names import clean_name
+
+    out = []
+    for vpp, root in enumerate(adapter.roots()):
+        for name, p in root.named_parameters():
+            if not p.requires_grad:
+                full = adapter.global_name(vpp, clean_name(name))
+                if param_matches(vpp, [full], target):
+                    out.append(full)
+    return out
+
+
 class TargetCheck:
     def __init__(self) -> None:
         self.said: set[str] = set()
@@ -55,6 +71,13 @@ class TargetCheck:
             any_param, any_module = any_param or by_param, any_module or by_module
             if not by_param and not by_module:
                 unmatched += 1
+                frozen = frozen_matching(adapter, target)
+                if frozen:
+                    self._say(
+                        f"target {target!r} selects only frozen parameters (requires_grad=False), which "
+                        f"have no rows: {frozen[:3]}{' ...' if len(frozen) > 3 else ''}"
+                    )
+                    continue
                 self._say(
                     f"target {target!r} selects nothing: no parameter name starts with it and no module "
                     f"has that name; closest: {closest(target, module_names + param_names)}"
