@@ -41,6 +41,7 @@ class Layout:
     bf16: bool = False
     overlap: bool = False  # overlap_grad_reduce
     experts: int | None = None  # MoE: number of experts (top-2 routing)
+    grouped: bool = False  # MoE experts as one GroupedMLP (legacy grouped GEMM), not SequentialMLP
     deallocate: bool = True  # deallocate_pipeline_outputs, as Megatron-LM's training loop sets it
     clip: float = 1.0  # clip_grad (a huge value keeps the norm computed and the gradients untouched)
     extra: dict = field(default_factory=dict)  # more TransformerConfig keys
@@ -98,6 +99,8 @@ def transformer_config(layout: Layout) -> Any:
             # autograd Function, which autograd refuses; linear biases off keeps MoE runnable
             add_bias_linear=False,
         )
+    if layout.grouped:
+        keys.update(moe_grouped_gemm=True, moe_use_legacy_grouped_gemm=True)
     keys.update(layout.extra)
     return TransformerConfig(**keys)
 
@@ -110,7 +113,11 @@ def build_chunks(layout: Layout) -> list[Any]:
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     config = transformer_config(layout)
-    spec = get_gpt_layer_local_spec(num_experts=layout.experts, moe_grouped_gemm=False)
+    spec = get_gpt_layer_local_spec(
+        num_experts=layout.experts,
+        moe_grouped_gemm=layout.grouped,
+        moe_use_legacy_grouped_gemm=layout.grouped,
+    )
     chunks = []
     for vp in range(layout.vpp or 1):
         vp_stage = vp if layout.vpp else None
@@ -197,9 +204,39 @@ def setup(layout: Layout) -> tuple[list[Any], Any]:
         parallel_state.destroy_model_parallel()
     init_parallel(layout)
     torch.manual_seed(0)
+    if layout.grouped:
+        _grouped_gemm_stand_in()
     chunks = build_chunks(layout)
     deterministic_init(chunks)
     return wrap(chunks, layout)
+
+
+def _grouped_gemm_stand_in() -> None:
+    """STAND-IN for the `grouped_gemm` package (CUDA kernels, not installable on this CPU host), which
+    Megatron's GroupedMLP calls for its matrix products: the same products, one expert at a time, in
+    plain torch. Only the kernel is replaced; the module, its parameters and their names are Megatron's."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.moe import grouped_gemm_util
+
+    def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False) -> Any:
+        pieces = torch.split(a, batch_sizes.tolist())
+        return torch.cat([x @ (w.t() if trans_b else w) for x, w in zip(pieces, b)])
+
+    grouped_gemm_util.ops = SimpleNamespace(gmm=gmm)
+    grouped_gemm_util.grouped_gemm = SimpleNamespace(ops=grouped_gemm_util.ops)
+
+
+def grouped_expert_split(chunk: Any, local_name: str, p: Any) -> tuple[int, int]:
+    """(size, rank) of the expert-parallel split of a GroupedMLP weight (all local experts in one
+    parameter, the same name on every expert-parallel rank); (1, 0) for any other parameter."""
+    from megatron.core import parallel_state
+
+    grouped = chunk.config.moe_grouped_gemm and local_name.endswith(("experts.weight1", "experts.weight2"))
+    if not grouped or getattr(p, "allreduce", True):
+        return 1, 0
+    ps = parallel_state
+    return ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
 
 
 def deterministic_init(chunks: list[Any]) -> None:
@@ -215,6 +252,7 @@ def deterministic_init(chunks: list[Any]) -> None:
         for local_name, p in chunk.named_parameters():
             name = single_process_name(chunk, vpp_stage, local_name)
             full_shape = list(p.shape)
+            ep_size, ep_rank = grouped_expert_split(chunk, local_name, p)
             split = getattr(p, "tensor_model_parallel", False)
             if split:
                 expert = not getattr(p, "allreduce", True)
@@ -228,7 +266,7 @@ def deterministic_init(chunks: list[Any]) -> None:
                     if expert
                     else parallel_state.get_tensor_model_parallel_rank()
                 )
-                full_shape[p.partition_dim] *= tp_size
+                full_shape[p.partition_dim] *= tp_size * ep_size
             if name.endswith("bias"):
                 full = torch.zeros(full_shape)
             elif "norm" in name:
@@ -236,7 +274,8 @@ def deterministic_init(chunks: list[Any]) -> None:
             else:
                 gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
                 full = torch.randn(full_shape, generator=gen) * 0.02
-            if split:
+            if split:  # expert-parallel ranks outside, (expert-)tensor-parallel ranks inside
+                full = full.chunk(ep_size, dim=p.partition_dim)[ep_rank]
                 full = full.chunk(tp_size, dim=p.partition_dim)[tp_rank]
             with torch.no_grad():
                 p.copy_(full)
@@ -424,6 +463,11 @@ def full_optimizer_tensors(
                     pieces = [None] * group.size()
                     dist.all_gather_object(pieces, values, group=group)
                     values = {k: torch.cat([v[k] for v in pieces], dim=p.partition_dim) for k in values}
+            if grouped_expert_split(root, local_name, p)[0] > 1:
+                group = parallel_state.get_expert_model_parallel_group()
+                pieces = [None] * group.size()
+                dist.all_gather_object(pieces, values, group=group)
+                values = {k: torch.cat([v[k] for v in pieces], dim=p.partition_dim) for k in values}
             if not getattr(p, "shared", False):
                 out[single_process_name(root, vpp_stage, local_name)] = values
     return out

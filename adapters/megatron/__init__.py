@@ -92,7 +92,7 @@ class MegatronAdapter(Adapter):
 
         self._ddps = [c for c in self.chunks if isinstance(c, DistributedDataParallel)]
         self._roots = [unwrap(c, _wrapper_types()) for c in self.chunks]
-        self.layout = MegatronLayout.read()
+        self.layout = MegatronLayout.read().with_grouped_experts(self._roots)
         self._renames = [global_renames(root) for root in self._roots]
         self._params: list[MonitoredParam] | None = None
         self._attention_shards: dict | None = None  # module id -> labels, inside tensor-parallel attention

@@ -10,13 +10,19 @@ Facts relied on (megatron-core 0.16.1):
   reduced over the expert-data-parallel group (their DDP buffers carry that group).
 - `TransformerLayer.layer_number` is the 1-based global layer number (pipeline and virtual-pipeline
   offsets included); `MoELayer.local_expert_indices` are the global indices of this rank's experts,
-  held by `experts.local_experts.{i}` (SequentialMLP).
+  held by `experts.local_experts.{i}` (SequentialMLP), or by `experts.linear_fc1.weight{i}` (Transformer
+  Engine's grouped experts, one parameter per local expert; named here by the global index).
+- The legacy grouped experts (`GroupedMLP`, `moe_grouped_gemm` with `moe_use_legacy_grouped_gemm`) hold
+  all local experts in one `weight1` [hidden, experts x ffn] and one `weight2` [experts x ffn, hidden]:
+  the same name on every expert-parallel rank, each holding its own experts' columns (rows). Those are
+  pieces of one full tensor, split along `partition_dim` over the expert-parallel group (outside) and
+  the expert-tensor-parallel group (inside): `grouped`.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -41,6 +47,7 @@ class MegatronLayout:
     pp: Axis = Axis()
     dp: Axis = Axis()  # data parallel (with context parallel), for parameters without a DDP buffer
     vpp_size: int = 1
+    grouped: frozenset[int] = frozenset()  # ids of GroupedMLP weights split over expert-parallel ranks
 
     @staticmethod
     def read() -> MegatronLayout:
@@ -129,11 +136,31 @@ class MegatronLayout:
     def tensor_axis(self, p: torch.Tensor) -> Axis:
         return self.etp if is_expert(p) else self.tp
 
+    def with_grouped_experts(self, roots: list[torch.nn.Module]) -> MegatronLayout:
+        """This layout knowing the GroupedMLP weights of `roots` that expert parallelism splits."""
+        if self.ep.size == 1:
+            return self
+        grouped = set()
+        for root in roots:
+            for module in root.modules():
+                experts = getattr(module, "experts", None)
+                if not isinstance(getattr(module, "local_expert_indices", None), (list, tuple)):
+                    continue
+                if experts is None or hasattr(experts, "local_experts"):
+                    continue
+                for name in ("weight1", "weight2"):
+                    p = getattr(experts, name, None)
+                    if isinstance(p, torch.Tensor) and is_expert(p) and is_tp_sharded(p):
+                        grouped.add(id(p))
+        return replace(self, grouped=frozenset(grouped))
+
     def full_shape(self, p: torch.Tensor) -> tuple[int, ...]:
         shape = list(p.shape)
         axis = self.tensor_axis(p)
         if is_tp_sharded(p) and axis.size > 1:
             shape[p.partition_dim] *= axis.size
+        if id(p) in self.grouped:
+            shape[p.partition_dim] *= self.ep.size
         return tuple(shape)
 
     def placement(self, p: torch.Tensor, dp_group: Any, dp_sharded: bool) -> Placement:
@@ -142,6 +169,8 @@ class MegatronLayout:
         optimizer (`dp_sharded`), else copied over it."""
         axis = self.tensor_axis(p)
         tp = () if axis.group is None else (axis.group,)
+        if id(p) in self.grouped:  # other experts on each expert-parallel rank: pieces over it too
+            tp = (*tp, self.ep.group)
         if is_tp_sharded(p) and tp:
             return Sharded(*tp, dp_group) if dp_sharded else Sharded(*tp, replicated=(dp_group,))
         return Sharded(dp_group, replicated=tp) if dp_sharded else Replicated(dp_group, *tp)
@@ -149,10 +178,13 @@ class MegatronLayout:
     def shard_label(self, p: torch.Tensor) -> str:
         """How a rank's own copy of `p` (its pre-reduce gradient) relates to the full parameter."""
         axis = self.tensor_axis(p)
+        parts = []
         if is_tp_sharded(p) and axis.size > 1:
             name = "etp" if is_expert(p) else "tp"
-            return f"Shard({p.partition_dim})[{name}={axis.rank}/{axis.size}]"
-        return ""
+            parts.append(f"Shard({p.partition_dim})[{name}={axis.rank}/{axis.size}]")
+        if id(p) in self.grouped:
+            parts.append(f"Shard({p.partition_dim})[ep={self.ep.rank}/{self.ep.size}]")
+        return " ".join(parts)
 
 
 def is_expert(p: torch.Tensor) -> bool:
@@ -164,6 +196,7 @@ def is_tp_sharded(p: torch.Tensor) -> bool:
 
 
 _LAYER = re.compile(r"^(?:.*\.)?layers\.(\d+)$")
+_PER_EXPERT = re.compile(r"^(weight|bias)(\d+)$")  # Transformer Engine's grouped linears: one per expert
 
 
 def global_renames(root: torch.nn.Module) -> dict[str, str]:
@@ -176,10 +209,18 @@ def global_renames(root: torch.nn.Module) -> dict[str, str]:
             renames[name] = str(number - 1)
         experts = getattr(module, "local_expert_indices", None)
         if isinstance(experts, (list, tuple)):
+            prefix = f"{name}.experts" if name else "experts"
             for i, global_index in enumerate(experts):
-                renames[f"{name}.experts.local_experts.{i}" if name else f"experts.local_experts.{i}"] = str(
-                    global_index
-                )
+                renames[f"{prefix}.local_experts.{i}"] = str(global_index)
+            inner = getattr(module, "experts", None)
+            for fc in ("linear_fc1", "linear_fc2"):
+                linear = getattr(inner, fc, None)
+                if not isinstance(linear, torch.nn.Module):
+                    continue
+                for param_name, _ in linear.named_parameters(recurse=False):
+                    found = _PER_EXPERT.match(param_name)
+                    if found and int(found[2]) < len(experts):
+                        renames[f"{prefix}.{fc}.{param_name}"] = f"{found[1]}{experts[int(found[2])]}"
     return {k: v for k, v in renames.items() if not k.endswith(f".{v}")}
 
 
