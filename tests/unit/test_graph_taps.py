@@ -749,3 +749,52 @@ def test_a_torch_without_traced_tensor_hooks_taps_outputs_with_aliases(tmp_path,
     assert faults == 0 and not breaks
     _same_rows(actv, eager[0])
     _same_rows(grads, eager[1])
+
+
+class SkipBias(nn.Module):
+    """Returns its bias for the caller to add (Megatron's `skip_bias_add`): a parameter as an output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8, bias=False)
+        self.bias = nn.Parameter(torch.linspace(-0.5, 0.5, 8))
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        return self.lin(x), self.bias
+
+
+class AddsTheBias(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.skip = nn.Linear(8, 8), SkipBias()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, bias = self.skip(self.a(x))
+        return torch.tanh(y + bias)
+
+
+def test_a_parameter_returned_as_an_output(tmp_path, out_dir):
+    """The gradient row of a parameter returned as an output comes from a view of it made for the call,
+    as in eager mode: a hook on the parameter itself would stay and fire again every later step (rows
+    1, 2, 3, ... per step, found after the output hooks came in)."""
+    eager = _train_rows(tmp_path, "e", AddsTheBias, None, steps=3)
+    compiled = _train_rows(tmp_path, "c", AddsTheBias, "aot_eager", steps=3, fullgraph=True)
+    assert eager[2] == 0 and compiled[2] == 0 and compiled[3] == 0
+    assert {("skip.output_1", step, 0) for step in range(3)} <= set(eager[1])
+    _same_rows(compiled[0], eager[0])
+    _same_rows(compiled[1], eager[1])
+    # every row once (the rows above are keyed: a repeated row would not show there)
+    torch.manual_seed(0)
+    model = AddsTheBias()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(write_config(tmp_path / "count.json", xy_distribution=True, ops=list(OPS)))
+    monitor.set_monitor(model, optimizer=opt)
+    run = torch.compile(model, backend="aot_eager", fullgraph=True)
+    for _ in range(3):
+        run(torch.randn(4, 8)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    rows = read_family(monitor.run_dir, "actv_grad")
+    assert sorted(int(r["step"]) for r in rows if r["name"] == "skip.output_1") == [0, 1, 2]
+    assert not model.skip.bias._backward_hooks

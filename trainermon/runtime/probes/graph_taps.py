@@ -406,8 +406,17 @@ def traced_forward_hook(probe: Any, name: str, module_key: int) -> Any:
         unique = [t for p, t in enumerate(tensors) if same[p] == p]
         if not graded or HOOKS_IN_GRAPH:
             torch.ops.trainermon.tap(unique, number, owner, [])
+            leaves = [p for p in range(n_graded) if unique[p].is_leaf]
+            if leaves and not _rebuildable(output):
+                return UNTAPPED  # a parameter in a namedtuple / ModelOutput: the eager body's view
+            for p in leaves:
+                # a parameter as an output (Megatron's skip_bias_add bias): a hook on it would stay for
+                # good and fire every later step; as in eager mode, hook this call's view of it instead
+                unique[p] = unique[p].view_as(unique[p])
             for p in range(n_graded):  # the whole gradient of the tensor, inner uses included
                 unique[p].register_hook(_grad_hook(number, owner, p, n_graded))
+            if leaves:
+                return _with_aliases(output, graded, view_of_graded, tuple(unique[:n_graded]))
             return None
         return _with_aliases(output, graded, view_of_graded, Tap.apply(number, owner, n_graded, *unique))
 
@@ -419,8 +428,9 @@ def _rebuildable(output: Any) -> bool:
 
 
 def _with_aliases(output: Any, graded: list[int], view_of_graded: tuple[int, ...], views: tuple) -> Any:
-    """`output` with its graded tensors replaced by the `Tap`'s aliases (torch without `HOOKS_IN_GRAPH`):
-    their gradients then reach the site, but only the part that flows through the returned tensor."""
+    """`output` with its graded tensors replaced by `views`: the `Tap`'s aliases (torch without
+    `HOOKS_IN_GRAPH`: their gradients reach the site, but only the part that flows through the returned
+    tensor), or the views of parameters returned as outputs."""
     if isinstance(output, torch.Tensor):
         return views[0]
     if isinstance(output, dict):
