@@ -514,7 +514,8 @@ def test_ddp_and_fsdp2_on_two_ranks(tmp_path):
     boundaries (the taps survive the split; an effect token did not); FSDP2 with each block compiled
     on its own (no graph break there); tensor parallelism with DTensor activations, written in place by
     ReLU(inplace=True) (their hooks stay in the graph: with graph breaks there torch 2.13 failed to
-    compile the model). Rows equal the eager run's on every rank; no hook fails. The tensor-parallel rows,
+    compile the model). Rows equal the eager run's on every rank, but for the in-place ReLU's input
+    gradient, which compiled code does not write; no hook fails. The tensor-parallel rows,
     in both modes, equal this rank's piece of a float64 reference built from the full weights (rtol 1e-5:
     float32 against float64 over at most four ops on values of order 1, ~1e-6 at most)."""
     from tests.distributed import run_ranks
@@ -524,8 +525,11 @@ def test_ddp_and_fsdp2_on_two_ranks(tmp_path):
             compiled, eager = found[setup, True], found[setup, False]
             assert compiled[2] == 0 and eager[2] == 0
             assert compiled[3] >= 1
-            for got, want in zip(compiled[:2], eager[:2]):
-                _same_rows(got, want)
+            _same_rows(compiled[0], eager[0])
+            # compiled, the in-place ReLU's input gradient is not written (test_an_in_place_module_...)
+            _same_rows(
+                compiled[1], {k: v for k, v in eager[1].items() if not (setup == "tp" and k[0] == "1.input")}
+            )
         assert found["fsdp", True][4] == 0  # the blocks' graphs: no break
         assert found["tp", True][4] == 0  # DTensor activations stay in the graph
         assert found["faulty"][0] >= 1 and found["faulty"][1]
@@ -537,6 +541,9 @@ def test_ddp_and_fsdp2_on_two_ranks(tmp_path):
         for compiled in (False, True):
             rows = {"actv": found["tp", compiled][0], "actv_grad": found["tp", compiled][1]}
             for (family, name, step), (ref, label) in refs.items():
+                if compiled and (family, name) == ("actv_grad", "1.input"):
+                    assert (name, step, 0) not in rows[family]
+                    continue
                 row = rows[family][(name, step, 0)]
                 assert row["shard"] == label, (family, name, row["shard"])
                 assert_row_matches(row, ref, OPS)
@@ -572,34 +579,115 @@ def test_a_forward_left_without_backward_does_not_shift_the_next_step(tmp_path, 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_an_in_place_module_after_a_tapped_output(tmp_path, out_dir, backend):
-    """ReLU(inplace=True) on a tapped module output: the tap's outputs must accept in-place writes (a view
-    made inside an autograd function may not be written in place; dynamo refused to compile).
+    """ReLU(inplace=True) on a tapped module output compiles (dynamo refused a write into a view made
+    inside an autograd function). actv rows and actv_grad rows are those of the same model run eagerly
+    (the in-place module's input row holds the values after its write, in both modes), but for the
+    in-place module's input gradient, which compiled code does not write (said once): the write unhooks
+    the view its hook sat on (eager mode finds the write's node instead, test_inplace_modules.py)."""
 
-    - actv rows and actv_grad rows: those of the same model run eagerly (the in-place module's input row
-      holds the values after its write, in both modes).
-    - The in-place module's input gradient (eager mode finds it at the write's node, see
-      test_inplace_modules.py): the row of the same model with an out-of-place ReLU."""
+    def make():
+        return nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8), nn.LayerNorm(8))
 
-    def make(inplace: bool):
-        return lambda: nn.Sequential(
-            nn.Linear(8, 8), nn.ReLU(inplace=inplace), nn.Linear(8, 8), nn.LayerNorm(8)
-        )
-
-    rows = {
-        (inplace, run_backend): _train_rows(
-            tmp_path, f"i{inplace}", make(inplace), run_backend, fullgraph=True
-        )
-        for inplace, run_backend in ((True, None), (True, backend), (False, None))
-    }
+    rows = {run: _train_rows(tmp_path, "i", make, run, fullgraph=True) for run in (None, backend)}
     assert all(found[2] == 0 for found in rows.values())
     # LayerNorm's input gradient is a difference of order-1 terms (~1e-2 here): inductor's reduction
     # order moves it by up to ~8 values x few ulp of 1, ~1e-6 each, so it gets an absolute bound of 1e-5
-    (actv, grads), (eager_actv, eager_grads) = rows[True, backend][:2], rows[True, None][:2]
+    (actv, grads), (eager_actv, eager_grads) = rows[backend][:2], rows[None][:2]
     _same_rows(actv, eager_actv)
-    _same_rows(grads, eager_grads, abs_tol=1e-5)
-    written = {key: row for key, row in eager_grads.items() if key[0] == "1.input"}
-    assert len(written) == 2  # two steps
-    _same_rows(written, {key: row for key, row in rows[False, None][1].items() if key in written})
+    assert {key for key in eager_grads if key[0] == "1.input"} == {("1.input", 0, 0), ("1.input", 1, 0)}
+    _same_rows(grads, {key: row for key, row in eager_grads.items() if key[0] != "1.input"}, abs_tol=1e-5)
+
+
+class WritesThroughAView(nn.Module):
+    """A Linear's output written in place through a transposed view by ReLU(inplace=True), whose result is
+    dropped: the next Linear reads the written base (found by a review: with an alias from an autograd
+    function in the input's place, autograd never saw the write and `a`'s gradients were off by 1.9)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.t, self.r, self.c = nn.Linear(8, 8), Transpose(), nn.ReLU(inplace=True), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        self.r(self.t(h))
+        return self.c(h)
+
+
+class Transpose(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(0, 1)
+
+
+class CalledTwice(nn.Module):
+    """One module called twice in one forward: backward runs its second call first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.shared(torch.tanh(self.shared(x))))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_the_monitor_leaves_the_gradients_as_they_are(tmp_path, out_dir, backend):
+    """Compiled with actv and actv_grad collected, training is what it is without the monitor: every
+    parameter's gradient and the input's equal the unmonitored compiled run's (a module writing its
+    input's base in place; the monitor changed `a`'s gradient by up to 1.93)."""
+    import torch._dynamo
+
+    def grads(make, monitored: bool) -> dict:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = make()
+        monitor = None
+        if monitored:
+            monitor = TrainerMon(write_config(tmp_path / "g.json", xy_distribution=True, ops=list(OPS)))
+            monitor.set_monitor(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        torch.compile(model, backend=backend, fullgraph=True)(x).square().sum().backward()
+        if monitor is not None:
+            monitor.close()
+            assert monitor.loop.faults.total == 0
+        return {"x": x.grad, **{n: p.grad for n, p in model.named_parameters()}}
+
+    plain, monitored = grads(WritesThroughAView, False), grads(WritesThroughAView, True)
+    assert plain.keys() == monitored.keys()
+    for name in plain:
+        assert torch.equal(plain[name], monitored[name]), (name, (plain[name] - monitored[name]).abs().max())
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_each_call_keeps_its_micro_step(tmp_path, out_dir, backend):
+    """Each call's gradient rows carry that call's micro-step: a module called twice in one forward (rows
+    were swapped, backward running the calls last first), and a micro-batch whose forward is dropped
+    (later rows shifted by one). The eager run's rows are the reference."""
+
+    def run(make, backend_or_eager):
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = make()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        monitor = TrainerMon(write_config(tmp_path / "m.json", xy_distribution=True, ops=list(OPS)))
+        monitor.set_monitor(model, optimizer=opt)
+        fn = model if backend_or_eager is None else torch.compile(model, backend=backend_or_eager)
+        gen = torch.Generator().manual_seed(2)
+        for _ in range(2):
+            fn(torch.randn(4, 8, generator=gen))  # micro-step 0: its loss dropped, never goes backward
+            for _micro in range(2):
+                fn(torch.randn(4, 8, generator=gen)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        monitor.close()
+        assert monitor.loop.faults.total == 0
+        return keyed(read_family(monitor.run_dir, "actv_grad"))
+
+    eager, compiled = run(CalledTwice, None), run(CalledTwice, backend)
+    # two calls per forward: micro-steps 2-3 and 4-5 have gradients, 0-1 (the dropped forward) none
+    assert {micro for _, _, micro in eager} == {2, 3, 4, 5}, sorted(eager)
+    _same_rows(compiled, eager)
 
 
 def test_an_output_the_hook_cannot_rebuild(tmp_path, out_dir):
@@ -737,18 +825,27 @@ def test_an_output_the_module_also_uses_itself(tmp_path, out_dir, backend):
     _same_rows(compiled[1], eager[1])
 
 
-def test_a_torch_without_traced_tensor_hooks_taps_outputs_with_aliases(tmp_path, out_dir, monkeypatch):
-    """On a torch whose dynamo cannot trace `register_hook` on a graph's intermediate tensors (older than
-    2.12; simulated here by switching the feature off), the outputs pass through `Tap` aliases: still no
-    graph break, rows equal eager mode's on a model whose modules do not use their own outputs."""
+def test_a_torch_without_traced_tensor_hooks_writes_no_gradient_rows_in_graphs(
+    tmp_path, out_dir, monkeypatch, caplog
+):
+    """On a torch whose dynamo cannot trace `register_hook` on a graph's tensors (older than 2.12;
+    simulated here by switching the feature off), compiled modules get their actv rows and no actv_grad
+    rows, said once; no graph break, and the model's gradients are those of the run without the monitor
+    (aliases from an autograd function, used before, changed them, see the in-place test below)."""
+    import logging
+
     from trainermon.runtime.probes import graph_taps
 
     eager = _run(tmp_path, "eager", None)
     monkeypatch.setattr(graph_taps, "HOOKS_IN_GRAPH", False)
-    actv, grads, _, faults, breaks = _run(tmp_path, "aliases", "aot_eager")
-    assert faults == 0 and not breaks
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        actv, grads, outputs, faults, breaks = _run(tmp_path, "old", "aot_eager")
+    assert faults == 0 and not breaks and grads == {}
     _same_rows(actv, eager[0])
-    _same_rows(grads, eager[1])
+    said = [r.getMessage() for r in caplog.records if "cannot trace tensor hooks" in r.getMessage()]
+    assert len(said) == 1, said
+    for got, want in zip(outputs, eager[2]):  # same training: the same outputs, step after step
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-7)
 
 
 class SkipBias(nn.Module):

@@ -245,14 +245,35 @@ def test_a_write_the_walk_cannot_place_is_counted_not_raised(tmp_path, out_dir, 
     assert monitor.loop.faults.counts["in-place input write"] == 6  # three modules, two steps
 
 
+#: Compiled, rows of tensors that share memory with a view a later module writes in place: the write
+#: unhooks them, or leaves only the gradient of a read before it (a gap of compiled code, said when
+#: traced, README); in Net every view of the written memory up to the last write.
+WRITTEN_LATER = {
+    "Net": {"same.input", "same.output", "scale.output", "flat.input", "flat.output"},
+    "ReadBeforeWrite": {"flat.input", "flat.output", "shift.output"},
+}
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("model", [Net, ReadBeforeWrite], ids=lambda m: m.__name__)
-def test_compiled_rows_equal_the_eager_ones(tmp_path, out_dir, backend, model):
+def test_compiled_rows_equal_the_eager_ones(tmp_path, out_dir, backend, model, caplog):
     """torch.compile'd, the same model writes the same rows (graph taps, `graph_taps.py`), with no graph
-    break: the eager rows are the reference here, checked above against the twin. Tolerances as argued
-    in test_graph_taps.py."""
+    break, but for the input gradients of the modules that write their input in place (`inplace=True`):
+    compiled code does not write those (said once; the write would unhook the view the hook sits on, and
+    a stand-in that survives the write changed the caller's gradients). The eager rows are the reference
+    here, checked above against the twin. Tolerances as argued in test_graph_taps.py."""
+    import logging
+
     eager = _train_rows(tmp_path, "eager", lambda: model(inplace=True), None)
-    compiled = _train_rows(tmp_path, backend, lambda: model(inplace=True), backend, fullgraph=True)
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        compiled = _train_rows(tmp_path, backend, lambda: model(inplace=True), backend, fullgraph=True)
+    said = [r.getMessage() for r in caplog.records if "in place" in r.getMessage()]
+    assert len(said) == 2 and "writes a view in place" in said[1], said
     assert eager[2] == compiled[2] == 0 and compiled[3] == 0
     _same_rows(compiled[0], eager[0])
-    _same_rows(compiled[1], eager[1], abs_tol=1e-5)
+    writers = {f"{n}.input" for n, m in model(inplace=True).named_modules() if getattr(m, "inplace", False)}
+    missing = {key[0] for key in set(eager[1]) - set(compiled[1])}
+    assert writers <= missing <= WRITTEN_LATER[model.__name__] | writers, (writers, missing)
+    gap = WRITTEN_LATER[model.__name__] | writers
+    kept = {k: v for k, v in eager[1].items() if k[0] not in gap}
+    _same_rows({k: v for k, v in compiled[1].items() if k[0] not in gap}, kept, abs_tol=1e-5)

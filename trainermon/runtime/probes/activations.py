@@ -62,6 +62,24 @@ def _outside_graph() -> Any:
     return _OUTSIDE[0]
 
 
+def _never_frames_of_their_own() -> None:
+    """After a graph break inside a module's forward, dynamo compiles the module's hooks as frames of their
+    own (torch 2.11 did so under compiled DDP). There the traced pre-hook's view of an input is a graph
+    output aliasing a graph input, which the compiler rebuilds outside the graph without the view's
+    gradient hook (those rows went missing). Such a hook call already sits between graph breaks: run it
+    eagerly (dynamo skips these frames and the frames they call; it still inlines the hooks into the
+    frames it traces). Private API (torch 2.13), applied once dynamo is loaded; without it the hooks keep
+    being compiled."""
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:  # pragma: no cover - another torch
+        return
+    skip = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)  # the frame and all it calls: eager
+    for hook in (HookedModule.pre, HookedModule.forward):
+        set_code_exec_strategy(hook.__code__, skip)
+
+
 class HookedModule:
     """One hooked module: what its two installed hooks share, the bound methods `pre` and `forward`. An
     object with slots instead of closures: the two body closures, two gate closures and their holders cost
@@ -201,6 +219,7 @@ class ActivationProbe(Probe):
         """When the hooks become pinned (compiled code may call them from now on): the traced hooks of the
         modules hooked so far. Before any trace reaches them: see `ModuleHooks`."""
         _outside_graph()  # made now, so that no trace has to make it
+        _never_frames_of_their_own()
         for key, hooked in self._hooked.items():
             self._fill_traced(hooked, key)
 

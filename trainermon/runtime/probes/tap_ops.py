@@ -1,7 +1,12 @@
 """The operators that put the monitor's activation hooks inside torch.compile'd graphs (see `graph_taps`).
 
-- `trainermon::tap(tensors, site, shards)` records tensors through a site; `trainermon::tap_grad` records
-  gradients. `Tap` is the autograd function that calls both.
+- `trainermon::tap(tensors, site, owner, shards) -> micro` records tensors through a site and returns
+  the call's micro-step (a 0-d int64 CPU tensor); `trainermon::tap_grad(grads, site, owner, micro,
+  shards)` records gradients with the micro-step of the call that made them. The micro-step travels with
+  the call through the graph, as each eager hook carries its own: backward runs a step's calls in its
+  own order (reversed within one forward, or some never), which a queue of micro-steps got wrong.
+  The traced hooks (`graph_taps`) call `tap` in the forward graph and `tap_grad` from tensor hooks that
+  dynamo puts in the backward graph.
 - Both operators are marked side-effectful (`torch.fx.node.has_side_effect`), so that the compiler keeps
   them although they return nothing. (Registering them as effectful ops instead threads an effect token
   through the graph, which DDP's graph splitter, `optimize_ddp`, mis-wires: "a and b must have same
@@ -54,15 +59,16 @@ def _register_ops() -> Any:
     for every backend: `torch.library.custom_op`'s Python layers cost ~20 us more per call. `shards`: a
     shard label per tensor, filled in where DTensors were given (`local_pieces`); [] for plain tensors."""
 
-    def tap(tensors: list[torch.Tensor], site: int, owner: torch.Tensor, shards: list[str]) -> None:
+    def tap(tensors: list[torch.Tensor], site: int, owner: torch.Tensor, shards: list[str]) -> torch.Tensor:
         found = _site(site, owner)
-        if found is not None:
-            found.forward(tensors, shards)
+        return torch.tensor(0 if found is None else found.forward(tensors, shards), dtype=torch.int64)
 
-    def tap_grad(grads: list[torch.Tensor | None], site: int, owner: torch.Tensor, shards: list[str]) -> None:
+    def tap_grad(
+        grads: list[torch.Tensor | None], site: int, owner: Any, micro: torch.Tensor, shards: list[str]
+    ) -> None:
         found = _site(site, owner)
         if found is not None:
-            found.backward(grads, shards)
+            found.backward(grads, shards, int(micro))
 
     library = torch.library.Library("trainermon", "DEF")
     # CUDA graphs (`mode="reduce-overhead"`) replay kernels, not Python. Captured into a graph, a tap's
@@ -73,24 +79,27 @@ def _register_ops() -> Any:
     # captures it; the tap then records nothing and says so (`CapturingCudaGraph`).
     unsafe = getattr(torch.Tag, "cudagraph_unsafe", None)
     tags = (unsafe,) if unsafe is not None else ()
-    library.define("tap(Tensor[] tensors, int site, Tensor owner, str[] shards) -> ()", tags=tags)
-    library.define("tap_grad(Tensor?[] grads, int site, Tensor owner, str[] shards) -> ()", tags=tags)
+    library.define("tap(Tensor[] tensors, int site, Tensor owner, str[] shards) -> Tensor", tags=tags)
+    library.define(
+        "tap_grad(Tensor?[] grads, int site, Tensor owner, Tensor micro, str[] shards) -> ()", tags=tags
+    )
+    fakes = {"tap": lambda *args: torch.empty((), dtype=torch.int64), "tap_grad": lambda *args: None}
     for name, kernel in (("tap", tap), ("tap_grad", tap_grad)):
         library.impl(name, kernel, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"trainermon::{name}", lambda *args: None, lib=library)
-        # the compiler keeps the call although it returns nothing
+        torch.library.register_fake(f"trainermon::{name}", fakes[name], lib=library)
+        # the compiler keeps the call although nothing may use what it returns
         torch.fx.node.has_side_effect(getattr(torch.ops.trainermon, name).default)
     return library
 
 
-def local_pieces(cls: Any, op: Any, types: Any, args: tuple, kwargs: dict) -> None:
+def local_pieces(cls: Any, op: Any, types: Any, args: tuple, kwargs: dict) -> Any:
     """The operators' rule for DTensors: called again with each DTensor's local tensor and its shard label.
     Under torch.compile this runs while the graph is traced (the labels become constants of the graph:
     the placements and this rank's mesh coordinate are fixed there), so the compiled graph calls the
     operator on plain tensors; no collective, no copy. Without it DTensor's dispatch would refuse the
     operators (no sharding rule), and the hooks of a module that sees DTensors would break the graph,
     which torch 2.13 then fails to compile around an in-place module (see `graph_taps`)."""
-    tensors, site, owner = args[0], args[1], args[2]
+    tensors, site, middle = args[0], args[1], args[1:-1]  # (tensors, site, owner[, micro], shards)
     locals_, shards = [], []
     try:
         for t in tensors:
@@ -103,8 +112,8 @@ def local_pieces(cls: Any, op: Any, types: Any, args: tuple, kwargs: dict) -> No
             shape.probe.loop.faults.record(
                 "DTensor activation tap", exc, "this call's rows are not written by the compiled graph"
             )
-        return
-    op(locals_, site, owner, shards)
+        return torch.zeros((), dtype=torch.int64) if op is torch.ops.trainermon.tap.default else None
+    return op(locals_, *middle, shards)
 
 
 @torch.compiler.assume_constant_result  # run as plain Python while dynamo traces: no graph break
@@ -123,27 +132,3 @@ def dtensors_allowed() -> bool:
             _state["dtensor"] = False
             logger.info("trainermon: DTensor activations in compiled graphs break the graph (%s)", exc)
     return _state["dtensor"]
-
-
-class Tap(torch.autograd.Function):
-    """`Tap.apply(site, owner, graded, *tensors)`: records `tensors` through the site of module `owner`
-    (`_site`); returns aliases of the
-    first `graded` of them, whose gradients go to the site in backward. Detached aliases, not views:
-    autograd forbids writing in place into a view made inside a custom function (dynamo refused to
-    compile ReLU(inplace=True) after a tap); an alias shares the tensor's version counter, so a write
-    into it is seen where the tensor was saved for backward, as it would be without the tap."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, site: int, owner: torch.Tensor, graded: int, *tensors: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        ctx.site, ctx.rest = site, len(tensors) - graded
-        ctx.save_for_backward(owner)
-        torch.ops.trainermon.tap(list(tensors), site, owner, [])
-        return tuple(t.detach() for t in tensors[:graded])
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        (owner,) = ctx.saved_tensors
-        torch.ops.trainermon.tap_grad(list(grads), ctx.site, owner, [])
-        return (None, None, None, *grads, *(None,) * ctx.rest)  # the tensors only recorded get no gradient
