@@ -105,7 +105,8 @@ def test_every_rule_argument_is_accepted():
     from trainermon.pipeline.rule_specs import RULE_ARGS
 
     for name, args in RULE_ARGS.items():
-        rules = [{"rule_name": name, "args": dict.fromkeys(args, 20)}]
+        # every argument at 20, a value each takes (`dead`, a fraction of the experts, below 1)
+        rules = [{"rule_name": name, "args": {a: 0.5 if a == "dead" else 20 for a in args}}]
         assert parse_config(
             {"alert": {"rules": rules, "dump": True, "escalate_steps": 2}}
         ).alert.rules == tuple(rules)
