@@ -389,3 +389,70 @@ def test_two_ranks_switch_on_the_same_step(tmp_path, own_group):
     late here, and with xrank summaries on the first rank to switch waited in their collective forever."""
     steps = run_ranks(_two_rank_switch, world_size=2, timeout=120, root=str(tmp_path), own_group=own_group)
     assert steps[0] == steps[1] == [3, 4, 5, 6]
+
+
+def test_an_edit_before_set_monitor_applies_at_the_first_step(dyn):
+    """`trainermon on` between `TrainerMon()` (which read the file) and `set_monitor` (which starts the
+    watcher): the first step reads the file again (the edit was never applied: 0 rows)."""
+    make, out = dyn
+    path = make(dynamic_on=False)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = TrainerMon(path)
+    update_config_file(path, dynamic_on=True, collect_times=2)
+    monitor.set_monitor(model, optimizer=opt)
+    for _ in range(4):
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    assert _collected_steps(out) == [0, 1]
+
+
+@pytest.mark.parametrize("saved_on", [True, False], ids=["saved-on", "saved-off"])
+def test_after_a_resume_the_file_decides(dyn, saved_on):
+    """A job resumed from a checkpoint whose monitor state says `dynamic_on` one way while the file, edited
+    while the job was down, says the other: the file holds (the state's value overrode it, and a later
+    `trainermon off` that wrote the same content as the file read at start was never seen)."""
+    make, out = dyn
+    path = make(dynamic_on=not saved_on, collect_times=100)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = TrainerMon(path)
+    monitor.set_monitor(model, optimizer=opt)
+    state = {**monitor.state_dict(), "step": 5, "dynamic_on": saved_on, "schedule_collected": 1}
+    monitor.load_state_dict(state)
+    for step in range(5, 9):
+        if step == 7 and not saved_on:  # collecting since the resume: `trainermon off` stops it
+            _edit(path, dynamic_on=False)(monitor)
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    assert _collected_steps(out) == ([] if saved_on else [5, 6, 7])
+
+
+def _starting_apart(rank: int, world_size: int, root: str) -> list[int]:
+    # Each rank reads its own file, and they disagree when the ranks start (a `trainermon on` landing
+    # between two ranks' start): rank 0 says on, rank 1 off.
+    os.environ["DYNAMIC_MONITOR"] = "true"
+    out = os.path.join(root, f"out{rank}")
+    os.environ["MONITOR_OUTPUT_DIR"] = out
+    path = os.path.join(root, f"cfg{rank}.json")
+    with open(path, "w") as fh:
+        json.dump({**BASE, "dynamic_on": rank == 0, "collect_times": 3}, fh)
+    _train(path, 5, {})
+    return _collected_steps(out)
+
+
+def test_ranks_that_start_with_different_files_follow_rank_0():
+    """Each rank kept the config it read at start: rank 0 collected and waited in the cross-rank
+    summaries' collective, which rank 1 never ran (the job hung). Rank 0's config reaches every rank at
+    the first step."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        steps = run_ranks(_starting_apart, world_size=2, timeout=120, root=root)
+    assert steps[0] == steps[1] == [0, 1, 2]

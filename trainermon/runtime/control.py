@@ -6,8 +6,11 @@
   sets a flag; the file is read at the next step boundary, so a burst of events becomes one reload.
 - `DynamicControl` runs at every step boundary. Only the deciding rank (rank 0) looks at the file. With
   more than one rank, rank 0 broadcasts the config version over a dedicated gloo group (one 16-byte
-  broadcast per step), and the config itself (as JSON) only when the version changed, so every rank
-  applies the same config at the same step whatever its own view of a shared filesystem.
+  broadcast per step), and the config itself (as JSON) only when the version changed, and once at the
+  first step (each rank read its own file when it started: a `trainermon on` landing while the ranks
+  start gave ranks different configs, and the job hung in the first collective only some ran), so every
+  rank applies the same config at the same step whatever its own view of a shared filesystem. The file
+  is read again at the first step: an edit between `TrainerMon()` and `set_monitor` is not missed.
 - `update_config_file` rewrites the file atomically (temporary file, fsync, rename), keeping the user's
   other keys. The CLI's `on`/`off` and the automatic stop after `collect_times` use it.
 """
@@ -153,6 +156,7 @@ class DynamicControl:
         self._rank = 0
         self.watcher: ConfigWatcher | None = None
         self._polling = polling
+        self._first = True  # the first poll: rank 0's config reaches every rank, whatever it read
 
     def attach(self, process_group: Any = None) -> None:
         """Collective when distributed: every rank calls it once (from set_monitor)."""
@@ -166,6 +170,7 @@ class DynamicControl:
             self._src = dist.get_global_rank(self._group, 0)
         if self._rank == 0:
             self.watcher = ConfigWatcher(self.path, polling=self._polling)
+            self.watcher.dirty = True  # the file may have changed since it was read (before the watcher)
 
     def _read_if_changed(self) -> None:
         """Deciding rank: reload the file if the watcher saw a change. A bad file keeps the old config."""
@@ -220,16 +225,17 @@ class DynamicControl:
         import torch
         import torch.distributed as dist
 
-        previous = self.version
+        previous, first, self._first = self.version, self._first, False
         if self._rank == 0:
             self._read_if_changed()
         if self._distributed:
-            # The config travels as JSON bytes (never pickled): [version, length] first, bytes if new.
+            # The config travels as JSON bytes (never pickled): [version, length] first, bytes if new
+            # (or at the first poll, on every rank alike).
             data = json.dumps(self._raw).encode() if self._rank == 0 and self._raw is not None else b""
             box = torch.tensor([self.version, len(data)], dtype=torch.int64)
             dist.broadcast(box, src=self._src, group=self._group)
             version, length = (int(v) for v in box.tolist())
-            if version == previous:
+            if version == previous and not first:
                 return None
             buf = (
                 torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -238,7 +244,9 @@ class DynamicControl:
             )
             dist.broadcast(buf, src=self._src, group=self._group)
             self.version = version
-            self._raw = json.loads(bytes(buf.tolist()).decode())
+            mine, self._raw = self._raw, json.loads(bytes(buf.tolist()).decode()) if length else None
+            if version == previous and (self._rank == 0 or self._raw is None or self._raw == mine):
+                return None  # the first poll, and this rank already runs rank 0's config
         elif self.version == previous:
             return None
         validated, self._validated = self._validated, None

@@ -364,9 +364,10 @@ class StepLoop:
 
     def _restore(self, state: dict) -> None:
         self.step = int(state["step"])
-        self.schedule.collected = int(state["schedule_collected"])
-        if self.control is not None and bool(state.get("dynamic_on")) != self.config.dynamic_on:
-            self.config = dataclasses.replace(self.config, dynamic_on=bool(state["dynamic_on"]))
+        # Dynamic mode: the file decides dynamic_on (switched while the job was down, it holds); the count
+        # toward collect_times goes on only where collection was on before and is on now.
+        if self.control is None or bool(state.get("dynamic_on")) == self.config.dynamic_on:
+            self.schedule.collected = int(state["schedule_collected"])
         self.escalation.load_state_dict(state.get("escalation", {}))
         if self.detector is not None and state.get("detector") is not None:
             self.detector.load_state_dict(state["detector"])
