@@ -285,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--steps", default=None, help=STEPS)
     cmp_.add_argument("--out", default=None, help="report directory (default ./trainermon_compare)")
     cmp_.add_argument("--max-plots", type=int, default=6, help="diverging tensors to plot")
+    cmp_.add_argument("--run-id", default=None, help="keep only this run id's rows of RUN (a restart)")
+    cmp_.add_argument("--benchmark-run-id", default=None, help="keep only this run id's rows of BENCHMARK")
     _common(cmp_)
     cmp_.set_defaults(func=_cmd_compare)
     return parser

@@ -23,6 +23,18 @@ def _split(values: list[str] | None) -> list[str] | None:
     return [v.strip() for item in values for v in item.split(",") if v.strip()]
 
 
+def _error(exc: Exception) -> int:
+    """Bad input, or an engine's own error (DuckDB, Spark, Arrow on a damaged file): one line, exit 2."""
+    if isinstance(exc, (FileNotFoundError, KeyError, ValueError, ImportError)):
+        message = str(exc.args[0] if exc.args else exc)  # ours: may list names on more lines
+    else:  # an engine's: its first line (DuckDB appends the SQL it ran)
+        message = (f"{type(exc).__name__}: {exc}".strip().splitlines() or [""])[0]
+    if "JAVA_GATEWAY_EXITED" in message or "JAVA_HOME" in message:
+        message = f"the Spark engine needs a Java 17+ runtime (JAVA_HOME, or java on PATH): {message}"
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
 def _progress(args: argparse.Namespace) -> bool | None:
     return True if args.progress else False if args.no_progress else None
 
@@ -57,13 +69,17 @@ def run_analyze(args: argparse.Namespace) -> int:
             engine=engine,
             spark_master=args.spark_master,
         )
-    except (FileNotFoundError, KeyError, ValueError, ImportError) as exc:
-        print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
-        return 2
+    except Exception as exc:  # noqa: BLE001 - bad input or an engine's error: 2, never a traceback
+        return _error(exc)
     if not result.summary.rows_read:
         print(f"error: no rows in {args.run!r} for the given filters", file=sys.stderr)
         return 2
-    paths = write_analysis_report(result, args.out or "trainermon_report", max_columns=args.max_columns)
+    out = args.out or "trainermon_report"
+    try:
+        paths = write_analysis_report(result, out, max_columns=args.max_columns)
+    except OSError as exc:
+        print(f"error: --out {out!r}: cannot write the report: {exc}", file=sys.stderr)
+        return 2
     summary = result.summary
     print(
         f"{source.kind} run {args.run}: {summary.rows_read:,} rows, families {summary.families} "
@@ -104,8 +120,10 @@ def run_compare(args: argparse.Namespace) -> int:
         urls = [p for p in (args.run, args.benchmark) if is_url(p)]
         engine = resolve_engine(args.engine, urls)  # a URL needs an engine: resolve before opening
         run, bench = (
-            _open(p, engine, args.spark_master) if is_url(p) else open_run(p, prefer=args.format)
-            for p in (args.run, args.benchmark)
+            _open(p, engine, args.spark_master, run_id)
+            if is_url(p)
+            else open_run(p, prefer=args.format, run_id=run_id)
+            for p, run_id in ((args.run, args.run_id), (args.benchmark, args.benchmark_run_id))
         )
         engine = resolve_engine(args.engine, [run, bench])
         result = compare(
@@ -120,10 +138,14 @@ def run_compare(args: argparse.Namespace) -> int:
             engine=engine,
             spark_master=args.spark_master,
         )
-    except (FileNotFoundError, KeyError, ValueError, ImportError) as exc:
-        print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+    except Exception as exc:  # noqa: BLE001 - exit 1 means "diverged": an error is 2, never a traceback
+        return _error(exc)
+    out = args.out or "trainermon_compare"
+    try:
+        paths = write_comparison_report(result, out, max_plots=args.max_plots)
+    except OSError as exc:
+        print(f"error: --out {out!r}: cannot write the report: {exc}", file=sys.stderr)
         return 2
-    paths = write_comparison_report(result, args.out or "trainermon_compare", max_plots=args.max_plots)
     table = result.per_family
     print(
         f"compared {int(table['cells_compared'].sum()):,} cells of {len(table)} families (rtol {args.rtol:g})"
@@ -142,6 +164,9 @@ def run_compare(args: argparse.Namespace) -> int:
             f"families only in the run: {result.families_only_in_run}, "
             f"only in the benchmark: {result.families_only_in_benchmark}"
         )
+    for which, source in (("run", run), ("benchmark", bench)):
+        for note in getattr(source, "notes", []):
+            print(f"note ({which}): {note}")
     for note in result.notes:
         print(f"note: {note}")
     first = result.first

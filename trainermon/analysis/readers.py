@@ -157,6 +157,19 @@ def parquet_batches(
             yield _make_batch(record_batch, f.family, f.rank, stats, with_numel, f.path)
 
 
+def _blocks(reader: Any, path: str) -> Iterator[Any]:
+    """The reader's record batches, streamed; a parse error names the file (a truncated last line)."""
+    import pyarrow as pa
+
+    while True:
+        try:
+            yield reader.read_next_batch()
+        except StopIteration:
+            return
+        except pa.ArrowInvalid as exc:
+            raise ValueError(f"{path}: {exc}") from exc
+
+
 def csv_batches(
     f: SourceFile, stats: list[str], with_numel: bool, steps: tuple[int, int] | None, batch_size: int
 ) -> Iterator[Batch]:
@@ -176,17 +189,20 @@ def csv_batches(
     if with_numel:
         wanted += ["numel"] if "numel" in header else ["shape", "dtype"]
     include = [c for c in wanted if c in header]
-    reader = pcsv.open_csv(
-        f.path,
-        read_options=pcsv.ReadOptions(block_size=1 << 22),
-        convert_options=pcsv.ConvertOptions(
-            column_types={k: v for k, v in types.items() if k in header},
-            include_columns=include,
-            null_values=[""],  # "nan", "inf" are values, as both tools write them
-            strings_can_be_null=False,
-        ),
-    )
-    for record_batch in reader:
+    try:
+        reader = pcsv.open_csv(
+            f.path,
+            read_options=pcsv.ReadOptions(block_size=1 << 22),
+            convert_options=pcsv.ConvertOptions(
+                column_types={k: v for k, v in types.items() if k in header},
+                include_columns=include,
+                null_values=[""],  # "nan", "inf" are values, as both tools write them
+                strings_can_be_null=False,
+            ),
+        )
+    except pa.ArrowInvalid as exc:  # a damaged file among thousands: say which
+        raise ValueError(f"{f.path}: {exc}") from exc
+    for record_batch in _blocks(reader, f.path):
         table = pa.Table.from_batches([record_batch])
         if steps is not None:
             step = table.column("step")

@@ -187,6 +187,8 @@ def open_run(path: str | os.PathLike, prefer: str = "auto", run_id: str | None =
             if files:
                 source = RunSource(path, "parquet", root, files, wanted_run)
                 _note_mixed_runs(source)
+                if prefer == "auto":
+                    _note_csv_beside(source, _csv_files(path, run_id))
                 return source
         if prefer == "parquet":
             raise FileNotFoundError(f"no trainermon Parquet dataset at {path!r}")
@@ -293,6 +295,19 @@ def _looks_msprobe(path: str) -> bool:
     name_at = header.index("name") if "name" in header else 1
     cells = first.split(",")
     return len(cells) > name_at and _VPP_PREFIX.match(cells[name_at]) is not None
+
+
+def _note_csv_beside(source: RunSource, csv_files: list) -> None:
+    """Auto mode reads the Parquet dataset; CSV files of ranks or families it lacks (a format switched
+    between restarts) would be left out without a word."""
+    have = {(f.family, f.rank) for f in source.files}
+    left = sorted({(f.family, f.rank) for f in csv_files} - have)
+    if left:
+        ranks = sorted({rank for _family, rank in left})
+        source.notes.append(
+            f"CSV files hold {len(left)} (family, rank) pairs that the Parquet dataset lacks (ranks "
+            f"{ranks[:10]}): they are not read; pass --format csv to read the CSV files instead"
+        )
 
 
 def _note_mixed_runs(source: RunSource) -> None:

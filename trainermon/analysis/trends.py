@@ -107,14 +107,18 @@ def growth(
     """Layers ranked by how much `stat` grew over the run.
 
     start / end: the median of the first / last `edge` fraction of a layer's finite values (at least one
-    value); growth = end / start; peak and its step; first_step_2x: the first step where the value was
+    value; cells whose tensor held NaN/Inf are left out); growth = end / start; peak and its step;
+    first_step_2x: the first step where the value was
     more than twice `start`. Sorted by growth, largest first (layers without a positive start last).
     """
     df = heatmap(summary, family, stat)
     steps = df.columns.to_numpy()
+    # a cell whose tensor held NaN/Inf: its statistics cover the finite elements only (an all-NaN
+    # tensor's norm is 0), so it is no value of the trend
+    flagged = nonfinite_cells(summary, family).reindex(index=df.index, columns=df.columns).to_numpy()
     out = []
-    for label, row in zip(df.index, df.to_numpy()):
-        finite = np.isfinite(row)
+    for label, row, bad in zip(df.index, df.to_numpy(), flagged):
+        finite = np.isfinite(row) & ~bad.astype(bool)
         vals, at = row[finite], steps[finite]
         if vals.size == 0:
             continue
