@@ -434,25 +434,40 @@ def test_after_a_resume_the_file_decides(dyn, saved_on):
     assert _collected_steps(out) == ([] if saved_on else [5, 6, 7])
 
 
-def _starting_apart(rank: int, world_size: int, root: str) -> list[int]:
+def _starting_apart(rank: int, world_size: int, root: str, resumed: bool) -> list[int]:
     # Each rank reads its own file, and they disagree when the ranks start (a `trainermon on` landing
-    # between two ranks' start): rank 0 says on, rank 1 off.
+    # between two ranks' start): rank 0 says on, rank 1 off. Resumed: a checkpoint's monitor state (on,
+    # one of the three collections done) loaded before set_monitor.
     os.environ["DYNAMIC_MONITOR"] = "true"
     out = os.path.join(root, f"out{rank}")
     os.environ["MONITOR_OUTPUT_DIR"] = out
     path = os.path.join(root, f"cfg{rank}.json")
     with open(path, "w") as fh:
-        json.dump({**BASE, "dynamic_on": rank == 0, "collect_times": 3}, fh)
-    _train(path, 5, {})
+        json.dump({**BASE, "dynamic_on": rank == 0, "collect_times": 3, "dynamic_watch": "polling"}, fh)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = TrainerMon(path)
+    if resumed:
+        state = monitor.state_dict()
+        monitor.load_state_dict({**state, "step": 5, "dynamic_on": True, "schedule_collected": 1})
+    monitor.set_monitor(model, optimizer=opt)
+    for _ in range(5):
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
     return _collected_steps(out)
 
 
-def test_ranks_that_start_with_different_files_follow_rank_0():
+@pytest.mark.parametrize("resumed", [False, True], ids=["started", "resumed"])
+def test_ranks_that_start_with_different_files_follow_rank_0(resumed):
     """Each rank kept the config it read at start: rank 0 collected and waited in the cross-rank
     summaries' collective, which rank 1 never ran (the job hung). Rank 0's config reaches every rank at
-    the first step."""
+    the first step, before a restored state: rank 1 adopting rank 0's config after the restore started
+    its collect_times count over, and the ranks parted at step 7 (a hang again)."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as root:
-        steps = run_ranks(_starting_apart, world_size=2, timeout=120, root=root)
-    assert steps[0] == steps[1] == [0, 1, 2]
+        steps = run_ranks(_starting_apart, world_size=2, timeout=120, root=root, resumed=resumed)
+    assert steps[0] == steps[1] == ([5, 6] if resumed else [0, 1, 2])

@@ -149,6 +149,7 @@ class StepLoop:
             # pipeline group, a single rank with PP=1): ranks that switch at different steps meet in
             # different collectives and the job hangs.
             self.control.attach(None)
+            self._poll_control()  # rank 0's config on every rank before a restored count (else: a hang)
         step_handles = adapter.attach_step(StepEvents(self.on_pre_optim, self.on_post_optim))
         self.hooked = bool(step_handles)
         self._handles += step_handles
@@ -280,15 +281,18 @@ class StepLoop:
             except Exception as exc:  # noqa: BLE001
                 self.faults.record(where, exc)
 
+    def _poll_control(self) -> None:
+        try:
+            new = self.control.poll()
+        except Exception as exc:  # noqa: BLE001
+            self.faults.record("dynamic control", exc)
+            new = None
+        if new is not None:
+            self._reload(new)
+
     def _begin(self) -> None:
         if self.control is not None:
-            try:
-                new = self.control.poll()
-            except Exception as exc:  # noqa: BLE001
-                self.faults.record("dynamic control", exc)
-                new = None
-            if new is not None:
-                self._reload(new)
+            self._poll_control()
         config = self.config
         scheduled = (self.control is None or config.dynamic_on) and self.schedule.wants(self.step)
         self.plan = plan_step(config, self.step, scheduled, self.escalation.active_at(self.step))
