@@ -62,9 +62,9 @@ class TapSite:
                 if not loop.plan.collecting:
                     return micro
                 if torch._C._current_graph_task_id() != -1:
-                    # activation checkpointing recomputes the call in backward: its rows are written;
-                    # the recomputation runs a region's calls in their forward order, so the oldest
-                    # micro-step not yet replayed is this call's
+                    # activation checkpointing recomputes the call in backward: its rows are written.
+                    # The oldest micro-step not yet replayed is this call's when backward runs the
+                    # micro-batches in forward order (accumulation, 1F1B); other orders mislabel (README)
                     return self.replays.popleft() if self.replays else micro
                 calls = probe._calls
                 micro = calls.get(self.module_key, 0)
