@@ -23,10 +23,10 @@ code, as in eager mode.
   function, used before, changed training: a module writing its input or output in place (ReLU
   (inplace=True) through a transpose) wrote the caller's tensor without autograd seeing it.
 - Gradients of inputs (the pre-hook): each is replaced by a view of it with such a hook, as the eager
-  pre-hook does: this module's part of the gradient. A module that writes its input in place
-  (ReLU(inplace=True)) writes through the view, autograd rebases the caller's tensor, and the hook,
-  registered before the write, gets the gradient of the input as it was: the input gradient of such a
-  module, which eager mode misses (its pre-hook's view is rebased by the write), is written here.
+  pre-hook does: this module's part of the gradient. A write into the view rebases the caller's tensor,
+  so training is unchanged, but unhooks the view (eager mode then hooks the write's node; a graph has no
+  node to hook): a module declaring `inplace=True` gets no view and no input row, said once, and a write
+  into a view is said once (rows sharing that memory may miss part of their gradient).
 - Each call's micro-step is a value in the graph (`trainermon::tap` returns it), which its gradient
   hooks take: backward may run a step's calls in another order than forward (a module called twice in
   one forward runs backward last call first) or not at all (a forward whose loss is dropped).
