@@ -44,12 +44,20 @@ def _wait_dirty(monitor: TrainerMon, timeout: float = 5.0) -> None:
 
 
 def _train(
-    cfg_path: str, steps: int, actions: dict[int, Callable[[TrainerMon], None]], process_group=None
+    cfg_path: str,
+    steps: int,
+    actions: dict[int, Callable[[TrainerMon], None]],
+    process_group=None,
+    before_attach: Callable[[TrainerMon], None] | None = None,
 ) -> TrainerMon:
+    """`steps` steps of a tiny model; `actions[i]` runs before step i, `before_attach` between
+    `TrainerMon()` and `set_monitor`."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = TrainerMon(cfg_path, process_group=process_group)
+    if before_attach is not None:
+        before_attach(monitor)
     monitor.set_monitor(model, optimizer=opt)
     for i in range(steps):
         if i in actions:
@@ -396,17 +404,7 @@ def test_an_edit_before_set_monitor_applies_at_the_first_step(dyn):
     watcher): the first step reads the file again (the edit was never applied: 0 rows)."""
     make, out = dyn
     path = make(dynamic_on=False)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = TrainerMon(path)
-    update_config_file(path, dynamic_on=True, collect_times=2)
-    monitor.set_monitor(model, optimizer=opt)
-    for _ in range(4):
-        model(torch.randn(2, 3)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-    monitor.close()
+    _train(path, 4, {}, before_attach=lambda _m: update_config_file(path, dynamic_on=True, collect_times=2))
     assert _collected_steps(out) == [0, 1]
 
 
@@ -444,19 +442,13 @@ def _starting_apart(rank: int, world_size: int, root: str, resumed: bool) -> lis
     path = os.path.join(root, f"cfg{rank}.json")
     with open(path, "w") as fh:
         json.dump({**BASE, "dynamic_on": rank == 0, "collect_times": 3, "dynamic_watch": "polling"}, fh)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = TrainerMon(path)
-    if resumed:
-        state = monitor.state_dict()
-        monitor.load_state_dict({**state, "step": 5, "dynamic_on": True, "schedule_collected": 1})
-    monitor.set_monitor(model, optimizer=opt)
-    for _ in range(5):
-        model(torch.randn(2, 3)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-    monitor.close()
+
+    def resume(monitor: TrainerMon) -> None:
+        if resumed:
+            state = monitor.state_dict()
+            monitor.load_state_dict({**state, "step": 5, "dynamic_on": True, "schedule_collected": 1})
+
+    _train(path, 5, {}, before_attach=resume)
     return _collected_steps(out)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from ..cli import STEPS, step_range
 from .analyze import _open, analyze
@@ -33,6 +34,15 @@ def _error(exc: Exception) -> int:
         message = f"the Spark engine needs a Java 17+ runtime (JAVA_HOME, or java on PATH): {message}"
     print(f"error: {message}", file=sys.stderr)
     return 2
+
+
+def _write(writer: Any, result: Any, out: str, **options: Any) -> dict | None:
+    """The report's paths, or None (said) when `--out` cannot be written."""
+    try:
+        return writer(result, out, **options)
+    except OSError as exc:
+        print(f"error: --out {out!r}: cannot write the report: {exc}", file=sys.stderr)
+        return None
 
 
 def _progress(args: argparse.Namespace) -> bool | None:
@@ -74,11 +84,10 @@ def run_analyze(args: argparse.Namespace) -> int:
     if not result.summary.rows_read:
         print(f"error: no rows in {args.run!r} for the given filters", file=sys.stderr)
         return 2
-    out = args.out or "trainermon_report"
-    try:
-        paths = write_analysis_report(result, out, max_columns=args.max_columns)
-    except OSError as exc:
-        print(f"error: --out {out!r}: cannot write the report: {exc}", file=sys.stderr)
+    paths = _write(
+        write_analysis_report, result, args.out or "trainermon_report", max_columns=args.max_columns
+    )
+    if paths is None:
         return 2
     summary = result.summary
     print(
@@ -140,11 +149,10 @@ def run_compare(args: argparse.Namespace) -> int:
         )
     except Exception as exc:  # noqa: BLE001 - exit 1 means "diverged": an error is 2, never a traceback
         return _error(exc)
-    out = args.out or "trainermon_compare"
-    try:
-        paths = write_comparison_report(result, out, max_plots=args.max_plots)
-    except OSError as exc:
-        print(f"error: --out {out!r}: cannot write the report: {exc}", file=sys.stderr)
+    paths = _write(
+        write_comparison_report, result, args.out or "trainermon_compare", max_plots=args.max_plots
+    )
+    if paths is None:
         return 2
     table = result.per_family
     print(
