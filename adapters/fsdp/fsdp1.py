@@ -200,8 +200,12 @@ class Fsdp1Adapter(Adapter):
             for k, slot in enumerate(unit.slots):
                 if slot.orig is not None:
                     covered.add(id(slot.orig))
-                name = clean_name(f"{prefix}.{slot.fqn}" if prefix else slot.fqn)
                 param = slot.orig if slot.orig is not None else slot.flat
+                # Frozen: no rows (as DDP/FSDP2). FSDP1 still computes a flat gradient for frozen
+                # views under use_orig_params, which no optimizer and no clip_grad_norm_ reads.
+                if not param.requires_grad:
+                    continue
+                name = clean_name(f"{prefix}.{slot.fqn}" if prefix else slot.fqn)
                 key = (order.get(id(slot.owner), len(order)), k)
                 found.append((key, vpp_stage, name, param, slot, placement))
         # Parameters outside every FSDP unit (a partly wrapped model) are neither sharded nor reduced.

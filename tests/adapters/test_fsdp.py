@@ -57,6 +57,24 @@ CASES: list[dict[str, Any]] = [
     },
     {"id": "fsdp2-bf16-acc", "fsdp": 2, "mp": True, "ckpt": False, "acc": 2},
     {"id": "fsdp2-mbs", "fsdp": 2, "mp": False, "ckpt": False, "acc": 2, "mbs": True},
+    # Fine-tuning: a whole FSDP unit frozen (its FlatParameter needs no gradient) and, where
+    # use_orig_params allows mixing, one frozen weight inside a trained unit. Frozen: no rows.
+    {
+        "id": "fsdp1-flat-frozen",
+        "fsdp": 1,
+        "orig": False,
+        "strategy": "FULL_SHARD",
+        "ckpt": False,
+        "frozen": ("blocks.0.",),
+    },
+    {
+        "id": "fsdp1-orig-frozen",
+        "fsdp": 1,
+        "orig": True,
+        "strategy": "FULL_SHARD",
+        "ckpt": False,
+        "frozen": ("blocks.0.", "blocks.1.fc1.weight"),
+    },
 ]
 SHARDED_FAMILIES = ("grad_reduced", "param_origin", "exp_avg", "exp_avg_sq", "param_updated", "update")
 ACTV_MODULES = ("inp", "blocks.0", "blocks.1.fc2", "head")
@@ -170,12 +188,15 @@ def _run_case(case: dict[str, Any], rank: int, world: int, out_dir: str) -> dict
 
     torch.manual_seed(0)
     model = Net()
+    for name, p in model.named_parameters():
+        p.requires_grad_(not name.startswith(case.get("frozen", ())))
     replica = copy.deepcopy(model)
+    trained = [(name, p) for name, p in replica.named_parameters() if p.requires_grad]
     compute_dtype = torch.bfloat16 if case.get("mp") else torch.float32
     acc, mbs = case.get("acc", 1), case.get("mbs", False)
     fsdp_model = _wrap(case, model)
-    opt = torch.optim.Adam(fsdp_model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.Adam(replica.parameters(), lr=1e-2)
+    opt = torch.optim.Adam([p for p in fsdp_model.parameters() if p.requires_grad], lr=1e-2)
+    ref_opt = torch.optim.Adam([p for _, p in trained], lr=1e-2)
 
     cfg_path = os.path.join(out_dir, "config.json")
     if rank == 0:
@@ -210,7 +231,7 @@ def _run_case(case: dict[str, Any], rank: int, world: int, out_dir: str) -> dict
             _replica_micro_grads(replica, x, y, compute_dtype, refs, step, micro)
             for micro, (x, y) in enumerate(batches)
         ]
-        for name, p in replica.named_parameters():
+        for name, p in trained:
             if mbs:
                 for micro, grads in enumerate(micro_grads):
                     _record(refs, "grad_unreduced", name, step, grads[name], micro=micro)
@@ -223,9 +244,9 @@ def _run_case(case: dict[str, Any], rank: int, world: int, out_dir: str) -> dict
             _record(refs, "grad_reduced", name, step, p.grad)
             _record(refs, "param_origin", name, step, p)
         torch.nn.utils.clip_grad_norm_(replica.parameters(), MAX_NORM)  # not the monitored model's
-        before = {name: p.detach().clone() for name, p in replica.named_parameters()}
+        before = {name: p.detach().clone() for name, p in trained}
         ref_opt.step()
-        for name, p in replica.named_parameters():
+        for name, p in trained:
             delta = p.detach() - before[name]  # the update, from the copy the test keeps
             _record(refs, "update", name, step, delta)
             refs[("update", name, step, None)]["ratio"] = float(
@@ -273,7 +294,7 @@ def _run_case(case: dict[str, Any], rank: int, world: int, out_dir: str) -> dict
         "faults": faults,
         "drift": drift,
         "empty_here": empty_here,
-        "names": [n for n, _ in replica.named_parameters()],
+        "names": [n for n, _ in trained],
     }
 
 
