@@ -317,3 +317,43 @@ def test_a_clipping_before_any_gradient_exists_reads_again_at_the_next(tmp_path,
         assert monitor.last_batch.derived.global_grad_norm == pytest.approx(total, rel=1e-5)
     finally:
         monitor.close()
+
+
+@pytest.mark.parametrize("ops", [["norm"], ["norm", "nans", "infs"], ["norm", "nans"]])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, "both"])
+@pytest.mark.parametrize("split", [False, True], ids=["rows", "job-sum"])
+def test_a_nonfinite_gradient_makes_the_global_norm_what_clipping_returns(
+    tmp_path, monkeypatch, ops, bad, split
+):
+    """With `nans`/`infs` counted, each row's norm covers its finite elements (README), but the global
+    norm is the one `clip_grad_norm_` uses: NaN if any element is NaN, else inf if any is inf.
+    `job-sum`: the path of a model split over ranks (the job's sum of squares, formed on the device)."""
+    torch.manual_seed(0)
+    model = _net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = _monitor(tmp_path, monkeypatch, model, optimizer, ops=ops)
+    if split:
+        monkeypatch.setattr(type(monitor.loop.adapter), "splits_model", property(lambda self: True))
+    try:
+        for step in range(2):
+            optimizer.zero_grad(set_to_none=True)
+            _backward(model, step)
+            if step == 1:
+                model[0].weight.grad[0, 0] = math.nan if bad == "both" else bad
+                if bad == "both":
+                    model[2].bias.grad[1] = math.inf
+            returned = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+            optimizer.step()
+            monitor.flush()
+            got = monitor.last_batch.derived.global_grad_norm
+            if step == 0:
+                assert math.isfinite(got) and got == pytest.approx(returned, rel=1e-5)
+            else:  # nan, or inf (same sign): what clip_grad_norm_ returned
+                assert math.isnan(returned) == math.isnan(got) and (math.isnan(got) or got == returned), (
+                    got,
+                    returned,
+                )
+                assert not math.isfinite(got)
+        assert monitor.faults.total == 0
+    finally:
+        monitor.close()

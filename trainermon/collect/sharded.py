@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from trainermon.stats import NANS, SUMSQ, empty_partials, reduce_across
+from trainermon.stats import NANS, SUMSQ, empty_partials, grad_sumsq, reduce_across
 
 from .placement import TensorPiece
 from .records import RowMeta
@@ -107,7 +107,7 @@ def local_grad_sumsq(rows: list[RowMeta], parts: list[torch.Tensor], sharded: Sh
         mine = [i for i, r in enumerate(metas) if r.family == "grad_reduced"]
         if mine:
             table = torch.cat([on_device(p, device) for p in tables])
-            total = total + table[to_device(mine, table.device), SUMSQ].sum()
+            total = total + grad_sumsq(table[to_device(mine, table.device)])
     return total
 
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from trainermon.collect.records import Derived, StatBatch, StepPayload
 from trainermon.failsafe import FaultLog
-from trainermon.stats import NANS, SUMSQ, finalize
+from trainermon.stats import NANS, finalize, grad_sumsq
 
 from .anomaly import AnomalyDetector
 from .health import (
@@ -67,7 +67,7 @@ class Deriver:
         # Global gradient norm from the per-parameter sums of squares (exact across shards, since each
         # written row is already the full parameter's merged statistic).
         reduced = list(compress(range(len(rows)), map("grad_reduced".__eq__, map(_FAMILY, rows))))
-        norm = float(np.sqrt(np.sum(partials[reduced, SUMSQ]))) if reduced else None
+        norm = float(np.sqrt(grad_sumsq(partials[reduced]))) if reduced else None
         if payload.job_grad_sumsq is not None:  # a model split over ranks: every rank's written rows
             norm = float(np.sqrt(max(float(payload.job_grad_sumsq), 0.0)))
         scale = payload.scalars.loss_scale

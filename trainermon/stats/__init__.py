@@ -23,6 +23,7 @@ _EXPORTS = {
         "ZEROS",
         "empty_partials",
         "finalize",
+        "grad_sumsq",
         "merge",
         "reduce_across",
     ),

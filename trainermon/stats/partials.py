@@ -115,6 +115,19 @@ def reduce_across(partials: torch.Tensor, group: Any = None, flags: torch.Tensor
     return out, gathered[:, :, NUM_PARTIALS].amax(0) > 0
 
 
+def grad_sumsq(rows: Any) -> Any:
+    """The sum of squares behind a global gradient norm, as `clip_grad_norm_` forms it: NaN when any
+    element is NaN, else inf when any is inf. With `nans`/`infs` counted, a row's `sumsq` covers its
+    finite elements only, so the counts put the non-finite ones back. numpy rows or torch rows (on the
+    device, no sync); a row marked dropped (NaN count) adds nothing."""
+    if isinstance(rows, np.ndarray):
+        with np.errstate(invalid="ignore"):
+            nans, infs = rows[:, NANS] > 0, rows[:, INFS] > 0
+        return rows[:, SUMSQ].sum() + (math.nan if nans.any() else 0.0) + (math.inf if infs.any() else 0.0)
+    bad = torch.where(rows[:, NANS] > 0, math.nan, 0.0) + torch.where(rows[:, INFS] > 0, math.inf, 0.0)
+    return rows[:, SUMSQ].sum() + bad.sum()
+
+
 def finalize(partials: np.ndarray, numel: np.ndarray) -> dict[str, np.ndarray]:
     """Turn host partials [N, NUM_PARTIALS] and element counts [N] into the user-facing statistics."""
     p = partials.astype(np.float64, copy=False)
