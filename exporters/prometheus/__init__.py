@@ -37,6 +37,7 @@ import logging
 import os
 import socket
 import time
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -82,13 +83,19 @@ class PrometheusExporter(Exporter):
         self.max_series = section.max_series
         self.series = 0
         self._errors = None
-        self._last_dropped = 0
-        self._last_faults = 0
+        self._errors_seen: dict[str, int] = {}
+        self._families: set[str] = set()
         self._group_cache: dict[tuple[str, int, str], tuple[str, str]] = {}
         self._children: dict[tuple, Any] = {}
         self._over_budget_logged = False
         rules = [r["rule_name"] for r in run.config.alert.rules if isinstance(r.get("rule_name"), str)]
-        self.m = Metrics(pc, self.rank, run.run_id, self.per_parameter, rules, list(run.config.format))
+        # this monitor's sinks (run and rank): a reopened one takes the port and the counters over
+        self.group = (run.run_id, run.rank)
+        previous = NEWEST.get(self.group)
+        self.m = Metrics(
+            pc, self.rank, run.run_id, self.per_parameter, rules, list(run.config.format), previous
+        )
+        NEWEST[self.group] = self.m
         self.exposed = Exposed(self.m.registry)
 
         host = section.host
@@ -96,9 +103,8 @@ class PrometheusExporter(Exporter):
         self.sd_path: str | None = None
         # Binding fails here (port taken, bad address): the sink is disabled with one error and training
         # goes on.
-        group = (run.run_id, run.rank)  # this monitor's sinks: a reopened one may take the port over
         try:
-            self.server: http.MetricsServer | None = http.start(host, port, self, self._render(), group)
+            self.server: http.MetricsServer | None = http.start(host, port, self, self._render(), self.group)
         except OSError as exc:  # say which address, and where the port came from
             raise OSError(
                 exc.errno,
@@ -171,22 +177,29 @@ class PrometheusExporter(Exporter):
         if batch.scalars.update_skipped:
             m.skipped.labels(rank).inc()
         # A job-wide value: from rank 0 only (every rank of a split model has it: one series is enough).
-        if derived.global_grad_norm is not None and (self.run.rank == 0 or self.run.world_size == 1):
-            m.global_norm.labels(rank).set(derived.global_grad_norm)
+        if self.run.rank == 0 or self.run.world_size == 1:
+            if derived.global_grad_norm is not None:
+                m.global_norm.labels(rank).set(derived.global_grad_norm)
+            elif (rank,) in m.global_norm._metrics:  # gradients no longer collected: no stale value
+                m.global_norm.remove(rank)
         seconds = batch.scalars.monitor_time_ms / 1e3
         m.time.labels(rank).set(seconds)
         m.time_total.labels(rank).inc(max(seconds, 0.0))
-        self._counter_to(m.dropped, derived.dropped_rows, "_last_dropped")
-        self._counter_to(m.faults, derived.monitor_faults, "_last_faults")
+        self._counter_to(m.dropped, derived.dropped_rows)
+        self._counter_to(m.faults, derived.monitor_faults)
         for rule, total in derived.anomalies_total.items():
             # Outside the series budget: a handful of rules, and the one series an alert waits for
             child = m.anomalies.labels(rank, rule)
             if total > child._value.get():
                 child.inc(total - child._value.get())
+        families = set(map(_FAMILY, batch.rows))
         if batch.rows:
             self._update_stats(batch)
         if batch.xrank is not None and batch.xrank.rows:
+            families.update(row[0] for row in batch.xrank.rows)
             self._count_dropped(xrank.export(self, batch.xrank))
+        self._retire(self._families - families)
+        self._families = families
         self._sync_errors()
         self._publish()
 
@@ -195,21 +208,34 @@ class PrometheusExporter(Exporter):
         if server is not None and server.owner is self:  # a successor may own the endpoint now
             server.page = self._render()
 
-    def _counter_to(self, counter: Any, total: int, attr: str) -> None:
-        """Advance a counter to a cumulative total reported by the core."""
-        delta = total - getattr(self, attr)
+    def _counter_to(self, counter: Any, total: int) -> None:
+        """Advance a counter to a cumulative total of the monitor's (the counter may be a predecessor's)."""
+        child = counter.labels(self.rank)
+        delta = total - child._value.get()
         if delta > 0:
-            counter.labels(self.rank).inc(delta)
-            setattr(self, attr, total)
+            child.inc(delta)
 
     def _sync_errors(self) -> None:
+        # The counts are this set of sinks' own (a reload builds new sinks): add what is new since the
+        # last look, to counters that may hold a predecessor's counts too.
         if self._errors is None:
             return
         for fmt, count in self._errors.snapshot().items():
-            child = self.m.exporter_errors.labels(self.rank, fmt)
-            delta = count - child._value.get()
+            delta = count - self._errors_seen.get(fmt, 0)
             if delta > 0:
-                child.inc(delta)
+                self.m.exporter_errors.labels(self.rank, fmt).inc(delta)
+                self._errors_seen[fmt] = count
+
+    def _retire(self, families: set[str]) -> None:
+        """Remove the series of families the last collected step no longer produced (a reload turned
+        them off): a gauge left at an old step's value would read as current."""
+        if not families:
+            return
+        for key in [k for k in self._children if k[1][1] in families]:
+            metric, labels = key
+            metric.remove(*labels)
+            del self._children[key]
+            self.series -= 1
 
     def _child(self, metric: Any, labels: tuple) -> Any:
         key = (metric, labels)
@@ -234,7 +260,8 @@ class PrometheusExporter(Exporter):
         nonfinite = any(stat in values and np.any(values[stat] > 0) for stat in ("nans", "infs"))
         if "norm" in values and not np.all(np.isfinite(values["norm"])):
             nonfinite = True
-        if nonfinite:
+        # A step the loss scaler skipped for its overflow is the scaler at work (trainermon_skipped_steps)
+        if nonfinite and not batch.scalars.update_skipped:
             self.m.nonfinite.labels(self.rank).inc()
         if not keep:
             return
@@ -314,11 +341,18 @@ class PrometheusExporter(Exporter):
         http.stop(server, self, self.host, self.port)
 
     def close(self) -> None:
+        if NEWEST.get(self.group) is self.m:
+            del NEWEST[self.group]
         self._stop_server()
         if self.sd_path is not None:
             http.remove_target(self.sd_path, self)
             self.sd_path = None
 
+
+_FAMILY = attrgetter("family")
+
+#: The metrics of the newest sink of each monitor (run id, rank): the counters a reopened sink continues.
+NEWEST: dict[tuple, Metrics] = {}
 
 #: Float columns of single families exported as gauges (stat label = the column), by family.
 _FAMILY_GAUGES = {name: families for name, kind, families in EXTRA_COLUMNS if kind == "float"}

@@ -37,11 +37,21 @@ class Metrics:
         per_parameter: bool,
         rules: list[str],
         formats: list[str],
+        carry: Metrics | None = None,
     ) -> None:
         from trainermon import __version__
 
         reg = self.registry = pc.CollectorRegistry(auto_describe=False)
         r = ("rank",)
+
+        def counter(attr: str, name: str, doc: str, labels: tuple[str, ...]) -> Any:
+            # A sink reopened by a config reload (`carry`: the previous sink's metrics) keeps counting in
+            # the same counters: Prometheus sees neither a reset nor the old totals arriving again.
+            if carry is None:
+                return pc.Counter(name, doc, labels, registry=reg)
+            reg.register(getattr(carry, attr))
+            return getattr(carry, attr)
+
         self.info = pc.Gauge(
             "trainermon_info", "trainermon run information", r + ("run_id", "version"), registry=reg
         )
@@ -58,12 +68,12 @@ class Metrics:
             r,
             registry=reg,
         )
-        self.steps = pc.Counter("trainermon_steps_collected", "Collected steps exported", r, registry=reg)
-        self.skipped = pc.Counter(
+        self.steps = counter("steps", "trainermon_steps_collected", "Collected steps exported", r)
+        self.skipped = counter(
+            "skipped",
             "trainermon_skipped_steps",
             "Collected steps whose optimizer update was skipped (loss-scale overflow)",
             r,
-            registry=reg,
         )
         self.time = pc.Gauge(
             "trainermon_monitor_step_seconds",
@@ -71,11 +81,11 @@ class Metrics:
             r,
             registry=reg,
         )
-        self.time_total = pc.Counter(
+        self.time_total = counter(
+            "time_total",
             "trainermon_monitor_time_seconds",
             "Time the monitor spent on the training thread, summed over collected steps",
             r,
-            registry=reg,
         )
         self.layer = pc.Gauge(
             "trainermon_layer_stat",
@@ -93,35 +103,38 @@ class Metrics:
             if per_parameter
             else None
         )
-        self.nonfinite = pc.Counter(
+        self.nonfinite = counter(
+            "nonfinite",
             "trainermon_nonfinite_steps",
             "Collected steps in which any statistic saw NaN or Inf",
             r,
-            registry=reg,
         )
-        self.anomalies = pc.Counter(
-            "trainermon_anomalies", "Anomalies detected, by rule", r + ("rule",), registry=reg
+        self.anomalies = counter(
+            "anomalies", "trainermon_anomalies", "Anomalies detected, by rule", r + ("rule",)
         )
-        self.dropped = pc.Counter(
+        self.dropped = counter(
+            "dropped",
             "trainermon_dropped_records",
             "Statistics rows dropped because the output queue was full",
             r,
-            registry=reg,
         )
-        self.faults = pc.Counter(
+        self.faults = counter(
+            "faults",
             "trainermon_monitor_faults",
             "Monitor-internal errors (caught; training unaffected)",
             r,
-            registry=reg,
         )
-        self.exporter_errors = pc.Counter(
-            "trainermon_exporter_errors", "Failures of output sinks, by sink", r + ("exporter",), registry=reg
+        self.exporter_errors = counter(
+            "exporter_errors",
+            "trainermon_exporter_errors",
+            "Failures of output sinks, by sink",
+            r + ("exporter",),
         )
-        self.series_dropped = pc.Counter(
+        self.series_dropped = counter(
+            "series_dropped",
             "trainermon_series_dropped",
             "Series not exported because prometheus.max_series was reached",
             r,
-            registry=reg,
         )
         self.xrank = pc.Gauge(
             "trainermon_xrank_stat",
@@ -136,7 +149,8 @@ class Metrics:
             registry=reg,
         )
         self.info.labels(rank, run_id, __version__).set(1)
-        for metric in (self.steps, self.time_total, self.nonfinite, self.dropped, self.faults):
+        counters = (self.steps, self.skipped, self.time_total, self.nonfinite, self.dropped, self.faults)
+        for metric in (*counters, self.series_dropped):
             metric.labels(rank)
         for rule in rules:
             self.anomalies.labels(rank, rule)

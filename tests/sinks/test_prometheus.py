@@ -426,3 +426,112 @@ def test_an_anomaly_rule_first_seen_past_the_series_budget_is_still_exported(tmp
         assert value(s, "trainermon_anomalies_total", rule="AnomalyNan") == 3
     finally:
         sink.close()
+
+
+def _sink(tmp_path, run_id: str, port: int, sub: str):
+    from trainermon.exporters import RunInfo
+    from trainermon.exporters.prometheus import PrometheusExporter
+
+    cfg = parse_config({"format": ["prometheus"], "prometheus": {"port": port}})
+    sink = PrometheusExporter()
+    sink.open(RunInfo(str(tmp_path / sub), str(tmp_path), 0, 1, run_id, cfg))
+    return sink
+
+
+def _derived_batch(step: int, families=("grad_reduced",), norm=1.0, skipped=None, **derived):
+    from trainermon.collect.records import Derived, RowMeta, StatBatch, StepScalars
+
+    rows = [RowMeta(f, 0, "layers.0.w", None, (2,), torch.float32, 2) for f in families]
+    vals = {k: np.ones(len(rows)) for k in ("mean", "min", "max", "zeros", "numel")}
+    vals["norm"] = np.full(len(rows), norm)
+    return StatBatch(
+        step=step,
+        rows=rows,
+        values=vals,
+        scalars=StepScalars(update_skipped=skipped),
+        derived=Derived(**derived),
+    )
+
+
+def test_a_reopened_sink_of_the_same_run_continues_its_counters(tmp_path, monkeypatch):
+    """A reload that changes an output key reopens the sinks (new before old closes). Counters must
+    neither drop to 0 (a reset) nor receive the run's totals again: `increase()` would see anomalies,
+    drops and faults that did not happen, and TrainermonAnomaly / TrainermonRecordsDropped would fire."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    port = _free_port()
+    totals = {"anomalies_total": {"AnomalyNan": 4}, "dropped_rows": 2, "monitor_faults": 1}
+    old = _sink(tmp_path, "run1", port, "a")
+    new = None
+    try:
+        old.write(_derived_batch(0, **totals))
+        want = {
+            "trainermon_anomalies_total": 4,
+            "trainermon_dropped_records_total": 2,
+            "trainermon_monitor_faults_total": 1,
+            "trainermon_steps_collected_total": 1,
+        }
+
+        def page() -> dict:
+            s = scrape(f"http://127.0.0.1:{port}/metrics")
+            return {k: value(s, k, **({"rule": "AnomalyNan"} if "anomal" in k else {})) for k in want}
+
+        assert page() == want
+        new = _sink(tmp_path, "run1", port, "b")
+        assert page() == want  # the new sink's page, before its first step
+        old.write(_derived_batch(1, **totals))  # a step queued before the reload, written late
+        new.write(_derived_batch(2, **totals))
+        old.close()
+        assert page() == {**want, "trainermon_steps_collected_total": 3}
+        new.write(_derived_batch(3, **{**totals, "anomalies_total": {"AnomalyNan": 5}}))
+        assert page() == {**want, "trainermon_anomalies_total": 5, "trainermon_steps_collected_total": 4}
+    finally:
+        for sink in (old, new):
+            if sink is not None:
+                sink.close()
+
+
+def test_series_of_families_no_longer_collected_leave_the_page(tmp_path, monkeypatch):
+    """A reload that turns the gradients off: their layer gauges and the global norm must not stay at
+    an old step's value while trainermon_last_step moves on."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    sink = _sink(tmp_path, "run1", 0, "a")
+    try:
+        url = f"http://127.0.0.1:{sink.port}/metrics"
+        sink.write(_derived_batch(3, families=("grad_reduced", "param"), global_grad_norm=2.0))
+        s = scrape(url)
+        assert value(s, "trainermon_global_grad_norm") == 2.0
+        assert value(s, "trainermon_layer_stat", family="grad_reduced", layer="layers.0", stat="norm") == 1.0
+        sink.write(_derived_batch(7, families=("param",)))
+        s = scrape(url)
+        assert value(s, "trainermon_last_step") == 7
+        assert value(s, "trainermon_layer_stat", family="param", layer="layers.0", stat="norm") == 1.0
+        names = {(name, dict(labels).get("family")) for name, labels in s}
+        assert ("trainermon_layer_stat", "grad_reduced") not in names
+        assert ("trainermon_global_grad_norm", None) not in names
+        sink.write(_derived_batch(8, families=("grad_reduced", "param"), global_grad_norm=3.0))
+        s = scrape(url)  # back on: the series come back
+        assert value(s, "trainermon_global_grad_norm") == 3.0
+        assert value(s, "trainermon_layer_stat", family="grad_reduced", layer="layers.0", stat="norm") == 1.0
+    finally:
+        sink.close()
+
+
+def test_a_skipped_update_counts_as_skipped_not_as_a_nonfinite_step(tmp_path, monkeypatch):
+    """fp16 loss scaling skips a step when its gradients overflow: the scaler at work, not the critical
+    TrainermonNonFinite page (TrainermonUpdatesSkipped watches the skips). Every counter an alert reads
+    is on the page at 0 before its first event."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    sink = _sink(tmp_path, "run1", 0, "a")
+    try:
+        url = f"http://127.0.0.1:{sink.port}/metrics"
+        s = scrape(url)
+        for counter in ("skipped_steps", "series_dropped", "nonfinite_steps", "steps_collected"):
+            assert value(s, f"trainermon_{counter}_total") == 0, counter
+        sink.write(_derived_batch(0, norm=math.inf, skipped=True))
+        s = scrape(url)
+        assert value(s, "trainermon_skipped_steps_total") == 1
+        assert value(s, "trainermon_nonfinite_steps_total") == 0
+        sink.write(_derived_batch(1, norm=math.inf, skipped=False))
+        assert value(scrape(url), "trainermon_nonfinite_steps_total") == 1
+    finally:
+        sink.close()
