@@ -153,20 +153,25 @@ def _cmd_anomalies(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.dir):
         print(f"error: {args.dir!r} is not a directory", file=sys.stderr)
         return 2
-    records = load_anomalies(args.dir, steps)
+    records = load_anomalies(args.dir, steps, None if args.run_id is None else {args.run_id})
     out = args.json or os.path.join(args.dir, "anomaly_analysis.json")
     with open(out, "w", encoding="utf-8") as fh:
         json.dump(records, fh, indent=1)
     if not records:
         print(f"no anomalies recorded under {args.dir}")
         return 0
+    runs = list(dict.fromkeys(str(r.get("run_id", "?")) for r in records))
     print(f"{len(records)} anomalies, in the order they happened (first = first bad tensor):")
-    print(f"{'#':>3} {'step':>6} {'micro':>5} {'stage':<9} {'rank':>4} {'pp':>3} ", end="")
+    if len(runs) > 1:  # restarts sharing the output directory: run by run (--run-id picks one)
+        print(f"{len(runs)} runs, in the order they wrote: {', '.join(runs)} (--run-id RUN: one of them)")
+    run_col = f"{'run':<9}" if len(runs) > 1 else ""
+    print(f"{'#':>3} {run_col}{'step':>6} {'micro':>5} {'stage':<9} {'rank':>4} {'pp':>3} ", end="")
     print(f"{'rule':<17} {'family':<14} stat  value  name")
     for i, r in enumerate(records[: args.top]):
         micro = "-" if r.get("micro_step") is None else r["micro_step"]
+        run = f"{str(r.get('run_id', '?')):<9}" if run_col else ""
         print(
-            f"{i:>3} {r['step']:>6} {micro:>5} {r['stage']:<9} {r['rank']:>4} {r['pp_stage']:>3} "
+            f"{i:>3} {run}{r['step']:>6} {micro:>5} {r['stage']:<9} {r['rank']:>4} {r['pp_stage']:>3} "
             f"{r['rule']:<17} {r['family']:<14} {r['stat']}  {r['value']:.6g}  {r['name']}"
         )
     print(f"written: {out}")
@@ -238,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--top", type=count(0), default=20, help="rows to print (all are written to JSON)")
     an.add_argument("--steps", default=None, help=STEPS)
     an.add_argument("--json", default=None, help="output file (default DIR/anomaly_analysis.json)")
+    an.add_argument("--run-id", default=None, help="only this run's records (restarts share DIR)")
     an.set_defaults(func=_cmd_anomalies)
     conv = sub.add_parser(
         "convert",

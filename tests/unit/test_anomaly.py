@@ -6,6 +6,7 @@ import json
 import math
 import os
 from collections import OrderedDict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -257,3 +258,54 @@ def test_dump_false_detects_and_counts_but_writes_no_record_file(tmp_path):
     det.close()
     assert [a.rule for a in found] == ["AnomalyNan"] and det.totals() == {"AnomalyNan": 1}
     assert not (tmp_path / "anomaly_detected").exists()
+
+
+def _nan_at(out: str, nan_step: int, layer: int) -> str:
+    """One run into `out`: a NaN gradient in `model[layer]` at `nan_step`; returns the run id."""
+    cfg = write_config(
+        Path(out).parent / f"c{nan_step}.json",
+        wg_distribution=True,
+        ops=["norm", "nans"],
+        alert={"rules": [{"rule_name": "AnomalyNan"}], "dump": True},
+    )
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(model, optimizer=opt)
+    for step in range(nan_step + 1):
+        model(torch.randn(3, 4)).square().sum().backward()
+        if step == nan_step:
+            model[layer].weight.grad[0, 0] = math.nan
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    return monitor.loop.outputs.run_id
+
+
+def test_runs_sharing_an_output_directory_keep_their_anomalies_apart(tmp_path, monkeypatch, capsys):
+    """A job restarted into the same MONITOR_OUTPUT_DIR appends to the same record file: the records say
+    which run they belong to, a run's analysis counts its own only, and the listing goes run by run (the
+    second run's step 2 once came before the first run's step 5, as if it had happened first)."""
+    from trainermon.analysis.analyze import analyze
+
+    out = str(tmp_path / "out")
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", out)
+    first = _nan_at(out, nan_step=5, layer=1)
+    second = _nan_at(out, nan_step=2, layer=0)
+    assert first != second
+    records = load_anomalies(out)
+    # per run: the weight before and after the reduce, and the global norm (NaN, as clip_grad_norm_'s)
+    assert [(r["run_id"], r["step"]) for r in records] == [(first, 5)] * 3 + [(second, 2)] * 3
+    names = [r["name"] for r in records]
+    assert names == ["1.weight"] * 2 + ["global_grad_norm"] + ["0.weight"] * 2 + ["global_grad_norm"]
+    assert [r["step"] for r in load_anomalies(out, run_ids={second})] == [2, 2, 2]
+    for run, step in ((first, 5), (second, 2)):
+        (run_dir,) = [d for d in os.listdir(out) if d.endswith(f"-rank0-{run}")]
+        found = analyze(os.path.join(out, run_dir), progress=False).anomalies
+        assert {(r["run_id"], r["step"]) for r in found} == {(run, step)}, run
+    assert cli_main(["anomalies", out, "--run-id", second]) == 0
+    printed = capsys.readouterr().out
+    assert "3 anomalies" in printed and "1.weight" not in printed
+    assert cli_main(["anomalies", out]) == 0
+    assert f"2 runs, in the order they wrote: {first}, {second}" in capsys.readouterr().out

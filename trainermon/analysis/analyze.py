@@ -156,13 +156,15 @@ def _stem(*parts: str) -> str:
 
 
 def load_run_anomalies(source: RunSource, steps: tuple[int, int] | None = None) -> list[dict]:
-    from trainermon.pipeline.anomaly import load_anomalies, sort_key
+    from trainermon.pipeline.anomaly import in_order, load_anomalies
 
+    # The run's own records: an output directory shared by restarts holds every run's in one file.
+    runs = {f.run_id for f in source.files} if source.run_id is None else {source.run_id}
+    wanted = None if None in runs or not runs else runs
     records: list[dict] = []
     for directory in source.anomaly_dirs():
-        records += load_anomalies(directory, steps)
-    records.sort(key=sort_key)
-    return records
+        records += load_anomalies(directory, steps, wanted)
+    return in_order(records)
 
 
 def analyze(

@@ -16,7 +16,9 @@ Rules (msprobe's config: `"alert": {"rules": [{"rule_name": ..., "args": {...}}]
 
 Every statistic of every row is checked on its own, so anomalies on two statistics of one tensor are
 two records. Records go to `{MONITOR_OUTPUT_DIR}/anomaly_detected/anomaly_rank{R}.jsonl`, appended one
-line at a time and flushed (never rewritten). `sort_key` orders records as they happened in the job.
+line at a time and flushed (never rewritten), each with the job's `run_id`: runs that share an output
+directory (restarts) share the file. `in_order` orders records as they happened: run by run (the order
+their first records were written), then `sort_key` within a run.
 """
 
 from __future__ import annotations
@@ -122,9 +124,11 @@ class AnomalyDetector:
         pp_stage: int = 0,
         dump: bool = True,
         log_limit_per_step: int = 3,
+        run_id: str = "",
     ) -> None:
         self.rules = rules
         self.rank = rank
+        self.run_id = run_id  # the job's (every rank's the same), written in each record
         self.pp_stage = pp_stage
         self.dump = dump  # msprobe's alert.dump: write each anomaly to the record file
         self.path = os.path.join(out_dir, "anomaly_detected", f"anomaly_rank{rank}.jsonl")
@@ -138,7 +142,9 @@ class AnomalyDetector:
         self.external: deque[Anomaly] = deque()
 
     @classmethod
-    def for_job(cls, alert: Any, out_dir: str, rank: int, process_group: Any = None) -> AnomalyDetector:
+    def for_job(
+        cls, alert: Any, out_dir: str, rank: int, process_group: Any = None, run_id: str = ""
+    ) -> AnomalyDetector:
         """The detector of a monitor with the config's `alert` section. `process_group`: msprobe's
         pipeline group, whose rank numbers this rank's stage in the records (one local query, no
         collective). Built even without rules (it finds nothing): a reload may add them."""
@@ -147,7 +153,7 @@ class AnomalyDetector:
             import torch.distributed as dist
 
             stage = dist.get_group_rank(process_group, rank)
-        return cls(parse_rules(alert.rules), out_dir, rank, stage, alert.dump)
+        return cls(parse_rules(alert.rules), out_dir, rank, stage, alert.dump, run_id=run_id)
 
     # ---- per step ------------------------------------------------------------------------------
     def totals(self) -> dict[str, int]:
@@ -335,7 +341,8 @@ class AnomalyDetector:
         if self._fh is None:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open, append-only
-        lines = "".join(json.dumps(asdict(a), allow_nan=True) + "\n" for a in found)
+        run = {"run_id": self.run_id}
+        lines = "".join(json.dumps(asdict(a) | run, allow_nan=True) + "\n" for a in found)
         self._fh.write(lines)
         self._fh.flush()
 
@@ -348,8 +355,23 @@ class AnomalyDetector:
             self._fh = None
 
 
-def load_anomalies(directory: str, steps: tuple[int, int] | None = None) -> list[dict]:
-    """All anomaly records under `directory` (any depth), every rank merged, in the order they happened."""
+def in_order(records: list[dict]) -> list[dict]:
+    """Records in the order they happened: run by run (restarts that share an output directory, in the
+    order their first records were written), then `sort_key` within a run."""
+    first: dict[str, float] = {}
+    for rec in records:
+        run = rec.get("run_id", "")
+        first[run] = min(first.get(run, math.inf), float(rec.get("time", math.inf)))
+    return sorted(
+        records, key=lambda rec: (first[rec.get("run_id", "")], rec.get("run_id", ""), *sort_key(rec))
+    )
+
+
+def load_anomalies(
+    directory: str, steps: tuple[int, int] | None = None, run_ids: set[str] | None = None
+) -> list[dict]:
+    """All anomaly records under `directory` (any depth), every rank merged, in the order they happened
+    (`in_order`); `run_ids`: only these runs' records."""
     records = []
     for root, _dirs, files in os.walk(directory):
         for name in files:
@@ -364,7 +386,9 @@ def load_anomalies(directory: str, steps: tuple[int, int] | None = None) -> list
                         rec = json.loads(line)
                     except json.JSONDecodeError:
                         continue  # a line cut by a crash: skip it, keep the rest
+                    run = rec.get("run_id")  # None: a record of a version that did not write it (kept)
+                    if run_ids is not None and run is not None and run not in run_ids:
+                        continue
                     if steps is None or steps[0] <= int(rec["step"]) <= steps[1]:
                         records.append(rec)
-    records.sort(key=sort_key)
-    return records
+    return in_order(records)

@@ -176,7 +176,7 @@ class StepLoop:
         from trainermon.pipeline.anomaly import AnomalyDetector
 
         alert, group = self.config.alert, self.process_group
-        detector = AnomalyDetector.for_job(alert, self.outputs.root, self.rank, group)
+        detector = AnomalyDetector.for_job(alert, self.outputs.root, self.rank, group, self.outputs.run_id)
         detector.on_anomaly.append(self._escalate)
         return detector
 
