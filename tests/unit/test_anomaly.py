@@ -309,3 +309,38 @@ def test_runs_sharing_an_output_directory_keep_their_anomalies_apart(tmp_path, m
     assert "3 anomalies" in printed and "1.weight" not in printed
     assert cli_main(["anomalies", out]) == 0
     assert f"2 runs, in the order they wrote: {first}, {second}" in capsys.readouterr().out
+
+
+def test_a_reloaded_window_applies_to_the_existing_histories(tmp_path):
+    """A reload (or a restored state) that shortens AnomalySpike's window: the histories kept their old
+    length, so a level shift down was judged against the old level for 50 more steps."""
+    spike = {"rule_name": "AnomalySpike", "args": {"window": 50, "warmup": 2}}
+    det = AnomalyDetector(parse_rules([spike]), str(tmp_path), rank=0)
+    step = 0
+    for value in [10.0] * 40:
+        assert det.check(_batch(step, [("grad_reduced", "w")], norm=[value])) == []
+        step += 1
+    det.rules = parse_rules([{**spike, "args": {"window": 10, "warmup": 2}}])  # what loop._reload does
+    for value in [1.0] * 12:  # the new level (lower: not spikes, they enter the baseline)
+        assert det.check(_batch(step, [("grad_reduced", "w")], norm=[value])) == []
+        step += 1
+    found = det.check(_batch(step, [("grad_reduced", "w")], norm=[8.0]))
+    det.close()
+    assert [(a.rule, a.name, a.baseline) for a in found] == [("AnomalySpike", "w", pytest.approx(1.0))]
+
+
+def test_two_rules_of_one_name_keep_their_own_histories(tmp_path):
+    """msprobe accepts a rule twice (two thresholds); each must compare against the earlier values only
+    (the second once saw an average that already held the new value, each value added twice)."""
+    rules = [
+        {"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.5}},
+        {"rule_name": "AnomalyTurbulence", "args": {"threshold": 2.0}},
+    ]
+    det = AnomalyDetector(parse_rules(rules), str(tmp_path), rank=0)
+    for step in range(5):
+        assert det.check(_batch(step, [("grad_reduced", "w")], norm=[1.0])) == []
+    found = det.check(_batch(5, [("grad_reduced", "w")], norm=[3.5]))
+    det.close()
+    # 3.5 is above 1.5 and above 3.0: both rules fire, each against the average 1.0
+    assert [(a.rule, a.stat, a.baseline) for a in found] == [("AnomalyTurbulence", "norm", 1.0)] * 2
+    assert det.totals() == {"AnomalyTurbulence": 2}

@@ -136,6 +136,7 @@ class AnomalyDetector:
         self.log_limit = log_limit_per_step
         self._avg: dict[tuple, tuple[float, int]] = {}
         self._rolling: dict[tuple, _Rolling] = {}
+        self._repeat = 0  # the rule being applied is the n-th of that name (its history is its own)
         self._fh: Any = None
         self.on_anomaly: list = []  # callbacks(step, anomalies) — escalation hooks in
         #: Records found elsewhere (AnomalyComm, on the training thread), reported with the next check.
@@ -164,7 +165,10 @@ class AnomalyDetector:
         """Apply the rules to one step; record, log and report what they find."""
         found: list[Anomaly] = []
         now = time.time()
+        seen: Counter[str] = Counter()
         for rule in self.rules:
+            self._repeat = seen[rule.name]
+            seen[rule.name] += 1
             found += getattr(self, f"_{rule.name}")(batch, rule.args, now)
         while self.external:
             found.append(self.external.popleft())
@@ -210,6 +214,21 @@ class AnomalyDetector:
         for key, (maxlen, values) in state.get("rolling", {}).items():
             roll = self._rolling[key] = _Rolling(maxlen)
             roll.values.extend(values)
+
+    def key(self, *key: Any) -> tuple:
+        """A history's key: a second rule of the same name (another threshold) keeps its own history."""
+        return (*key, self._repeat) if self._repeat else key
+
+    def roll(self, window: int, *key: Any) -> _Rolling:
+        """The rolling history at `key`, with the rule's current `window` (a reload or a restored state
+        may have changed it: the newest values are kept)."""
+        key = self.key(*key)
+        roll = self._rolling.get(key)
+        if roll is None:
+            roll = self._rolling[key] = _Rolling(window)
+        elif roll.values.maxlen != window:
+            roll.values = deque(roll.values, maxlen=window)
+        return roll
 
     def _make(
         self, batch: StatBatch, i: int, stat: str, value: float, baseline: float | None, rule: str, now: float
@@ -265,7 +284,7 @@ class AnomalyDetector:
                 if not math.isfinite(value):
                     continue
                 row = batch.rows[i]
-                key = (row.family, row.vpp_stage, row.name, row.micro_step, stat)
+                key = self.key(row.family, row.vpp_stage, row.name, row.micro_step, stat)
                 avg, n = self._avg.get(key, (0.0, 0))
                 if n:
                     limit = avg * (1 + threshold)  # for a negative average: more negative than that
@@ -308,7 +327,7 @@ class AnomalyDetector:
         out = []
         norm = batch.derived.global_grad_norm
         if norm is not None:
-            roll = self._rolling.setdefault(("global",), _Rolling(window))
+            roll = self.roll(window, "global")
             baseline = roll.check_then_add(norm, warmup, z, min_rel)
             if baseline is not None:
                 out.append(self._global(batch, norm, baseline, "AnomalySpike", now))
@@ -318,10 +337,7 @@ class AnomalyDetector:
                 row = batch.rows[i]
                 if row.numel == 0:
                     continue  # no values (a None output's row)
-                key = (row.family, row.vpp_stage, row.name, row.micro_step)
-                roll = self._rolling.get(key)
-                if roll is None:
-                    roll = self._rolling[key] = _Rolling(window)
+                roll = self.roll(window, row.family, row.vpp_stage, row.name, row.micro_step)
                 baseline = roll.check_then_add(float(value), warmup, z, min_rel)
                 if baseline is not None:
                     out.append(self._make(batch, i, "norm", float(value), baseline, "AnomalySpike", now))

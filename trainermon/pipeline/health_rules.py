@@ -22,8 +22,6 @@ from .rule_specs import WARMUP, WINDOW
 
 
 def update_ratio(det: Any, batch: StatBatch, args: dict, now: float) -> list:
-    from .anomaly import _Rolling
-
     column = batch.values.get("ratio")
     if column is None:
         return []
@@ -35,7 +33,7 @@ def update_ratio(det: Any, batch: StatBatch, args: dict, now: float) -> list:
         value = float(column[i])
         if row.family != "update" or math.isnan(value):
             continue
-        roll = det._rolling.setdefault(("ratio", row.vpp_stage, row.name), _Rolling(window))
+        roll = det.roll(window, "ratio", row.vpp_stage, row.name)
         baseline = roll.check_then_add(value, warmup, z, min_rel)
         if limit is not None and value > float(limit):
             baseline = float(limit)
@@ -62,8 +60,6 @@ def expert_collapse(det: Any, batch: StatBatch, args: dict, now: float) -> list:
 
 
 def logit_growth(det: Any, batch: StatBatch, args: dict, now: float) -> list:
-    from .anomaly import _Rolling
-
     column = batch.values.get("max")
     if column is None:
         return []
@@ -74,7 +70,7 @@ def logit_growth(det: Any, batch: StatBatch, args: dict, now: float) -> list:
         value = float(column[i])
         if row.family != "attn_logit" or math.isnan(value):
             continue
-        first = det._rolling.setdefault(("attn_first", row.vpp_stage, row.name), _Rolling(1)).values
+        first = det.roll(1, "attn_first", row.vpp_stage, row.name).values
         if not first:
             first.append(value)  # kept with the detector's state, like the rolling windows
         baseline = None
