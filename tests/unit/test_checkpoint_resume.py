@@ -99,7 +99,7 @@ def test_resumed_run_writes_the_same_rows_and_anomalies(tmp_path, monkeypatch):
 
     rows, anomalies = _resumed(tmp_path, monkeypatch, "resumed", load=True)
     assert rows == expected
-    strip = ("time", "rank")
+    strip = ("time", "rank", "run_id")  # two jobs: two run ids
     assert [{k: v for k, v in a.items() if k not in strip} for a in anomalies] == [
         {k: v for k, v in a.items() if k not in strip} for a in expected_anomalies
     ]
