@@ -100,6 +100,7 @@ class DeepSpeedAdapter(Adapter):
         self._params: list[MonitoredParam] | None = None
         self._fp32_master: dict[int, torch.Tensor] = {}  # fp16_wrapper: id(lp param) -> fp32 master
         self._zero12_group: dict[int, int] = {}  # zero12: id(lp param) -> param group index
+        self._said_no_grads = False
         self._index_maps()
         self._acc: dict[int, torch.Tensor] = {}  # float32 sums of earlier micro-batches (collected steps)
         self._grad_scale: float | None = None
@@ -293,6 +294,14 @@ class DeepSpeedAdapter(Adapter):
             # The row exists on every rank when the optimizer holds reduced gradients for the group.
             grads = _zero12_grad_dict(opt).get(group)
             if grads is None:
+                if not self._said_no_grads:  # an optimizer layout this adapter does not know: say so
+                    self._said_no_grads = True
+                    logger.warning(
+                        "trainermon: %s holds no reduced gradients for parameter group %d that trainermon "
+                        "can read: grad_reduced rows of its parameters are left out",
+                        type(opt).__name__,
+                        group,
+                    )
                 return None
             local = None
             if frag is not None:
@@ -349,6 +358,11 @@ class DeepSpeedAdapter(Adapter):
 
 
 def _zero12_grad_dict(opt: Any) -> dict[int, Any]:
+    if getattr(opt, "cpu_offload", False):
+        # offload_optimizer: the reduced gradients go to the CPU partition's fp32 .grad (views by
+        # group); averaged_gradients stays empty
+        grads = getattr(opt, "offload_gradient_dict", None)
+        return grads if isinstance(grads, dict) else {}
     grads = getattr(opt, "averaged_gradients", None)
     if grads is None:
         grads = getattr(opt, "fp32_groups_gradient_dict", None)

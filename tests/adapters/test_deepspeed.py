@@ -66,6 +66,9 @@ CASES: list[dict[str, Any]] = [
     {"stage": 2, "bf16": False, "mbs": True},
     {"stage": 1, "bf16": True, "mbs": False, "fp32_accum": True},  # BF16_Optimizer
     {"stage": 2, "bf16": True, "mbs": False, "overflow_step": 1},
+    # offload_optimizer: the reduced gradients live in the CPU partition (once written nowhere, silently)
+    {"stage": 2, "bf16": False, "mbs": False, "offload": True},
+    {"stage": 1, "bf16": False, "mbs": False, "offload": True},
 ]
 
 
@@ -91,6 +94,9 @@ def _ds_config(case: dict[str, Any], world: int) -> dict[str, Any]:
     }
     if case.get("fp32_accum"):
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    if case.get("offload"):  # the user's torch AdamW on the CPU partition (no DeepSpeed CPU Adam build)
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        cfg["zero_force_ds_cpu_optimizer"] = False
     return cfg
 
 
