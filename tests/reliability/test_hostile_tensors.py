@@ -224,3 +224,45 @@ def test_hostile_tensors_through_a_running_monitor(tmp_path, out_dir, static_mod
     else:
         assert math.isnan(float(dirty["norm"])) and math.isnan(float(dirty["max"]))
     assert {r["dtype"] for r in grads.values()} >= {"torch.float16", "torch.bfloat16", "torch.float32"}
+
+
+@pytest.mark.parametrize("transform", ["vmap-grad", "functionalize"])
+def test_torch_func_transforms_are_not_micro_batches(tmp_path, out_dir, transform):
+    """Per-sample gradients (Opacus-style `vmap(grad(functional_call(...)))`) or `functionalize` run the
+    monitored model's hooks on wrapper tensors without addressable values: they once reached the native
+    kernel's storage read (two faults, a traceback) and shifted the step's real forward to micro_step 1.
+    Such calls are not the step's micro-batches: no rows, no faults, the real forward is micro-batch 0."""
+    from torch.func import functional_call, functionalize, grad, vmap
+
+    cfg = write_config(tmp_path / "cfg.json", xy_distribution=True, ops=["norm"])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(model, optimizer=opt)
+    x = torch.randn(5, 4)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    if transform == "vmap-grad":
+        loss = lambda p, xi: functional_call(model, p, (xi[None],)).sum()  # noqa: E731
+        per_sample = vmap(grad(loss), in_dims=(None, 0))(params, x)
+        assert per_sample["0.weight"].shape == (5, 8, 4)
+    else:
+        functionalize(model)(x)
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(name: str):  # returns None: the output is left as it is
+        return lambda _m, _i, out: seen.__setitem__(name, out.detach().clone())
+
+    hooks = [m.register_forward_hook(keep(n)) for n, m in model.named_children()]
+    model(x).sum().backward()
+    for h in hooks:
+        h.remove()
+    opt.step()
+    opt.zero_grad()
+    monitor.close()
+    assert monitor.faults.total == 0, dict(monitor.faults.counts)
+    rows = keyed(read_family(monitor.run_dir, "actv"))
+    assert sorted(rows) == sorted((f"{n}.{io}", 0, 0) for n in ("0", "1") for io in ("input", "output"))
+    for name in ("0", "1"):
+        want = float(seen[name].double().norm())
+        assert float(rows[(f"{name}.output", 0, 0)]["norm"]) == pytest.approx(want, rel=1e-6)

@@ -71,7 +71,11 @@ def plan(t: torch.Tensor) -> tuple[int, int, int] | None:
     n = t.numel()
     if not (t.is_contiguous() or is_dense(t)):
         return None
-    if t.untyped_storage().nbytes() < (t.storage_offset() + n) * _ITEMSIZE[code]:
+    try:
+        held = t.untyped_storage().nbytes()
+    except (NotImplementedError, RuntimeError):  # a wrapper without storage (torch.func transforms)
+        return None
+    if held < (t.storage_offset() + n) * _ITEMSIZE[code]:
         return None
     ptr = t.data_ptr()
     return (ptr, n, code) if ptr else None  # address 0: a wrapper without memory (functionalization)

@@ -36,7 +36,7 @@ from ..plan import StepPlan
 from ..selection import select_modules
 from .base import Probe
 from .grad_rows import GradRowsCache
-from .module_hooks import ModuleHooks
+from .module_hooks import ModuleHooks, in_backward, in_transform
 from .recompute import Recomputes
 from .slots import UNTAPPED, Names, input_slots, is_activation, output_slots, padded, replace_tensors
 from .written import mark_view, release, settle_input_views
@@ -123,6 +123,8 @@ class HookedModule:
             return None
         if is_compiling() or probe.hooks.pinned:  # `pinned` is read only when dynamo is not tracing
             return self._not_eager("traced_pre", probe._pre_body, module, args, kwargs)
+        if in_transform():
+            return None
         with probe.loop.clock:  # the whole body is the monitor's own time, not only its rows
             return probe._pre_body(self, module, args, kwargs)
 
@@ -132,6 +134,8 @@ class HookedModule:
             return None
         if is_compiling() or probe.hooks.pinned:
             return self._not_eager("traced_forward", probe._forward_body, module, args, kwargs, output)
+        if in_transform():
+            return None
         with probe.loop.clock:
             return probe._forward_body(self, module, args, kwargs, output)
 
@@ -148,11 +152,6 @@ class HookedModule:
                 if result is not UNTAPPED:
                     return result
         return _outside_graph()(probe.loop.clock, body, self, *args)
-
-
-def in_backward() -> bool:
-    """A forward recomputed inside backward (activation checkpointing)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class ActivationProbe(Probe):

@@ -166,3 +166,17 @@ class ModuleHooks:
         for handle in self._watchers:
             handle.remove()
         self._watchers.clear()
+
+
+def in_transform() -> bool:
+    """A call inside a torch.func transform (vmap, grad, functionalize: per-sample gradients): its tensors
+    are wrappers without addressable values, and the call is not one of the step's micro-batches."""
+    return _functorch_level() is not None
+
+
+_functorch_level = torch._C._functorch.maybe_current_level
+
+
+def in_backward() -> bool:
+    """A forward recomputed inside backward (activation checkpointing)."""
+    return torch._C._current_graph_task_id() != -1

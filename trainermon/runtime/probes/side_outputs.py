@@ -17,8 +17,8 @@ from trainermon.config import MonitorConfig
 
 from ..plan import StepPlan
 from ..selection import select_modules
-from .activations import in_backward
 from .base import Probe
+from .module_hooks import in_backward
 from .slots import activations_in
 
 logger = logging.getLogger("trainermon")
