@@ -6,7 +6,9 @@ and order (tests/unit/test_engine_accuracy.py checks it on adversarial inputs). 
 - float32, bf16 and fp16 tensors: the sum of squares within 16u (9.6e-7) relative, so `norm` within 4.8e-7
   relative; the sum within 16u x sum|x|, so `mean` within 9.6e-7 x rms of the exact mean (rms = norm /
   sqrt(numel) bounds mean |x|); `min`, `max`, NaN, Inf and zero counts exact. float64 tensors: relative
-  1e-10. Integers and bools: reduced in float64, exact up to 2^53.
+  1e-10 for values within about 1e-154..1e154 in magnitude (their squares are summed in float64, the
+  partials' own type: beyond that range `norm` overflows to inf or underflows to 0; mean, min, max and
+  the counts stay exact). Integers and bools: reduced in float64, exact up to 2^53.
 - Why: no float32 accumulator ever adds more than RUN = 16 terms, and any order of adding k terms errs
   by at most (k - 1) roundings of their magnitudes (one more for the rounded squares). The native kernel
   adds float32 runs of 16 per lane into double lanes (`_fused.c`), and so does the Triton kernel on CUDA
