@@ -14,6 +14,11 @@ call, whether or not it updated. The skipped step's activations, `actv_grad`, `g
 in backward: multiplied by the loss scale, like `actv_grad`) and `grad_reduced` (read at the boundary:
 unscaled by `scaler.step`, with its Inf/NaN) are written; its parameters are unchanged.
 
+A framework that sees every optimizer step call, updated or skipped (Lightning's `on_before_optimizer_step`,
+which its precision plugins call before `scaler.step`), can say so (`report_step_calls`): then only a
+`zero_grad()` after such a call closes a skipped step. A `zero_grad()` in the middle of an accumulation is
+not a skip: Lightning clears the gradients before validation even there under manual optimization.
+
 Megatron's and DeepSpeed's optimizers report a skip themselves (`update_skipped` from their step); this
 probe is for torch optimizers only.
 """
@@ -38,6 +43,9 @@ class SkippedStepProbe(Probe):
     def __init__(self, loop: Any) -> None:
         super().__init__(loop)
         self.trained = False  # a backward reached the optimizer's parameters since the last boundary
+        self.calls_reported = False  # the framework calls `step_called` for each step call (see above)
+        self.called = False  # ... and did since the last boundary
+        self.wired = False  # attached to a torch optimizer
 
     def attach(self) -> list[Any]:
         adapter = self.loop.adapter
@@ -55,10 +63,26 @@ class SkippedStepProbe(Probe):
         modules = {id(m): m for m in (*adapter.chunks, *adapter.roots())}
         handles += [self._patch(m) for m in modules.values()]
         handles.append(self._patch(optimizer))
+        self.wired = True
         return handles
 
+    def watch_zero_grad(self, obj: Any) -> Restore:
+        """Also watch `obj.zero_grad()`: a wrapper whose own `zero_grad` bypasses the optimizer's
+        (Lightning's `LightningOptimizer` runs `Optimizer.zero_grad` on itself). Undo with `.remove()`."""
+        return self._patch(obj)
+
     def begin(self, plan: StepPlan) -> None:
-        self.trained = False
+        self.trained = self.called = False
+
+    def step_called(self, optimizer: Any) -> None:
+        """The framework is about to step `optimizer` (or a wrapper of it): the scaler may skip it."""
+        target = getattr(self.loop.adapter, "optimizer", None)
+        for _ in range(8):  # a short chain of wrappers (LightningOptimizer, AcceleratedOptimizer)
+            if optimizer is None or optimizer is target:
+                break
+            optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if optimizer is not None and optimizer is target:
+            self.called = True
 
     def _backward(self, param: Any) -> None:
         self.trained = True
@@ -67,7 +91,8 @@ class SkippedStepProbe(Probe):
         original = obj.zero_grad
 
         def zero_grad(*args: Any, **kwargs: Any) -> Any:
-            if self.trained and self.loop.hooked and not self.loop.closed:
+            skipped = self.trained and (self.called or not self.calls_reported)
+            if skipped and self.loop.hooked and not self.loop.closed:
                 self._close_skipped()
             return original(*args, **kwargs)
 
@@ -81,3 +106,13 @@ class SkippedStepProbe(Probe):
             self.loop.on_post_optim(StepScalars(update_skipped=True))
         except Exception as exc:  # noqa: BLE001 - never into the training loop
             self.loop.faults.record("skipped step", exc)
+
+
+def report_step_calls(loop: Any) -> SkippedStepProbe | None:
+    """Switch `loop`'s skip probe to reported step calls (the caller then calls its `step_called` before
+    every optimizer step it attempts) and return it; None when the loop has none or it is not wired."""
+    for probe in getattr(loop, "probes", ()):
+        if isinstance(probe, SkippedStepProbe) and probe.wired:
+            probe.calls_reported = True
+            return probe
+    return None
