@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import weakref
@@ -16,6 +17,8 @@ from .config import ConfigError, MonitorConfig, load_config, read_env
 from .failsafe import FaultLog
 from .inmemory import metric_dict
 from .runtime.loop import StepLoop
+from .runtime.plan import plan_step
+from .runtime.probes.activations import ActivationProbe
 from .runtime.probes.side_outputs import PrintStructDone
 
 logger = logging.getLogger("trainermon")
@@ -48,6 +51,7 @@ class TrainerMon:
         self.loop = StepLoop(load_config(config_file_path), read_env(), self.config_file_path, process_group)
         self.grad_acc_steps = 1
         self._said_off: set[str] = set()  # in-memory calls whose family is off, warned once each
+        self._said: set[str] = set()  # other one-time warnings (ignored arguments, deprecated calls)
         # The loop, not this object: a monitor made in a helper and not kept lives on in its hooks (which
         # hold the loop), and its steps must still be flushed at exit.
         ref = weakref.ref(self.loop)
@@ -145,11 +149,19 @@ class TrainerMon:
         (`reduced["0:fc.weight/rank0/post_grad"]["norm"]`). Call after the optimizer step: msprobe reads
         the gradients at the call, trainermon gives the step it finished. Waits for the background worker
         (as `flush` does); no collective, no device work. ({}, {}) before a collected step or without
-        `wg_distribution` (said once)."""
-        if post_grad_dict is not None:  # msprobe 26.2's own optimizer hook passes the gradients it read
+        `wg_distribution` (said once). `post_grad_dict`: msprobe 26.2's argument (the gradients its own
+        optimizer hook read), accepted and ignored (the monitor reads them itself; said once when not
+        empty)."""
+        if post_grad_dict is not None and not isinstance(post_grad_dict, dict):
             raise TypeError(
-                "trainermon: generate_wgrad_metrics() takes no gradients (post_grad_dict): the monitor reads "
-                "them itself; call generate_wgrad_metrics() after the optimizer step"
+                f"trainermon: generate_wgrad_metrics(post_grad_dict=...) takes a dict (ignored), got "
+                f"{type(post_grad_dict).__name__}"
+            )
+        if post_grad_dict and self._once("post_grad_dict"):
+            logger.warning(
+                "trainermon: generate_wgrad_metrics(post_grad_dict): the %d gradients passed are ignored; "
+                "the statistics are the monitor's own of the last collected step",
+                len(post_grad_dict),
             )
         batch = self._finished("generate_wgrad_metrics", "wg_distribution", self.config.wg_distribution)
         return self._metrics(batch, "grad_reduced"), self._metrics(batch, "grad_unreduced")
@@ -161,6 +173,38 @@ class TrainerMon:
         on = self.config.collects_actv or self.config.collects_actv_grad
         batch = self._finished("generate_xy_metrics", "xy_distribution", on)
         return self._metrics(batch, "actv"), self._metrics(batch, "actv_grad")
+
+    def reload_xy(self, xy_distribution: bool = False) -> None:
+        """msprobe's deprecated switch of `xy_distribution` (said once; the config key, or its edit under
+        `DYNAMIC_MONITOR=true`, is the way). Applies at once, as msprobe's does: called between steps (after
+        the optimizer step), the next step collects activations (or not) by the new value. A later reload
+        of the config file (dynamic mode) sets the key again from the file."""
+        if not isinstance(xy_distribution, bool):
+            raise TypeError(f"trainermon: reload_xy() takes true or false, got {xy_distribution!r}")
+        if self._once("reload_xy"):
+            logger.warning(
+                "trainermon: reload_xy() is deprecated (as in msprobe): set the config key 'xy_distribution' "
+                "(with DYNAMIC_MONITOR=true, edit it in the config file)"
+            )
+        loop = self.loop
+        if xy_distribution == loop.config.xy_distribution:
+            return
+        config = dataclasses.replace(loop.config, xy_distribution=xy_distribution)
+        loop.config = config  # no other probe reads xy_distribution: the activation probe alone is told
+        probe = next((p for p in loop.probes if isinstance(p, ActivationProbe)), None)
+        if probe is None:  # before set_monitor: attach reads the config
+            return
+        between_steps = not probe._calls  # noqa: SLF001 - no hooked forward ran in this step yet
+        probe.configure(config)  # hooks the selected modules, or removes the hooks
+        if between_steps:  # the step begun at the last optimizer step follows the new value
+            loop.plan = plan_step(config, loop.plan.step, loop.plan.scheduled, loop.plan.escalating)
+            probe.begin(loop.plan)
+
+    def _once(self, key: str) -> bool:
+        if key in self._said:
+            return False
+        self._said.add(key)
+        return True
 
     def _finished(self, call: str, key: str, on: bool) -> StatBatch | None:
         if not on:

@@ -106,7 +106,7 @@ def _cmd_on(args: argparse.Namespace) -> int:
             return 2
         for switch in set(FAMILY_SWITCHES.values()):
             changes[switch] = False
-        changes["all_xy"] = False  # on its own it collects every module's activations
+        changes["all_xy"] = False  # the named families decide (all_xy widens xy to every module)
         for family in wanted:
             changes[FAMILY_SWITCHES[family]] = True
         # Both set each time: the named families replace what an earlier `on --families` chose.

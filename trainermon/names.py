@@ -6,15 +6,12 @@ import re
 
 #: Segments that wrappers insert into parameter and module names (FSDP1, torch.compile, checkpointing).
 WRAPPER_SEGMENTS = ("_fsdp_wrapped_module", "_orig_mod", "_checkpoint_wrapped_module")
+#: msprobe's `squash_param_name` rules, in its order: the first rule that matches keeps the tail from the
+#: LAST `.layers.`/`.layer.`/`.embedding(s).`/`.final`/`.output`/`.norm` (a dot before it: a name that starts
+#: with `layers.` has no match there, so `layers.0.norm.weight` becomes `norm.weight`).
 _SQUASH_PATTERNS = [
-    re.compile(p)
-    for p in (
-        r"(?:^|\.)(layers?\..*)$",
-        r"(?:^|\.)(embeddings?\..*)$",
-        r"(?:^|\.)(final.*)$",
-        r"(?:^|\.)(output.*)$",
-        r"(?:^|\.)(norm.*)$",
-    )
+    re.compile(r".*\.(" + tail + r".*)", re.DOTALL)
+    for tail in (r"layers?\.", r"embeddings?\.", "final", "output", "norm")
 ]
 
 
@@ -27,28 +24,30 @@ def clean_name(name: str) -> str:
 
 
 def squash_name(name: str) -> str:
-    """msprobe's `squash_name`: keep the tail from the first 'layers.'/'embedding.'/... segment."""
+    """msprobe's `squash_name`: `model.layers.3.mlp.weight` -> `layers.3.mlp.weight`,
+    `layers.0.norm.weight` -> `norm.weight` (the rules of `_SQUASH_PATTERNS`); unchanged when none matches."""
     for pattern in _SQUASH_PATTERNS:
-        match = pattern.search(name)
+        match = pattern.fullmatch(name)
         if match:
             return match.group(1)
     return name
 
 
 def unique_names(names: list[str], fallbacks: list[str]) -> list[str]:
-    """Keep `names` where unique; where two collide, use the fallback (unsquashed) names for them."""
-    seen: dict[str, int] = {}
-    for n in names:
-        seen[n] = seen.get(n, 0) + 1
-    out = [n if seen[n] == 1 else f for n, f in zip(names, fallbacks)]
-    if len(set(out)) != len(out):  # still colliding: suffix with an index, never silently merge
-        counts: dict[str, int] = {}
-        result = []
-        for n in out:
-            k = counts.get(n, 0)
-            counts[n] = k + 1
-            result.append(n if k == 0 else f"{n}#{k}")
-        return result
+    """msprobe's rule, in order: a name keeps its squashed form unless an earlier one took it, then it
+    gets its fallback (unsquashed) name (`norm.weight`, then `layers.1.norm.weight`). A name still taken
+    gets an index suffix (`#1`): never two rows under one name."""
+    taken: set[str] = set()
+    out = []
+    for name, fallback in zip(names, fallbacks):
+        if name in taken:
+            name = fallback
+        base, k = name, 0
+        while name in taken:
+            k += 1
+            name = f"{base}#{k}"
+        taken.add(name)
+        out.append(name)
     return out
 
 

@@ -162,6 +162,7 @@ class Reference:
 def test_hostile_tensors_through_a_running_monitor(tmp_path, out_dir, static_mode, ops):
     cfg = write_config(
         tmp_path / "cfg.json",
+        xy_distribution=True,
         all_xy=True,
         wg_distribution=True,
         mv_distribution=True,

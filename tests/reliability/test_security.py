@@ -202,6 +202,7 @@ def test_output_goes_only_under_monitor_output_dir(tmp_path, dynamic_mode, monke
     cfg = write_config(
         tmp_path / "cfg.json",
         dynamic_on=True,
+        xy_distribution=True,
         all_xy=True,
         wg_distribution=True,
         mv_distribution=True,

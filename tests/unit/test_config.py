@@ -26,7 +26,8 @@ BAD = [
     ("ops", ["norm", "median"], "ops"),
     ("eps", 0, "eps"),
     ("eps", "1e-8", "eps"),
-    ("ndigits", 0, "ndigits"),
+    ("ndigits", -1, "ndigits"),
+    ("ndigits", 21, "ndigits"),  # msprobe's range is [0, 20]
     ("ndigits", 99, "ndigits"),
     ("format", "xlsx", "format"),
     ("format", [], "format"),
@@ -92,8 +93,9 @@ def test_defaults_are_msprobes():
     assert cfg.collect_times == 100_000_000 and cfg.eps == 1e-8 and cfg.step_count_per_record == 1
 
 
-def test_ops_order_kept_and_shape_dtype_last():
-    assert parse_config({"ops": ["dtype", "max", "norm", "max"]}).ops == ("max", "norm", "shape", "dtype")
+def test_ops_order_kept_and_missing_shape_dtype_appended():
+    """msprobe's column order: the user's, shape and dtype included; the missing ones appended."""
+    assert parse_config({"ops": ["dtype", "max", "norm", "max"]}).ops == ("dtype", "max", "norm", "shape")
     assert parse_config({"ops": ["id", "min"]}).ops == ("min", "shape", "dtype")  # msprobe's 'id' ignored
 
 

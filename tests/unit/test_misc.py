@@ -62,7 +62,7 @@ def test_names():
     )
     assert clean_name("_orig_mod.encoder.weight") == "encoder.weight"
     assert squash_name("language_model.encoder.layers.3.mlp.weight") == "layers.3.mlp.weight"
-    assert unique_names(["a", "a", "b"], ["x.a", "y.a", "b"]) == ["x.a", "y.a", "b"]
+    assert unique_names(["a", "a", "b"], ["x.a", "y.a", "b"]) == ["a", "y.a", "b"]  # msprobe: first keeps it
     assert unique_names(["a", "a"], ["a", "a"]) == ["a", "a#1"]
 
 

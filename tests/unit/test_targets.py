@@ -179,8 +179,8 @@ def test_empty_target_is_refused(tmp_path):
     from trainermon import TrainerMon
     from trainermon.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"config key 'targets': got ''.*none empty"):
-        TrainerMon(write_config(tmp_path / "cfg.json", targets={"": {}}, wg_distribution=True))
+    with pytest.raises(ConfigError, match=r"config key 'targets': got .*names without the empty one"):
+        TrainerMon(write_config(tmp_path / "cfg.json", targets={"": {}, "x": {}}, wg_distribution=True))
 
 
 def _attach_warnings(tmp_path, caplog, **cfg_keys) -> list[str]:

@@ -4,6 +4,7 @@ Defaults come from the schema's dataclasses only."""
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
@@ -38,7 +39,11 @@ OFF_WITH_A_WARNING = {
     "ur_distribution": "msprobe's update/ratio heatmaps are not written (msprobe 26 turns them off for csv "
     "too); update_distribution gives the update/weight ratio",
 }
+#: The most significant digits the CSV writer writes: 17 give every float64 exactly.
 MAX_NDIGITS = 17
+#: msprobe's range of `ndigits` (decimal places there, 0 and 18..20 included): accepted, clamped to
+#: [1, MAX_NDIGITS] with a warning.
+MSPROBE_MAX_NDIGITS = 20
 PARQUET_COMPRESSIONS = ("zstd", "snappy", "gzip", "lz4", "none")
 _DEFAULT = MonitorConfig()
 
@@ -105,7 +110,7 @@ def _ops(raw: dict) -> tuple[str, ...]:
     value = raw.get("ops", [])
     if not isinstance(value, list) or not all(isinstance(op, str) for op in value):
         raise _fail("ops", value, f"a list of strings from {list(OPS)}")
-    ops: list[str] = []
+    ops: list[str] = []  # the user's order, shape and dtype included (msprobe's CSV columns)
     for op in value:
         if op in IGNORED_MSPROBE_OPS:
             logger.warning("trainermon: op '%s' (msprobe call id) is not computed and is ignored", op)
@@ -116,10 +121,9 @@ def _ops(raw: dict) -> tuple[str, ...]:
             ops.append(op)
     if not [op for op in ops if op not in TRAILING_OPS]:
         ops.insert(0, "norm")  # msprobe's default when no statistic is given
-    for tail in TRAILING_OPS:  # msprobe always appends these two columns
-        if tail in ops:
-            ops.remove(tail)
-        ops.append(tail)
+    for tail in TRAILING_OPS:  # msprobe appends these two columns when the user did not name them
+        if tail not in ops:
+            ops.append(tail)
     return tuple(ops)
 
 
@@ -147,6 +151,15 @@ def _targets(raw: dict) -> dict[str, dict]:
         raise _fail(
             "targets", value, 'an object mapping module or parameter names to objects, e.g. {"layers.0": {}}'
         )
+    if "" in value:
+        # msprobe's own spelling of "no targets" (its validate_config writes {"": {}}): every one
+        if len(value) > 1 or value[""]:
+            raise _fail(
+                "targets",
+                value,
+                '{"": {}} alone (msprobe\'s "every name") or names without the empty one',
+            )
+        return {}
     for name, spec in value.items():
         if not name.strip():
             raise _fail("targets", name, "module or parameter names, none empty (no targets: every one)")
@@ -166,6 +179,9 @@ def _module_ranks(raw: dict) -> tuple[int, ...]:
 
 
 ALERT_KEYS = ("rules", "dump", "escalate_steps")
+#: The keys of one alert rule that trainermon reads; others (msprobe ignores them: "desc", ...) are warned
+#: about and dropped, except near-misses of these ("arg"), which are refused.
+RULE_KEYS = ("rule_name", "args")
 
 
 def _alert(raw: dict) -> AlertConfig:
@@ -176,18 +192,42 @@ def _alert(raw: dict) -> AlertConfig:
         if sub not in ALERT_KEYS:
             raise _fail(f"alert.{sub}", value[sub], f"a key of the 'alert' section: {list(ALERT_KEYS)}")
     rules = value.get("rules", [])
+    if rules is None:  # msprobe: no rules
+        rules = []
     if not isinstance(rules, list) or not all(isinstance(r, dict) for r in rules):
         raise _fail(
             "alert.rules", rules, 'a list of objects like {"rule_name": "AnomalyTurbulence", "args": {}}'
         )
+    ignored = []
+    for i, rule in enumerate(rules):
+        for key in rule:
+            if key in RULE_KEYS:
+                continue
+            close = difflib.get_close_matches(str(key), RULE_KEYS, n=1, cutoff=0.75)
+            if close:  # a misspelt 'args' would silently drop the rule's arguments: refused
+                raise _fail(
+                    f"alert.rules[{i}].{key}", rule[key], f"'{close[0]}' (a rule's keys: {list(RULE_KEYS)})"
+                )
+            ignored.append(f"alert.rules[{i}].{key}")
+    if ignored:
+        logger.warning(
+            "trainermon: config keys %s are ignored (a rule reads only %s)",
+            ", ".join(ignored),
+            list(RULE_KEYS),
+        )
+        rules = [{k: v for k, v in r.items() if k in RULE_KEYS} for r in rules]
     try:
         parse_rules(rules)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     defaults = _DEFAULT.alert
     dump = value.get("dump", defaults.dump)
+    if dump is None:
+        dump = defaults.dump
+    if not isinstance(dump, bool) and isinstance(dump, int) and dump in (0, 1):
+        dump = bool(dump)  # msprobe's configs write 0 for false
     if not isinstance(dump, bool):
-        raise _fail("alert.dump", dump, "true or false")
+        raise _fail("alert.dump", dump, "true or false (or 0, 1)")
     escalate = _int(
         {"alert.escalate_steps": value.get("escalate_steps", defaults.escalate_steps)},
         "alert.escalate_steps",
@@ -305,6 +345,22 @@ def _prometheus(raw: dict) -> PrometheusConfig:
     return PrometheusConfig(**values)
 
 
+def _ndigits(raw: dict) -> int:
+    """msprobe's `ndigits` range [0, 20]; trainermon writes significant digits, 1 to 17 (msprobe: decimal
+    places), so 0 and 18..20 are clamped with a warning naming the key and the value."""
+    value = raw.get("ndigits") if raw.get("ndigits") is not None else _DEFAULT.ndigits
+    value = _int({"ndigits": value}, "ndigits", 0, MSPROBE_MAX_NDIGITS)
+    clamped = min(max(value, 1), MAX_NDIGITS)
+    if clamped != value:
+        why = (
+            "more than a float64 holds: 17 significant digits write every value exactly"
+            if value > MAX_NDIGITS
+            else "trainermon writes significant digits (msprobe's 0 rounds to whole numbers)"
+        )
+        logger.warning("trainermon: config key 'ndigits': %d is written as %d (%s)", value, clamped, why)
+    return clamped
+
+
 def parse_config(raw: Any, source: str = "<dict>") -> MonitorConfig:
     """Validate a config mapping (as loaded from JSON) and return a `MonitorConfig`.
 
@@ -333,8 +389,13 @@ def parse_config(raw: Any, source: str = "<dict>") -> MonitorConfig:
     eps = raw.get("eps", _DEFAULT.eps)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 < eps < 1):
         raise _fail("eps", eps, "a number in (0, 1)")
-    ndigits = raw.get("ndigits") if raw.get("ndigits") is not None else _DEFAULT.ndigits
-    ndigits = _int({"ndigits": ndigits}, "ndigits", 1, MAX_NDIGITS)
+    if raw.get("all_xy") is True and raw.get("xy_distribution") is not True:
+        logger.warning(
+            "trainermon: config key 'all_xy' in %s selects nothing without xy_distribution: all_xy only "
+            "widens the activation targets to every module (msprobe's meaning); set xy_distribution: true",
+            source,
+        )
+    ndigits = _ndigits(raw)
 
     return MonitorConfig(
         targets=_targets(raw),

@@ -153,12 +153,13 @@ class MonitorConfig:
 
     @property
     def collects_actv(self) -> bool:
-        # print_struct records the structure instead (and stops the run after the first step)
-        return (self.xy_distribution or self.all_xy) and not self.backward_only and not self.print_struct
+        # print_struct records the structure instead (and stops the run after the first step); all_xy
+        # only widens xy_distribution's targets to every module (msprobe's meaning): alone it selects nothing
+        return self.xy_distribution and not self.backward_only and not self.print_struct
 
     @property
     def collects_actv_grad(self) -> bool:
-        return (self.xy_distribution or self.all_xy) and not self.forward_only and not self.print_struct
+        return self.xy_distribution and not self.forward_only and not self.print_struct
 
     @property
     def collects_optimizer_side(self) -> bool:

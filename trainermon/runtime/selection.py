@@ -56,14 +56,15 @@ def _global_param_name(adapter, vpp_stage: int, name: str) -> str:
     return f"{adapter.global_name(vpp_stage, module)}.{leaf}" if module else name
 
 
-def param_matches(vpp_stage: int, names: list[str], target: str) -> bool:
-    """A target selects a parameter whose name (any of them) starts with it: plainly, squashed, or, for a
-    target with a `:`, `vpp:`-prefixed. (msprobe also tries the `vpp:` form for a target without one, so
+def param_matches(vpp_stage: int, names: list[str], target: str, squash: bool = False) -> bool:
+    """A target selects a parameter whose name (any of them) starts with it: plainly, squashed (with
+    `squash_name` on, as msprobe compares the squashed names then), or, for a target with a `:`,
+    `vpp:`-prefixed. (msprobe also tries the `vpp:` form for a target without one, so
     that `"0"`, meant for module `0` of an `nn.Sequential`, selects every parameter of stage 0.)"""
     staged = ":" in target
     return any(
         n.startswith(target)
-        or squash_name(n).startswith(target)
+        or (squash and squash_name(n).startswith(target))
         or (staged and f"{vpp_stage}:{n}".startswith(target))
         for n in names
     )
@@ -86,7 +87,7 @@ def select_params(adapter, config: MonitorConfig) -> ParamSelection:
     chosen = []
     for mp in adapter.parameters():
         names = [mp.name, *aliases.get(id(mp.param), ())]
-        if not targets or any(param_matches(mp.vpp_stage, names, t) for t in targets):
+        if not targets or any(param_matches(mp.vpp_stage, names, t, config.squash_name) for t in targets):
             chosen.append(mp)
     names = [mp.name for mp in chosen]
     if config.squash_name:

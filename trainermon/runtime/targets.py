@@ -33,7 +33,7 @@ def closest(word: str, names: list[str], n: int = 3) -> list[str]:
     )
 
 
-def frozen_matching(adapter, target: str) -> list[str]:
+def frozen_matching(adapter, target: str, squash: bool = False) -> list[str]:
     """Names of the frozen parameters of the model that `target` selects (the adapter lists trainable
     parameters only)."""
     from trainermon.names import clean_name
@@ -43,7 +43,7 @@ def frozen_matching(adapter, target: str) -> list[str]:
         for name, p in root.named_parameters():
             if not p.requires_grad:
                 full = adapter.global_name(vpp, clean_name(name))
-                if param_matches(vpp, [full], target):
+                if param_matches(vpp, [full], target, squash):
                     out.append(full)
     return out
 
@@ -66,12 +66,12 @@ class TargetCheck:
         any_param = any_module = False
         unmatched = 0
         for target in config.targets:
-            by_param = any(param_matches(vpp, names, target) for vpp, names in params)
+            by_param = any(param_matches(vpp, names, target, config.squash_name) for vpp, names in params)
             by_module = any(module_matches(vpp, names, (target,)) for vpp, names in modules)
             any_param, any_module = any_param or by_param, any_module or by_module
             if not by_param and not by_module:
                 unmatched += 1
-                frozen = frozen_matching(adapter, target)
+                frozen = frozen_matching(adapter, target, config.squash_name)
                 if frozen:
                     self._say(
                         f"target {target!r} selects only frozen parameters (requires_grad=False), which "
