@@ -16,7 +16,11 @@ _SQUASH_PATTERNS = [
 
 
 def clean_name(name: str) -> str:
-    """Drop wrapper segments: 'layers.0._fsdp_wrapped_module.fc.weight' -> 'layers.0.fc.weight'."""
+    """Drop wrapper segments: 'layers.0._fsdp_wrapped_module.fc.weight' -> 'layers.0.fc.weight'. A name
+    that UTF-8 cannot hold (a lone surrogate, as `os.fsdecode` makes of undecodable bytes) gets the
+    character's escape (`\\udcff`): every sink writes UTF-8, and one such name once switched them all off."""
+    if not name.isascii():
+        name = name.encode("utf-8", "backslashreplace").decode("utf-8")
     if not any(seg in name for seg in WRAPPER_SEGMENTS):
         return name
     parts = [p for p in name.split(".") if p not in WRAPPER_SEGMENTS]

@@ -17,6 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 import trainermon.exporters.csv as csv_mod
@@ -279,3 +280,48 @@ def test_run_directory_deleted_mid_run_is_said_and_later_rows_are_kept(tmp_path,
     assert all("from step 2 on" in line for line in said), said
     assert sorted({int(r["step"]) for r in read_family(mon.run_dir, "grad_reduced")}) == [2, 3, 4]
     assert not csv_problems(mon.run_dir)
+
+
+def test_a_module_name_utf8_cannot_hold_reaches_every_sink(tmp_path, out_dir):
+    """A module named from undecodable bytes (`os.fsdecode(b"l\\xff")` is 'l\\udcff', a lone surrogate)
+    once made every sink fail on its first write (UnicodeEncodeError): CSV, Parquet, TensorBoard and
+    Prometheus all off for the whole run. Its rows are written under the escaped name."""
+    import pyarrow.dataset as ds
+
+    cfg = write_config(
+        tmp_path / "cfg.json",
+        xy_distribution=True,
+        forward_only=True,
+        wg_distribution=True,
+        ops=["norm"],
+        format=["csv", "parquet", "tensorboard", "prometheus"],
+        prometheus={"port": 0},
+    )
+    torch.manual_seed(0)
+    odd = os.fsdecode(b"l\xff")
+    model = torch.nn.Sequential()
+    model.add_module("ok", torch.nn.Linear(4, 4))
+    model.add_module(odd, torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(model, optimizer=opt)
+    x = torch.randn(2, 4)
+    out = model(x)
+    out.sum().backward()
+    want = float(out.detach().double().norm())
+    opt.step()
+    opt.zero_grad()
+    monitor.close()
+    assert monitor.faults.total == 0, dict(monitor.faults.counts)
+    shown = "l\\udcff"
+    rows = {r["name"]: r for r in read_family(monitor.run_dir, "actv")}
+    assert float(rows[f"{shown}.output"]["norm"]) == pytest.approx(want, rel=1e-6)
+    assert {r["name"] for r in read_family(monitor.run_dir, "grad_reduced")} == {
+        "ok.weight",
+        "ok.bias",
+        f"{shown}.weight",
+        f"{shown}.bias",
+    }
+    table = ds.dataset(str(out_dir / "parquet"), partitioning="hive").to_table()
+    assert f"{shown}.output" in set(table.column("name").to_pylist())
+    assert list(Path(monitor.run_dir).glob("events.out.tfevents*"))
