@@ -1,6 +1,7 @@
 """Validation: `parse_config` is the only function that turns user input into a `MonitorConfig`
-(`schema`); every check lives here, and every error names the key, the bad value and what is allowed.
-Defaults come from the schema's dataclasses only."""
+(`schema`); the checks live here, with the shared value checks in `values` and the sinks' sections in
+`sinks`, and every error names the key, the bad value and what is allowed. Defaults come from the
+schema's dataclasses only."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from trainermon.stats.table import OPS, TRAILING_OPS, VALUE_STATS
+from trainermon.stats.table import OPS, TRAILING_OPS
 
 from .health import attn_logit
-from .schema import COMM_OPS, AlertConfig, CommConfig, MonitorConfig, ParquetConfig, PrometheusConfig
+from .schema import COMM_OPS, AlertConfig, CommConfig, MonitorConfig
+from .sinks import _parquet, _prometheus
+from .values import ConfigError, _bool, _choice, _choices, _dict, _fail, _int, _seconds, _section, _type_name
 
 logger = logging.getLogger("trainermon")
 
@@ -44,66 +47,7 @@ MAX_NDIGITS = 17
 #: msprobe's range of `ndigits` (decimal places there, 0 and 18..20 included): accepted, clamped to
 #: [1, MAX_NDIGITS] with a warning.
 MSPROBE_MAX_NDIGITS = 20
-PARQUET_COMPRESSIONS = ("zstd", "snappy", "gzip", "lz4", "none")
 _DEFAULT = MonitorConfig()
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid. The message names the key, the value and what is allowed."""
-
-
-def _type_name(value: Any) -> str:
-    return type(value).__name__
-
-
-def _fail(key: str, value: Any, allowed: str) -> ConfigError:
-    shown = repr(value)
-    if len(shown) > 80:
-        shown = shown[:77] + "..."
-    return ConfigError(f"config key '{key}': got {shown} ({_type_name(value)}); allowed: {allowed}")
-
-
-def _bool(raw: dict, key: str) -> bool:
-    value = raw[key] if key in raw else getattr(_DEFAULT, key)
-    if not isinstance(value, bool):
-        raise _fail(key, value, "true or false")
-    return value
-
-
-def _int(raw: dict, key: str, lo: int, hi: int, default: int | None = None) -> int:
-    """An integer in [lo, hi]; the default is the schema's (`default` for keys of a section)."""
-    value = raw[key] if key in raw else getattr(_DEFAULT, key) if default is None else default
-    # msprobe configs sometimes carry 1e8 as a float literal; accept integral floats.
-    if isinstance(value, float) and value.is_integer() and lo <= value <= hi:
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _fail(key, value, f"an integer in [{lo}, {hi}]")
-    if not lo <= value <= hi:
-        raise _fail(key, value, f"an integer in [{lo}, {hi}]")
-    return value
-
-
-def _seconds(raw: dict, key: str, hi: float) -> float:
-    value = raw[key] if key in raw else getattr(_DEFAULT, key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= hi:
-        raise _fail(key, value, f"a number of seconds in [0, {hi:g}]")
-    return float(value)
-
-
-def _choice(raw: dict, key: str, allowed: tuple[str, ...]) -> str:
-    value = raw[key] if key in raw else getattr(_DEFAULT, key)
-    if value not in allowed:
-        raise _fail(key, value, f"one of {list(allowed)}")
-    return value
-
-
-def _dict(raw: dict, key: str) -> dict:
-    value = raw.get(key, {})
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise _fail(key, value, "a JSON object")
-    return value
 
 
 def _ops(raw: dict) -> tuple[str, ...]:
@@ -257,92 +201,6 @@ def _cc(raw: dict) -> CommConfig:
     values["cc_codeline"] = tuple(lines)
     _choices("cc_distribution", values, "ops", COMM_OPS)
     return CommConfig(**values)
-
-
-def _section(raw: dict, key: str, defaults: Any) -> dict[str, Any]:
-    """The `key` section merged over the defaults of its dataclass; unknown sub-keys are refused."""
-    value = _dict(raw, key)
-    names = [f.name for f in fields(defaults)]
-    for sub in value:
-        if sub not in names:
-            raise _fail(f"{key}.{sub}", value[sub], f"a key of the '{key}' section: {sorted(names)}")
-    return {**{n: getattr(defaults, n) for n in names}, **value}
-
-
-def _opt_str(section: str, values: dict, key: str) -> None:
-    value = values[key]
-    if value is not None and (not isinstance(value, str) or not value):
-        raise _fail(f"{section}.{key}", value, "a non-empty string or null")
-
-
-#: What an output path from the config may be. Config files are edited while jobs run (and by tools),
-#: so a config alone never sends output outside MONITOR_OUTPUT_DIR; only the environment can.
-RELATIVE_PATH = (
-    "a path relative to MONITOR_OUTPUT_DIR without '..' (to write elsewhere, set MONITOR_OUTPUT_DIR)"
-)
-
-
-def _relative_path(section: str, values: dict, key: str) -> None:
-    """An output location under MONITOR_OUTPUT_DIR (or null): relative, no '..' component, no NUL."""
-    value = values[key]
-    if value is None:
-        return
-    allowed = RELATIVE_PATH + ", or null"
-    if not isinstance(value, str) or not value or "\x00" in value:
-        raise _fail(f"{section}.{key}", value, allowed)
-    parts = value.replace("\\", "/").split("/")
-    if os.path.isabs(value) or value.startswith(("/", "\\")) or ".." in parts:
-        raise _fail(f"{section}.{key}", value, allowed)
-
-
-def _choices(section: str, values: dict, key: str, allowed: tuple[str, ...]) -> None:
-    value = values[key]
-    if value is None:
-        return
-    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
-        raise _fail(f"{section}.{key}", value, f"null or a non-empty list of strings from {list(allowed)}")
-    for item in value:
-        if item not in allowed:
-            raise _fail(f"{section}.{key}", item, f"each one of {list(allowed)}")
-    values[key] = tuple(dict.fromkeys(value))
-
-
-def _parquet(raw: dict) -> ParquetConfig:
-    values = _section(raw, "parquet", _DEFAULT.parquet)
-    _relative_path("parquet", values, "dir")
-    for key in ("steps_per_part", "rows_per_part"):
-        values[key] = _int({f"parquet.{key}": values[key]}, f"parquet.{key}", 1, 10**9)
-    seconds = values["seconds_per_part"]
-    if seconds is not None and (
-        isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0
-    ):
-        raise _fail("parquet.seconds_per_part", seconds, "a positive number of seconds, or null (no limit)")
-    if values["compression"] not in PARQUET_COMPRESSIONS:
-        raise _fail("parquet.compression", values["compression"], f"one of {list(PARQUET_COMPRESSIONS)}")
-    level = values["compression_level"]
-    if level is not None and (isinstance(level, bool) or not isinstance(level, int)):
-        raise _fail("parquet.compression_level", level, "null or an integer (codec-specific range)")
-    return ParquetConfig(**values)
-
-
-def _prometheus(raw: dict) -> PrometheusConfig:
-    from trainermon.collect.records import FAMILIES, STATE_FAMILIES
-
-    values = _section(raw, "prometheus", _DEFAULT.prometheus)
-    if not isinstance(values["host"], str) or not values["host"]:
-        raise _fail("prometheus.host", values["host"], "an address to bind, e.g. '127.0.0.1' or '0.0.0.0'")
-    values["port"] = _int({"prometheus.port": values["port"]}, "prometheus.port", 0, 65535)
-    _opt_str("prometheus", values, "advertise_host")
-    _relative_path("prometheus", values, "sd_dir")
-    for key in ("per_parameter", "per_rank"):
-        if not isinstance(values[key], bool):
-            raise _fail(f"prometheus.{key}", values[key], "true or false")
-    _choices("prometheus", values, "stats", VALUE_STATS)
-    _choices("prometheus", values, "families", FAMILIES + STATE_FAMILIES)
-    values["max_series"] = _int(
-        {"prometheus.max_series": values["max_series"]}, "prometheus.max_series", 1, 10**7
-    )
-    return PrometheusConfig(**values)
 
 
 def _ndigits(raw: dict) -> int:

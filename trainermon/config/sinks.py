@@ -1,0 +1,71 @@
+"""The output sinks' config sections (`parquet`, `prometheus`): paths stay under MONITOR_OUTPUT_DIR."""
+
+from __future__ import annotations
+
+import os
+
+from trainermon.stats.table import VALUE_STATS
+
+from .schema import MonitorConfig, ParquetConfig, PrometheusConfig
+from .values import _choices, _fail, _int, _opt_str, _section
+
+_DEFAULT = MonitorConfig()
+PARQUET_COMPRESSIONS = ("zstd", "snappy", "gzip", "lz4", "none")
+
+
+#: What an output path from the config may be. Config files are edited while jobs run (and by tools),
+#: so a config alone never sends output outside MONITOR_OUTPUT_DIR; only the environment can.
+RELATIVE_PATH = (
+    "a path relative to MONITOR_OUTPUT_DIR without '..' (to write elsewhere, set MONITOR_OUTPUT_DIR)"
+)
+
+
+def _relative_path(section: str, values: dict, key: str) -> None:
+    """An output location under MONITOR_OUTPUT_DIR (or null): relative, no '..' component, no NUL."""
+    value = values[key]
+    if value is None:
+        return
+    allowed = RELATIVE_PATH + ", or null"
+    if not isinstance(value, str) or not value or "\x00" in value:
+        raise _fail(f"{section}.{key}", value, allowed)
+    parts = value.replace("\\", "/").split("/")
+    if os.path.isabs(value) or value.startswith(("/", "\\")) or ".." in parts:
+        raise _fail(f"{section}.{key}", value, allowed)
+
+
+def _parquet(raw: dict) -> ParquetConfig:
+    values = _section(raw, "parquet", _DEFAULT.parquet)
+    _relative_path("parquet", values, "dir")
+    for key in ("steps_per_part", "rows_per_part"):
+        values[key] = _int({f"parquet.{key}": values[key]}, f"parquet.{key}", 1, 10**9)
+    seconds = values["seconds_per_part"]
+    if seconds is not None and (
+        isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0
+    ):
+        raise _fail("parquet.seconds_per_part", seconds, "a positive number of seconds, or null (no limit)")
+    if values["compression"] not in PARQUET_COMPRESSIONS:
+        raise _fail("parquet.compression", values["compression"], f"one of {list(PARQUET_COMPRESSIONS)}")
+    level = values["compression_level"]
+    if level is not None and (isinstance(level, bool) or not isinstance(level, int)):
+        raise _fail("parquet.compression_level", level, "null or an integer (codec-specific range)")
+    return ParquetConfig(**values)
+
+
+def _prometheus(raw: dict) -> PrometheusConfig:
+    from trainermon.collect.records import FAMILIES, STATE_FAMILIES
+
+    values = _section(raw, "prometheus", _DEFAULT.prometheus)
+    if not isinstance(values["host"], str) or not values["host"]:
+        raise _fail("prometheus.host", values["host"], "an address to bind, e.g. '127.0.0.1' or '0.0.0.0'")
+    values["port"] = _int({"prometheus.port": values["port"]}, "prometheus.port", 0, 65535)
+    _opt_str("prometheus", values, "advertise_host")
+    _relative_path("prometheus", values, "sd_dir")
+    for key in ("per_parameter", "per_rank"):
+        if not isinstance(values[key], bool):
+            raise _fail(f"prometheus.{key}", values[key], "true or false")
+    _choices("prometheus", values, "stats", VALUE_STATS)
+    _choices("prometheus", values, "families", FAMILIES + STATE_FAMILIES)
+    values["max_series"] = _int(
+        {"prometheus.max_series": values["max_series"]}, "prometheus.max_series", 1, 10**7
+    )
+    return PrometheusConfig(**values)
