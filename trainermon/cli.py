@@ -143,7 +143,7 @@ def _cmd_off(args: argparse.Namespace) -> int:
 def _cmd_anomalies(args: argparse.Namespace) -> int:
     import os
 
-    from .pipeline.anomaly import load_anomalies
+    from .pipeline.anomaly_files import load_anomalies
 
     try:
         steps = step_range(args.steps)

@@ -156,7 +156,7 @@ def _stem(*parts: str) -> str:
 
 
 def load_run_anomalies(source: RunSource, steps: tuple[int, int] | None = None) -> list[dict]:
-    from trainermon.pipeline.anomaly import in_order, load_anomalies
+    from trainermon.pipeline.anomaly_files import in_order, load_anomalies
 
     # The run's own records: an output directory shared by restarts holds every run's in one file.
     runs = {f.run_id for f in source.files} if source.run_id is None else {source.run_id}

@@ -17,8 +17,8 @@ Rules (msprobe's config: `"alert": {"rules": [{"rule_name": ..., "args": {...}}]
 Every statistic of every row is checked on its own, so anomalies on two statistics of one tensor are
 two records. Records go to `{MONITOR_OUTPUT_DIR}/anomaly_detected/anomaly_rank{R}.jsonl`, appended one
 line at a time and flushed (never rewritten), each with the job's `run_id`: runs that share an output
-directory (restarts) share the file. `in_order` orders records as they happened: run by run (the order
-their first records were written), then `sort_key` within a run.
+directory (restarts) share the file. `anomaly_files` reads them back in the order they happened: run by
+run (the order their first records were written), then `sort_key` within a run.
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ import numpy as np
 from trainermon.collect.records import StatBatch
 
 from . import health_rules
+from .anomaly_files import in_order, load_anomalies, sort_key  # noqa: F401 - where callers looked first
 from .rule_specs import WARMUP, WINDOW, RuleSpec, parse_rules
 
 logger = logging.getLogger("trainermon")
 
 STAGES = {"actv": "forward", "actv_grad": "backward", "grad_unreduced": "backward"}
-_STAGE_ORDER = {"forward": 0, "backward": 1, "optimizer": 2}
 GLOBAL_NORM = "global_grad_norm"
 
 
@@ -67,24 +67,6 @@ class Anomaly:
     rule: str
     time: float
     ranks: tuple[int, ...] = ()  # AnomalyComm: the ranks whose collective output broke its invariant
-
-
-def sort_key(rec: dict) -> tuple:
-    """Order in which anomalies happened: step, micro-batch, forward < backward < optimizer, pipeline order
-    (forward runs stage 0 first, backward the last stage first), then the order of calls in the step."""
-    stage = rec.get("stage", "optimizer")
-    pp = int(rec.get("pp_stage", 0))
-    micro = rec.get("micro_step")
-    # Rows with no micro_step (step-level gradients, optimizer state) happen after every micro-batch.
-    return (
-        int(rec["step"]),
-        math.inf if micro is None else int(micro),
-        _STAGE_ORDER.get(stage, 3),
-        -pp if stage == "backward" else pp,
-        int(rec.get("vpp_stage", 0)),
-        int(rec.get("call_order", 0)),
-        int(rec.get("rank", 0)),
-    )
 
 
 class _Rolling:
@@ -369,42 +351,3 @@ class AnomalyDetector:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
-
-
-def in_order(records: list[dict]) -> list[dict]:
-    """Records in the order they happened: run by run (restarts that share an output directory, in the
-    order their first records were written), then `sort_key` within a run."""
-    first: dict[str, float] = {}
-    for rec in records:
-        run = rec.get("run_id", "")
-        first[run] = min(first.get(run, math.inf), float(rec.get("time", math.inf)))
-    return sorted(
-        records, key=lambda rec: (first[rec.get("run_id", "")], rec.get("run_id", ""), *sort_key(rec))
-    )
-
-
-def load_anomalies(
-    directory: str, steps: tuple[int, int] | None = None, run_ids: set[str] | None = None
-) -> list[dict]:
-    """All anomaly records under `directory` (any depth), every rank merged, in the order they happened
-    (`in_order`); `run_ids`: only these runs' records."""
-    records = []
-    for root, _dirs, files in os.walk(directory):
-        for name in files:
-            if not (name.startswith("anomaly_rank") and name.endswith(".jsonl")):
-                continue
-            with open(os.path.join(root, name), encoding="utf-8") as fh:
-                for line in fh:
-                    line = line.strip()
-                    if not line:
-                        continue
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue  # a line cut by a crash: skip it, keep the rest
-                    run = rec.get("run_id")  # None: a record of a version that did not write it (kept)
-                    if run_ids is not None and run is not None and run not in run_ids:
-                        continue
-                    if steps is None or steps[0] <= int(rec["step"]) <= steps[1]:
-                        records.append(rec)
-    return in_order(records)
