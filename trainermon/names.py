@@ -15,6 +15,13 @@ _SQUASH_PATTERNS = [
 ]
 
 
+#: `target_form`'s segments: the first occurrence from the start of the name.
+_TARGET_PATTERNS = [
+    re.compile(r"(?:^|\.)(" + tail + r".*)$", re.DOTALL)
+    for tail in (r"layers?\.", r"embeddings?\.", "final", "output", "norm")
+]
+
+
 def clean_name(name: str) -> str:
     """Drop wrapper segments: 'layers.0._fsdp_wrapped_module.fc.weight' -> 'layers.0.fc.weight'. A name
     that UTF-8 cannot hold (a lone surrogate, as `os.fsdecode` makes of undecodable bytes) gets the
@@ -37,22 +44,36 @@ def squash_name(name: str) -> str:
     return name
 
 
-def unique_names(names: list[str], fallbacks: list[str]) -> list[str]:
+def unique_names(names: list[str], fallbacks: list[str], stages: list[int] | None = None) -> list[str]:
     """msprobe's rule, in order: a name keeps its squashed form unless an earlier one took it, then it
     gets its fallback (unsquashed) name (`norm.weight`, then `layers.1.norm.weight`). A name still taken
-    gets an index suffix (`#1`): never two rows under one name."""
-    taken: set[str] = set()
+    gets an index suffix (`#1`): never two rows under one name. `stages`: each name's model chunk (vpp
+    stage); names of different chunks never collide (rows carry the stage, msprobe's names `0:`/`1:`)."""
+    taken: set[tuple[int, str]] = set()
     out = []
-    for name, fallback in zip(names, fallbacks):
-        if name in taken:
+    for i, (name, fallback) in enumerate(zip(names, fallbacks)):
+        stage = stages[i] if stages is not None else 0
+        if (stage, name) in taken:
             name = fallback
         base, k = name, 0
-        while name in taken:
+        while (stage, name) in taken:
             k += 1
             name = f"{base}#{k}"
-        taken.add(name)
+        taken.add((stage, name))
         out.append(name)
     return out
+
+
+def target_form(name: str) -> str:
+    """The name from its first `layers.`/`embedding.`/`final`/`output`/`norm` segment on
+    (`model.layers.0.fc.weight` -> `layers.0.fc.weight`): a target may name a parameter this way too,
+    with or without `squash_name` (msprobe 26.2 matches it only with `squash_name` on: this selects more,
+    never less)."""
+    for pattern in _TARGET_PATTERNS:
+        match = pattern.search(name)
+        if match:
+            return match.group(1)
+    return name
 
 
 #: trainermon's family -> msprobe's tag kind (its TensorBoard tags and in-memory metric keys)

@@ -177,10 +177,12 @@ class PrometheusExporter(Exporter):
         if batch.scalars.update_skipped:
             m.skipped.labels(rank).inc()
         # A job-wide value: from rank 0 only (every rank of a split model has it: one series is enough).
-        if self.run.rank == 0 or self.run.world_size == 1:
+        # Not on a step the loss scaler skipped (its norm is inf or NaN by design: TrainermonUpdatesSkipped
+        # watches those, and GradNormSpike would fire on each).
+        if (self.run.rank == 0 or self.run.world_size == 1) and not batch.scalars.update_skipped:
             if derived.global_grad_norm is not None:
                 m.global_norm.labels(rank).set(derived.global_grad_norm)
-            elif (rank,) in m.global_norm._metrics:  # gradients no longer collected: no stale value
+            elif batch.scalars.scheduled and (rank,) in m.global_norm._metrics:  # no longer collected
                 m.global_norm.remove(rank)
         seconds = batch.scalars.monitor_time_ms / 1e3
         m.time.labels(rank).set(seconds)
@@ -198,8 +200,9 @@ class PrometheusExporter(Exporter):
         if batch.xrank is not None and batch.xrank.rows:
             families.update(row[0] for row in batch.xrank.rows)
             self._count_dropped(xrank.export(self, batch.xrank))
-        self._retire(self._families - families)
-        self._families = families
+        if batch.scalars.scheduled:  # an escalation-only step collects activations alone: keep the rest
+            self._retire(self._families - families)
+            self._families = families
         self._sync_errors()
         self._publish()
 

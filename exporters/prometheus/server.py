@@ -104,6 +104,10 @@ def start(host: str, port: int, owner: Any, page: bytes, group: object = None) -
     errors (port taken) propagate to the caller."""
     with LIVE_LOCK:
         server = LIVE.get((host, port)) if port else None
+        if server is None and not port and group is not None:
+            # an ephemeral port: the same monitor's sink, reopened, keeps its address (one scrape target,
+            # whose counters go on: a new address would be a new series starting at the run's totals)
+            server = next((s for (h, _), s in LIVE.items() if h == host and s.group == group), None)
         if server is None and port:
             for (other_host, other_port), other in list(LIVE.items()):
                 if other_port == port and group is not None and other.group == group:

@@ -438,7 +438,7 @@ def _sink(tmp_path, run_id: str, port: int, sub: str):
     return sink
 
 
-def _derived_batch(step: int, families=("grad_reduced",), norm=1.0, skipped=None, **derived):
+def _derived_batch(step: int, families=("grad_reduced",), norm=1.0, skipped=None, scheduled=True, **derived):
     from trainermon.collect.records import Derived, RowMeta, StatBatch, StepScalars
 
     rows = [RowMeta(f, 0, "layers.0.w", None, (2,), torch.float32, 2) for f in families]
@@ -448,7 +448,7 @@ def _derived_batch(step: int, families=("grad_reduced",), norm=1.0, skipped=None
         step=step,
         rows=rows,
         values=vals,
-        scalars=StepScalars(update_skipped=skipped),
+        scalars=StepScalars(update_skipped=skipped, scheduled=scheduled),
         derived=Derived(**derived),
     )
 
@@ -535,3 +535,60 @@ def test_a_skipped_update_counts_as_skipped_not_as_a_nonfinite_step(tmp_path, mo
         assert value(scrape(url), "trainermon_nonfinite_steps_total") == 1
     finally:
         sink.close()
+
+
+def test_an_escalation_only_step_leaves_the_other_families_on_the_page(tmp_path, monkeypatch):
+    """An anomaly's escalation collects every module's activations on steps the schedule skips
+    (`step_interval` > 1): those steps carry activations alone, which is no reason to drop the gradient
+    series or the global norm."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    sink = _sink(tmp_path, "run1", 0, "a")
+    try:
+        url = f"http://127.0.0.1:{sink.port}/metrics"
+        sink.write(_derived_batch(4, families=("grad_reduced", "actv"), global_grad_norm=2.0))
+        sink.write(_derived_batch(5, families=("actv",), scheduled=False))
+        s = scrape(url)
+        assert value(s, "trainermon_last_step") == 5
+        assert value(s, "trainermon_global_grad_norm") == 2.0
+        assert value(s, "trainermon_layer_stat", family="grad_reduced", layer="layers.0", stat="norm") == 1.0
+    finally:
+        sink.close()
+
+
+def test_a_skipped_update_leaves_the_global_norm_as_it_was(tmp_path, monkeypatch):
+    """The scaler skips a step because its gradients overflowed: the global norm of that step is inf
+    by design, and exporting it fired TrainermonGradNormSpike on every fp16 overflow."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    sink = _sink(tmp_path, "run1", 0, "a")
+    try:
+        url = f"http://127.0.0.1:{sink.port}/metrics"
+        sink.write(_derived_batch(0, global_grad_norm=2.0))
+        sink.write(_derived_batch(1, norm=math.inf, skipped=True, global_grad_norm=math.inf))
+        s = scrape(url)
+        assert value(s, "trainermon_global_grad_norm") == 2.0
+        assert value(s, "trainermon_skipped_steps_total") == 1
+    finally:
+        sink.close()
+
+
+def test_a_reopened_sink_on_an_ephemeral_port_keeps_its_address(tmp_path, monkeypatch):
+    """With `prometheus.port` 0 (the default) a reopened sink bound a new port: a new scrape target
+    whose carried counters the alerts' first-scrape term took for new NaNs and anomalies."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    old = _sink(tmp_path, "run1", 0, "a")
+    new = other = None
+    try:
+        old.write(_derived_batch(0, anomalies_total={"AnomalyNan": 1}))
+        new = _sink(tmp_path, "run1", 0, "b")
+        assert new.port == old.port
+        old.close()
+        new.write(_derived_batch(1, anomalies_total={"AnomalyNan": 1}))
+        s = scrape(f"http://127.0.0.1:{new.port}/metrics")
+        assert value(s, "trainermon_anomalies_total", rule="AnomalyNan") == 1
+        assert value(s, "trainermon_last_step") == 1
+        other = _sink(tmp_path, "run2", 0, "c")  # another monitor's sink: an address of its own
+        assert other.port != new.port
+    finally:
+        for sink in (old, new, other):
+            if sink is not None:
+                sink.close()

@@ -64,6 +64,8 @@ def test_names():
     assert squash_name("language_model.encoder.layers.3.mlp.weight") == "layers.3.mlp.weight"
     assert unique_names(["a", "a", "b"], ["x.a", "y.a", "b"]) == ["a", "y.a", "b"]  # msprobe: first keeps it
     assert unique_names(["a", "a"], ["a", "a"]) == ["a", "a#1"]
+    # model chunks: rows carry their vpp stage, so the same short name in two chunks is no collision
+    assert unique_names(["a", "a", "a"], ["x.a", "y.a", "z.a"], [0, 1, 1]) == ["a", "a", "z.a"]
 
 
 def test_slot_names_per_count_as_msprobe_numbers_them():

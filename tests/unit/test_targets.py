@@ -243,3 +243,44 @@ def test_target_of_frozen_parameters_says_they_are_frozen(tmp_path, out_dir, sta
     assert len(lines) == 1, lines
     assert "'0.' selects only frozen parameters" in lines[0] and "'0.weight', '0.bias'" in lines[0], lines
     assert {n for (n, _, _) in keyed(read_family(monitor.run_dir, "grad_reduced"))} == {"2.weight", "2.bias"}
+
+
+def test_a_target_may_start_at_the_layers_segment(tmp_path, out_dir, static_mode, caplog):
+    """HF models name blocks `model.layers.N`: target "layers.0" selects `model.layers.0.*` whatever
+    `squash_name` says (it did before the msprobe squash rules; msprobe 26.2 matches it only with
+    squash_name on, so this selects more there, never less). Names are written in full without squash."""
+    from trainermon import TrainerMon
+
+    class Hf(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = nn.Module()
+            self.model.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+        def forward(self, x):
+            return self.model.layers[1](self.model.layers[0](x))
+
+    for squash in (False, True):
+        cfg = write_config(
+            tmp_path / f"c{squash}.json",
+            targets={"layers.0": {}},
+            wg_distribution=True,
+            squash_name=squash,
+            ndigits=12,
+        )
+        torch.manual_seed(0)
+        model = Hf()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        monitor = TrainerMon(cfg)
+        with caplog.at_level(logging.WARNING, logger="trainermon"):
+            monitor.set_monitor(model, optimizer=opt)
+        model(torch.randn(2, 4)).sum().backward()
+        want = float(model.model.layers[0].weight.grad.double().norm())
+        opt.step()
+        opt.zero_grad()
+        monitor.close()
+        rows = {r["name"]: r for r in read_family(monitor.run_dir, "grad_reduced")}
+        prefix = "" if squash else "model."
+        assert set(rows) == {f"{prefix}layers.0.weight", f"{prefix}layers.0.bias"}, squash
+        assert float(rows[f"{prefix}layers.0.weight"]["norm"]) == pytest.approx(want, rel=1e-6)
+    assert not _warnings(caplog)

@@ -114,6 +114,7 @@ class StepScalars:
     optimizer_grad_norm: float | None = None  # the framework optimizer's own norm (Megatron's step())
     update_skipped: bool | None = None  # the optimizer skipped its update (loss-scale overflow)
     monitor_time_ms: float = 0.0  # the monitor's own time on the training thread this step
+    scheduled: bool = True  # the configured families were collected (False: an escalation-only step)
 
 
 @dataclass(frozen=True)

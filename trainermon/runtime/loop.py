@@ -311,9 +311,8 @@ class StepLoop:
         tail = self.xrank.tail(plan.scheduled, self.config)  # cross-rank summaries (collective)
         payload = self.collector.finish(plan.step, scalars, job_grad_norm=job_norm, tail=tail)
         own_ms = (self.clock.now() - self._step_mark) * 1e3
-        payload = dataclasses.replace(
-            payload, scalars=dataclasses.replace(payload.scalars, monitor_time_ms=own_ms)
-        )
+        scalars = dataclasses.replace(payload.scalars, monitor_time_ms=own_ms, scheduled=plan.scheduled)
+        payload = dataclasses.replace(payload, scalars=scalars)
         if self.worker is not None:
             self.worker.submit(payload)  # immutable from here on
         for probe in self.probes:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trainermon.config import MonitorConfig
-from trainermon.names import clean_name, squash_name, unique_names
+from trainermon.names import clean_name, squash_name, target_form, unique_names
 
 
 @dataclass
@@ -57,13 +57,15 @@ def _global_param_name(adapter, vpp_stage: int, name: str) -> str:
 
 
 def param_matches(vpp_stage: int, names: list[str], target: str, squash: bool = False) -> bool:
-    """A target selects a parameter whose name (any of them) starts with it: plainly, squashed (with
-    `squash_name` on, as msprobe compares the squashed names then), or, for a target with a `:`,
-    `vpp:`-prefixed. (msprobe also tries the `vpp:` form for a target without one, so
-    that `"0"`, meant for module `0` of an `nn.Sequential`, selects every parameter of stage 0.)"""
+    """A target selects a parameter whose name (any of them) starts with it: plainly, from its first
+    `layers.`/... segment (`target_form`), squashed (with `squash_name` on, as msprobe compares the
+    squashed names then), or, for a target with a `:`, `vpp:`-prefixed. (msprobe also tries the `vpp:`
+    form for a target without one, so that `"0"`, meant for module `0` of an `nn.Sequential`, selects
+    every parameter of stage 0.)"""
     staged = ":" in target
     return any(
         n.startswith(target)
+        or target_form(n).startswith(target)
         or (squash and squash_name(n).startswith(target))
         or (staged and f"{vpp_stage}:{n}".startswith(target))
         for n in names
@@ -91,7 +93,7 @@ def select_params(adapter, config: MonitorConfig) -> ParamSelection:
             chosen.append(mp)
     names = [mp.name for mp in chosen]
     if config.squash_name:
-        names = unique_names([squash_name(n) for n in names], names)
+        names = unique_names([squash_name(n) for n in names], names, [mp.vpp_stage for mp in chosen])
     return ParamSelection(chosen, names, {mp.index: i for i, mp in enumerate(chosen)})
 
 
