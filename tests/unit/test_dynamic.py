@@ -125,6 +125,32 @@ def test_switched_on_mid_run(dyn):
     assert _collected_steps(out) == [4, 5]
 
 
+@pytest.mark.parametrize(("start_step", "interval", "expected"), [(0, 5, [4, 9]), (100, 3, [4, 7])])
+def test_switched_on_mid_run_collects_from_that_step(dyn, start_step, interval, expected):
+    """msprobe's rule: a config switched on collects from the step it applies at, every step_interval
+    steps from there; the file's start_step is not used (it shifted the collections to 5, 10, and a large
+    one left in the file delayed them past the end of the run)."""
+    make, out = dyn
+    path = make(dynamic_on=False)
+    edit = _edit(path, dynamic_on=True, start_step=start_step, step_interval=interval, collect_times=2)
+    _train(path, 12, {3: edit})
+    assert _collected_steps(out) == expected
+
+
+def test_on_from_the_start_collects_from_the_first_step(dyn):
+    make, out = dyn
+    _train(make(dynamic_on=True, start_step=5, step_interval=2, collect_times=2), 8, {})
+    assert _collected_steps(out) == [0, 2]
+
+
+def test_static_mode_keeps_start_step(tmp_path, static_mode, out_dir):
+    """Without DYNAMIC_MONITOR a dynamic_on left in the config changes nothing: start_step holds."""
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps({**BASE, "dynamic_on": True, "start_step": 3, "step_interval": 2}))
+    _train(str(path), 8, {})
+    assert _collected_steps(str(tmp_path / "out")) == [3, 5, 7]
+
+
 def test_edit_during_collection_applies_next_step_and_restarts_count(dyn):
     make, out = dyn
     path = make(dynamic_on=True, collect_times=5)

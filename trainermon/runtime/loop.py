@@ -76,7 +76,7 @@ class StepLoop:
         self.transfers = TransferCounter()
         self.collector = StepCollector(self.engine, self.transfers, self.faults)
         self.xrank = CrossRank(self.rank, self.world_size)
-        self.schedule = Schedule(config)
+        self.schedule = Schedule(config, anchored=env.dynamic and config.dynamic_on)  # (see _reload)
         self.escalation = Escalation()
         self.outputs = Outputs(env, self.rank, self.world_size, self.faults)
         self.control = (
@@ -327,7 +327,7 @@ class StepLoop:
         """Dynamic mode: a new config from the watched file, applied on every rank at this same step."""
         old = self.config
         self.engine.options = engine_options(config)
-        self.schedule = Schedule(config)  # a new config restarts the collection count
+        self.schedule = Schedule(config, anchored=config.dynamic_on)  # restarts the count, from this step
         self.detector.rules = parse_rules(config.alert.rules)
         self.detector.dump = config.alert.dump
         self._publish(config)

@@ -2,7 +2,9 @@
 
 Steps are optimizer steps, counted from `start_iteration`. Collected steps are start_step, start_step +
 step_interval, ... until collect_times steps have been collected (msprobe's definition); in dynamic mode
-only while `dynamic_on` is true. After an anomaly, escalation adds every module's activations."""
+only while `dynamic_on` is true, and from the step a config applies at (`Schedule(anchored=True)`):
+msprobe's rule, the file's start_step is not used there. After an anomaly, escalation adds every module's
+activations."""
 
 from __future__ import annotations
 
@@ -14,13 +16,20 @@ from trainermon.config import MonitorConfig
 class Schedule:
     """Which steps the configured families are collected at; it counts the collections made."""
 
-    def __init__(self, config: MonitorConfig, collected: int = 0) -> None:
+    def __init__(self, config: MonitorConfig, collected: int = 0, anchored: bool = False) -> None:
         self.start_step = config.start_step
         self.step_interval = config.step_interval
         self.collect_times = config.collect_times
         self.collected = collected
+        # Dynamic mode (`anchored`): collect from the step this config applies at (the next step asked
+        # about), every step_interval steps from there; the file's start_step is not used. msprobe anchors
+        # start_step at the step a dynamic_on config is read for: a start_step left in the file (0, or a
+        # large one from a static run) neither shifts the first collection nor delays it indefinitely.
+        self._anchor = anchored
 
     def wants(self, step: int) -> bool:
+        if self._anchor:
+            self.start_step, self._anchor = step, False
         if self.collected >= self.collect_times or step < self.start_step:
             return False
         return (step - self.start_step) % self.step_interval == 0
