@@ -43,5 +43,11 @@ class Exporter(ABC):
     def flush(self) -> None:  # noqa: B027 - optional hook
         """Make everything written so far durable for readers (e.g. complete files)."""
 
+    #: Seconds after which `tick` should run even when no step arrives (None: never needed).
+    tick_s: float | None = None
+
+    def tick(self) -> None:  # noqa: B027 - optional hook
+        """Time passed (the worker calls it at least every `tick_s` seconds, with or without steps)."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Flush and release resources. Called once."""

@@ -190,5 +190,16 @@ class ParquetExporter(Exporter):
     def flush(self) -> None:
         self._roll(list(self.buffers))
 
+    @property
+    def tick_s(self) -> float | None:  # type: ignore[override]
+        return None if self.seconds_per_part is None else float(self.seconds_per_part)
+
+    def tick(self) -> None:
+        """`seconds_per_part` bounds what a crash can lose also when no further step comes (a job that
+        collects rarely, a long evaluation): buffers that old are written without waiting for a step."""
+        started = self.buffer_started
+        if started is not None and self.tick_s is not None and time.monotonic() - started >= self.tick_s:
+            self._roll(list(self.buffers))
+
     def close(self) -> None:
         self.flush()

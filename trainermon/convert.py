@@ -226,8 +226,11 @@ def _columns(rows: list[dict[str, str]], run_id: str) -> dict[str, Any]:
     columns["shape"] = shapes
     if "numel" in header:
         columns["numel"] = [int(float(r["numel"])) for r in rows]
-    else:
-        columns["numel"] = [int(np.prod(s)) if s is not None else None for s in shapes]
+    else:  # from the shape; a non-tensor slot (a None output: dtype "None", shape []) has no elements
+        columns["numel"] = [
+            None if s is None else 0 if r.get("dtype") == "None" else int(np.prod(s))
+            for s, r in zip(shapes, rows)
+        ]
     columns["dtype"] = [r.get("dtype") or None for r in rows]
     columns["shard"] = [r.get("shard") or None for r in rows]  # absent in msprobe's and older CSV
     columns["skipped"] = [{"1": True, "0": False}.get(r.get("skipped") or "") for r in rows]

@@ -152,7 +152,10 @@ def load(
         root, files = os.path.dirname(path), [path]
         dataset = ds.dataset(files, schema=file_schema(), format="parquet")
         table = dataset.to_table()
-        meta = table.schema.metadata or {}
+        import pyarrow.parquet as pq
+
+        # the file's own schema: the dataset's (`file_schema()`) carries no metadata
+        meta = pq.read_schema(path).metadata or {}
         fam = meta.get(b"trainermon.family", b"").decode() or None
         rank = int(meta.get(b"trainermon.rank", b"0"))
         table = table.append_column("family", pa.array([fam] * len(table), pa.string()))

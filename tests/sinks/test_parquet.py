@@ -423,3 +423,101 @@ def test_unwritable_dataset_dir_disables_only_parquet(tmp_path, monkeypatch):
     mon.close()
     assert [type(e).__name__ for e in mon.loop.worker.exporters] == ["CsvExporter"]
     assert len(read_csv_rows(mon.run_dir)) > 0  # training and the CSV sink went on
+
+
+def test_load_of_one_part_file_knows_its_family_and_rank(tmp_path):
+    """`load(<a part file>)` read family None and rank 0 (the dataset's schema has no metadata), so
+    its family and rank filters returned nothing."""
+    cfg = parse_config({"ops": ["norm"], "format": ["parquet"]})
+    exp = ParquetExporter()
+    exp.open(RunInfo(str(tmp_path / "run"), str(tmp_path), 3, 4, "abcd", cfg))
+    exp.write(_fake_batch(7, ["w"], ("grad_reduced",), value=1.5))
+    exp.close()
+    (part,) = glob.glob(str(tmp_path / "parquet" / "family=grad_reduced" / "rank=3" / "*.parquet"))
+    rows = trainermon.load(part).select(["family", "rank", "step", "norm"]).to_pylist()
+    assert rows == [{"family": "grad_reduced", "rank": 3, "step": 7, "norm": 1.5}]
+    assert trainermon.load(part, family="grad_reduced", ranks=3).num_rows == 1
+    assert trainermon.load(part, ranks=0).num_rows == 0
+
+
+SECONDS_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    import torch
+    from trainermon import TrainerMon
+    os.environ["MONITOR_OUTPUT_DIR"] = sys.argv[1]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon(sys.argv[2])
+    mon.set_monitor(model, optimizer=opt)
+    for _ in range(2):
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    time.sleep(float(sys.argv[3]))  # no further collected step: a long evaluation, a rare schedule
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def test_seconds_per_part_bounds_the_loss_without_a_further_step(tmp_path):
+    """The time limit was checked only when a step arrived: a job killed after 4 s without a collected
+    step had lost both buffered steps, with seconds_per_part 1."""
+    cfg = {
+        "wg_distribution": True,
+        "ops": ["norm"],
+        "format": ["parquet"],
+        "parquet": {"seconds_per_part": 1},
+    }
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    (tmp_path / "run.py").write_text(SECONDS_SCRIPT)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "run.py"), str(out), str(tmp_path / "cfg.json"), "4"],
+        cwd=REPO,
+        capture_output=True,
+        timeout=120,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    table = trainermon.load(out / "parquet", family="grad_reduced")
+    assert sorted(set(table.column("step").to_pylist())) == [0, 1]
+    assert sorted(table.column("name").to_pylist()) == ["bias", "bias", "weight", "weight"]
+
+
+def test_convert_gives_a_none_output_no_elements(tmp_path, monkeypatch):
+    """Without `numel` in `ops` the converter took numel from the shape: a None output (shape [])
+    became 1 element where the exporter writes 0."""
+
+    class Attn(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = torch.nn.MultiheadAttention(4, 2, batch_first=True)
+
+        def forward(self, x):
+            return self.attn(x, x, x, need_weights=False)[0]
+
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    path = tmp_path / "cfg.json"
+    path.write_text(
+        json.dumps(
+            {"xy_distribution": True, "forward_only": True, "ops": ["norm"], "format": ["csv", "parquet"]}
+        )
+    )
+    torch.manual_seed(0)
+    model = Attn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon(str(path))
+    mon.set_monitor(model, optimizer=opt)
+    model(torch.randn(2, 3, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    mon.close()
+    from trainermon.cli import main
+
+    assert main(["convert", str(tmp_path / "out"), str(tmp_path / "converted")]) == 0
+    cols = ["name", "dtype", "numel"]
+    direct = trainermon.load(tmp_path / "out" / "parquet", family="actv").select(cols).to_pylist()
+    converted = trainermon.load(tmp_path / "converted", family="actv").select(cols).to_pylist()
+    assert {"name": "attn.output_1", "dtype": "None", "numel": 0} in direct
+    assert sorted(converted, key=str) == sorted(direct, key=str)

@@ -207,11 +207,27 @@ class BackgroundWorker:
             if isinstance(resume.done, threading.Event):
                 resume.done.set()
         while True:
-            self._wake.wait(self.interval_s or None)
+            self._wake.wait(self._timeout())
             self._wake.clear()  # before draining: a wake-up for an item appended later is not lost
             while self._pending:
                 if not self._handle(self._pending.popleft(), generation):
                     return
+            if self._ticking() and not self._each(generation, "tick", None, 0, None):
+                return
+
+    def _ticking(self) -> list[float]:
+        """The `tick_s` of the exporters that are on (a Parquet sink's seconds_per_part)."""
+        return [
+            t
+            for i, e in enumerate(self.exporters)
+            if i not in self._disabled and (t := getattr(e, "tick_s", None)) is not None
+        ]
+
+    def _timeout(self) -> float | None:
+        """How long the thread sleeps with nothing queued: the write interval, and no longer than the
+        shortest `tick_s` (None: until woken)."""
+        bounds = [t for t in (self.interval_s or None, *self._ticking()) if t]
+        return min(bounds) if bounds else None
 
     def _handle(self, item, generation: int) -> bool:
         """Process one queue item; False when this thread is to stop (the worker's end, or replaced)."""
@@ -253,7 +269,12 @@ class BackgroundWorker:
             exporter = self.exporters[i]
             self._busy = (generation, i, time.monotonic())
             try:
-                exporter.write(batch) if what == "write" else exporter.flush()
+                if what == "write":
+                    exporter.write(batch)
+                elif what == "tick":
+                    getattr(exporter, "tick", _nothing)()
+                else:
+                    exporter.flush()
             except Exception as exc:  # noqa: BLE001
                 if generation != self._generation:
                     return False
@@ -270,6 +291,10 @@ class BackgroundWorker:
                     return False
                 self._busy = None
         return True
+
+
+def _nothing() -> None:
+    pass
 
 
 def _close_quietly(exporter) -> None:
