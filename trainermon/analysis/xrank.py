@@ -22,7 +22,11 @@ MAX_LISTED = 50
 def read_xrank(source: RunSource, steps: tuple[int, int] | None = None) -> pd.DataFrame | None:
     """The run's xrank rows with pyarrow (None when it has none)."""
     files = source.select(["xrank"], None, steps)
-    if source.kind != "parquet" or not files:
+    if not files:
+        return None
+    if source.kind == "csv":
+        return _read_xrank_csv([f.path for f in files], steps)
+    if source.kind != "parquet":
         return None
     import pyarrow as pa
     import pyarrow.dataset as ds
@@ -40,6 +44,30 @@ def read_xrank(source: RunSource, steps: tuple[int, int] | None = None) -> pd.Da
         idx = present.index("micro_step")
         table = table.set_column(idx, "micro_step", table.column("micro_step").cast(pa.int32()))
     return table.to_pandas()
+
+
+def _read_xrank_csv(paths: list[str], steps: tuple[int, int] | None) -> pd.DataFrame | None:
+    """Rank 0's `xrank_*.csv` as the Parquet columns (`convert` maps them the same way)."""
+    import csv
+
+    out: dict[str, list] = {c: [] for c in XRANK_COLUMNS}
+    for path in paths:
+        with open(path, newline="", encoding="utf-8") as fh:
+            for r in csv.DictReader(fh):
+                step = int(r["step"])
+                if steps is not None and not steps[0] <= step <= steps[1]:
+                    continue
+                out["vpp_stage"].append(int(r["vpp_stage"] or 0))
+                out["name"].append(r["name"])
+                out["step"].append(step)
+                out["micro_step"].append(int(r["micro_step"]) if r.get("micro_step") else -1)
+                out["xrank_family"].append(r["family"])
+                out["xrank_stat"].append(r["stat"])
+                for key in ("max", "min", "mean", "nans", "infs"):
+                    out[key].append(float(r[key]) if r.get(key) not in (None, "") else math.nan)
+                for key in ("max_rank", "min_rank", "nonfinite_rank", "ranks"):
+                    out[key].append(int(r[key]))
+    return pd.DataFrame(out) if out["step"] else None
 
 
 def _rank(value: Any) -> int | None:

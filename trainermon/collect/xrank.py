@@ -5,10 +5,14 @@ and every float statistic of the config: the max, min and mean over the ranks ho
 holding the max and the min (the lowest such rank on ties), NaN and Inf counts summed over ranks, and the
 lowest rank whose row was non-finite. Rank 0 writes them as the family `xrank`.
 
-Cost per collected step, whatever the number of rows: one packed reduction of the step's table over
-the default group (one int64 MAX and one float64 SUM all-reduce, issued together, on the rows' device),
-plus one 8-byte all-reduce on a CPU (gloo) group that checks the layout (below). The results travel to
-the host in the step's single transfer (`StepCollector.finish(tail=...)`); decoding happens on the worker.
+Cost per collected step, whatever the number of rows: one all-gather of the step's packed table over
+the default group (on the rows' device; the int64 keys ride bit for bit beside the float64 sums, merged
+by max and by sums in rank order on every rank), plus one 8-byte all-reduce on a CPU (gloo) group that
+checks the layout (below). An all-gather moves world x table: 160 bytes per row with 4 statistics, so
+1,000 rows cost 160 KB sent and 160 MB received per rank per collected step at 1,000 ranks (the two
+all-reduces this replaced moved the table alone; issue 23's one-collective target chose the gather).
+The results travel to the host in the step's single transfer (`StepCollector.finish(tail=...)`);
+decoding happens on the worker.
 
 Layout: a packed reduction needs the same table on every rank, but ranks may hold different rows
 (`module_ranks`, pipeline stages, escalated activations). The table is laid out by an agreed list of keys,
@@ -98,7 +102,7 @@ def _bits(world_size: int) -> int:
 
 def _to_key(v: torch.Tensor, tag: torch.Tensor, bits: int) -> torch.Tensor:
     """Order-preserving int64 keys of float64 `v` (NaN: absent), low `bits` replaced by `tag`."""
-    raw = v.view(torch.int64)
+    raw = (v + 0.0).view(torch.int64)  # -0.0 + 0.0 is +0.0: a zero keeps key 0 (not 5e-324 back)
     key = torch.where(raw < 0, raw ^ _FLIP, raw)
     key = (key & ~((1 << bits) - 1)) | tag
     return torch.where(torch.isnan(v), torch.full_like(key, _ABSENT), key)
@@ -174,7 +178,7 @@ class CrossRank:
 
         stats = tuple(stats)
         mine = [i for i, r in enumerate(rows) if r.family in XRANK_FAMILIES]
-        local_keys = [_key(rows[i]) for i in mine]
+        local_keys = _keys([rows[i] for i in mine])
         outside = torch.tensor([int(any(k not in self.slots for k in local_keys))], dtype=torch.int64)
         dist.all_reduce(outside, op=dist.ReduceOp.MAX, group=self.cpu_group)
         if int(outside[0]):
@@ -294,7 +298,7 @@ def decode(layout: XRankLayout, tail: np.ndarray) -> XRankTable:
     }
     present = sums[:, 2 * s + 2] > 0  # keys of the agreed layout that no rank held this step
     index = [(i, j) for i in np.flatnonzero(present) for j in range(s)]
-    rows = tuple((*layout.keys[i], layout.stats[j]) for i, j in index)
+    rows = tuple((*layout.keys[i][:4], layout.stats[j]) for i, j in index)
     ii = np.array([i for i, _ in index], dtype=np.int64)
     jj = np.array([j for _, j in index], dtype=np.int64)
     values = {c: v[ii, jj] for c, v in columns.items()}
@@ -305,6 +309,19 @@ def decode(layout: XRankLayout, tail: np.ndarray) -> XRankTable:
 
 def _key(row: RowMeta) -> Key:
     return (row.family, row.vpp_stage, row.name, row.micro_step)
+
+
+def _keys(rows: Sequence[RowMeta]) -> list[Key]:
+    """The rows' keys; a rank's second row under one name (two modules squashed to one name) gets the
+    occurrence as a fifth element: a slot of its own, not the first row's slot overwritten."""
+    seen: dict[Key, int] = {}
+    out = []
+    for row in rows:
+        key = _key(row)
+        n = seen.get(key, 0)
+        seen[key] = n + 1
+        out.append(key if n == 0 else (*key, n))
+    return out
 
 
 def _default_device() -> torch.device:
