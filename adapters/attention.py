@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from trainermon.copies import CopySafe
 from trainermon.runtime.attn_math import causal_keep, mask_keep, sample_positions
 
 
@@ -80,7 +81,7 @@ class _MhaSite(AttnSite):
                 except Exception as exc:  # noqa: BLE001
                     observer.fault(exc)
 
-        return self.module.register_forward_pre_hook(hook, with_kwargs=True)
+        return self.module.register_forward_pre_hook(CopySafe(hook), with_kwargs=True)
 
     def _observe(self, m: torch.nn.MultiheadAttention, got: dict, observer: Any) -> None:
         query, key = got["query"], got["key"]
@@ -218,7 +219,7 @@ class _MegatronSite(AttnSite):
                 except Exception as exc:  # noqa: BLE001
                     observer.fault(exc)
 
-        return self.module.register_forward_pre_hook(hook, with_kwargs=True)
+        return self.module.register_forward_pre_hook(CopySafe(hook), with_kwargs=True)
 
     def _observe(self, module: Any, got: dict, observer: Any) -> None:
         query = got["query"].permute(1, 2, 0, 3)  # [sq, b, np, hn] -> [b, np, sq, hn]

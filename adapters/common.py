@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from trainermon.collect.records import StepScalars
+from trainermon.copies import CopySafe
 from trainermon.failsafe import FaultLog
 
 from .base import StepEvents
@@ -164,8 +165,8 @@ def hook_optimizer_step(optimizer: Any, events: StepEvents) -> list[Any]:
     has them, else a wrapper of this instance's `step` (a framework optimizer)."""
     if hookable(optimizer):
         return [
-            optimizer.register_step_pre_hook(_pre_hook(events)),
-            optimizer.register_step_post_hook(lambda *_: events.post(StepScalars())),
+            optimizer.register_step_pre_hook(CopySafe(_pre_hook(events))),
+            optimizer.register_step_post_hook(CopySafe(lambda *_: events.post(StepScalars()))),
         ]
     if callable(getattr(optimizer, "step", None)):
         original = optimizer.step
@@ -176,8 +177,8 @@ def hook_optimizer_step(optimizer: Any, events: StepEvents) -> list[Any]:
             events.post(StepScalars())
             return out
 
-        optimizer.step = step
-        return [Restore(optimizer, "step", step)]
+        optimizer.step = patched = CopySafe(step, original)
+        return [Restore(optimizer, "step", patched)]
     raise TypeError(f"trainermon: optimizer {type(optimizer).__name__} has no step() to hook")
 
 

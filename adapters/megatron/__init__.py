@@ -49,6 +49,7 @@ import torch
 
 from trainermon.collect.placement import LOCAL, Placement, Sharded, TensorPiece
 from trainermon.collect.records import StepScalars
+from trainermon.copies import CopySafe
 from trainermon.names import clean_name
 from trainermon.runtime.clip_watch import torch_clip_entries
 
@@ -234,9 +235,12 @@ class MegatronAdapter(Adapter):
             events.post(adapter._scalars(out))
             return out
 
-        optimizer.prepare_grads = prepare_grads
-        optimizer.step = step
-        return [Restore(optimizer, "step", step), Restore(optimizer, "prepare_grads", prepare_grads)]
+        optimizer.prepare_grads = patched_prepare = CopySafe(prepare_grads, original_prepare)
+        optimizer.step = patched_step = CopySafe(step, original_step)
+        return [
+            Restore(optimizer, "step", patched_step),
+            Restore(optimizer, "prepare_grads", patched_prepare),
+        ]
 
     def _capture_loss_scale(self) -> None:
         # A reference, no computation: Megatron's scalers replace the scale tensor on update (never in

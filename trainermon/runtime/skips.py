@@ -31,6 +31,7 @@ import torch
 
 from trainermon.adapters.common import Restore
 from trainermon.collect.records import StepScalars
+from trainermon.copies import CopySafe
 
 from .plan import StepPlan
 from .probes.base import Probe
@@ -96,8 +97,8 @@ class SkippedStepProbe(Probe):
                 self._close_skipped()
             return original(*args, **kwargs)
 
-        obj.zero_grad = zero_grad
-        return Restore(obj, "zero_grad", zero_grad)
+        obj.zero_grad = patched = CopySafe(zero_grad, original)  # a copy of `obj` clears its own
+        return Restore(obj, "zero_grad", patched)
 
     def _close_skipped(self) -> None:
         self.trained = False

@@ -28,7 +28,6 @@ import logging
 from typing import Any
 
 import torch
-from torch.compiler import is_compiling  # imported with torch itself
 
 from trainermon.config import MonitorConfig
 
@@ -36,122 +35,13 @@ from ..plan import StepPlan
 from ..selection import select_modules
 from .base import Probe
 from .grad_rows import GradRowsCache
-from .module_hooks import ModuleHooks, in_backward, in_transform
+from .hooked_module import HookedModule, never_frames_of_their_own, outside_graph
+from .module_hooks import ModuleHooks, in_backward
 from .recompute import Recomputes
-from .slots import UNTAPPED, Names, input_slots, is_activation, output_slots, padded, replace_tensors
+from .slots import input_slots, is_activation, output_slots, padded, replace_tensors
 from .written import mark_view, release, settle_input_views
 
 logger = logging.getLogger("trainermon")
-
-
-def _timed_call(clock: Any, body: Any, *args: Any) -> Any:
-    with clock:  # the whole body is the monitor's own time, not only its rows
-        return body(*args)
-
-
-_OUTSIDE: list[Any] = []
-
-
-def _outside_graph() -> Any:
-    """`_timed_call` with dynamo disabled, made once for every hook: a disable wrapper per hook cost ~0.4 KB
-    each (0.65 MB on an 836-module model)."""
-    if not _OUTSIDE:
-        import torch.compiler
-
-        _OUTSIDE.append(torch.compiler.disable(_timed_call))
-    return _OUTSIDE[0]
-
-
-def _never_frames_of_their_own() -> None:
-    """After a graph break inside a module's forward, dynamo compiles the module's hooks as frames of their
-    own (torch 2.11 did so under compiled DDP). There the traced pre-hook's view of an input is a graph
-    output aliasing a graph input, which the compiler rebuilds outside the graph without the view's
-    gradient hook (those rows went missing). Such a hook call already sits between graph breaks: run it
-    eagerly (dynamo skips these frames and the frames they call; it still inlines the hooks into the
-    frames it traces). Private API (torch 2.13), applied once dynamo is loaded; without it the hooks keep
-    being compiled."""
-    try:
-        from torch._dynamo.eval_frame import set_code_exec_strategy
-        from torch._dynamo.types import FrameAction, FrameExecStrategy
-    except ImportError:  # pragma: no cover - another torch
-        return
-    skip = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)  # the frame and all it calls: eager
-    for hook in (HookedModule.pre, HookedModule.forward):
-        set_code_exec_strategy(hook.__code__, skip)
-
-
-class HookedModule:
-    """One hooked module: what its two installed hooks share, the bound methods `pre` and `forward`. An
-    object with slots instead of closures: the two body closures, two gate closures and their holders cost
-    ~2.5 KB more per module (1.0 MB on a 418-module model, tracemalloc).
-
-    Each hook tests flags first, false on steps that are not collected while the hooks stay installed
-    (pinned under torch.compile, see `module_hooks`). Under torch.compile the test is traced (dynamo guards
-    on the flags: one recompile when collection first switches on, both graphs cached after); on collected
-    steps dynamo traces `traced_pre` / `traced_forward` (operators in the graph that run the monitor's code,
-    see `graph_taps`; made once the hooks are pinned), or without them the body runs outside the graph (a
-    graph break). Until the hooks are pinned no compiled code can call them, so the body is called directly:
-    dynamo's disable wrapper switches its frame callback twice per call (~1.5 ms per step on a 145-module
-    model)."""
-
-    __slots__ = (
-        "probe",
-        "vpp_stage",
-        "name",
-        "extra",
-        "shards",
-        "input_names",
-        "output_names",
-        "traced_pre",
-        "traced_forward",
-    )
-
-    def __init__(self, probe: ActivationProbe, vpp_stage: int, name: str, extra: bool, shards: tuple) -> None:
-        self.probe = probe
-        self.vpp_stage = vpp_stage
-        self.name = name
-        self.extra = extra  # hooked for an escalation only: runs on escalating steps
-        self.shards = shards  # (input piece labels, output piece labels): `Adapter.activation_shards`
-        self.input_names = Names(f"{name}.input")
-        self.output_names = Names(f"{name}.output")
-        self.traced_pre: Any = None  # the hooks dynamo traces, made once the hooks are pinned
-        self.traced_forward: Any = None
-
-    def pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-        probe = self.probe
-        if not (probe._actv or probe._actv_grad) or (self.extra and not probe._wide):
-            return None
-        if is_compiling() or probe.hooks.pinned:  # `pinned` is read only when dynamo is not tracing
-            return self._not_eager("traced_pre", probe._pre_body, module, args, kwargs)
-        if in_transform():
-            return None
-        with probe.loop.clock:  # the whole body is the monitor's own time, not only its rows
-            return probe._pre_body(self, module, args, kwargs)
-
-    def forward(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        probe = self.probe
-        if not (probe._actv or probe._actv_grad) or (self.extra and not probe._wide):
-            return None
-        if is_compiling() or probe.hooks.pinned:
-            return self._not_eager("traced_forward", probe._forward_body, module, args, kwargs, output)
-        if in_transform():
-            return None
-        with probe.loop.clock:
-            return probe._forward_body(self, module, args, kwargs, output)
-
-    def _not_eager(self, traced_slot: str, body: Any, *args: Any) -> Any:
-        """Traced by dynamo: the traced hook, or the body outside the graph where it cannot tap this call.
-        Pinned and run eagerly (compiled code may call it: a resumed frame after a graph break): the body,
-        out of dynamo's reach."""
-        probe = self.probe
-        if is_compiling():
-            probe.hooks.pin_at_trace()  # compiled code may call the hooks from now on; makes `traced_*`
-            traced = getattr(self, traced_slot)
-            if traced is not None:
-                result = traced(*args)
-                if result is not UNTAPPED:
-                    return result
-        return _outside_graph()(probe.loop.clock, body, self, *args)
 
 
 class ActivationProbe(Probe):
@@ -217,8 +107,8 @@ class ActivationProbe(Probe):
     def _make_traced_hooks(self) -> None:
         """When the hooks become pinned (compiled code may call them from now on): the traced hooks of the
         modules hooked so far. Before any trace reaches them: see `ModuleHooks`."""
-        _outside_graph()  # made now, so that no trace has to make it
-        _never_frames_of_their_own()
+        outside_graph()  # made now, so that no trace has to make it
+        never_frames_of_their_own()
         for key, hooked in self._hooked.items():
             self._fill_traced(hooked, key)
 

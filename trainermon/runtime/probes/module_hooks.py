@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from trainermon.copies import CopySafe
+
 logger = logging.getLogger("trainermon")
 
 #: register(vpp_stage, name, module, extra) -> the handles of the hooks it added to `module`
@@ -121,7 +123,7 @@ class ModuleHooks:
             if torch.compiler.is_compiling():
                 pin()
 
-        self._watchers = [root.register_forward_pre_hook(watch) for root in roots]
+        self._watchers = [root.register_forward_pre_hook(CopySafe(watch)) for root in roots]
 
     def arm(self, wanted: bool) -> None:
         """At a step's beginning: the hooks exist on this step iff it collects (unless pinned)."""

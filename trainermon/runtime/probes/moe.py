@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from trainermon.collect.placement import Local, TensorPiece
+from trainermon.copies import CopySafe
 from trainermon.names import clean_name
 from trainermon.pipeline.health import MOE_AUX, MOE_DROPPED, MOE_HIDDEN
 
@@ -102,7 +103,7 @@ class MoEProbe(Probe):
                     continue
                 router = _Router(vpp, adapter.global_name(vpp, clean_name(name)), module, experts)
                 self.routers.append(router)
-                handles.append(module.register_forward_hook(self._hook(router)))
+                handles.append(module.register_forward_hook(CopySafe(self._hook(router))))
                 if router.has_aux:
                     handles.append(_wrap_aux(module, router, self))
         self._attached = True
@@ -260,5 +261,5 @@ def _wrap_aux(module: torch.nn.Module, router: _Router, probe: MoEProbe) -> _Res
                 probe.loop.faults.record("moe aux loss", exc)
         return original(*args, **kwargs)
 
-    module.attach_and_log_load_balancing_loss = attach
+    module.attach_and_log_load_balancing_loss = CopySafe(attach, original)
     return _Restore(module)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from trainermon.config import MonitorConfig
+from trainermon.copies import CopySafe
 
 from ..plan import StepPlan
 from ..selection import select_modules
@@ -48,7 +49,7 @@ class SideOutputsProbe(Probe):
             return
         every = config.print_struct or config.all_xy or not config.targets
         for _vpp, name, module in select_modules(self.loop.adapter, config, every=every):
-            self._handles.append(module.register_forward_hook(self._hook(name)))
+            self._handles.append(module.register_forward_hook(CopySafe(self._hook(name))))
 
     def _hook(self, name: str):
         loop = self.loop

@@ -1,0 +1,52 @@
+"""What a copy of a monitored model gets in place of the monitor's hooks.
+
+Users copy models after `set_monitor`: an EMA or SWA model (`torch.optim.swa_utils.AveragedModel`
+deep-copies its module), a frozen reference model for RLHF/DPO, `torch.save(model)`. The monitor's hooks
+travel in the modules' hook dicts. Copied as they are, a bound method drags the monitor (threads, locks,
+open files) into the copy and the copy fails (`cannot pickle '_thread.lock'`), and a closure, shared by
+the copy, would record the copy's forwards as the monitored model's. A copy is not monitored: each hook
+copies (`copy.deepcopy`) or pickles as a hook that does nothing, or as the copy's own method where the
+monitor wrapped one. A second TrainerMon can monitor the copy.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+
+def inert_hook(*args: Any, **kwargs: Any) -> None:
+    """A copied model's hook: returns None (changes nothing) and records nothing."""
+    return None
+
+
+def _inert() -> Callable[..., None]:
+    return inert_hook
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+class CopySafe:
+    """A hook or method wrapper installed on a user's module that copies as `inert_hook`, or, for a wrapped
+    method (`original`), as the copy's own method. One Python call more per call of the hook: for hooks
+    on a few modules (the roots, routers, attention layers), not on every module (`HookedModule` copies
+    itself as an inert hook instead)."""
+
+    __slots__ = ("call", "original")
+
+    def __init__(self, call: Callable[..., Any], original: Callable[..., Any] | None = None) -> None:
+        self.call = call
+        self.original = original
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        # a bound method deep-copies as the method bound to the module's copy (in `memo` already)
+        return inert_hook if self.original is None else copy.deepcopy(self.original, memo)
+
+    def __reduce__(self) -> tuple:
+        return (_inert, ()) if self.original is None else (_same, (self.original,))
