@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .collect.records import StatBatch
-from .config import ConfigError, MonitorConfig, load_config, read_env
+from .config import ConfigError, MonitorConfig, parse_config, read_config_json, read_env
 from .failsafe import FaultLog
 from .inmemory import metric_dict
 from .runtime.loop import StepLoop
@@ -48,7 +48,9 @@ class TrainerMon:
                 "trainermon: params_have_main_grad is detected from the parameters; the value is unused"
             )
         self.config_file_path = str(config_file_path)
-        self.loop = StepLoop(load_config(config_file_path), read_env(), self.config_file_path, process_group)
+        raw = read_config_json(config_file_path)
+        config = parse_config(raw, source=self.config_file_path)
+        self.loop = StepLoop(config, read_env(), self.config_file_path, process_group, raw=raw)
         self.grad_acc_steps = 1
         self._said_off: set[str] = set()  # in-memory calls whose family is off, warned once each
         self._said: set[str] = set()  # other one-time warnings (ignored arguments, deprecated calls)
@@ -148,10 +150,10 @@ class TrainerMon:
         `grad_unreduced` rows as `{tag: {statistic: float64 0-d tensor}}`, keyed by msprobe's tags
         (`reduced["0:fc.weight/rank0/post_grad"]["norm"]`). Call after the optimizer step: msprobe reads
         the gradients at the call, trainermon gives the step it finished. Waits for the background worker
-        (as `flush` does); no collective, no device work. ({}, {}) before a collected step or without
-        `wg_distribution` (said once). `post_grad_dict`: msprobe 26.2's argument (the gradients its own
-        optimizer hook read), accepted and ignored (the monitor reads them itself; said once when not
-        empty)."""
+        to process the submitted steps (the sinks are not flushed); no collective, no device work. ({}, {})
+        before a collected step or without `wg_distribution` (said once). `post_grad_dict`: msprobe 26.2's
+        argument (the gradients its own optimizer hook read), accepted and ignored (the monitor reads them
+        itself; said once when not empty)."""
         if post_grad_dict is not None and not isinstance(post_grad_dict, dict):
             raise TypeError(
                 f"trainermon: generate_wgrad_metrics(post_grad_dict=...) takes a dict (ignored), got "
@@ -212,7 +214,7 @@ class TrainerMon:
                 self._said_off.add(call)
                 logger.warning("trainermon: %s(): %s is off in the config: no statistics to give", call, key)
             return None
-        self.flush()
+        self._reached()
         return self.loop.last_batch
 
     def _metrics(self, batch: StatBatch | None, family: str) -> dict:
@@ -237,6 +239,12 @@ class TrainerMon:
         if self.loop.worker is not None:
             self.loop.worker.flush(timeout)
 
+    def _reached(self) -> None:
+        """Wait (at most 60 s) until the worker has processed every submitted step; the sinks are not
+        flushed (a per-step call would cut a Parquet part per step)."""
+        if self.loop.worker is not None:
+            self.loop.worker.reached(60.0)
+
     def close(self) -> None:
         """Flush every collected step to the exporters and stop the worker. Idempotent."""
         self.loop.close()
@@ -244,8 +252,8 @@ class TrainerMon:
     def state_dict(self) -> dict:
         """The monitoring position to save with a checkpoint: the step, the schedule's count of collected
         steps, the dynamic state, escalation, and the anomaly rules' history. Waits until the worker has
-        processed every submitted step (like `flush`), so that the rules' history is complete."""
-        self.flush()
+        processed every submitted step, so that the rules' history is complete."""
+        self._reached()
         return self.loop.state_dict()
 
     def load_state_dict(self, state: dict) -> None:

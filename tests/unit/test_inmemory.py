@@ -6,10 +6,12 @@ gives ({}, {}) and says so once."""
 
 from __future__ import annotations
 
+import glob
 import logging
 import math
 import os
 
+import pytest
 import torch
 from torch import nn
 
@@ -109,3 +111,18 @@ def test_a_family_switched_off_gives_nothing_and_says_so_once(tmp_path, out_dir,
     assert all(reduced for _, (reduced, _), _ in seen)
     said = [r for r in caplog.records if "generate_xy_metrics(): xy_distribution is off" in r.getMessage()]
     assert len(said) == 1
+
+
+def test_calls_every_step_cut_no_parquet_parts(tmp_path, out_dir):
+    """The calls wait for the worker without flushing the sinks: one Parquet part per family for the run
+    (a flush per call used to complete a part per family per step)."""
+    pytest.importorskip("pyarrow")
+    cfg = write_config(
+        tmp_path / "c.json", wg_distribution=True, xy_distribution=True, ops=OPS, format="parquet"
+    )
+    monitor, seen = _train_and_read(cfg, steps=4)
+    assert all(reduced for _, (reduced, _), _ in seen)  # each call gave its step's statistics
+    monitor.close()
+    parts = glob.glob(os.path.join(str(out_dir), "**", "*.parquet"), recursive=True)
+    families = {os.path.relpath(p, str(out_dir)).split(os.sep)[1] for p in parts}  # parquet/family=.../
+    assert families >= {"family=actv", "family=grad_reduced"} and len(parts) == len(families), sorted(parts)

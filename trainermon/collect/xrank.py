@@ -139,9 +139,11 @@ class CrossRank:
     """Built once per monitor; `reduce` is collective over every rank of the job (call it on every
     rank at the same scheduled steps: they are a function of the config, the same everywhere)."""
 
-    def __init__(self, rank: int, world_size: int) -> None:
+    def __init__(self, rank: int, world_size: int, faults: Any = None) -> None:
         self.rank = rank
         self.world_size = world_size
+        self.faults = faults
+        self.broken = False  # a reduction failed (a rank died): no summaries for the rest of the run
         self.keys: tuple[Key, ...] = ()
         self.slots: dict[Key, int] = {}
         self.agreements = 0  # how often the ranks agreed a new layout (tests, docs)
@@ -157,10 +159,26 @@ class CrossRank:
     def tail(self, scheduled: bool, config: Any) -> Any:
         """`StepCollector.finish`'s tail for this step: the summaries on scheduled steps (the same on
         every rank, unlike escalation-only steps), with `xrank_summary` on and more than one rank."""
-        if not (scheduled and config.xrank_summary and self.cpu_group is not None):
+        if self.broken or not (scheduled and config.xrank_summary and self.cpu_group is not None):
             return None
         stats = tuple(s for s in FLOAT_STATS if s in config.ops) or ("norm",)
-        return lambda rows, parts, add: self.reduce(rows, parts, stats, add)
+        return lambda rows, parts, add: self._reduce_or_stop(rows, parts, stats, add)
+
+    def _reduce_or_stop(
+        self, rows: Sequence[RowMeta], parts: Sequence[torch.Tensor], stats: Any, add: Any
+    ) -> tuple:
+        """`reduce`; should it fail (a rank died, the group is gone), the summaries stop for the rest of the
+        run and the step goes on without them: each rank's own rows are still written."""
+        try:
+            return self.reduce(rows, parts, stats, add)
+        except Exception as exc:  # noqa: BLE001 - never into the training loop, never the step's rows
+            if self.faults is None:
+                raise
+            self.broken = True
+            self.faults.record(
+                "cross-rank summaries", exc, "switched off for the rest of the run; rows go on"
+            )
+            return None, None, None
 
     def reduce(
         self,

@@ -2,7 +2,7 @@
 (`env`)."""
 
 from .env import Env, read_env
-from .parse import ConfigError, load_config, parse_config
+from .parse import ConfigError, load_config, parse_config, read_config_json
 from .schema import AlertConfig, AttnLogitConfig, MonitorConfig, ParquetConfig, PrometheusConfig
 
 __all__ = [
@@ -15,5 +15,6 @@ __all__ = [
     "PrometheusConfig",
     "load_config",
     "parse_config",
+    "read_config_json",
     "read_env",
 ]

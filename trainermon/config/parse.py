@@ -295,6 +295,11 @@ def parse_config(raw: Any, source: str = "<dict>") -> MonitorConfig:
 
 def load_config(path: str | os.PathLike) -> MonitorConfig:
     """Read and validate a JSON config file. Raises `ConfigError` (also for unreadable or invalid JSON)."""
+    return parse_config(read_config_json(path), source=str(path))
+
+
+def read_config_json(path: str | os.PathLike) -> Any:
+    """The JSON value of a config file, not validated. Raises `ConfigError` (unreadable, invalid JSON)."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -306,4 +311,4 @@ def load_config(path: str | os.PathLike) -> MonitorConfig:
         raise ConfigError(
             f"config file {str(p)!r} is not valid JSON: {exc.msg} at line {exc.lineno}"
         ) from exc
-    return parse_config(raw, source=str(p))
+    return raw

@@ -26,7 +26,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from trainermon.collect.records import StatBatch, StepPayload
 from trainermon.config.schema import MonitorConfig
@@ -44,6 +44,12 @@ class _Swap(NamedTuple):
     """Queue item: close the current exporters and continue with these."""
 
     exporters: list
+
+
+class _Reached(NamedTuple):
+    """Queue item: every step before it is derived and written to the exporters (not flushed)."""
+
+    done: threading.Event
 
 
 class _Resume(NamedTuple):
@@ -133,16 +139,27 @@ class BackgroundWorker:
         """Block until every submitted step is written and every exporter flushed, or `timeout` passes
         (a hung sink: a warning, never an exception). A sink hung for HUNG_S is switched off meanwhile,
         so a flush waits at most about HUNG_S for it."""
+        self._wait(threading.Event(), timeout, "flush")
+
+    def reached(self, timeout: float | None = None) -> None:
+        """Block until every submitted step is derived and handed to the exporters, without flushing
+        them (a Parquet part stays open: a per-step call does not cut one part per step)."""
+        done = threading.Event()
+        self._wait(_Reached(done), timeout, "wait", done)
+
+    def _wait(self, item: Any, timeout: float | None, what: str, done: Any = None) -> None:
         if self._closed or not self._thread.is_alive():
             return
-        done = threading.Event()
-        self._pending.append(done)
+        done = item if done is None else done
+        self._pending.append(item)
         self._wake.set()
         deadline = math.inf if timeout is None else time.monotonic() + timeout
         while not done.wait(min(HUNG_S / 4, max(0.0, deadline - time.monotonic()))):
             self._check_hung()
             if time.monotonic() >= deadline:
-                logger.warning("trainermon: flush gave up after %s s: an exporter is still writing", timeout)
+                logger.warning(
+                    "trainermon: %s gave up after %s s: an exporter is still writing", what, timeout
+                )
                 return
 
     def close(self, timeout: float = 30.0) -> None:
@@ -238,6 +255,9 @@ class BackgroundWorker:
             if not self._each(generation, "flush", None, 0, item):
                 return False
             item.set()
+            return True
+        if isinstance(item, _Reached):
+            item.done.set()
             return True
         if isinstance(item, _Swap):
             self._close_exporters()

@@ -59,6 +59,26 @@ def update_config_file(path: str, **changes: Any) -> dict:
     return raw
 
 
+def agree_config(raw: Any, group: Any) -> Any:
+    """Rank 0's config mapping on every rank of `group` (a gloo group of every rank), as JSON bytes (never
+    pickled). Collective: every rank calls it once, at `set_monitor`, outside dynamic mode (there the
+    first `DynamicControl.poll` does the same)."""
+    import torch
+    import torch.distributed as dist
+
+    src = dist.get_global_rank(group, 0)
+    data = json.dumps(raw).encode() if dist.get_rank(group) == 0 else b""
+    box = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(box, src=src, group=group)
+    buf = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if data
+        else torch.empty(int(box), dtype=torch.uint8)
+    )
+    dist.broadcast(buf, src=src, group=group)
+    return json.loads(bytes(buf.tolist()).decode())
+
+
 class ConfigWatcher:
     """Sets `dirty` when the file at `path` may have changed. Never reads the file itself."""
 

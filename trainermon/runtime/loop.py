@@ -36,25 +36,20 @@ from trainermon.collect.xrank import CrossRank
 from trainermon.config import Env, MonitorConfig
 from trainermon.failsafe import FaultLog
 from trainermon.pipeline.derive import Deriver
-from trainermon.pipeline.rule_specs import parse_rules
 from trainermon.pipeline.worker import BackgroundWorker
-from trainermon.stats.engine import EngineOptions, StatsEngine, check_not_capturing
+from trainermon.stats.engine import StatsEngine, check_not_capturing
 
 from .control import DynamicControl
 from .escalation import Escalation
 from .outputs import Outputs
 from .owntime import OwnTime
 from .plan import Schedule, StepPlan, plan_step
+from .reloads import ConfigChanges, engine_options
 from .selection import ParamSelection, select_params
+from .uneven import joining, say_paused
 
 logger = logging.getLogger("trainermon")
 STATE_VERSION = 1
-
-
-def engine_options(config: MonitorConfig) -> EngineOptions:
-    return EngineOptions(
-        nonfinite=config.wants_nonfinite, zeros_eps=config.eps if config.wants_zeros else None
-    )
 
 
 def dist_info() -> tuple[int, int]:
@@ -65,9 +60,13 @@ def dist_info() -> tuple[int, int]:
     return 0, 1
 
 
-class StepLoop:
-    def __init__(self, config: MonitorConfig, env: Env, config_path: str, process_group: Any = None) -> None:
+class StepLoop(ConfigChanges):
+    def __init__(
+        self, config: MonitorConfig, env: Env, config_path: str, process_group: Any = None, raw: Any = None
+    ) -> None:
         self.config = config
+        self._raw = raw  # the file's JSON as this rank read it (rank 0's is shared at attach)
+        self._config_path = config_path
         self.env = env
         self.process_group = process_group
         self.faults = FaultLog()
@@ -75,7 +74,7 @@ class StepLoop:
         self.engine = StatsEngine(engine_options(config))
         self.transfers = TransferCounter()
         self.collector = StepCollector(self.engine, self.transfers, self.faults)
-        self.xrank = CrossRank(self.rank, self.world_size)
+        self.xrank = CrossRank(self.rank, self.world_size, self.faults)
         self.schedule = Schedule(config, anchored=env.dynamic and config.dynamic_on)  # (see _reload)
         self.escalation = Escalation()
         self.outputs = Outputs(env, self.rank, self.world_size, self.faults)
@@ -102,6 +101,7 @@ class StepLoop:
         self._grads_read = False  # this step's gradients were read (at clipping or at the pre-step)
         self._grads_rows: tuple = ((), ())  # the collector's marks around that read
         self.closed = False
+        self.joined = False  # a Join context (uneven inputs): no collectives of the monitor's own
 
     # ==== attaching ================================================================================
     def attach(self, adapter: Any, start_iteration: int) -> None:
@@ -116,6 +116,7 @@ class StepLoop:
         self.outputs.unreduced_kind = adapter.msprobe_unreduced_kind
         self.xrank.attach()  # collective: a CPU group (the summaries' layout check, the run id)
         self.outputs.share(self.xrank.cpu_group)  # collective: rank 0's run id on every rank
+        self._agree_config()  # collective: rank 0's config on every rank, before the sinks open
         self.detector = self._make_detector()
         deriver = Deriver(self.faults, self.detector)
         self.worker = BackgroundWorker(
@@ -144,12 +145,6 @@ class StepLoop:
         self._publish(self.config)
         for probe in self.probes:
             self._handles += probe.attach()
-        if self.control is not None:
-            # Collective over the whole job, never `process_group` (msprobe's Megatron insertion passes the
-            # pipeline group, a single rank with PP=1): ranks that switch at different steps meet in
-            # different collectives and the job hangs.
-            self.control.attach(None)
-            self._poll_control()  # rank 0's config on every rank before a restored count (else: a hang)
         step_handles = adapter.attach_step(StepEvents(self.on_pre_optim, self.on_post_optim))
         self.hooked = bool(step_handles)
         self._handles += step_handles
@@ -281,17 +276,14 @@ class StepLoop:
             except Exception as exc:  # noqa: BLE001
                 self.faults.record(where, exc)
 
-    def _poll_control(self) -> None:
-        try:
-            new = self.control.poll()
-        except Exception as exc:  # noqa: BLE001
-            self.faults.record("dynamic control", exc)
-            new = None
-        if new is not None:
-            self._reload(new)
+    def _check_join(self) -> None:
+        if not self.joined and self.world_size > 1 and self.adapter is not None and joining(self.adapter):
+            self.joined = True
+            say_paused()
 
     def _begin(self) -> None:
-        if self.control is not None:
+        self._check_join()
+        if self.control is not None and not self.joined:
             self._poll_control()
         config = self.config
         scheduled = (self.control is None or config.dynamic_on) and self.schedule.wants(self.step)
@@ -308,7 +300,8 @@ class StepLoop:
         if plan.scheduled:
             self.schedule.mark_collected()
         job_norm = plan.grads and self.adapter is not None and self.adapter.splits_model
-        tail = self.xrank.tail(plan.scheduled, self.config)  # cross-rank summaries (collective)
+        self._check_join()
+        tail = self.xrank.tail(plan.scheduled and not self.joined, self.config)  # (collective)
         payload = self.collector.finish(plan.step, scalars, job_grad_norm=job_norm, tail=tail)
         own_ms = (self.clock.now() - self._step_mark) * 1e3
         scalars = dataclasses.replace(payload.scalars, monitor_time_ms=own_ms, scheduled=plan.scheduled)
@@ -322,25 +315,6 @@ class StepLoop:
             # every rank at this same step, in memory, without waiting for the watcher to see the write.
             self.control.switch_off_in_file()
             self.config = dataclasses.replace(self.config, dynamic_on=False)
-
-    def _reload(self, config: MonitorConfig) -> None:
-        """Dynamic mode: a new config from the watched file, applied on every rank at this same step."""
-        old = self.config
-        self.engine.options = engine_options(config)
-        self.schedule = Schedule(config, anchored=config.dynamic_on)  # restarts the count, from this step
-        self.detector.rules = parse_rules(config.alert.rules)
-        self.detector.dump = config.alert.dump
-        self._publish(config)
-        if self.worker is not None:
-            self.worker.set_interval(config.write_interval_s)
-            if any(getattr(old, k) != getattr(config, k) for k in MonitorConfig.OUTPUT_KEYS):
-                self.worker.replace_exporters(self.outputs.renew(config))  # new columns or sinks
-        logger.info(
-            "trainermon: config reloaded at step %d: dynamic_on=%s, collect_times=%d",
-            self.step,
-            config.dynamic_on,
-            config.collect_times,
-        )
 
     # ==== checkpoint ===================================================================================
     def state_dict(self) -> dict:

@@ -29,6 +29,7 @@ from trainermon.comm.recorder import CommRecorder
 from trainermon.comm.sites import short
 from trainermon.comm.spec import BATCH_P2P, all_specs
 from trainermon.config import MonitorConfig
+from trainermon.copies import CopySafe
 
 from ..plan import StepPlan
 from .base import Probe
@@ -95,7 +96,8 @@ class CommProbe(Probe):
         if not self.patches.installed:
             self.patches.install(self.specs, self.batch, self.recorder)
             for root in self.loop.adapter.roots()[:1]:
-                self._forward_handles.append(root.register_forward_pre_hook(self._count, prepend=True))
+                hook = root.register_forward_pre_hook(CopySafe(self._count), prepend=True)
+                self._forward_handles.append(hook)
         self.recorder.on = True
 
     def _count(self, module: Any, args: Any) -> None:
@@ -123,7 +125,7 @@ class CommProbe(Probe):
             self.loop.faults.record("comm rows", exc, "this step's comm rows are dropped")
         finally:
             recorder.reset()
-        if recorder.config.check and self.loop.world_size > 1:
+        if recorder.config.check and self.loop.world_size > 1 and not self.loop.joined:
             self._check(plan.step, checks)
 
     def close(self) -> None:

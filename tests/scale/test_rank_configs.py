@@ -1,0 +1,69 @@
+"""Ranks whose config files differ as they start (a node's stale copy, an edit landing while the ranks
+start), on 2 gloo ranks, one launch: every rank runs rank 0's config, said on the rank that differs.
+
+- Static mode: rank 1 reading other `ops` used to meet rank 0 in collectives of other sizes (the
+  cross-rank summaries): gloo aborted the process (`Received data size doesn't match expected size`).
+- Dynamic mode: rank 1 opened its sinks with its own config, then renewed its run directory when rank 0's
+  arrived: another `{time}` than rank 0's, and an empty directory left behind.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+
+import torch
+from torch import nn
+
+from tests.distributed import run_ranks
+from tests.helpers import read_family
+
+
+def _run(rank: int, out: str, dynamic: bool) -> dict:
+    from trainermon import TrainerMon
+
+    os.environ["MONITOR_OUTPUT_DIR"] = out
+    os.environ["DYNAMIC_MONITOR"] = "true" if dynamic else "false"
+    cfg = os.path.join(out + f"-cfg{rank}.json")
+    ops = ["norm", "max"] if rank == 0 else ["mean"]
+    with open(cfg, "w") as fh:
+        json.dump({"xy_distribution": True, "ops": ops, "dynamic_on": True, "collect_times": 100}, fh)
+    said: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("trainermon").addHandler(handler)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon(cfg)
+    mon.set_monitor(model, grad_acc_steps=1, optimizer=opt)
+    for _ in range(2):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    logging.getLogger("trainermon").removeHandler(handler)
+    return {"run_dir": mon.run_dir, "faults": mon.faults.total, "said": said}
+
+
+def _job(rank: int, world: int, out: str) -> dict:
+    return {mode: _run(rank, os.path.join(out, mode), mode == "dynamic") for mode in ("static", "dynamic")}
+
+
+def test_every_rank_runs_rank_0s_config(tmp_path):
+    results = run_ranks(_job, world_size=2, timeout=300, out=str(tmp_path))
+    for mode in ("static", "dynamic"):
+        ranks = [res[mode] for res in results]
+        for rank, res in enumerate(ranks):
+            assert res["faults"] == 0, (mode, res)
+            differs = [line for line in res["said"] if "differs from rank 0's" in line]
+            assert len(differs) == (1 if rank == 1 else 0), (mode, rank, res["said"])
+            rows = read_family(res["run_dir"], "actv")
+            assert rows and all(set(r) >= {"norm", "max"} and "mean" not in r for r in rows), (mode, rank)
+        dirs = sorted(os.path.basename(d) for d in glob.glob(os.path.join(tmp_path, mode, "*rank*")))
+        assert dirs == sorted(os.path.basename(r["run_dir"]) for r in ranks), (mode, dirs)  # none left empty
+        stamps = {os.path.basename(r["run_dir"]).split("-rank")[0] for r in ranks}
+        assert len(stamps) == 1, (mode, stamps)  # one `{time}` on every rank
+        assert read_family(ranks[0]["run_dir"], "xrank"), mode

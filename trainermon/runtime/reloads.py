@@ -1,0 +1,89 @@
+"""How a `StepLoop` changes its config: rank 0's config on every rank at attach, and in dynamic mode the
+watched file's new versions, applied on every rank at the same step (`DynamicControl`). A base of
+`StepLoop` (the attributes it uses are the loop's)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from trainermon.config import ConfigError, MonitorConfig, parse_config
+from trainermon.pipeline.rule_specs import parse_rules
+from trainermon.stats.engine import EngineOptions
+
+from .control import agree_config
+from .plan import Schedule
+
+logger = logging.getLogger("trainermon")
+
+
+def engine_options(config: MonitorConfig) -> EngineOptions:
+    return EngineOptions(
+        nonfinite=config.wants_nonfinite, zeros_eps=config.eps if config.wants_zeros else None
+    )
+
+
+class ConfigChanges:
+    """`StepLoop`'s config changes (the loop's `config`, `control`, `engine`, `schedule`, sinks, ...)."""
+
+    config: MonitorConfig
+    control: Any
+
+    def _agree_config(self) -> None:
+        """At attach, before the sinks open: rank 0's config on every rank (collective over the job)."""
+        if self.control is not None:
+            # Collective over the whole job, never `process_group` (msprobe's Megatron insertion passes the
+            # pipeline group, a single rank with PP=1): ranks that switch at different steps meet in
+            # different collectives and the job hangs. The first poll hands rank 0's config to every rank
+            # before a restored count (else: a hang) and before the sinks open (else a rank whose copy
+            # of the file differs would renew its run directory at once).
+            self.control.attach(None)
+            self._poll_control(applied=False)
+        elif self.xrank.cpu_group is not None and self._raw is not None:
+            try:  # a rank whose file differs would meet the others in collectives of other sizes: a crash
+                self._adopt(
+                    parse_config(agree_config(self._raw, self.xrank.cpu_group), source=self._config_path)
+                )
+            except ConfigError as exc:
+                self.faults.record("rank 0's config", exc, "this rank keeps its own")
+
+    def _poll_control(self, applied: bool = True) -> None:
+        """`applied`: the current config is published (probes, sinks); else a new one only replaces it."""
+        try:
+            new = self.control.poll()
+        except Exception as exc:  # noqa: BLE001
+            self.faults.record("dynamic control", exc)
+            new = None
+        if new is not None and applied:
+            self._reload(new)
+        elif new is not None:
+            self._adopt(new)
+
+    def _adopt(self, config: MonitorConfig) -> None:
+        """Before anything is published (probes, sinks): rank 0's config replaces this rank's own."""
+        if config == self.config:
+            return
+        logger.warning(
+            "trainermon: rank %d's config file differs from rank 0's; rank 0's config applies", self.rank
+        )
+        self.config, self.engine.options = config, engine_options(config)
+        self.schedule = Schedule(config, anchored=self.control is not None and config.dynamic_on)
+
+    def _reload(self, config: MonitorConfig) -> None:
+        """Dynamic mode: a new config from the watched file, applied on every rank at this same step."""
+        old = self.config
+        self.engine.options = engine_options(config)
+        self.schedule = Schedule(config, anchored=config.dynamic_on)  # restarts the count, from this step
+        self.detector.rules = parse_rules(config.alert.rules)
+        self.detector.dump = config.alert.dump
+        self._publish(config)
+        if self.worker is not None:
+            self.worker.set_interval(config.write_interval_s)
+            if any(getattr(old, k) != getattr(config, k) for k in MonitorConfig.OUTPUT_KEYS):
+                self.worker.replace_exporters(self.outputs.renew(config))  # new columns or sinks
+        logger.info(
+            "trainermon: config reloaded at step %d: dynamic_on=%s, collect_times=%d",
+            self.step,
+            config.dynamic_on,
+            config.collect_times,
+        )
