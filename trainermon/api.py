@@ -232,7 +232,30 @@ class TrainerMon:
                 self._warned_manual_step = True
                 logger.warning("trainermon: step() ignored: the optimizer's own step hooks advance the step")
             return
+        self._check_manual_step()
         self.loop.manual_step()
+
+    def _check_manual_step(self) -> None:
+        """What `step()` cannot see, said once: the parameters before the update (it runs after it), and
+        gradients already cleared (`zero_grad()` before `step()`). A parameter scan on collected steps
+        only, until said."""
+        config, loop = self.config, self.loop
+        if (config.param_distribution or config.update_distribution) and self._once("manual params"):
+            logger.warning(
+                "trainermon: step() runs after your update: param_origin holds the updated parameters and "
+                "update is 0; hook the optimizer (set_monitor(optimizer=...)) for the values before it"
+            )
+        if not (config.wg_distribution and loop.plan.collecting) or "manual grads" in self._said:
+            return
+        if loop.adapter is not None and all(
+            p.grad is None for r in loop.adapter.roots() for p in r.parameters()
+        ):
+            self._once("manual grads")
+            logger.warning(
+                "trainermon: step() at step %d found no gradients (zero_grad() before step()?): no gradient "
+                "rows; call step() after the update and before zero_grad()",
+                loop.step,
+            )
 
     def flush(self, timeout: float | None = 60.0) -> None:
         """Wait until every step handed to the worker is written by the exporters."""

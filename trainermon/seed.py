@@ -7,6 +7,7 @@ import logging
 import os
 import random
 import sys
+from typing import Any
 
 logger = logging.getLogger("trainermon")
 
@@ -64,3 +65,22 @@ def _remove_dropout() -> None:
 
         no_dropout._trainermon_no_dropout = True
         setattr(F, name, no_dropout)
+    _remove_attention_dropout(F)
+
+
+def _remove_attention_dropout(F: Any) -> None:
+    """`scaled_dot_product_attention`'s own dropout (transformers' sdpa attention; MultiheadAttention
+    calls it through the module's global name): `dropout_p` forced to 0."""
+    original = getattr(F, "scaled_dot_product_attention", None)
+    if original is None or getattr(original, "_trainermon_no_dropout", False):
+        return
+
+    def no_attention_dropout(*args: Any, **kwargs: Any) -> Any:
+        if len(args) > 4:  # (query, key, value, attn_mask, dropout_p, ...)
+            args = (*args[:4], 0.0, *args[5:])
+        if "dropout_p" in kwargs:
+            kwargs["dropout_p"] = 0.0
+        return original(*args, **kwargs)
+
+    no_attention_dropout._trainermon_no_dropout = True
+    F.scaled_dot_product_attention = no_attention_dropout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -248,6 +249,25 @@ def test_manual_step_without_optimizer(tmp_path, out_dir):
     assert _steps(read_family(monitor.run_dir, "grad_reduced")) == [0, 1]
     norms = {r["name"]: float(r["norm"]) for r in read_family(monitor.run_dir, "grad_reduced")}
     assert norms == pytest.approx({"weight": 3**0.5, "bias": 1.0})  # input ones(3): dW = ones(1, 3), db = 1
+
+
+def test_manual_step_says_what_it_cannot_see(tmp_path, out_dir, caplog):
+    """step() runs after the update (param_origin is the updated parameters) and, called after
+    zero_grad(), finds no gradients: each said once, not a silent empty or wrong family."""
+    path = write_config(tmp_path / "cfg.json", wg_distribution=True, param_distribution=True)
+    model = nn.Linear(3, 1)
+    monitor = TrainerMon(path)
+    monitor.set_monitor(model)
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        for _ in range(3):
+            model(torch.ones(1, 3)).sum().backward()
+            model.zero_grad()  # too early: the gradients are gone before step()
+            monitor.step()
+    monitor.close()
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("found no gradients" in m for m in said) == 1, said
+    assert sum("param_origin holds the updated parameters" in m for m in said) == 1, said
+    assert read_family(monitor.run_dir, "grad_reduced") == []
 
 
 def test_vpp_chunks_get_their_stage(tmp_path, out_dir):

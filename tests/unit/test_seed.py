@@ -18,7 +18,15 @@ def restore_determinism(monkeypatch):
 
     for key in ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG", "HCCL_DETERMINISTIC"):
         monkeypatch.delenv(key, raising=False)
-    saved = {n: getattr(F, n) for n in ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout")}
+    names = (
+        "dropout",
+        "dropout1d",
+        "dropout2d",
+        "dropout3d",
+        "alpha_dropout",
+        "scaled_dot_product_attention",
+    )
+    saved = {n: getattr(F, n) for n in names}
     before = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark
     yield
     torch.use_deterministic_algorithms(before[0])
@@ -59,6 +67,16 @@ def test_rm_dropout_keeps_every_value(restore_determinism):
     assert torch.equal(
         torch.nn.functional.dropout2d(torch.ones(2, 3, 4, 5), 0.9, True), torch.ones(2, 3, 4, 5)
     )
+    q = torch.randn(1, 2, 6, 4)  # attention's own dropout: positional and keyword dropout_p
+    plain = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    for call in (
+        lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, None, 0.9),
+        lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.9),
+    ):
+        assert torch.allclose(call(), plain)
+    mha = torch.nn.MultiheadAttention(4, 2, dropout=0.9, batch_first=True).train()
+    x = torch.randn(1, 6, 4)
+    assert torch.equal(mha(x, x, x, need_weights=False)[0], mha(x, x, x, need_weights=False)[0])
 
 
 @pytest.mark.parametrize(

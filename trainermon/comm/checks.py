@@ -16,22 +16,36 @@ element is off by at most (W - 1) u sum|x| (u: the dtype's unit roundoff), and s
 the tolerance is (W + 1) u sum_r sqrt(n_r sumsq_r), plus the engine's own bound on each sum it compares
 (16 u' sum|x| for 16- and 32-bit floats, u' = 2^-24). Max and min are compared exactly. Calls of
 one key within a step are summed first: the invariants are linear (max: monotone), so they hold for the
-sums too."""
+sums too.
+
+A key where any rank's input held a NaN or Inf is not checked (counted as unchecked): the statistics
+are over finite values (or NaN/Inf themselves), and a reduction spreads NaN/Inf to ranks whose inputs
+were finite, so no sum can be compared. A non-finite output from finite inputs is a violation
+(`nonfinite`), unless a sum of the inputs' largest magnitudes could overflow the dtype (unchecked)."""
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from trainermon.stats.partials import MAX, MIN, SUM, SUMSQ, empty_partials
+from trainermon.stats.partials import INFS, MAX, MIN, NANS, SUM, SUMSQ, empty_partials
 
+logger = logging.getLogger("trainermon")
 MAX_CHECKS = 64
-FIELDS = ("key", "in_sum", "in_max", "in_min", "in_abs", "out_sum", "out_max", "out_min", "out_abs", "n")
-KEY, IN_SUM, IN_MAX, IN_MIN, IN_ABS, OUT_SUM, OUT_MAX, OUT_MIN, OUT_ABS, N = range(len(FIELDS))
+FIELDS = (
+    "key", "in_sum", "in_max", "in_min", "in_abs", "out_sum", "out_max", "out_min", "out_abs", "n",
+    "in_bad", "out_bad",
+)  # fmt: skip
+KEY, IN_SUM, IN_MAX, IN_MIN, IN_ABS, OUT_SUM, OUT_MAX, OUT_MIN, OUT_ABS, N, IN_BAD, OUT_BAD = range(
+    len(FIELDS)
+)
+#: Said once per process: keys skipped because of NaN/Inf.
+_said: set[str] = set()
 _UNIT = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24, torch.float64: 2.0**-53}
 #: The statistics engine's own bound on a sum: 16 u sum|x| for 16- and 32-bit floats, 1e-10 relative for
 #: float64 (trainermon.stats.engine), exact for integers.
@@ -92,14 +106,21 @@ def pack(
     ).to(device)
     block = table[rank, : len(entries)]
     block[:, KEY] = host[:, 0]
-    for side, (s_sum, s_max, s_min, s_abs), numel, present in (
-        (ins, (IN_SUM, IN_MAX, IN_MIN, IN_ABS), host[:, 1], host[:, 3]),
-        (outs, (OUT_SUM, OUT_MAX, OUT_MIN, OUT_ABS), host[:, 2], host[:, 4]),
+    for side, (s_sum, s_max, s_min, s_abs, s_bad), numel, present in (
+        (ins, (IN_SUM, IN_MAX, IN_MIN, IN_ABS, IN_BAD), host[:, 1], host[:, 3]),
+        (outs, (OUT_SUM, OUT_MAX, OUT_MIN, OUT_ABS, OUT_BAD), host[:, 2], host[:, 4]),
     ):
-        block[:, s_sum] = side[:, SUM] * present
-        block[:, s_max] = torch.where(present > 0, side[:, MAX], 0.0)
-        block[:, s_min] = torch.where(present > 0, side[:, MIN], 0.0)
-        block[:, s_abs] = torch.sqrt(side[:, SUMSQ] * numel) * present
+        # NaN/Inf counted (`nans`/`infs` in ops), or seen in the statistics themselves (not counted):
+        # at least 1 then. A row of no finite value has min/max +-inf with its count above 0.
+        counted = side[:, NANS] + side[:, INFS]
+        seen = ~torch.isfinite(side[:, [SUMSQ, SUM]]).all(1) | torch.isnan(side[:, [MIN, MAX]]).any(1)
+        seen |= (counted == 0) & (torch.isinf(side[:, MIN]) | torch.isinf(side[:, MAX])) & (numel > 0)
+        ok = present > 0
+        block[:, s_bad] = torch.where(ok, torch.maximum(counted, seen.to(counted.dtype)), 0.0)
+        block[:, s_sum] = torch.where(ok, side[:, SUM], 0.0)
+        block[:, s_max] = torch.where(ok, side[:, MAX], 0.0)
+        block[:, s_min] = torch.where(ok, side[:, MIN], 0.0)
+        block[:, s_abs] = torch.where(ok, torch.sqrt(side[:, SUMSQ] * numel), 0.0)
     block[:, N] = torch.maximum(host[:, 1], host[:, 2])
     return table
 
@@ -108,9 +129,10 @@ def evaluate(
     table: np.ndarray, entries: list[tuple[CheckKey, CheckEntry]], rank: int
 ) -> tuple[list[Violation], int]:
     """Check this rank's entries against the gathered table; returns the violations and how many keys
-    could not be checked (a member of the group had no line for it: a call site that differs by rank)."""
+    could not be checked (a member of the group had no line for it: a call site that differs by rank;
+    or NaN/Inf in an input of the group: see the module's docstring)."""
     found: list[Violation] = []
-    unchecked = 0
+    unchecked = nonfinite = 0
     index = [{float(c): j for j, c in enumerate(table[r, :, KEY]) if c} for r in range(table.shape[0])]
     for key, e in entries[:MAX_CHECKS]:
         code = key.code()
@@ -120,8 +142,44 @@ def evaluate(
             unchecked += 1
             continue
         lines = np.stack([table[r, index[r][code]] for r in members])
-        found += _check(key, e, mine, lines, rank)
-    return found, unchecked
+        bad = _nonfinite(key, e, mine, lines, rank)
+        if bad is None:
+            found += _check(key, e, mine, lines, rank)
+        elif bad is _SKIP:
+            nonfinite += 1
+        else:
+            found.append(bad)
+    if nonfinite and "nonfinite" not in _said:
+        _said.add("nonfinite")
+        logger.warning(
+            "trainermon: cc_distribution checks skip (count as unchecked) a collective whose inputs hold "
+            "NaN or Inf, or whose finite inputs may overflow: no sum can be compared (%d now; said once)",
+            nonfinite,
+        )
+    return found, unchecked + nonfinite
+
+
+_SKIP = object()
+
+
+def _nonfinite(
+    key: CheckKey, e: CheckEntry, mine: np.ndarray, lines: np.ndarray, rank: int
+) -> Violation | object | None:
+    """None: no NaN/Inf anywhere, check the key. `_SKIP`: an input of the group held NaN/Inf, or a
+    finite input's sum may have overflowed into an Inf output. A Violation: NaN/Inf out of finite in."""
+    if lines[:, IN_BAD].any():
+        return _SKIP
+    scatter = key.check == "scatter"
+    got = float(lines[:, OUT_BAD].sum()) if scatter else float(mine[OUT_BAD])
+    if not got:
+        return None
+    if key.redop in ("sum", "avg") and key.check in ("reduce", "scatter") and e.dtype.is_floating_point:
+        # finite inputs whose sum overflows give Inf (even NaN) legitimately: not checked then
+        biggest = float(np.maximum(np.abs(lines[:, IN_MAX]), np.abs(lines[:, IN_MIN])).sum())
+        w = len(key.ranks)
+        if biggest * (1 + (w + 1) * _UNIT.get(e.dtype, 0.0)) >= torch.finfo(e.dtype).max:
+            return _SKIP
+    return Violation(key, "nonfinite", got, 0.0, key.ranks if scatter else (rank,))
 
 
 def _check(key: CheckKey, e: CheckEntry, mine: np.ndarray, lines: np.ndarray, rank: int) -> list[Violation]:

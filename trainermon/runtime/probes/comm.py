@@ -183,8 +183,8 @@ class CommProbe(Probe):
         if unchecked or beyond:  # counted always, said once: a check that did not run is not a pass
             self._warn_once(
                 "unchecked",
-                "trainermon: cc_distribution checks at step %d: %d keys with no line from some rank of "
-                "their group (call sites that differ by rank), %d beyond the first %d keys of the step",
+                "trainermon: cc_distribution checks at step %d: %d keys not checked (no line from some rank "
+                "of their group, or a NaN/Inf in an input), %d beyond the first %d keys of the step",
                 step,
                 unchecked,
                 beyond,
