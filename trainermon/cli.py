@@ -88,6 +88,9 @@ FAMILY_SWITCHES = {
     "param_origin": "param_distribution",
     "param_updated": "param_distribution",
     "param": "param_distribution",
+    "update": "update_distribution",
+    "moe_load": "moe_distribution",
+    "attn_logit": "attn_logit_distribution",
 }
 
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from tests.distributed import run_ranks
-from trainermon import TrainerMon
+from trainermon import TrainerMon, parse_config
 from trainermon.cli import main as cli_main
 from trainermon.runtime.control import ConfigWatcher, DynamicControl, update_config_file
 
@@ -387,6 +387,18 @@ def test_cli_on_families_replace_the_previous_choice(tmp_path):
         assert (saved["forward_only"], saved["backward_only"]) == (forward, backward), families
         assert saved["xy_distribution"] is (families != "grad_reduced"), families
         assert saved["all_xy"] is False, families  # `on --families grad_reduced` must not keep activations
+
+
+def test_cli_on_turns_on_the_health_families(tmp_path):
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(BASE))
+    assert cli_main(["on", str(path), "--families", "update,moe_load,attn_logit"]) == 0
+    saved = json.loads(path.read_text())
+    on = [
+        k for k in ("update_distribution", "moe_distribution", "attn_logit_distribution") if saved[k] is True
+    ]
+    assert len(on) == 3 and saved["wg_distribution"] is False and saved["dynamic_on"] is True, saved
+    parse_config(saved)  # a valid config
 
 
 # ---- two ranks -----------------------------------------------------------------------------------
