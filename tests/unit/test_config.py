@@ -161,3 +161,9 @@ def test_cc_distribution_keys():
     assert cc == CommConfig(True, (r"train\.py:\d+",), True, True, ("all_reduce", "funcol"), False)
     with pytest.raises(ConfigError, match=r"cc_distribution.ops.*'gossip'.*all_reduce"):
         parse_config({"cc_distribution": {"ops": ["gossip"]}})
+
+
+def test_collect_times_zero_is_said(caplog):
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        assert parse_config({"wg_distribution": True, "collect_times": 0}).collect_times == 0
+    assert any("'collect_times' is 0" in r.getMessage() for r in caplog.records)

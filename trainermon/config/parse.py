@@ -254,6 +254,8 @@ def parse_config(raw: Any, source: str = "<dict>") -> MonitorConfig:
             source,
         )
     ndigits = _ndigits(raw)
+    if raw.get("collect_times") == 0:
+        logger.warning("trainermon: config key 'collect_times' is 0 in %s: no step is collected", source)
 
     return MonitorConfig(
         targets=_targets(raw),
