@@ -116,6 +116,27 @@ def select_files(
     return files
 
 
+def _check_ranks(root: str, families: list[str] | None, ranks: list[int]) -> None:
+    """Raise, as for a missing family, when a rank asked for has no partition in the families read (a
+    wrong rank must not read as an empty table); name the ranks that are there."""
+    present: set[int] = set()
+    for fdir in os.scandir(root):
+        if not fdir.is_dir() or not fdir.name.startswith("family="):
+            continue
+        if families is not None and fdir.name[len("family=") :] not in families:
+            continue
+        for rdir in os.scandir(fdir.path):
+            value = rdir.name[len("rank=") :]
+            if rdir.is_dir() and rdir.name.startswith("rank=") and value.lstrip("-").isdigit():
+                present.add(int(value))
+    unknown = sorted({r for r in ranks if r not in present})
+    if unknown:
+        which = "" if families is None else f" for families {families}"
+        raise ValueError(
+            f"trainermon.load: ranks {unknown} are not in {root!r}{which} (it has ranks {sorted(present)})"
+        )
+
+
 def load(
     path: str | os.PathLike,
     family: str | Iterable[str] | None = None,
@@ -175,6 +196,8 @@ def load(
                 raise ValueError(
                     f"trainermon.load: families {unknown} are not in {root!r} (it has {sorted(present)})"
                 )
+        if rank_list is not None:
+            _check_ranks(root, families, rank_list)
         files = select_files(root, families, rank_list, step_range)
         if not files:
             table = full_schema.empty_table()

@@ -199,6 +199,13 @@ def analyze(
         unknown = [f for f in fams if f not in available]
         if unknown:
             raise KeyError(f"families {unknown} are not in {source.path!r} (it has {available})")
+    if ranks is not None:
+        ranks = [int(r) for r in ranks]
+        present = sorted({r for f in fams for r in source.ranks(f)})
+        missing = sorted(set(ranks) - set(present))
+        if missing:  # a wrong rank must not read as "no rows for the given filters"
+            which = "" if families is None else f" for families {fams}"
+            raise KeyError(f"ranks {missing} are not in {source.path!r}{which} (it has ranks {present})")
     wanted = list(DEFAULT_STATS if stats is None else stats)
     bad_stats = [s for s in wanted if s not in FLOAT_STATS + ("nans", "infs")]
     if bad_stats:

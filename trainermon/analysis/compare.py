@@ -144,10 +144,18 @@ class NothingCompared(ValueError):
 
 
 def _nothing_compared(
-    sum_a: Any, sum_b: Any, fam_a: list[str], fam_b: list[str], common: list[str], notes: list[str]
+    sum_a: Any,
+    sum_b: Any,
+    fam_a: list[str],
+    fam_b: list[str],
+    common: list[str],
+    notes: list[str],
+    wanted: list[str] | None = None,
 ) -> str:
+    """fam_a, fam_b: every family of each run (before `wanted`, the families asked for, chose)."""
     if not common:
-        return f"no cell compared: the runs share no family (run: {fam_a}, benchmark: {fam_b})"
+        asked = "" if wanted is None else f" of those asked for ({wanted})"
+        return f"no cell compared: the runs share no family{asked} (run: {fam_a}, benchmark: {fam_b})"
     unrecorded = [n for n in notes if n.endswith("not in both runs, not compared")]
     if unrecorded:  # the statistics asked for, not the names, are what is missing
         return "no cell compared: " + "; ".join(unrecorded)
@@ -190,8 +198,15 @@ def compare(
     # xrank rows summarise other families over ranks (analyze reports them); not tensors to align
     fam_a = [f for f in src_a.families() if f != "xrank"]
     fam_b = [f for f in src_b.families() if f != "xrank"]
-    wanted = None if families is None else list(families)
+    all_a, all_b = fam_a, fam_b
+    wanted = None if families is None else list(dict.fromkeys(families))
     if wanted is not None:
+        unknown = [f for f in wanted if f not in fam_a and f not in fam_b]
+        if unknown:  # a typo must not read as "the runs share no family"
+            raise KeyError(
+                f"families {unknown} are in neither run: {src_a.path!r} has {fam_a}, "
+                f"{src_b.path!r} has {fam_b}"
+            )
         fam_a = [f for f in fam_a if f in wanted]
         fam_b = [f for f in fam_b if f in wanted]
     common = [f for f in fam_a if f in fam_b]
@@ -322,7 +337,7 @@ def compare(
             }
         )
     if not sum(row["cells_compared"] for row in per_family):
-        raise NothingCompared(_nothing_compared(sum_a, sum_b, fam_a, fam_b, common, notes))
+        raise NothingCompared(_nothing_compared(sum_a, sum_b, all_a, all_b, common, notes, wanted))
     columns = ["family", "vpp_stage", "name", "label", "first_step", "first_micro_step", "stat", "run_value"]
     columns += ["benchmark_value", "rel_diff_at_first", "divergent_cells", "max_rel_diff"]
     if divergent_parts:

@@ -164,6 +164,12 @@ def open_url(url: str, sess: Any, run_id: str | None = None) -> RunSource:
         SourceFile(str(r.family), int(r.rank), pattern, run_id, None, None, 0)
         for r in listing.itertuples(index=False)
     ]
+    if not files and run_id is not None:
+        ids = sess.frame("SELECT DISTINCT run_id FROM src WHERE run_id IS NOT NULL")["run_id"]
+        if len(ids):
+            raise FileNotFoundError(
+                f"run id {run_id!r} is not in {url!r} (the run ids there: {sorted(map(str, ids))})"
+            )
     if not files:
         raise FileNotFoundError(f"no trainermon Parquet dataset rows at {url!r}")
     files.sort(key=lambda f: (family_order(f.family), f.family, f.rank))

@@ -55,6 +55,17 @@ _RULE = {name: BY_NAME[name].combine for name in _NEEDS}
 for _extra in ("ratio", "load_cv"):
     _NEEDS[_extra] = (f"n_{_extra}", _extra)
     _RULE[_extra] = Combine.MAX
+
+
+def combine_rule(stat: str) -> Combine:
+    """How the rows of one cell combine for `stat` (the statistics table's rule, or MAX for the family
+    columns above): the pyarrow scan and the SQL engines (`sqlplan.py`) accumulate by this one rule."""
+    rule = _RULE.get(stat)
+    if rule is None:
+        raise KeyError(f"no combining rule for statistic {stat!r} (known: {sorted(_RULE)})")
+    return rule
+
+
 _FILL = {f"first_{s}": np.nan for s, r in _RULE.items() if r is Combine.L2}
 _FILL.update({f"same_{s}": True for s, r in _RULE.items() if r is Combine.L2})
 _FILL.update({s: np.inf for s, r in _RULE.items() if r is Combine.MIN})
@@ -247,9 +258,10 @@ class CellGrid:
             for name, arr in out.items():
                 if arr.shape[1] == 0:
                     continue
-                if name == "min":
+                rule = _RULE.get(name)  # min, max, and the family columns (MAX) keep their rule
+                if rule is Combine.MIN:
                     out[name] = np.minimum.reduceat(arr, starts, axis=1)
-                elif name == "max":
+                elif rule is Combine.MAX:
                     out[name] = np.maximum.reduceat(arr, starts, axis=1)
                 else:
                     out[name] = np.add.reduceat(arr.astype(np.float64), starts, axis=1)

@@ -191,9 +191,11 @@ def open_run(path: str | os.PathLike, prefer: str = "auto", run_id: str | None =
                     _note_csv_beside(source, _csv_files(path, run_id))
                 return source
         if prefer == "parquet":
+            _missing_run_id(path, run_id, root, csv=False)
             raise FileNotFoundError(f"no trainermon Parquet dataset at {path!r}")
     files = _csv_files(path, run_id)
     if not files:
+        _missing_run_id(path, run_id, None if prefer == "csv" else root, csv=True)
         raise FileNotFoundError(
             f"no monitor output under {path!r}: expected a Parquet dataset (family=*/rank=*/part-*.parquet) "
             "or CSV files named {family}_{first}-{last}.csv"
@@ -203,6 +205,20 @@ def open_run(path: str | os.PathLike, prefer: str = "auto", run_id: str | None =
     source = RunSource(path, kind, path, files, run_id)
     _note_mixed_runs(source)
     return source
+
+
+def _missing_run_id(path: str, run_id: str | None, root: str | None, csv: bool) -> None:
+    """Raise when `run_id` selected nothing but the directory holds rows of other run ids: name the run
+    id and list those that are there (saying "no monitor output" would send the user looking for a
+    wrong path)."""
+    if run_id is None:
+        return
+    ids = {f.run_id for f in _parquet_files(root, None)} if root is not None else set()
+    if csv:
+        ids |= {f.run_id for f in _csv_files(path, None)}
+    ids.discard(None)
+    if ids:
+        raise FileNotFoundError(f"run id {run_id!r} is not in {path!r} (the run ids there: {sorted(ids)})")
 
 
 def _parse_part(name: str) -> tuple[int, int, str] | None:

@@ -18,7 +18,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from trainermon.stats.table import BY_NAME, Combine
+from trainermon.stats.table import Combine
+
+from .grid import combine_rule
 
 NAN = "CAST('NaN' AS DOUBLE)"
 _INF = "CAST('Infinity' AS DOUBLE)"
@@ -96,8 +98,9 @@ def _isnan(v: str) -> str:
 
 
 def _aggregates(stat: str) -> list[str]:
-    """The accumulators of one statistic (names as in `grid._NEEDS`), as SQL aggregates."""
-    rule = BY_NAME[stat].combine
+    """The accumulators of one statistic (names as in `grid._NEEDS`), as SQL aggregates, by the rule
+    the pyarrow scan uses (`grid.combine_rule`: the family columns `ratio` and `load_cv` included)."""
+    rule = combine_rule(stat)
     # mean/min/max/zeros of an empty tensor (numel 0) are NaN by definition: not values.
     v = f"CASE WHEN NOT _empty THEN {stat} END" if stat in ("mean", "min", "max", "zeros") else stat
     if rule is Combine.L2:
