@@ -372,3 +372,12 @@ def test_unknown_rank_is_named_with_the_ranks_there(runs, tmp_path, capsys):
     code = main(["analyze", str(run), "--ranks", "5", "--out", str(tmp_path / "a")])
     err = capsys.readouterr().err
     assert code == 2 and "ranks [5]" in err and "[0]" in err
+
+
+def test_unknown_run_id_in_load_is_named(runs):
+    run = runs["run"]
+    with pytest.raises(ValueError, match=r"run ids \['nosuch'\] are not in .*\(it has \['[0-9a-f]{8}'\]\)"):
+        trainermon.load(run, run_id="nosuch")
+    there = trainermon.load(run, family="update").column("run_id")[0].as_py()
+    assert trainermon.load(run, family="update", run_id=there).num_rows == 6 * STEPS
+    assert trainermon.load(run, family="update", run_id=there, steps=(10**6, 10**6 + 1)).num_rows == 0
