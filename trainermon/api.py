@@ -195,6 +195,7 @@ class TrainerMon:
         loop.config = config  # no other probe reads xy_distribution: the activation probe alone is told
         probe = next((p for p in loop.probes if isinstance(p, ActivationProbe)), None)
         if probe is None:  # before set_monitor: attach reads the config
+            loop.xy_override = xy_distribution
             return
         between_steps = not probe._calls  # noqa: SLF001 - no hooked forward ran in this step yet
         probe.configure(config)  # hooks the selected modules, or removes the hooks

@@ -21,15 +21,15 @@ from tests.distributed import run_ranks
 from tests.helpers import read_family
 
 
-def _run(rank: int, out: str, dynamic: bool) -> dict:
+def _run(rank: int, out: str, dynamic: bool, same: bool = False) -> dict:
     from trainermon import TrainerMon
 
     os.environ["MONITOR_OUTPUT_DIR"] = out
     os.environ["DYNAMIC_MONITOR"] = "true" if dynamic else "false"
     cfg = os.path.join(out + f"-cfg{rank}.json")
-    ops = ["norm", "max"] if rank == 0 else ["mean"]
+    ops = ["norm", "max"] if rank == 0 or same else ["mean"]
     with open(cfg, "w") as fh:
-        json.dump({"xy_distribution": True, "ops": ops, "dynamic_on": True, "collect_times": 100}, fh)
+        json.dump({"xy_distribution": not same, "ops": ops, "dynamic_on": True, "collect_times": 100}, fh)
     said: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: said.append(record.getMessage())
@@ -38,6 +38,8 @@ def _run(rank: int, out: str, dynamic: bool) -> dict:
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     mon = TrainerMon(cfg)
+    if same:  # the same file everywhere, activations switched on by msprobe's call before set_monitor
+        mon.reload_xy(True)
     mon.set_monitor(model, grad_acc_steps=1, optimizer=opt)
     for _ in range(2):
         model(torch.randn(2, 4)).sum().backward()
@@ -49,7 +51,8 @@ def _run(rank: int, out: str, dynamic: bool) -> dict:
 
 
 def _job(rank: int, world: int, out: str) -> dict:
-    return {mode: _run(rank, os.path.join(out, mode), mode == "dynamic") for mode in ("static", "dynamic")}
+    runs = {mode: _run(rank, os.path.join(out, mode), mode == "dynamic") for mode in ("static", "dynamic")}
+    return runs | {"same": _run(rank, os.path.join(out, "same"), False, same=True)}
 
 
 def test_every_rank_runs_rank_0s_config(tmp_path):
@@ -67,3 +70,6 @@ def test_every_rank_runs_rank_0s_config(tmp_path):
         stamps = {os.path.basename(r["run_dir"]).split("-rank")[0] for r in ranks}
         assert len(stamps) == 1, (mode, stamps)  # one `{time}` on every rank
         assert read_family(ranks[0]["run_dir"], "xrank"), mode
+    for rank, res in enumerate(r["same"] for r in results):  # nothing differs: reload_xy holds, nothing said
+        assert not [line for line in res["said"] if "differs" in line], res["said"]
+        assert read_family(res["run_dir"], "actv"), rank

@@ -38,10 +38,16 @@ class _Said(logging.Handler):
 
 
 def _join_job(rank: int, world: int, out: str) -> dict:
+    # the monitor given the DDP wrapper, then the module inside it (the wrapper found among live objects)
+    return {inner: _join_run(rank, os.path.join(out, str(inner)), inner) for inner in (False, True)}
+
+
+def _join_run(rank: int, out: str, inner: bool) -> dict:
     import torch.distributed as dist
 
     from trainermon import TrainerMon
 
+    os.makedirs(out, exist_ok=True)
     os.environ["MONITOR_OUTPUT_DIR"] = out
     os.environ["DYNAMIC_MONITOR"] = "true"  # the control's per-step broadcast is a collective too
     cfg = _config(
@@ -56,7 +62,7 @@ def _join_job(rank: int, world: int, out: str) -> dict:
     model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     mon = TrainerMon(cfg)
-    mon.set_monitor(model, grad_acc_steps=1, optimizer=opt)
+    mon.set_monitor(model.module if inner else model, grad_acc_steps=1, optimizer=opt)
     batches = 4 if rank == 0 else 2  # uneven inputs
     inputs = []
     with model.join():
@@ -67,6 +73,7 @@ def _join_job(rank: int, world: int, out: str) -> dict:
             opt.step()
             opt.zero_grad()
     mon.close()
+    logging.getLogger("trainermon").removeHandler(said)
     dist.barrier()
     return {
         "run_dir": mon.run_dir,
@@ -77,7 +84,12 @@ def _join_job(rank: int, world: int, out: str) -> dict:
 
 
 def test_join_with_uneven_inputs_finishes_and_keeps_rows(tmp_path):
-    results = run_ranks(_join_job, world_size=2, timeout=240, out=str(tmp_path))
+    runs = run_ranks(_join_job, world_size=2, timeout=240, out=str(tmp_path))
+    for inner in (False, True):
+        _check_join_run([by_rank[inner] for by_rank in runs])
+
+
+def _check_join_run(results: list) -> None:
     for rank, res in enumerate(results):
         assert res["faults"] == 0, res
         paused = [line for line in res["said"] if "Join context" in line]

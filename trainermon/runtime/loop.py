@@ -46,7 +46,7 @@ from .owntime import OwnTime
 from .plan import Schedule, StepPlan, plan_step
 from .reloads import ConfigChanges, engine_options
 from .selection import ParamSelection, select_params
-from .uneven import joining, say_paused
+from .uneven import joinables, joining, say_paused
 
 logger = logging.getLogger("trainermon")
 STATE_VERSION = 1
@@ -101,7 +101,9 @@ class StepLoop(ConfigChanges):
         self._grads_read = False  # this step's gradients were read (at clipping or at the pre-step)
         self._grads_rows: tuple = ((), ())  # the collector's marks around that read
         self.closed = False
+        self.xy_override: bool | None = None  # `reload_xy` before set_monitor (kept when rank 0's applies)
         self.joined = False  # a Join context (uneven inputs): no collectives of the monitor's own
+        self._joinables: list | None = None  # what a Join context may be over (`uneven.joinables`)
 
     # ==== attaching ================================================================================
     def attach(self, adapter: Any, start_iteration: int) -> None:
@@ -277,7 +279,11 @@ class StepLoop(ConfigChanges):
                 self.faults.record(where, exc)
 
     def _check_join(self) -> None:
-        if not self.joined and self.world_size > 1 and self.adapter is not None and joining(self.adapter):
+        if self.joined or self.world_size == 1 or self.adapter is None:
+            return
+        if self._joinables is None:
+            self._joinables = joinables(self.adapter)
+        if joining(self._joinables):
             self.joined = True
             say_paused()
 

@@ -4,6 +4,7 @@ watched file's new versions, applied on every rank at the same step (`DynamicCon
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -28,6 +29,7 @@ class ConfigChanges:
 
     config: MonitorConfig
     control: Any
+    xy_override: bool | None  # `reload_xy` called before set_monitor
 
     def _agree_config(self) -> None:
         """At attach, before the sinks open: rank 0's config on every rank (collective over the job)."""
@@ -40,12 +42,13 @@ class ConfigChanges:
             self.control.attach(None)
             self._poll_control(applied=False)
         elif self.xrank.cpu_group is not None and self._raw is not None:
-            try:  # a rank whose file differs would meet the others in collectives of other sizes: a crash
-                self._adopt(
-                    parse_config(agree_config(self._raw, self.xrank.cpu_group), source=self._config_path)
-                )
-            except ConfigError as exc:
-                self.faults.record("rank 0's config", exc, "this rank keeps its own")
+            # a rank whose file differs would meet the others in collectives of other sizes: a crash
+            agreed = agree_config(self._raw, self.xrank.cpu_group)
+            if self.rank != 0 and agreed != self._raw:
+                try:
+                    self._adopt(parse_config(agreed, source=self._config_path))
+                except ConfigError as exc:
+                    self.faults.record("rank 0's config", exc, "this rank keeps its own")
 
     def _poll_control(self, applied: bool = True) -> None:
         """`applied`: the current config is published (probes, sinks); else a new one only replaces it."""
@@ -60,12 +63,18 @@ class ConfigChanges:
             self._adopt(new)
 
     def _adopt(self, config: MonitorConfig) -> None:
-        """Before anything is published (probes, sinks): rank 0's config replaces this rank's own."""
+        """Before anything is published (probes, sinks): rank 0's config (or on rank 0, the file edited
+        since `TrainerMon()` read it) replaces this rank's own; a `reload_xy` made before stays."""
+        if self.xy_override is not None:
+            config = dataclasses.replace(config, xy_distribution=self.xy_override)
         if config == self.config:
             return
-        logger.warning(
-            "trainermon: rank %d's config file differs from rank 0's; rank 0's config applies", self.rank
-        )
+        if self.rank == 0:
+            logger.info("trainermon: the config file changed since TrainerMon() read it; the new one applies")
+        else:
+            logger.warning(
+                "trainermon: rank %d's config file differs from rank 0's; rank 0's config applies", self.rank
+            )
         self.config, self.engine.options = config, engine_options(config)
         self.schedule = Schedule(config, anchored=self.control is not None and config.dynamic_on)
 

@@ -6,17 +6,37 @@ pause in such a job; each rank's own rows go on."""
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Any
+
+import torch
 
 logger = logging.getLogger("trainermon")
 
 
-def joining(adapter: Any) -> bool:
-    """A Join context was set up over the model or the optimizer. Every rank sets it up at the same point
-    of its loop, so every rank sees the same answer at a step boundary. torch leaves the joinable's
+def joinables(adapter: Any) -> list[Any]:
+    """What a Join context may be set up over: the monitored modules and optimizer, and, when none of them
+    is a joinable, a wrapper holding a monitored module (`set_monitor(model.module)` under DDP), found
+    once among live objects (~0.1 s on a large process; called once per run, with several ranks)."""
+    modules = [*getattr(adapter, "chunks", ()), *adapter.roots()]
+    found = [*modules, getattr(adapter, "optimizer", None)]
+    if not any(hasattr(c, "_join_config") for c in found):
+        held = {id(m) for m in modules}
+        found += [
+            obj
+            for obj in gc.get_objects()
+            if issubclass(type(obj), torch.nn.Module)  # type(): lazy proxies warn on __class__
+            and hasattr(obj, "_join_config")
+            and id(getattr(obj, "module", None)) in held
+        ]
+    return found
+
+
+def joining(candidates: list[Any]) -> bool:
+    """A Join context was set up over one of `candidates` (`joinables`). Every rank sets it up at the same
+    point of its loop, so every rank sees the same answer at a step boundary. torch leaves the joinable's
     `_join_config.enable` set after the context exits (DDP keeps shadowing), so this stays true."""
-    candidates = [*getattr(adapter, "chunks", ()), *adapter.roots(), getattr(adapter, "optimizer", None)]
     return any(getattr(getattr(c, "_join_config", None), "enable", False) for c in candidates)
 
 
