@@ -23,11 +23,11 @@ BATCH, GAS, SAMPLES = 4, 2, 24  # 3 optimizer steps per epoch in one process
 
 
 def _args(out: str, **extra) -> transformers.TrainingArguments:
-    return transformers.TrainingArguments(
-        output_dir=out, per_device_train_batch_size=BATCH, num_train_epochs=1, learning_rate=0.05,
-        use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no", remove_unused_columns=False,
-        dataloader_num_workers=0, seed=0, disable_tqdm=True, **extra,
-    )  # fmt: skip
+    return transformers.TrainingArguments(**{
+        "output_dir": out, "per_device_train_batch_size": BATCH, "num_train_epochs": 1, "learning_rate": 0.05,
+        "use_cpu": True, "report_to": [], "save_strategy": "no", "logging_strategy": "no",
+        "remove_unused_columns": False, "dataloader_num_workers": 0, "seed": 0, "disable_tqdm": True, **extra,
+    })  # fmt: skip
 
 
 class _References(transformers.TrainerCallback):
@@ -209,6 +209,34 @@ def test_gpt2_lm_head_target_selects_the_tied_embedding(tmp_path, out_dir, stati
     assert set(rows) == {("transformer.wte.weight", 0, None)}
     assert_row_matches(rows[("transformer.wte.weight", 0, None)], want, OPS)
     assert not [r for r in caplog.records if "select" in r.getMessage()]
+
+
+def test_resume_from_checkpoint_continues_the_monitors_count(tmp_path, out_dir, static_mode, caplog):
+    """`resume_from_checkpoint`: the callback saved the monitor's state beside each checkpoint and loads
+    it, so `collect_times` counts over both lives (the resumed run used to collect once more)."""
+    from trainermon.integrations.hf import TrainerMonCallback
+
+    cfg = write_config(tmp_path / "cfg.json", wg_distribution=True, collect_times=2, ops=list(OPS))
+    hf = str(tmp_path / "hf")
+    steps_written = []
+    for resume in (None, os.path.join(hf, "checkpoint-1")):
+        torch.manual_seed(0)
+        callback = TrainerMonCallback(cfg)
+        trainer = transformers.Trainer(
+            model=TinyRegressor(),
+            args=_args(hf, gradient_accumulation_steps=GAS, save_strategy="steps", save_steps=1),
+            train_dataset=Samples(SAMPLES), callbacks=[callback],
+        )  # fmt: skip
+        with caplog.at_level(logging.WARNING, logger="trainermon"):
+            trainer.train(resume_from_checkpoint=resume)
+        assert callback.monitor.faults.total == 0, dict(callback.monitor.faults.counts)
+        rows = read_family(callback.monitor.run_dir, "grad_reduced")
+        steps_written.append(sorted({int(r["step"]) for r in rows}))
+        assert os.path.exists(os.path.join(hf, "checkpoint-1", "trainermon_state_rank0.pt"))
+    # first life: steps 0, 1 (collect_times 2). checkpoint-1 holds one collection (step 0): the resumed
+    # run collects step 1 only (without the state: steps 1 and 2)
+    assert steps_written == [[0, 1], [1]], steps_written
+    assert not [r for r in caplog.records if "afresh" in r.getMessage()]
 
 
 def test_attach_failure_never_stops_training(tmp_path, out_dir, static_mode, caplog):

@@ -9,18 +9,25 @@ The monitor attaches in `on_train_begin`, to the model and optimizer the Trainer
 `AcceleratedOptimizer` is unwrapped; under DDP the Trainer's DDP wrapper is found and used, so
 `grad_unreduced` is each rank's own gradient), with `grad_acc_steps = args.gradient_accumulation_steps`
 and the step counter starting at `state.global_step` (a resumed run continues its numbering; steps are
-optimizer steps, i.e. the Trainer's global steps). It closes (flushes every collected step) in
+optimizer steps, i.e. the Trainer's global steps). Each checkpoint the Trainer saves gets the monitor's
+`state_dict()` (`checkpoint-N/trainermon_state_rank{R}.pt`, every rank its own), and a run resumed from
+`checkpoint-N` in `args.output_dir` loads it: the count toward `collect_times` and the anomaly rules'
+history go on (a checkpoint without it is said once). It closes (flushes every collected step) in
 `on_train_end`. `monitor` is the `TrainerMon` of the latest `train()` call.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
+import torch
 from transformers import TrainerCallback
 
 from ._attach import check_config, ddp_wrapper_of, start_monitor
+
+logger = logging.getLogger("trainermon")
 
 
 class TrainerMonCallback(TrainerCallback):
@@ -40,6 +47,39 @@ class TrainerMonCallback(TrainerCallback):
             int(args.gradient_accumulation_steps),
             int(state.global_step),
         )
+        if self.monitor is not None and state.global_step > 0:
+            self._restore(args, state)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """After the Trainer saved `checkpoint-N`: the monitor's position beside it (waits for the
+        background worker, as `state_dict` does)."""
+        if self.monitor is None:
+            return
+        path = self._state_path(args, state)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save(self.monitor.state_dict(), path)
+        except Exception as exc:  # noqa: BLE001 - a checkpoint the monitor cannot add to still stands
+            self.monitor.faults.record("saving the monitor's state", exc, f"{path} not written")
+
+    def _restore(self, args: Any, state: Any) -> None:
+        path = self._state_path(args, state)
+        if not os.path.exists(path):
+            logger.warning(
+                "trainermon: resumed at step %d without %s: the monitor's count toward collect_times and "
+                "its anomaly history start afresh",
+                state.global_step,
+                path,
+            )
+            return
+        try:
+            self.monitor.load_state_dict(torch.load(path, weights_only=True))
+        except Exception as exc:  # noqa: BLE001 - training goes on, monitored from a fresh position
+            self.monitor.faults.record("restoring the monitor's state", exc, f"{path} not applied")
+
+    def _state_path(self, args: Any, state: Any) -> str:
+        name = f"trainermon_state_rank{self.monitor.loop.rank}.pt"
+        return os.path.join(args.output_dir, f"checkpoint-{state.global_step}", name)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._close()
