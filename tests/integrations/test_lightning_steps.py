@@ -211,3 +211,38 @@ def test_manual_gradscaler_skip_is_still_its_own_step(tmp_path, out_dir, static_
     rows = keyed(read_family(monitor.run_dir, "grad_reduced"))
     flags = {(s, row["skipped"]) for (_, s, _), row in rows.items()}
     assert flags == {(0, ""), (1, "1"), (2, ""), (3, ""), (4, "")}
+
+
+def test_resume_from_checkpoint_continues_the_monitors_count(tmp_path, out_dir, static_mode):
+    """The callback's state rides in Lightning's checkpoint: `fit(ckpt_path=...)` goes on counting toward
+    collect_times (the resumed run used to collect collect_times more steps)."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from trainermon.integrations.lightning import TrainerMonCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = TinyRegressor()
+
+        def training_step(self, batch, batch_idx):
+            return self.net(**batch)["loss"]
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.net.parameters(), lr=0.05)
+
+    cfg = write_config(tmp_path / "cfg.json", wg_distribution=True, collect_times=2, ops=list(OPS))
+    loader = torch.utils.data.DataLoader(Samples(BATCH), batch_size=BATCH)  # 1 batch, 1 step an epoch
+    ckpt = str(tmp_path / "epoch0.ckpt")
+    written = []
+    for epochs, resume in ((1, None), (4, ckpt)):
+        torch.manual_seed(0)
+        callback = TrainerMonCallback(cfg)
+        trainer = _trainer(pl, tmp_path / "pl", [callback], max_epochs=epochs)
+        trainer.fit(Module(), loader, ckpt_path=resume)
+        if resume is None:
+            trainer.save_checkpoint(ckpt)
+        assert callback.monitor.faults.total == 0, dict(callback.monitor.faults.counts)
+        written.append(
+            sorted({int(r["step"]) for r in read_family(callback.monitor.run_dir, "grad_reduced")})
+        )
+    assert written == [[0], [1]], written  # one collection saved, one left: step 1 (without it: 1 and 2)

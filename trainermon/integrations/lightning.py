@@ -43,6 +43,22 @@ class TrainerMonCallback(Callback):
         self.monitor: Any = None
         self._skips: Any = None  # the monitor's skip probe, told of each step call
         self._patches: list = []
+        self._restored: dict | None = None  # the monitor's state from a checkpoint, until it attaches
+
+    def state_dict(self) -> dict:
+        """Saved by Lightning in its checkpoints: the monitor's position (`TrainerMon.state_dict`: the count
+        toward collect_times, the anomaly history), so that `fit(ckpt_path=...)` goes on from there."""
+        if self.monitor is None:
+            return {}
+        try:
+            return {"monitor": self.monitor.state_dict()}
+        except Exception:  # noqa: BLE001 - the checkpoint is saved without it
+            logger.exception("trainermon: the monitor's state is left out of this checkpoint")
+            return {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Lightning restores callbacks before `on_train_start` attaches the monitor: applied there."""
+        self._restored = state_dict.get("monitor")
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._close()
@@ -64,6 +80,14 @@ class TrainerMonCallback(Callback):
             int(trainer.accumulate_grad_batches),
             step,
         )
+        restored, self._restored = self._restored, None
+        if self.monitor is not None and restored is not None:
+            try:
+                self.monitor.load_state_dict(restored)
+            except Exception as exc:  # noqa: BLE001 - training goes on, monitored from a fresh position
+                self.monitor.faults.record(
+                    "restoring the monitor's state", exc, "the checkpoint's is not applied"
+                )
         if self.monitor is not None:
             from trainermon.runtime.skips import report_step_calls
 
