@@ -21,6 +21,7 @@ import logging
 import os
 import re
 from operator import attrgetter, itemgetter
+from typing import Any
 
 import numpy as np
 
@@ -130,14 +131,23 @@ class _RowFile:
 
     Writes are unbuffered (one `write` per family per step already), and a write that fails part-way
     (disk full, quota, a file-size limit) cuts the file back to the end of its last complete row before
-    the error goes on, so neither a reader nor a later write ever sees half a row."""
+    the error goes on, so neither a reader nor a later write ever sees half a row. A new file's `header`
+    goes out with its first rows, in one write: the file is created by that write, so a process killed
+    at any point leaves no file without its header (an empty file stopped `analyze`)."""
 
-    def __init__(self, path: str) -> None:
-        self._fh = open(path, "ab", buffering=0)  # noqa: SIM115 - kept open across steps
-        self._size = os.fstat(self._fh.fileno()).st_size
+    def __init__(self, path: str, header: str = "") -> None:
+        self._path = path
+        self._fh: Any = None
+        self._size = 0
+        self._header = header.encode("utf-8")
 
     def write(self, text: str | bytes) -> None:
+        if self._fh is None:
+            self._fh = open(self._path, "ab", buffering=0)  # noqa: SIM115 - kept open across steps
+            self._size = os.fstat(self._fh.fileno()).st_size
         encoded = text.encode("utf-8") if isinstance(text, str) else text
+        if self._header:
+            encoded = self._header + encoded
         data = memoryview(encoded)
         try:
             while data:
@@ -146,16 +156,18 @@ class _RowFile:
             os.ftruncate(self._fh.fileno(), self._size)
             raise
         self._size += len(encoded)
+        self._header = b""
 
     def flush(self) -> None:
         pass  # nothing is buffered
 
     def gone(self) -> bool:
         """The file was deleted while open (its run directory removed, say): writes would be lost."""
-        return os.fstat(self._fh.fileno()).st_nlink == 0
+        return self._fh is not None and os.fstat(self._fh.fileno()).st_nlink == 0
 
     def close(self) -> None:
-        self._fh.close()
+        if self._fh is not None:
+            self._fh.close()
 
 
 class CsvExporter(Exporter):
@@ -373,9 +385,7 @@ class CsvExporter(Exporter):
         if current is not None:
             current[1].close()
         new = not os.path.exists(path)
-        handle = _RowFile(path)
-        if new:
-            handle.write(",".join(header or self.header(with_micro, family)) + "\n")
+        handle = _RowFile(path, ",".join(header or self.header(with_micro, family)) + "\n" if new else "")
         self._files[family] = (first, handle)
         return handle
 

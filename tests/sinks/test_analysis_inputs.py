@@ -57,6 +57,36 @@ def test_a_truncated_csv_line_names_its_file(run, tmp_path, capsys):
     _one_line_error(capsys, os.path.basename(path))
 
 
+def test_an_empty_csv_file_is_skipped_and_said(run, tmp_path, capsys):
+    """A 0-byte file (an older writer killed between creating a file and writing its header) no longer
+    stops the analysis of everything else; the writer itself now creates a file with its first rows."""
+    root = _copy(run, tmp_path / "empty")
+    rank_dir = os.path.dirname(sorted(glob.glob(os.path.join(root, "*", "grad_reduced_*.csv")))[0])
+    open(os.path.join(rank_dir, "grad_reduced_99-99.csv"), "w").close()
+    source = open_run(root, prefer="csv")
+    assert any("1 empty CSV files" in note for note in source.notes), source.notes
+    assert main(["analyze", root, "--format", "csv", "--out", str(tmp_path / "a")]) == 0
+    assert "grad_reduced_99-99.csv" in capsys.readouterr().out
+
+
+def test_a_new_csv_file_appears_with_its_header_and_rows():
+    """The exporter's file is made by the write that carries the header and the first rows: a kill at
+    any point leaves no file without its header."""
+    import tempfile
+
+    from exporters.csv import _RowFile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "actv_0-0.csv")
+        handle = _RowFile(path, "vpp_stage,name,step\n")
+        assert not os.path.exists(path) and not handle.gone()  # nothing on disk before rows
+        handle.write("0,fc.output,0\n")
+        handle.write(b"0,fc.output,1\n")
+        handle.close()
+        with open(path) as fh:
+            assert fh.read() == "vpp_stage,name,step\n0,fc.output,0\n0,fc.output,1\n"
+
+
 def test_a_report_directory_that_cannot_be_made(run, tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

@@ -194,6 +194,8 @@ def open_run(path: str | os.PathLike, prefer: str = "auto", run_id: str | None =
             _missing_run_id(path, run_id, root, csv=False)
             raise FileNotFoundError(f"no trainermon Parquet dataset at {path!r}")
     files = _csv_files(path, run_id)
+    empty = [f for f in files if f.size == 0]  # created, then the writer was killed (older versions)
+    files = [f for f in files if f.size > 0]
     if not files:
         _missing_run_id(path, run_id, None if prefer == "csv" else root, csv=True)
         raise FileNotFoundError(
@@ -204,6 +206,11 @@ def open_run(path: str | os.PathLike, prefer: str = "auto", run_id: str | None =
     kind = "msprobe-csv" if any(_looks_msprobe(p) for p in first_per_family.values()) else "csv"
     source = RunSource(path, kind, path, files, run_id)
     _note_mixed_runs(source)
+    if empty:
+        names = [os.path.basename(f.path) for f in empty[:3]]
+        source.notes.append(
+            f"{len(empty)} empty CSV files (a writer stopped as it made them) are skipped: {names}"
+        )
     return source
 
 
