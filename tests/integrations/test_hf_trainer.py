@@ -239,6 +239,33 @@ def test_resume_from_checkpoint_continues_the_monitors_count(tmp_path, out_dir, 
     assert not [r for r in caplog.records if "afresh" in r.getMessage()]
 
 
+def test_a_rank_the_saving_job_lacked_loads_rank_0s_state(tmp_path, out_dir, static_mode):
+    """Restarted on more ranks: a rank with no state file of its own takes rank 0's, so that every rank
+    counts toward collect_times alike (ranks that differ wait for each other in a collective). Rank 1 is
+    played by one process whose loop says rank 1 (no Trainer needed to reach `_restore`)."""
+    from types import SimpleNamespace
+
+    from trainermon import TrainerMon
+    from trainermon.integrations.hf import TrainerMonCallback
+
+    cfg = write_config(tmp_path / "cfg.json", wg_distribution=True, collect_times=5)
+    saved = TrainerMon(cfg)
+    saved.set_monitor(torch.nn.Linear(2, 2))
+    for _ in range(3):
+        saved.step()
+    saved.close()
+    args, state = SimpleNamespace(output_dir=str(tmp_path / "hf")), SimpleNamespace(global_step=3)
+    os.makedirs(os.path.join(args.output_dir, "checkpoint-3"))
+    torch.save(saved.state_dict(), os.path.join(args.output_dir, "checkpoint-3", "trainermon_state_rank0.pt"))
+    callback = TrainerMonCallback(cfg)
+    callback.monitor = TrainerMon(cfg)
+    callback.monitor.set_monitor(torch.nn.Linear(2, 2), start_iteration=3)
+    callback.monitor.loop.rank = 1
+    callback._restore(args, state)
+    assert callback.monitor.loop.schedule.collected == 3 and callback.monitor.faults.total == 0
+    callback.monitor.close()
+
+
 def test_attach_failure_never_stops_training(tmp_path, out_dir, static_mode, caplog):
     """An optimizer the monitor cannot hook: the callback logs the error and training goes on."""
     from types import SimpleNamespace

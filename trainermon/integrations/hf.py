@@ -12,7 +12,8 @@ and the step counter starting at `state.global_step` (a resumed run continues it
 optimizer steps, i.e. the Trainer's global steps). Each checkpoint the Trainer saves gets the monitor's
 `state_dict()` (`checkpoint-N/trainermon_state_rank{R}.pt`, every rank its own), and a run resumed from
 `checkpoint-N` in `args.output_dir` loads it: the count toward `collect_times` and the anomaly rules'
-history go on (a checkpoint without it is said once). It closes (flushes every collected step) in
+history go on (a checkpoint without it is said once; a rank the saving job did not have loads rank 0's,
+so that every rank collects the same steps). It closes (flushes every collected step) in
 `on_train_end`. `monitor` is the `TrainerMon` of the latest `train()` call.
 """
 
@@ -64,6 +65,8 @@ class TrainerMonCallback(TrainerCallback):
 
     def _restore(self, args: Any, state: Any) -> None:
         path = self._state_path(args, state)
+        if not os.path.exists(path):  # a rank the saving job did not have (restarted on more ranks)
+            path = self._state_path(args, state, rank=0)  # its schedule: every rank must collect alike
         if not os.path.exists(path):
             logger.warning(
                 "trainermon: resumed at step %d without %s: the monitor's count toward collect_times and "
@@ -77,8 +80,8 @@ class TrainerMonCallback(TrainerCallback):
         except Exception as exc:  # noqa: BLE001 - training goes on, monitored from a fresh position
             self.monitor.faults.record("restoring the monitor's state", exc, f"{path} not applied")
 
-    def _state_path(self, args: Any, state: Any) -> str:
-        name = f"trainermon_state_rank{self.monitor.loop.rank}.pt"
+    def _state_path(self, args: Any, state: Any, rank: int | None = None) -> str:
+        name = f"trainermon_state_rank{self.monitor.loop.rank if rank is None else rank}.pt"
         return os.path.join(args.output_dir, f"checkpoint-{state.global_step}", name)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
