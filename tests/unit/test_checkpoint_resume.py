@@ -8,6 +8,7 @@ spike at step 5 that only a 4-step warm-up can see) carry over.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -118,3 +119,18 @@ def test_state_loaded_after_set_monitor_applies_at_once(tmp_path, monkeypatch):
     trainer.step(7)
     monitor.close()
     assert read_family(monitor.run_dir, "grad_reduced") == []
+
+
+def test_a_malformed_state_is_refused_naming_the_key(tmp_path, monkeypatch):
+    monitor = _monitor(tmp_path, "bad", monkeypatch)
+    good = monitor.state_dict()
+    for bad, named in (
+        (None, "NoneType"),
+        ({k: v for k, v in good.items() if k != "step"}, "'step' is None"),
+        ({**good, "schedule_collected": "3"}, "'schedule_collected' is '3'"),
+        ({**good, "step": -1}, "'step' is -1"),
+    ):
+        with pytest.raises(ValueError, match="allowed|a dict") as info:
+            monitor.load_state_dict(bad)
+        assert named in str(info.value), (named, str(info.value))
+    monitor.close()

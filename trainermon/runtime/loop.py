@@ -334,8 +334,14 @@ class StepLoop(ConfigChanges):
         }
 
     def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict):
+            raise ValueError(f"trainermon: a state is a dict from state_dict(), got {type(state).__name__}")
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"trainermon: state version {state.get('version')!r}; allowed: {STATE_VERSION}")
+        for key in ("step", "schedule_collected"):  # checked here: never a KeyError mid-way through a restore
+            value = state.get(key)
+            if type(value) is not int or value < 0:
+                raise ValueError(f"trainermon: state key {key!r} is {value!r}; allowed: a whole number >= 0")
         if self.adapter is None:
             self._pending_state = state  # applied when set_monitor attaches
             return
