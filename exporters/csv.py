@@ -132,8 +132,9 @@ class _RowFile:
     Writes are unbuffered (one `write` per family per step already), and a write that fails part-way
     (disk full, quota, a file-size limit) cuts the file back to the end of its last complete row before
     the error goes on, so neither a reader nor a later write ever sees half a row. A new file's `header`
-    goes out with its first rows, in one write: the file is created by that write, so a process killed
-    at any point leaves no file without its header (an empty file stopped `analyze`)."""
+    goes out with its first rows, in one write, the file opened just before: a process killed between
+    creating a file and its first rows (an empty file, which stopped `analyze`) is now rare, and the
+    readers skip such a file."""
 
     def __init__(self, path: str, header: str = "") -> None:
         self._path = path

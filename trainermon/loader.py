@@ -212,7 +212,14 @@ def load(
             expr = _expression(families, name_list, rank_list, run_ids, step_spec)
             table = dataset.to_table(filter=expr)
             if not len(table) and run_id is not None:  # a wrong run id must not read as an empty table
-                there = set(dataset.to_table(columns=["run_id"]).column("run_id").unique().to_pylist())
+                every = ds.dataset(
+                    select_files(root, None, None, None),
+                    schema=full_schema,
+                    format="parquet",
+                    partitioning=ds.partitioning(partition_schema(), flavor="hive"),
+                    partition_base_dir=root,
+                )
+                there = set(every.to_table(columns=["run_id"]).column("run_id").unique().to_pylist())
                 if not there & set(run_ids):
                     raise ValueError(
                         f"trainermon.load: run ids {run_ids} are not in {root!r} (it has {sorted(there)})"

@@ -266,6 +266,30 @@ def test_a_rank_the_saving_job_lacked_loads_rank_0s_state(tmp_path, out_dir, sta
     callback.monitor.close()
 
 
+def test_state_is_saved_only_into_the_trainers_own_checkpoint_folder(tmp_path, out_dir, static_mode, caplog):
+    """A hyperparameter-search trial saves under run-<id>/, and a node may lack the folder: the callback
+    makes no checkpoint-N folder of its own (a stray one would be taken for the last checkpoint)."""
+    from types import SimpleNamespace
+
+    from trainermon import TrainerMon
+    from trainermon.integrations.hf import TrainerMonCallback
+
+    cfg = write_config(tmp_path / "cfg.json", wg_distribution=True)
+    callback = TrainerMonCallback(cfg)
+    callback.monitor = TrainerMon(cfg)
+    callback.monitor.set_monitor(torch.nn.Linear(2, 2))
+    args = SimpleNamespace(output_dir=str(tmp_path / "hf"))
+    os.makedirs(os.path.join(args.output_dir, "checkpoint-1"))
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        callback.on_save(args, SimpleNamespace(global_step=1, trial_params={"lr": 0.1}), None)
+        callback.on_save(args, SimpleNamespace(global_step=2, trial_params=None), None)
+        callback.on_save(args, SimpleNamespace(global_step=1, trial_params=None), None)
+    callback.monitor.close()
+    assert sorted(os.listdir(args.output_dir)) == ["checkpoint-1"]
+    assert os.listdir(os.path.join(args.output_dir, "checkpoint-1")) == ["trainermon_state_rank0.pt"]
+    assert sum("not this run's checkpoint folder" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_attach_failure_never_stops_training(tmp_path, out_dir, static_mode, caplog):
     """An optimizer the monitor cannot hook: the callback logs the error and training goes on."""
     from types import SimpleNamespace

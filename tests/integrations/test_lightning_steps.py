@@ -227,6 +227,9 @@ def test_resume_from_checkpoint_continues_the_monitors_count(tmp_path, out_dir, 
         def training_step(self, batch, batch_idx):
             return self.net(**batch)["loss"]
 
+        def validation_step(self, batch, batch_idx):
+            return self.net(**batch)["loss"]
+
         def configure_optimizers(self):
             return torch.optim.SGD(self.net.parameters(), lr=0.05)
 
@@ -246,3 +249,9 @@ def test_resume_from_checkpoint_continues_the_monitors_count(tmp_path, out_dir, 
             sorted({int(r["step"]) for r in read_family(callback.monitor.run_dir, "grad_reduced")})
         )
     assert written == [[0], [1]], written  # one collection saved, one left: step 1 (without it: 1 and 2)
+    # A checkpoint restored for validate() is not carried into a later fit() of a fresh model
+    callback = TrainerMonCallback(cfg)
+    trainer = _trainer(pl, tmp_path / "pl", [callback], max_epochs=3)
+    trainer.validate(Module(), loader, ckpt_path=ckpt)
+    trainer.fit(Module(), loader)
+    assert sorted({int(r["step"]) for r in read_family(callback.monitor.run_dir, "grad_reduced")}) == [0, 1]

@@ -381,3 +381,26 @@ def test_unknown_run_id_in_load_is_named(runs):
     there = trainermon.load(run, family="update").column("run_id")[0].as_py()
     assert trainermon.load(run, family="update", run_id=there).num_rows == 6 * STEPS
     assert trainermon.load(run, family="update", run_id=there, steps=(10**6, 10**6 + 1)).num_rows == 0
+
+
+def test_a_run_id_outside_the_step_range_reads_empty(tmp_path, monkeypatch):
+    """Two runs in one dataset (steps 0-1 and 100-101): run A with B's steps is an empty table, not an
+    error saying A is absent (the check looked only at the files the steps selected)."""
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    cfg = write_config(tmp_path / "c.json", wg_distribution=True, format="parquet")
+    ids = []
+    for start in (0, 100):
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        mon = TrainerMon(cfg)
+        mon.set_monitor(model, optimizer=opt, start_iteration=start)
+        for _ in range(2):
+            model(torch.ones(1, 2)).sum().backward()
+            opt.step()
+        mon.close()
+        ids.append(mon.loop.outputs.run_id)
+    root = str(tmp_path / "out")
+    assert trainermon.load(root, run_id=ids[0], steps=(100, 101)).num_rows == 0
+    assert trainermon.load(root, run_id=ids[0]).num_rows == 8  # 2 params x 2 gradient families x 2 steps
+    with pytest.raises(ValueError, match="not in"):
+        trainermon.load(root, run_id="nosuch", steps=(100, 101))

@@ -35,6 +35,7 @@ class TrainerMonCallback(TrainerCallback):
     def __init__(self, config_file_path: str | os.PathLike) -> None:
         self.config_file_path = check_config(config_file_path)
         self.monitor: Any = None
+        self._said_no_folder = False
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._close()  # a second train() call gets a fresh monitor
@@ -57,8 +58,17 @@ class TrainerMonCallback(TrainerCallback):
         if self.monitor is None:
             return
         path = self._state_path(args, state)
+        if getattr(state, "trial_params", None) is not None or not os.path.isdir(os.path.dirname(path)):
+            # a hyperparameter-search trial saves under its own run-<id>/ folder; a node without the folder
+            if not self._said_no_folder:
+                self._said_no_folder = True
+                logger.warning(
+                    "trainermon: %s is not this run's checkpoint folder here: the monitor's "
+                    "state is not saved with its checkpoints",
+                    os.path.dirname(path),
+                )
+            return
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
             torch.save(self.monitor.state_dict(), path)
         except Exception as exc:  # noqa: BLE001 - a checkpoint the monitor cannot add to still stands
             self.monitor.faults.record("saving the monitor's state", exc, f"{path} not written")

@@ -56,6 +56,9 @@ class TrainerMonCallback(Callback):
             logger.exception("trainermon: the monitor's state is left out of this checkpoint")
             return {}
 
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._restored = None  # before Lightning restores this run's checkpoint (validate/test runs too)
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Lightning restores callbacks before `on_train_start` attaches the monitor: applied there."""
         self._restored = state_dict.get("monitor")
