@@ -55,6 +55,16 @@ def keyed(rows: list[dict[str, str]]) -> dict[tuple, dict[str, str]]:
     return out
 
 
+def compiled_grads(eager: dict, outside: Callable[[tuple], bool] = lambda key: False) -> dict:
+    """The actv_grad rows (keyed) a compiled run writes where the same run done eagerly wrote `eager`: all
+    of them on a torch whose dynamo traces tensor hooks into graphs (2.12 and later); on an older one only
+    those of modules whose hooks ran outside the graphs (`outside(key)`): compiled modules write none there,
+    by design and said once (README, torch.compile; torch 2.11 on the GPU host of session 30)."""
+    from trainermon.runtime.probes.graph_taps import HOOKS_IN_GRAPH
+
+    return dict(eager) if HOOKS_IN_GRAPH else {key: row for key, row in eager.items() if outside(key)}
+
+
 def ref_stats(t: torch.Tensor) -> dict[str, float]:
     """Independent reference: plain float64 torch on a clone, NaN/Inf excluded as the monitor documents."""
     x = t.detach().to(torch.float64).flatten()

@@ -304,9 +304,16 @@ def test_ddp_and_fsdp2_collectives_seen(tmp_path):
         for step, sumsq in enumerate(fsdp["full_sumsq"]):
             rows = [r for r in fsdp["rows"] if r["step"] == str(step)]
             names = {r["name"].split("@")[0] for r in rows}
-            assert {"all_gather_single/world/output", "reduce_scatter_single/world/output"} <= names, names
-            assert "funcol.all_gather_single/world/output" in names, names  # DTensor.full_tensor()
-            gathers = [r for r in rows if r["name"].startswith("all_gather_single/world/output@")]
+            # FSDP2's collectives by release: torch 2.13 calls the *_single forms, 2.11 the *_tensor ones
+            single = "all_gather_single/world/output" in names
+            gather, scatter, full = (
+                ("all_gather_single", "reduce_scatter_single", "funcol.all_gather_single")
+                if single
+                else ("all_gather_into_tensor", "reduce_scatter_tensor", "funcol.all_gather_tensor")
+            )
+            assert {f"{gather}/world/output", f"{scatter}/world/output"} <= names, names
+            assert f"{full}/world/output" in names, names  # DTensor.full_tensor()
+            gathers = [r for r in rows if r["name"].startswith(f"{gather}/world/output@")]
             calls = sum(int(r["calls"]) for r in gathers)
             got = sum(float(r["norm"]) ** 2 for r in gathers)
             # every all-gather of the step gathers all parameters (padding is zeros)

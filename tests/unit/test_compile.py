@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import keyed, read_family, write_config
+from tests.helpers import compiled_grads, keyed, read_family, write_config
 from trainermon import TrainerMon
+from trainermon.runtime.probes.graph_taps import HOOKS_IN_GRAPH
 
 OPS = ("norm", "min", "max")
 
@@ -70,9 +71,9 @@ def _run(tmp_path, tag: str, compiled: bool, steps: int, **config) -> tuple[dict
 def test_compiled_model_collects_late_steps(tmp_path, out_dir, config, first):
     want_actv, want_grad, _ = _run(tmp_path, "eager", False, 6, **config)
     got_actv, got_grad, graphs = _run(tmp_path, "compiled", True, 6, **config)
-    assert {step for _, step, _ in want_grad} >= {first}
-    for got, want in ((got_actv, want_actv), (got_grad, want_grad)):
-        assert set(got) == set(want) and want
+    assert {step for _, step, _ in want_grad} >= {first} and want_actv
+    for got, want in ((got_actv, want_actv), (got_grad, compiled_grads(want_grad))):
+        assert set(got) == set(want)
         for key, row in want.items():
             for op in OPS:
                 assert float(got[key][op]) == pytest.approx(float(row[op]), rel=1e-5, abs=1e-7), (key, op)
@@ -120,9 +121,12 @@ def test_compiled_model_dynamic_switch_on_later(tmp_path, out_dir, dynamic_mode)
     # the last Linear's output is the model's output: its actv row equals the compiled output's norm
     row = actv[("2.output", first, 0)]
     assert float(row["norm"]) == pytest.approx(float(outputs[first].double().norm()), rel=1e-5)
-    # and its gradient is d(sum out^2)/d out = 2 out
-    grad_row = grads[("2.output", first, 0)]
-    assert float(grad_row["norm"]) == pytest.approx(2 * float(outputs[first].double().norm()), rel=1e-5)
+    # and its gradient is d(sum out^2)/d out = 2 out (none from the graph on a torch older than 2.12)
+    if HOOKS_IN_GRAPH:
+        grad_row = grads[("2.output", first, 0)]
+        assert float(grad_row["norm"]) == pytest.approx(2 * float(outputs[first].double().norm()), rel=1e-5)
+    else:
+        assert grads == {}
     assert set(graphs[first + 1 :]) == {graphs[first]}, graphs
 
 
@@ -166,8 +170,9 @@ def test_compiled_before_set_monitor_recompiles_once(tmp_path, out_dir, caplog):
         if compiled:
             assert before >= 1 and graphs[0] > before and set(graphs) == {graphs[0]}, (before, graphs)
             assert any("recompiles once" in r.message for r in caplog.records)
-    for got, want in zip(rows[True], rows[False]):
-        assert set(got) == set(want) and len({s for _, s, _ in want}) == 4
+    assert all(len({s for _, s, _ in eager}) == 4 for eager in rows[False])
+    for got, want in zip(rows[True], (rows[False][0], compiled_grads(rows[False][1]))):
+        assert set(got) == set(want)
         for key, row in want.items():
             for op in OPS:
                 assert float(got[key][op]) == pytest.approx(float(row[op]), rel=1e-5, abs=1e-7), (key, op)
@@ -237,8 +242,13 @@ def test_block_compiled_on_its_own(tmp_path, out_dir, caplog, first):
                 assert sum("recompiles once" in r.message for r in caplog.records) == 1
         else:
             assert not probe.hooks.pinned and probe._taps is None and not any(traced)
-    for got, want in zip(rows[True], rows[False]):
-        assert set(got) == set(want) and {s for _, s, _ in want} == set(range(first, 5))
+    assert all({s for _, s, _ in eager} == set(range(first, 5)) for eager in rows[False])
+
+    def outside(key: tuple) -> bool:  # the block's own hooks run outside its compiled forward
+        return not key[0].startswith("0.proj.")
+
+    for got, want in zip(rows[True], (rows[False][0], compiled_grads(rows[False][1], outside))):
+        assert set(got) == set(want)
         for key, row in want.items():
             for op in OPS:
                 assert float(got[key][op]) == pytest.approx(float(row[op]), rel=1e-5, abs=1e-7), (key, op)

@@ -12,6 +12,7 @@ from torch import nn
 import trainermon.runtime.probes.grad_rows as grad_rows
 from tests.helpers import read_family, write_config
 from trainermon import TrainerMon
+from trainermon.runtime.probes.graph_taps import HOOKS_IN_GRAPH
 
 
 def _train(tmp_path, monkeypatch, steps: int, grad_acc: int = 1, start_iteration: int = 0, **cfg):
@@ -128,9 +129,13 @@ def test_an_evaluation_pass_between_steps_is_no_micro_batch(
     monitor.close()
     for family in ("actv", "actv_grad"):
         rows = [r for r in read_family(monitor.run_dir, family) if r["name"] == "0.output"]
-        assert sorted((int(r["step"]), int(r["micro_step"])) for r in rows) == [
-            (s, m) for s in range(3) for m in range(2)
-        ], family
+        # no actv_grad rows from compiled graphs on a torch older than 2.12 (test_graph_taps.py)
+        want = (
+            []
+            if compiled and family == "actv_grad" and not HOOKS_IN_GRAPH
+            else [(s, m) for s in range(3) for m in range(2)]
+        )
+        assert sorted((int(r["step"]), int(r["micro_step"])) for r in rows) == want, family
     said = [r.getMessage() for r in caplog.records if "evaluation pass" in r.getMessage()]
     assert len(said) == 1, said
 

@@ -24,8 +24,16 @@ from torch import nn
 
 from tests.helpers import assert_row_matches, keyed, read_family, write_config
 from trainermon import TrainerMon
+from trainermon.runtime.probes.graph_taps import HOOKS_IN_GRAPH
 
 OPS = ("norm", "min", "max")
+# On a torch whose dynamo cannot trace tensor hooks (older than 2.12: torch 2.11 on the GPU host in
+# session 30), compiled modules write actv rows and no actv_grad rows, by design and said once (README,
+# test_a_torch_without_traced_tensor_hooks_writes_no_gradient_rows_in_graphs). Tests about gradient rows
+# from inside graphs and nothing else are skipped there; the others check their actv rows all the same.
+needs_traced_hooks = pytest.mark.skipif(
+    not HOOKS_IN_GRAPH, reason="this torch (older than 2.12) writes no actv_grad rows from compiled graphs"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -124,6 +132,19 @@ def _same_rows(got: dict, want: dict, abs_tol: float = 1e-6) -> None:
                 assert actual == pytest.approx(expected, rel=1e-4, abs=abs_tol), (key, op)
 
 
+def _same_grad_rows(got: dict, want: dict, outside=lambda key: False, **tolerances) -> None:
+    """actv_grad rows of a compiled run against the eager run's (`want`, never empty). Where dynamo cannot
+    trace tensor hooks, only the rows of modules whose hooks ran outside the graphs (`outside(key)`) are
+    written, and no other."""
+    assert want
+    if not HOOKS_IN_GRAPH:
+        want = {key: row for key, row in want.items() if outside(key)}
+        if not want:
+            assert got == {}, sorted(got)[:8]
+            return
+    _same_rows(got, want, **tolerances)
+
+
 def _train_rows(
     tmp_path,
     tag: str,
@@ -171,7 +192,7 @@ def test_compiled_rows_equal_eager_with_no_graph_break(tmp_path, out_dir, backen
     actv, grads, outputs, faults, breaks = _run(tmp_path, backend, backend)
     assert not breaks and faults == 0 and eager_faults == 0
     _same_rows(actv, want_actv)
-    _same_rows(grads, want_grad)
+    _same_grad_rows(grads, want_grad)
     # the NaN row of the None output, and none for the integer tensor, as in eager mode
     assert math.isnan(float(actv[("blocks.0.mix.output_1", 0, 0)]["norm"]))
     assert ("blocks.0.mix.output_2", 0, 0) not in actv
@@ -182,9 +203,10 @@ def test_compiled_rows_equal_eager_with_no_graph_break(tmp_path, out_dir, backen
             assert float(actv[("blocks.1.output", step, micro)]["norm"]) == pytest.approx(
                 float(out.norm()), rel=1e-5
             )
-            assert float(grads[("blocks.1.output", step, micro)]["norm"]) == pytest.approx(
-                2 * float(out.norm()), rel=1e-5
-            )
+            if HOOKS_IN_GRAPH:
+                assert float(grads[("blocks.1.output", step, micro)]["norm"]) == pytest.approx(
+                    2 * float(out.norm()), rel=1e-5
+                )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: no CUDA device on this machine")
@@ -195,7 +217,7 @@ def test_compiled_rows_equal_eager_on_cuda(tmp_path, out_dir):
     actv, grads, _, faults, breaks = _run(tmp_path, "inductor", "inductor", device="cuda")
     assert not breaks and faults == 0
     _same_rows(actv, want_actv)
-    _same_rows(grads, want_grad)
+    _same_grad_rows(grads, want_grad)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: no CUDA device on this machine")
@@ -214,7 +236,7 @@ def test_cuda_graphs_record_every_step(tmp_path, out_dir):
     assert not breaks and faults == 0
     assert {key[1] for key in actv} == set(range(5))
     _same_rows(actv, want_actv)
-    _same_rows(grads, want_grad)
+    _same_grad_rows(grads, want_grad)
 
 
 @pytest.mark.skipif(
@@ -251,7 +273,9 @@ def test_taps_are_not_captured_into_cuda_graphs(tmp_path, out_dir):
     run(torch.randn(4, 8)).sum().backward()
     opt.step()
     monitor.close()
-    assert found == [torch.ops.trainermon.tap.default, torch.ops.trainermon.tap_grad.default], found
+    # no backward tap where dynamo cannot trace tensor hooks (older than 2.12)
+    grad_tap = torch.ops.trainermon.tap_grad.default if HOOKS_IN_GRAPH else None
+    assert found == [torch.ops.trainermon.tap.default, grad_tap], found
 
 
 def test_a_failing_tap_is_contained(tmp_path, out_dir, monkeypatch):
@@ -305,8 +329,8 @@ def test_checkpointed_blocks_inside_the_graph(tmp_path, out_dir):
     eager = _train_rows(tmp_path, "k", Checkpointed, None, input_grad=True)
     compiled = _train_rows(tmp_path, "k", Checkpointed, "aot_eager", input_grad=True)
     assert compiled[2:] == (0, 0) and eager[2] == 0  # no fault, no graph break
-    for got, want in zip(compiled[:2], eager[:2]):
-        _same_rows(got, want)
+    _same_rows(compiled[0], eager[0])
+    _same_grad_rows(compiled[1], eager[1])
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -524,12 +548,18 @@ def test_ddp_and_fsdp2_on_two_ranks(tmp_path):
         for setup in ("ddp", "fsdp", "tp"):
             compiled, eager = found[setup, True], found[setup, False]
             assert compiled[2] == 0 and eager[2] == 0
-            assert compiled[3] >= 1
+            # torch 2.11 runs compiled DDP's forward eagerly (its own graph breaks, with or without the
+            # monitor: no graph), and the hooks with it
+            in_graphs = compiled[3] >= 1
+            assert in_graphs or (setup == "ddp" and not HOOKS_IN_GRAPH)
             _same_rows(compiled[0], eager[0])
             # compiled, the in-place ReLU's input gradient is not written (test_an_in_place_module_...)
-            _same_rows(
-                compiled[1], {k: v for k, v in eager[1].items() if not (setup == "tp" and k[0] == "1.input")}
-            )
+            want = {k: v for k, v in eager[1].items() if not (setup == "tp" and k[0] == "1.input")}
+            if in_graphs:  # an FSDP2 block's own hooks ("0.output") run outside its compiled forward
+                outside = (lambda key: key[0].count(".") == 1) if setup == "fsdp" else (lambda key: False)
+                _same_grad_rows(compiled[1], want, outside=outside)
+            else:
+                _same_rows(compiled[1], want)
         assert found["fsdp", True][4] == 0  # the blocks' graphs: no break
         assert found["tp", True][4] == 0  # DTensor activations stay in the graph
         assert found["faulty"][0] >= 1 and found["faulty"][1]
@@ -541,7 +571,7 @@ def test_ddp_and_fsdp2_on_two_ranks(tmp_path):
         for compiled in (False, True):
             rows = {"actv": found["tp", compiled][0], "actv_grad": found["tp", compiled][1]}
             for (family, name, step), (ref, label) in refs.items():
-                if compiled and (family, name) == ("actv_grad", "1.input"):
+                if compiled and family == "actv_grad" and (name == "1.input" or not HOOKS_IN_GRAPH):
                     assert (name, step, 0) not in rows[family]
                     continue
                 row = rows[family][(name, step, 0)]
@@ -549,6 +579,7 @@ def test_ddp_and_fsdp2_on_two_ranks(tmp_path):
                 assert_row_matches(row, ref, OPS)
 
 
+@needs_traced_hooks
 def test_a_forward_left_without_backward_does_not_shift_the_next_step(tmp_path, out_dir):
     """Step 0 runs a second forward whose result is dropped (its backward never runs); step 1's gradient
     rows still carry step 1's own micro-steps, as in eager mode (the queue of step 0 is dropped)."""
@@ -595,7 +626,8 @@ def test_an_in_place_module_after_a_tapped_output(tmp_path, out_dir, backend):
     (actv, grads), (eager_actv, eager_grads) = rows[backend][:2], rows[None][:2]
     _same_rows(actv, eager_actv)
     assert {key for key in eager_grads if key[0] == "1.input"} == {("1.input", 0, 0), ("1.input", 1, 0)}
-    _same_rows(grads, {key: row for key, row in eager_grads.items() if key[0] != "1.input"}, abs_tol=1e-5)
+    want_grads = {key: row for key, row in eager_grads.items() if key[0] != "1.input"}
+    _same_grad_rows(grads, want_grads, abs_tol=1e-5)
 
 
 class WritesThroughAView(nn.Module):
@@ -657,6 +689,7 @@ def test_the_monitor_leaves_the_gradients_as_they_are(tmp_path, out_dir, backend
         assert torch.equal(plain[name], monitored[name]), (name, (plain[name] - monitored[name]).abs().max())
 
 
+@needs_traced_hooks
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_each_call_keeps_its_micro_step(tmp_path, out_dir, backend):
     """Each call's gradient rows carry that call's micro-step: a module called twice in one forward (rows
@@ -693,7 +726,8 @@ def test_each_call_keeps_its_micro_step(tmp_path, out_dir, backend):
 def test_an_output_the_hook_cannot_rebuild(tmp_path, out_dir):
     """A namedtuple output (as a ModelOutput would be): its gradient rows are written from inside the
     graph (fullgraph, no break), equal to eager mode's. (Before the output hooks, an output the tap's
-    aliases could not be rebuilt into broke the graph; on a torch older than 2.12 it still does.)"""
+    aliases could not be rebuilt into broke the graph. On a torch older than 2.12: no break, no gradient
+    rows from the graph.)"""
     from collections import namedtuple
 
     import torch._dynamo
@@ -723,8 +757,8 @@ def test_an_output_the_hook_cannot_rebuild(tmp_path, out_dir):
     }
     assert rows[None][2] == 0 and rows["aot_eager"][2] == 0 and rows["aot_eager"][3] == 0
     assert ("pair.output_0", 0, 0) in rows[None][1]
-    for got, want in zip(rows["aot_eager"][:2], rows[None][:2]):
-        _same_rows(got, want)
+    _same_rows(rows["aot_eager"][0], rows[None][0])
+    _same_grad_rows(rows["aot_eager"][1], rows[None][1])
 
 
 class Layer(nn.Module):
@@ -782,8 +816,10 @@ def test_blocks_compiled_one_by_one_share_their_graphs(tmp_path, out_dir):
             keyed(read_family(monitor.run_dir, "actv_grad")),
         )
     _same_rows(rows[True][0], rows[False][0])
-    _same_rows(rows[True][1], rows[False][1])
-    assert ("11.fc2.output", 2, 0) in rows[True][0] and ("11.fc2.output", 2, 0) in rows[True][1]
+    # each block's own hooks run outside its compiled forward
+    _same_grad_rows(rows[True][1], rows[False][1], outside=lambda key: key[0].count(".") == 1)
+    assert ("11.fc2.output", 2, 0) in rows[True][0]
+    assert (("11.fc2.output", 2, 0) in rows[True][1]) == HOOKS_IN_GRAPH
 
 
 class Attention(nn.Module):
@@ -822,7 +858,7 @@ def test_an_output_the_module_also_uses_itself(tmp_path, out_dir, backend):
     assert eager[2] == 0 and compiled[2] == 0 and compiled[3] == 0
     assert {("attn.output_1", 1, 0), ("attn.output_2", 1, 0)} <= set(eager[1])
     _same_rows(compiled[0], eager[0])
-    _same_rows(compiled[1], eager[1])
+    _same_grad_rows(compiled[1], eager[1])
 
 
 def test_a_torch_without_traced_tensor_hooks_writes_no_gradient_rows_in_graphs(
@@ -879,7 +915,7 @@ def test_a_parameter_returned_as_an_output(tmp_path, out_dir):
     assert eager[2] == 0 and compiled[2] == 0 and compiled[3] == 0
     assert {("skip.output_1", step, 0) for step in range(3)} <= set(eager[1])
     _same_rows(compiled[0], eager[0])
-    _same_rows(compiled[1], eager[1])
+    _same_grad_rows(compiled[1], eager[1])
     # every row once (the rows above are keyed: a repeated row would not show there)
     torch.manual_seed(0)
     model = AddsTheBias()
@@ -893,5 +929,6 @@ def test_a_parameter_returned_as_an_output(tmp_path, out_dir):
         opt.zero_grad()
     monitor.close()
     rows = read_family(monitor.run_dir, "actv_grad")
-    assert sorted(int(r["step"]) for r in rows if r["name"] == "skip.output_1") == [0, 1, 2]
+    steps = [0, 1, 2] if HOOKS_IN_GRAPH else []
+    assert sorted(int(r["step"]) for r in rows if r["name"] == "skip.output_1") == steps
     assert not model.skip.bias._backward_hooks

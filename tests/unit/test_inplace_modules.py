@@ -23,6 +23,7 @@ from torch import nn
 from tests.helpers import keyed, read_family, ref_stats, train_monitored, write_config
 from tests.unit.test_graph_taps import _fresh_dynamo, _same_rows, _train_rows  # noqa: F401 (autouse fixture)
 from trainermon import TrainerMon
+from trainermon.runtime.probes.graph_taps import HOOKS_IN_GRAPH
 
 OPS = ("norm", "min", "max", "mean")
 
@@ -267,10 +268,14 @@ def test_compiled_rows_equal_the_eager_ones(tmp_path, out_dir, backend, model, c
     eager = _train_rows(tmp_path, "eager", lambda: model(inplace=True), None)
     with caplog.at_level(logging.WARNING, logger="trainermon"):
         compiled = _train_rows(tmp_path, backend, lambda: model(inplace=True), backend, fullgraph=True)
-    said = [r.getMessage() for r in caplog.records if "in place" in r.getMessage()]
-    assert len(said) == 2 and "writes a view in place" in said[1], said
     assert eager[2] == compiled[2] == 0 and compiled[3] == 0
     _same_rows(compiled[0], eager[0])
+    if not HOOKS_IN_GRAPH:  # a torch older than 2.12: no gradient rows from graphs at all (said once)
+        said = [r.getMessage() for r in caplog.records if "cannot trace tensor hooks" in r.getMessage()]
+        assert compiled[1] == {} and eager[1] and len(said) == 1, said
+        return
+    said = [r.getMessage() for r in caplog.records if "in place" in r.getMessage()]
+    assert len(said) == 2 and "writes a view in place" in said[1], said
     writers = {f"{n}.input" for n, m in model(inplace=True).named_modules() if getattr(m, "inplace", False)}
     missing = {key[0] for key in set(eager[1]) - set(compiled[1])}
     assert writers <= missing <= WRITTEN_LATER[model.__name__] | writers, (writers, missing)
