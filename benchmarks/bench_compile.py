@@ -2,18 +2,20 @@
 and the monitor's overhead on the compiled model against its overhead on the same model run eagerly.
 
     PYTHONPATH=. python benchmarks/bench_compile.py [--backend inductor] [--steps 60] [--rounds 3]
-        [--layers 8] [--width 256] [--tp]
+        [--layers 8] [--width 256] [--tp] [--device cuda] [--forward-only]
 
 Arms over the same MLP (`--layers` Linear+GELU layers, default 8 of width 256, batch 64, CPU, one thread;
 `--layers 32 --width 64` is a model of many small modules, where per-module costs dominate): compiled
-without the
-monitor; compiled with the monitor's xy_distribution scheduled but no step collected (start_step beyond
-the run); compiled with every step collected; and eager without the monitor and with every step
-collected. Each round runs every arm once, in a fresh random order; within an arm, step times are taken
-after a warm-up third of the steps (which covers the first collected step's recompile). Printed per arm:
-the median over rounds of each round's median step, the spread of those round medians, and dynamo's
-counters from the last round. Then the overheads (collected against no monitor, same mode) and their
-ratio, compiled over eager (issue 23's target: at most 2).
+without the monitor; compiled with the monitor's xy_distribution scheduled but no step collected
+(start_step beyond the run); compiled with every step collected; and eager without the monitor and with
+every step collected. `--device cuda` runs the same arms on the GPU (step times taken after a
+synchronize). `--forward-only` collects actv alone in both modes: the like-for-like comparison on a torch
+older than 2.12, whose compiled graphs write no actv_grad rows. Each round runs every arm once, in a fresh
+random order; within an arm, step times are taken after a warm-up third of the steps (which covers the
+first collected step's recompile). Printed per arm: the median over rounds of each round's median step,
+the spread of those round medians, and dynamo's counters from the last round. Then the overheads
+(collected against no monitor, same mode) and their ratio, compiled over eager (issue 23's target: at
+most 2).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ def run(
     layers: int = 8,
     width: int = 256,
     tp: bool = False,
+    device: str = "cpu",
+    forward_only: bool = False,
 ) -> dict:
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -59,7 +63,7 @@ def run(
     modules = []
     for _ in range(layers):
         modules += [nn.Linear(width, width), nn.GELU()]
-    model = nn.Sequential(*modules)
+    model = nn.Sequential(*modules).to(device)
     if tp:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -73,20 +77,23 @@ def run(
     monitor = None
     if mode != "off":
         cfg = out / f"{mode}.json"
-        keys = {"xy_distribution": True, "ops": ["norm", "min", "max"]}
+        keys = {"xy_distribution": True, "ops": ["norm", "min", "max"], "forward_only": forward_only}
         if mode == "idle":
             keys["start_step"] = 10**9
         cfg.write_text(json.dumps(keys))
         monitor = TrainerMon(str(cfg))
         monitor.set_monitor(model, optimizer=opt)
     forward = torch.compile(model, backend=backend) if compiled else model
-    x = torch.randn(64, width)
+    x = torch.randn(64, width, device=device)
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     times = []
     for _ in range(steps):
+        sync()
         t0 = time.perf_counter()
         forward(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
+        sync()
         times.append(time.perf_counter() - t0)
     if monitor is not None:
         monitor.close()
@@ -107,8 +114,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--tp", action="store_true", help="tensor-parallel pairs (DTensor activations)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (not with --tp)")
+    parser.add_argument("--forward-only", action="store_true", help="actv only, no actv_grad")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
+    if args.tp and args.device != "cpu":
+        parser.error("--tp builds a one-rank gloo mesh on the CPU; leave --device out")
     torch.set_num_threads(1)
     if args.tp:
         import os
@@ -135,6 +146,8 @@ def main() -> None:
                     args.layers,
                     args.width,
                     args.tp,
+                    args.device,
+                    args.forward_only,
                 )
                 medians[f"{compiled}/{mode}"].append(result["median_ms"])
                 last[f"{compiled}/{mode}"] = result
