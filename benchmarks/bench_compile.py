@@ -2,7 +2,7 @@
 and the monitor's overhead on the compiled model against its overhead on the same model run eagerly.
 
     PYTHONPATH=. python benchmarks/bench_compile.py [--backend inductor] [--steps 60] [--rounds 3]
-        [--layers 8] [--width 256] [--tp] [--device cuda] [--forward-only]
+        [--layers 8] [--width 256] [--tp] [--device cuda] [--forward-only | --both]
 
 Arms over the same MLP (`--layers` Linear+GELU layers, default 8 of width 256, batch 64, CPU, one thread;
 `--layers 32 --width 64` is a model of many small modules, where per-module costs dominate): compiled
@@ -10,7 +10,8 @@ without the monitor; compiled with the monitor's xy_distribution scheduled but n
 (start_step beyond the run); compiled with every step collected; and eager without the monitor and with
 every step collected. `--device cuda` runs the same arms on the GPU (step times taken after a
 synchronize). `--forward-only` collects actv alone in both modes: the like-for-like comparison on a torch
-older than 2.12, whose compiled graphs write no actv_grad rows. Each round runs every arm once, in a fresh
+older than 2.12, whose compiled graphs write no actv_grad rows; `--both` adds the forward-only arms to the
+same rounds (`compiled/every-fo`, `eager/every-fo`). Each round runs every arm once, in a fresh
 random order; within an arm, step times are taken after a warm-up third of the steps (which covers the
 first collected step's recompile). Printed per arm: the median over rounds of each round's median step,
 the spread of those round medians, and dynamo's counters from the last round. Then the overheads
@@ -38,6 +39,10 @@ ARMS = (
     ("eager", "off"),
     ("eager", "every"),
 )
+#: `--both`: the forward-only arms too, in the same rounds (one process, one machine): numbers from two
+#: sessions differ by more than the monitor's overhead (H200, session 30: the off arms by 20%, and
+#: compiled/every's round medians of one run spread 5.8-8.6 ms)
+FORWARD_ARMS = (("compiled", "every-fo"), ("eager", "every-fo"))
 
 
 def run(
@@ -77,7 +82,8 @@ def run(
     monitor = None
     if mode != "off":
         cfg = out / f"{mode}.json"
-        keys = {"xy_distribution": True, "ops": ["norm", "min", "max"], "forward_only": forward_only}
+        fo = forward_only or mode.endswith("-fo")
+        keys = {"xy_distribution": True, "ops": ["norm", "min", "max"], "forward_only": fo}
         if mode == "idle":
             keys["start_step"] = 10**9
         cfg.write_text(json.dumps(keys))
@@ -116,6 +122,7 @@ def main() -> None:
     parser.add_argument("--tp", action="store_true", help="tensor-parallel pairs (DTensor activations)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (not with --tp)")
     parser.add_argument("--forward-only", action="store_true", help="actv only, no actv_grad")
+    parser.add_argument("--both", action="store_true", help="with and without forward_only, same rounds")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     if args.tp and args.device != "cpu":
@@ -129,14 +136,15 @@ def main() -> None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29517")
         dist.init_process_group("gloo", rank=0, world_size=1)
-    medians: dict[str, list[float]] = {f"{c}/{m}": [] for c, m in ARMS}
+    arms_run = ARMS + (FORWARD_ARMS if args.both else ())
+    medians: dict[str, list[float]] = {f"{c}/{m}": [] for c, m in arms_run}
     last: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         import os
 
         os.environ.setdefault("MONITOR_OUTPUT_DIR", tmp)
         for _ in range(args.rounds):
-            for compiled, mode in random.sample(ARMS, len(ARMS)):
+            for compiled, mode in random.sample(arms_run, len(arms_run)):
                 result = run(
                     compiled == "compiled",
                     mode,
@@ -154,13 +162,16 @@ def main() -> None:
     arms = {}
     for name, values in medians.items():
         spread = {"low_ms": min(values), "high_ms": max(values)}
-        arms[name] = dict(last[name], median_ms=statistics.median(values), **spread)
+        arms[name] = dict(last[name], median_ms=statistics.median(values), rounds_ms=values, **spread)
         print(json.dumps({"arm": name, **arms[name]}))
     added = {
         c: arms[f"{c}/every"]["median_ms"] - arms[f"{c}/off"]["median_ms"] for c in ("compiled", "eager")
     }
     ratio = added["compiled"] / added["eager"] if added["eager"] > 0 else float("nan")
     summary = {"added_ms_compiled": added["compiled"], "added_ms_eager": added["eager"], "ratio": ratio}
+    if args.both:
+        for c in ("compiled", "eager"):
+            summary[f"added_ms_{c}_fo"] = arms[f"{c}/every-fo"]["median_ms"] - arms[f"{c}/off"]["median_ms"]
     print(json.dumps(summary))
     if args.json:
         Path(args.json).write_text(json.dumps({"arms": arms, **summary}, indent=1) + "\n")

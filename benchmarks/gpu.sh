@@ -3,7 +3,7 @@
 # torch already installed (nothing is downloaded): the CUDA tests, then the GPU overhead benchmark (step
 # overhead of wg and all, engine vs the _foreach_norm floor, host syncs, accuracy on the GPU).
 #   bash benchmarks/gpu.sh [OUT_DIR]       results: OUT_DIR/{nvidia-smi.txt,tests.log,gpu_overhead.json,profile.txt,
-#                                            compile{,_forward}.json,gpu_hold_{full,small}.json,profile_hold_*.txt,
+#                                            compile.json,gpu_hold_{full,small}.json,profile_hold_*.txt,
 #                                            bench.log}
 # GPU_HOLD=0 leaves out the hold runs (about 2 minutes) where device time is short.
 # ~7 minutes on an H200 (tests 3; with GPU_HOLD=0 about 5, 290 s in session 30). That is a dozen files: where only a few files come back from the machine,
@@ -29,14 +29,12 @@ nvidia-smi >"$out/nvidia-smi.txt" 2>&1
   2>&1 | tee "$out/tests.log"
 tests_rc=${PIPESTATUS[0]}
 # torch.compile (inductor, CUDA) with and without the monitor against the same model run eagerly (issue 23:
-# the compiled overhead at most 2x the eager one), graphs and graph breaks; then actv alone in both modes,
-# like for like on a torch older than 2.12 (its compiled graphs write no actv_grad rows).
-compile_rc=0
-for arm in "" forward; do
-  PYTHONUNBUFFERED=1 "$py" benchmarks/bench_compile.py --device cuda --rounds 3 --steps 45 --width 1024 \
-    ${arm:+--forward-only} --json "$out/compile${arm:+_$arm}.json" 2>&1 | tee -a "$out/bench.log"
-  [ "${PIPESTATUS[0]}" = 0 ] || compile_rc=1
-done
+# the compiled overhead at most 2x the eager one), graphs and graph breaks; with the forward_only arms in
+# the same rounds (actv alone in both modes: like for like on a torch older than 2.12, whose compiled graphs
+# write no actv_grad rows; two separate runs differed by more than the overhead, session 30).
+PYTHONUNBUFFERED=1 "$py" benchmarks/bench_compile.py --device cuda --rounds 5 --steps 45 --width 1024 --both \
+  --json "$out/compile.json" 2>&1 | tee -a "$out/bench.log"
+compile_rc=${PIPESTATUS[0]}
 PYTHONUNBUFFERED=1 "$py" benchmarks/gpu_overhead.py --json "$out/gpu_overhead.json" --profile "$out/profile.txt" 2>&1 | tee -a "$out/bench.log"
 bench_rc=${PIPESTATUS[0]}
 # The hook batches: `all` with the GPU's hold (256 MiB of hook tensors per batched engine call, since
