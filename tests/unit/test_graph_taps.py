@@ -378,6 +378,104 @@ def test_hooks_compiled_as_frames_of_their_own(tmp_path, out_dir):
         _same_rows(got, want)
 
 
+class _BrokenBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(h)
+
+
+def _block_rows(tmp_path, mode: str, caplog) -> tuple[dict, dict, list[str]]:
+    """Two `_BrokenBlock`s trained 3 steps eagerly, compiled one by one (`wrapped`: torch.compile(block),
+    torchtitan's way) or with `block.compile()` (`method`): actv rows, actv_grad rows, the "never fired"
+    warnings."""
+    import logging
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()  # nothing compiled before: the monitor resets no cache of its own
+    torch.manual_seed(0)
+    model = nn.Sequential(_BrokenBlock(), _BrokenBlock())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(write_config(tmp_path / f"{mode}.json", xy_distribution=True, ops=list(OPS)))
+    monitor.set_monitor(model, optimizer=opt)
+    for i in range(2):
+        if mode == "wrapped":
+            model[i] = torch.compile(model[i], backend="aot_eager")
+        elif mode == "method":
+            model[i].compile(backend="aot_eager")
+    gen = torch.Generator().manual_seed(1)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        for _ in range(3):
+            model(torch.randn(4, 8, generator=gen)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        monitor.close()
+    assert monitor.loop.faults.total == 0
+    said = [r.getMessage() for r in caplog.records if "never fired" in r.getMessage()]
+    actv, grads = (keyed(read_family(monitor.run_dir, f)) for f in ("actv", "actv_grad"))
+    return actv, grads, said
+
+
+def _hook_frames_as_in_a_fresh_process() -> None:
+    """The hooks' frames back to dynamo's default strategy: as in a process where no monitor has
+    registered a hook yet."""
+    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+
+    from trainermon.runtime.probes import hooked_module
+
+    default = _FrameExecStrategy(_FrameAction.DEFAULT, _FrameAction.DEFAULT)
+    for hook in (hooked_module.HookedModule.pre, hooked_module.HookedModule.forward):
+        set_code_exec_strategy(hook.__code__, default)
+
+
+@needs_traced_hooks
+def test_blocks_compiled_on_their_own_with_a_graph_break(tmp_path, out_dir, caplog):
+    """Blocks compiled one by one with a graph break inside their forward: dynamo compiles their hooks as
+    frames of their own, where the pre-hook's view of the second block's input left its graph as an alias
+    of the graph's input and lost its gradient hook: `1.input`'s actv_grad rows were missing, silently,
+    in a fresh process (session 30; later tests in the same process passed, the hooks' frames already
+    set to run eagerly). The hooks' frames are now set to run eagerly when the first hook is registered:
+    every row equals the eager run's, whichever way the blocks are compiled, and nothing is said."""
+    _hook_frames_as_in_a_fresh_process()
+    eager_actv, eager_grads, said = _block_rows(tmp_path, "eager", caplog)
+    assert not said and {("1.input", step, 0) for step in range(3)} <= set(eager_grads)
+    for mode in ("wrapped", "method"):
+        actv, grads, said = _block_rows(tmp_path, mode, caplog)
+        _same_rows(actv, eager_actv)
+        _same_rows(grads, eager_grads)
+        assert not said, (mode, said)
+
+
+@needs_traced_hooks
+def test_input_gradients_lost_in_compiled_code_are_said(tmp_path, out_dir, caplog, monkeypatch):
+    """Where the hooks' frames cannot be set to run eagerly (a torch without the private setter, simulated
+    here by setting them back to dynamo's default), the second block's input gradient hooks never fire:
+    that is said once, naming the block, and every other row equals the eager run's."""
+    from trainermon.runtime.probes import activations, hooked_module
+
+    eager_actv, eager_grads, _ = _block_rows(tmp_path, "eager", caplog)
+    real = hooked_module.never_frames_of_their_own
+    monkeypatch.setattr(activations, "never_frames_of_their_own", lambda: None)
+    monkeypatch.setattr(hooked_module, "never_frames_of_their_own", lambda: None)
+    try:
+        _hook_frames_as_in_a_fresh_process()
+        actv, grads, said = _block_rows(tmp_path, "wrapped", caplog)
+    finally:
+        real()  # as every other test of this process has them
+    _same_rows(actv, eager_actv)
+    _same_rows(grads, {key: row for key, row in eager_grads.items() if key[0] != "1.input"})
+    assert not any(key[0] == "1.input" for key in grads)
+    assert len(said) == 1 and "module(s) 1 never fired" in said[0], said
+
+
 def _rows_on_ranks(rank: int, world_size: int, out: str) -> dict:
     """On each rank, eager then compiled (aot_eager): DDP with its graph splitter, FSDP2 with each block
     compiled on its own (as torchtitan does), tensor parallelism. Returns the rows, faults and graph

@@ -99,6 +99,7 @@ class ActivationProbe(Probe):
             hooked = self._hooked[id(module)] = HookedModule(self, vpp_stage, name, extra, shards)
         if self.hooks.pinned:
             self._fill_traced(hooked, id(module))
+        never_frames_of_their_own()  # before any trace can reach this hook
         return [
             module.register_forward_pre_hook(hooked.pre, with_kwargs=True),
             module.register_forward_hook(hooked.forward, with_kwargs=True),

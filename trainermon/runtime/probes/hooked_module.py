@@ -43,18 +43,23 @@ def outside_graph() -> Any:
 
 def never_frames_of_their_own() -> None:
     """After a graph break inside a module's forward, dynamo compiles the module's hooks as frames of their
-    own (torch 2.11 did so under compiled DDP). There the traced pre-hook's view of an input is a graph
-    output aliasing a graph input, which the compiler rebuilds outside the graph without the view's
-    gradient hook (those rows went missing). Such a hook call already sits between graph breaks: run it
-    eagerly (dynamo skips these frames and the frames they call; it still inlines the hooks into the
-    frames it traces). Private API (torch 2.13), applied once dynamo is loaded; without it the hooks keep
-    being compiled."""
+    own (torch 2.11 did so under compiled DDP; a block compiled on its own, `torch.compile(block)`, with a
+    break inside does so on any torch). There the traced pre-hook's view of an input is a graph output
+    aliasing a graph input, which the compiler rebuilds outside the graph without the view's gradient hook
+    (those rows went missing). Such a hook call already sits between graph breaks: run it eagerly (dynamo
+    skips these frames and the frames they call; it still inlines the hooks into the frames it traces).
+
+    Set whenever hooks are registered, before any trace can reach them, and again after each reset of
+    dynamo's caches by the monitor (a reset forgets the setting of code dynamo has seen): set only when the
+    hooks were pinned, during the first trace, it came too late for that trace's frames (session 30: in a
+    fresh process the input rows of blocks compiled one by one were lost). Two calls into torch's C
+    extension, loaded with torch (no import of dynamo, 3-7 s here); private API (torch 2.11 to 2.13), a
+    no-op where it is missing."""
     try:
-        from torch._dynamo.eval_frame import set_code_exec_strategy
-        from torch._dynamo.types import FrameAction, FrameExecStrategy
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
     except ImportError:  # pragma: no cover - another torch
         return
-    skip = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)  # the frame and all it calls: eager
+    skip = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)  # the frame and all it calls: eager
     for hook in (HookedModule.pre, HookedModule.forward):
         set_code_exec_strategy(hook.__code__, skip)
 

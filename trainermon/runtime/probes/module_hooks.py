@@ -63,6 +63,9 @@ def recompile_with_hooks() -> None:
         import torch._dynamo
 
         torch._dynamo.reset()
+        from .hooked_module import never_frames_of_their_own  # here: hooked_module imports this module
+
+        never_frames_of_their_own()  # the reset forgot it for code dynamo had seen
         logger.info(
             "trainermon: graphs compiled without the activation hooks do not call them; dynamo's caches"
             " were reset, so compiled code recompiles once at its next call, with the hooks"

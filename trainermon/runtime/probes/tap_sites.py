@@ -35,7 +35,7 @@ class TapSite:
       gradient, with the micro-step of the call that made it (as each eager hook carries its own).
     """
 
-    __slots__ = ("probe", "module_key", "vpp_stage", "counts", "actv", "missing", "grads", "replays")
+    __slots__ = ("probe", "module_key", "vpp_stage", "counts", "actv", "missing", "grads", "replays", "got")
 
     def __init__(
         self,
@@ -52,6 +52,7 @@ class TapSite:
         self.missing = missing  # labels of output slots that are not tensors
         self.grads = grads  # (labels, shard label) per graded tensor, in order
         self.replays: deque[int] = deque()  # this step's micro-steps, for recomputed calls (`forward`)
+        self.got = False  # a gradient reached `backward` this step (`TapSites.begin_step` checks)
 
     def forward(self, tensors: list[torch.Tensor], shards: list[str]) -> int:
         probe = self.probe
@@ -103,6 +104,7 @@ class TapSite:
                         tensors += [grad] * len(names)
                         pieces += [(shards and shards[i]) or piece] * len(names)
                 if tensors:
+                    self.got = True
                     loop.record_local(
                         "actv_grad", self.vpp_stage, labels, micro, tensors, pieces, transient=True
                     )
@@ -137,6 +139,7 @@ class TapSites:
         self._by_key: dict[tuple, int] = {}
         self.replaying: list[TapSite] = []  # sites holding micro-steps for recomputation (`begin_step`)
         self._said_no_gradients = self._said_in_place = self._said_view_write = False
+        self._lost_checks = 3  # collected steps on which `begin_step` looks for lost input gradients
         # plain functions (dynamo's constant-result marker does not take bound methods)
         self.pre_site = torch.compiler.assume_constant_result(lambda *shape: self._pre_number(*shape))
         self.forward_site = torch.compiler.assume_constant_result(lambda *shape: self._forward_number(*shape))
@@ -242,12 +245,42 @@ class TapSites:
 
     def begin_step(self) -> None:
         """Forget the last step's micro-steps kept for recomputed calls (most never are). Only the sites
-        that kept one: this runs on every step, collected or not."""
+        that kept one (those called with graded tensors): this runs on every step, collected or not."""
+        if self._lost_checks and any(not site.counts for site in self.replaying):
+            self._lost_checks -= 1
+            self._say_lost_input_gradients()
         for site in self.replaying:
             site.replays.clear()
+            site.got = False
         self.replaying.clear()
 
+    def _say_lost_input_gradients(self) -> None:
+        """A module whose pre-hook tapped graded inputs in the last step, whose input gradient hooks never
+        fired, while gradients did reach its own outputs' taps or the taps of its submodules: where a graph
+        break inside the module's forward splits a block compiled on its own (`torch.compile(block)`),
+        the pre-hook's view of an input leaves its graph as an alias of the graph's input, which the
+        compiler rebuilds without the view's hook (no fix found that keeps an in-place write into the
+        input reaching the caller). Said once, naming the modules: those rows are not written. (A module
+        whose output and submodules do not depend on its input differentiably would be named too; eager
+        mode writes no row there either.) The first few collected steps only."""
+        hooked = self.probe._hooked
+        got = [hooked[s.module_key].name for s in self.replaying if s.got and s.module_key in hooked]
+        quiet = {hooked[s.module_key].name for s in self.replaying if not s.counts and not s.got}
+        names = sorted(n for n in quiet if any(g == n or g.startswith(f"{n}.") for g in got))
+        if names:
+            self._lost_checks = 0
+            more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+            logger.warning(
+                "trainermon: inside torch.compile'd code, the input gradient hooks of module(s) %s never "
+                "fired while gradients reached them: no input actv_grad rows for them (a graph break inside "
+                "the forward of a module compiled on its own loses them; eager mode writes them). Their "
+                "other rows are written",
+                ", ".join(names[:8]) + more,
+            )
+
     def close(self) -> None:
+        if self._lost_checks and any(not site.counts for site in self.replaying):
+            self._say_lost_input_gradients()  # the last step's, when no step began after it
         for number in self._by_key.values():
             _SITES.pop(number, None)
         self._by_key.clear()
