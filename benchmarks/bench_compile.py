@@ -121,8 +121,9 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--tp", action="store_true", help="tensor-parallel pairs (DTensor activations)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (not with --tp)")
-    parser.add_argument("--forward-only", action="store_true", help="actv only, no actv_grad")
-    parser.add_argument("--both", action="store_true", help="with and without forward_only, same rounds")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--forward-only", action="store_true", help="actv only, no actv_grad")
+    which.add_argument("--both", action="store_true", help="with and without forward_only, same rounds")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     if args.tp and args.device != "cpu":
@@ -174,7 +175,10 @@ def main() -> None:
             summary[f"added_ms_{c}_fo"] = arms[f"{c}/every-fo"]["median_ms"] - arms[f"{c}/off"]["median_ms"]
     print(json.dumps(summary))
     if args.json:
-        Path(args.json).write_text(json.dumps({"arms": arms, **summary}, indent=1) + "\n")
+        run_of = {"args": vars(args), "torch": torch.__version__}
+        if args.device == "cuda":
+            run_of["device_name"] = torch.cuda.get_device_name()
+        Path(args.json).write_text(json.dumps({**run_of, "arms": arms, **summary}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

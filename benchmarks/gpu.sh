@@ -12,6 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-/tmp/trainermon-gpu}}
 mkdir -p "$out"
+: >"$out/bench.log"  # the runs below append to it
 py=${PYTHON:-python3}
 "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible to torch')" || exit 2
 # trainermon itself, against the machine's own torch (no dependency resolution, no network); the native CPU
