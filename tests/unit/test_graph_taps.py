@@ -476,6 +476,37 @@ def test_input_gradients_lost_in_compiled_code_are_said(tmp_path, out_dir, caplo
     assert len(said) == 1 and "module(s) 1 never fired" in said[0], said
 
 
+class _ShapeOnly(nn.Module):
+    """Uses its input for its shape only (a learned positional embedding): its input gets no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(-1.0, 1.0, 64).reshape(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w[: x.shape[0]].expand_as(x)
+
+
+@needs_traced_hooks
+def test_an_input_without_gradient_is_not_called_lost(tmp_path, out_dir, caplog):
+    """A module whose output does not depend on its input: no input row in either mode, and in a graph
+    with no break nothing is said about lost input gradients (it was, before the warning waited for a
+    graph break, which the known loss needs)."""
+    import logging
+
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 8), _ShapeOnly(), nn.Tanh())
+
+    eager = _train_rows(tmp_path, "s", make, None)
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        compiled = _train_rows(tmp_path, "s", make, "aot_eager", fullgraph=True)
+    assert compiled[2:] == (0, 0) and ("1.output", 0, 0) in eager[1]
+    assert not any(key[0] == "1.input" for key in eager[1])
+    _same_rows(compiled[0], eager[0])
+    _same_rows(compiled[1], eager[1])
+    assert not [r for r in caplog.records if "never fired" in r.getMessage()]
+
+
 def _rows_on_ranks(rank: int, world_size: int, out: str) -> dict:
     """On each rank, eager then compiled (aot_eager): DDP with its graph splitter, FSDP2 with each block
     compiled on its own (as torchtitan does), tensor parallelism. Returns the rows, faults and graph

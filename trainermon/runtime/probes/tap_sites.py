@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 from collections import deque
 from typing import Any
 
@@ -262,7 +263,11 @@ class TapSites:
         compiler rebuilds without the view's hook (no fix found that keeps an in-place write into the
         input reaching the caller). Said once, naming the modules: those rows are not written. (A module
         whose output and submodules do not depend on its input differentiably would be named too; eager
-        mode writes no row there either.) The first few collected steps only."""
+        mode writes no row there either: hence only after dynamo has broken a graph, which the known loss
+        needs.) The first few collected steps only."""
+        dynamo_utils = sys.modules.get("torch._dynamo.utils")
+        if dynamo_utils is None or not dynamo_utils.counters["graph_break"]:
+            return
         hooked = self.probe._hooked
         got = [hooked[s.module_key].name for s in self.replaying if s.got and s.module_key in hooked]
         quiet = {hooked[s.module_key].name for s in self.replaying if not s.counts and not s.got}
@@ -273,7 +278,8 @@ class TapSites:
             logger.warning(
                 "trainermon: inside torch.compile'd code, the input gradient hooks of module(s) %s never "
                 "fired while gradients reached them: no input actv_grad rows for them (a graph break inside "
-                "the forward of a module compiled on its own loses them; eager mode writes them). Their "
+                "the forward of a module compiled on its own loses them, where eager mode writes them; a "
+                "module whose output does not depend on its input has none in eager mode either). Their "
                 "other rows are written",
                 ", ".join(names[:8]) + more,
             )
