@@ -790,6 +790,28 @@ class CalledTwice(nn.Module):
         return torch.tanh(self.shared(torch.tanh(self.shared(x))))
 
 
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+class FedBack(nn.Module):
+    """A block whose output goes straight back into it, `block(block(h))`: both calls' pre-hooks tap no
+    tensor, identical operator calls that the compiler's common-subexpression pass merged (the second
+    call's input rows took the first call's micro-step: a duplicate row)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.block = nn.Linear(8, 8), Residual()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(self.block(self.inp(x)))
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_the_monitor_leaves_the_gradients_as_they_are(tmp_path, out_dir, backend):
     """Compiled with actv and actv_grad collected, training is what it is without the monitor: every
@@ -820,10 +842,12 @@ def test_the_monitor_leaves_the_gradients_as_they_are(tmp_path, out_dir, backend
 
 @needs_traced_hooks
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_each_call_keeps_its_micro_step(tmp_path, out_dir, backend):
+@pytest.mark.parametrize("make", [CalledTwice, FedBack])
+def test_each_call_keeps_its_micro_step(tmp_path, out_dir, backend, make):
     """Each call's gradient rows carry that call's micro-step: a module called twice in one forward (rows
-    were swapped, backward running the calls last first), and a micro-batch whose forward is dropped
-    (later rows shifted by one). The eager run's rows are the reference."""
+    were swapped, backward running the calls last first; with its output fed straight back in, the
+    input rows of both calls had the first call's), and a micro-batch whose forward is dropped (later
+    rows shifted by one). The eager run's rows are the reference."""
 
     def run(make, backend_or_eager):
         import torch._dynamo
@@ -846,9 +870,10 @@ def test_each_call_keeps_its_micro_step(tmp_path, out_dir, backend):
         assert monitor.loop.faults.total == 0
         return keyed(read_family(monitor.run_dir, "actv_grad"))
 
-    eager, compiled = run(CalledTwice, None), run(CalledTwice, backend)
+    eager, compiled = run(make, None), run(make, backend)
     # two calls per forward: micro-steps 2-3 and 4-5 have gradients, 0-1 (the dropped forward) none
-    assert {micro for _, _, micro in eager} == {2, 3, 4, 5}, sorted(eager)
+    twice = "shared.output" if make is CalledTwice else "block.input"  # FedBack: both inputs graded
+    assert {micro for name, _, micro in eager if name == twice} == {2, 3, 4, 5}, sorted(eager)
     _same_rows(compiled, eager)
 
 

@@ -3,9 +3,9 @@
 While dynamo traces a module's hooks on a collected step, the hook does not call its eager body (that
 would be a graph break around every hooked module; dynamo then also gives up on a whole `for` loop over
 the blocks and compiles each block's pieces as frames of their own: on an 8-layer MLP, 11 frames where one
-suffices). It puts one opaque operator call in the graph instead, `trainermon::tap(tensors, site, [])`, which
-runs the monitor's eager code at run time on the real tensors: the same rows, from the same statistics
-code, as in eager mode.
+suffices). It puts one opaque operator call in the graph instead, `trainermon::tap(tensors, site, owner,
+call, [])`, which runs the monitor's eager code at run time on the real tensors: the same rows, from the
+same statistics code, as in eager mode.
 
 - `site` is an integer constant in the graph: the shape of the call (which slots are tensors, activations,
   graded), numbered once per shape while dynamo traces (`torch.compiler.assume_constant_result`: a
@@ -27,7 +27,8 @@ code, as in eager mode.
   so training is unchanged, but unhooks the view (eager mode then hooks the write's node; a graph has no
   node to hook): a module declaring `inplace=True` gets no view and no input row, said once, and a write
   into a view is said once (rows sharing that memory may miss part of their gradient).
-- Each call's micro-step is a value in the graph (`trainermon::tap` returns it), which its gradient
+- Each call's micro-step is a value in the graph (`trainermon::tap` returns it; `call`, the tap's
+  number in the traced frame, keeps the compiler from merging two identical calls), which its gradient
   hooks take: backward may run a step's calls in another order than forward (a module called twice in
   one forward runs backward last call first) or not at all (a forward whose loss is dropped).
 - DTensor activations (tensor parallelism) are tapped too: the operators' rule for DTensors records each
@@ -58,7 +59,7 @@ import torch
 # imported by activations.py on first use, after it has loaded: no import cycle at load time
 from ...stats.kinds import is_dtensor
 from .slots import UNTAPPED, input_slots, is_activation, output_slots
-from .tap_ops import available, dtensors_allowed
+from .tap_ops import available, call_in_trace, dtensors_allowed
 from .tap_sites import ACTIVATION, GRADED, NOT_TENSOR, OTHER_TENSOR, TapSite, TapSites
 
 __all__ = ["TapSite", "TapSites", "available", "traced_forward_hook", "traced_pre_hook"]
@@ -150,7 +151,7 @@ def traced_pre_hook(probe: Any, module_key: int) -> Any:
         first = _same(slots)
         graded = [i for i in range(len(slots)) if kinds[i] == GRADED and first[i] == i]
         number = site(kinds, keywords, first)
-        micro = torch.ops.trainermon.tap([], number, owner, [])
+        micro = torch.ops.trainermon.tap([], number, owner, call_in_trace(), [])
         views = [slots[i].view_as(slots[i]) for i in graded]
         for p, view in enumerate(views):
             view.register_hook(_grad_hook(number, owner, p, len(graded), micro))
@@ -221,7 +222,7 @@ def traced_forward_hook(probe: Any, name: str, module_key: int) -> Any:
         alone = isinstance(output, torch.Tensor)
         number, view_of_graded, n_graded = site(in_kinds, out_kinds, alone, actv, same)
         unique = [t for p, t in enumerate(tensors) if same[p] == p]
-        micro = torch.ops.trainermon.tap(unique, number, owner, [])
+        micro = torch.ops.trainermon.tap(unique, number, owner, call_in_trace(), [])
         leaves = [p for p in range(n_graded) if unique[p].is_leaf]
         if leaves and not _rebuildable(output):
             return UNTAPPED  # a parameter in a namedtuple / ModelOutput: the eager body's view

@@ -1,8 +1,11 @@
 """The operators that put the monitor's activation hooks inside torch.compile'd graphs (see `graph_taps`).
 
-- `trainermon::tap(tensors, site, owner, shards) -> micro` records tensors through a site and returns
-  the call's micro-step (a 0-d int64 CPU tensor); `trainermon::tap_grad(grads, site, owner, micro,
-  shards)` records gradients with the micro-step of the call that made them. The micro-step travels with
+- `trainermon::tap(tensors, site, owner, call, shards) -> micro` records tensors through a site and
+  returns the call's micro-step (a 0-d int64 CPU tensor); `trainermon::tap_grad(grads, site, owner,
+  micro, shards)` records gradients with the micro-step of the call that made them. `call` numbers the
+  taps of one traced frame (`call_in_trace`): the compiler's common-subexpression pass ignores side
+  effects, and merged two identical calls (a pre-hook tapping no tensors, `b(b(h))`) into one, whose
+  micro-step both calls' gradient rows then took. The micro-step travels with
   the call through the graph, as each eager hook carries its own: backward runs a step's calls in its
   own order (reversed within one forward, or some never), which a queue of micro-steps got wrong.
   The traced hooks (`graph_taps`) call `tap` in the forward graph and `tap_grad` from tensor hooks that
@@ -20,6 +23,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -59,7 +63,9 @@ def _register_ops() -> Any:
     for every backend: `torch.library.custom_op`'s Python layers cost ~20 us more per call. `shards`: a
     shard label per tensor, filled in where DTensors were given (`local_pieces`); [] for plain tensors."""
 
-    def tap(tensors: list[torch.Tensor], site: int, owner: torch.Tensor, shards: list[str]) -> torch.Tensor:
+    def tap(
+        tensors: list[torch.Tensor], site: int, owner: torch.Tensor, call: int, shards: list[str]
+    ) -> torch.Tensor:
         found = _site(site, owner)
         return torch.tensor(0 if found is None else found.forward(tensors, shards), dtype=torch.int64)
 
@@ -79,7 +85,9 @@ def _register_ops() -> Any:
     # captures it; the tap then records nothing and says so (`CapturingCudaGraph`).
     unsafe = getattr(torch.Tag, "cudagraph_unsafe", None)
     tags = (unsafe,) if unsafe is not None else ()
-    library.define("tap(Tensor[] tensors, int site, Tensor owner, str[] shards) -> Tensor", tags=tags)
+    library.define(
+        "tap(Tensor[] tensors, int site, Tensor owner, int call, str[] shards) -> Tensor", tags=tags
+    )
     library.define(
         "tap_grad(Tensor?[] grads, int site, Tensor owner, Tensor micro, str[] shards) -> ()", tags=tags
     )
@@ -99,7 +107,7 @@ def local_pieces(cls: Any, op: Any, types: Any, args: tuple, kwargs: dict) -> An
     operator on plain tensors; no collective, no copy. Without it DTensor's dispatch would refuse the
     operators (no sharding rule), and the hooks of a module that sees DTensors would break the graph,
     which torch 2.13 then fails to compile around an in-place module (see `graph_taps`)."""
-    tensors, site, middle = args[0], args[1], args[1:-1]  # (tensors, site, owner[, micro], shards)
+    tensors, site, middle = args[0], args[1], args[1:-1]  # (tensors, site, owner, call | micro, shards)
     locals_, shards = [], []
     try:
         for t in tensors:
@@ -114,6 +122,22 @@ def local_pieces(cls: Any, op: Any, types: Any, args: tuple, kwargs: dict) -> An
             )
         return torch.zeros((), dtype=torch.int64) if op is torch.ops.trainermon.tap.default else None
     return op(locals_, *middle, shards)
+
+
+_trace: list[Any] = [None, 0]  # the frame being traced (a weak reference to its context), taps so far
+
+
+@torch.compiler.assume_constant_result  # run as plain Python while dynamo traces: a constant in the graph
+def call_in_trace() -> int:
+    """The number of this tap call among those of the frame dynamo is tracing (0, 1, ...), the `call`
+    argument of `trainermon::tap`: it keeps identical calls apart in the graph. Counted from 0 in each
+    frame, so that a frame traced again gives the same graph (the compiler's caches key on it)."""
+    context = torch._guards.TracingContext.try_get()
+    if context is None or _trace[0] is None or _trace[0]() is not context:
+        _trace[0] = None if context is None else weakref.ref(context)
+        _trace[1] = 0
+    _trace[1] += 1
+    return _trace[1] - 1
 
 
 @torch.compiler.assume_constant_result  # run as plain Python while dynamo traces: no graph break
