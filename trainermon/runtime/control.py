@@ -70,13 +70,22 @@ def agree_config(raw: Any, group: Any) -> Any:
     data = json.dumps(raw).encode() if dist.get_rank(group) == 0 else b""
     box = torch.tensor([len(data)], dtype=torch.int64)
     dist.broadcast(box, src=src, group=group)
+    return json.loads(_broadcast_bytes(data, int(box), src, group).decode())
+
+
+def _broadcast_bytes(data: bytes, length: int, src: int, group: Any) -> bytes:
+    """`data` of rank `src` on every rank of `group`; `length`, its size, is already known on every rank.
+    One broadcast of a uint8 tensor (bytes, never a pickle)."""
+    import torch
+    import torch.distributed as dist
+
     buf = (
         torch.frombuffer(bytearray(data), dtype=torch.uint8)
         if data
-        else torch.empty(int(box), dtype=torch.uint8)
+        else torch.empty(length, dtype=torch.uint8)
     )
     dist.broadcast(buf, src=src, group=group)
-    return json.loads(bytes(buf.tolist()).decode())
+    return bytes(buf.tolist())
 
 
 class ConfigWatcher:
@@ -257,14 +266,9 @@ class DynamicControl:
             version, length = (int(v) for v in box.tolist())
             if version == previous and not first:
                 return None
-            buf = (
-                torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                if data
-                else torch.empty(length, dtype=torch.uint8)
-            )
-            dist.broadcast(buf, src=self._src, group=self._group)
+            received = _broadcast_bytes(data, length, self._src, self._group)
             self.version = version
-            mine, self._raw = self._raw, json.loads(bytes(buf.tolist()).decode()) if length else None
+            mine, self._raw = self._raw, json.loads(received.decode()) if length else None
             if version == previous and (self._rank == 0 or self._raw is None or self._raw == mine):
                 return None  # the first poll, and this rank already runs rank 0's config
         elif self.version == previous:
