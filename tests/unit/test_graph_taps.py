@@ -509,7 +509,8 @@ def test_an_input_without_gradient_is_not_called_lost(tmp_path, out_dir, caplog)
 
 def _rows_on_ranks(rank: int, world_size: int, out: str) -> dict:
     """On each rank, eager then compiled (aot_eager): DDP with its graph splitter, FSDP2 with each block
-    compiled on its own (as torchtitan does), tensor parallelism. Returns the rows, faults and graph
+    compiled on its own (as torchtitan does), tensor parallelism, and tensor with sequence parallelism
+    with each block compiled on its own. Returns the rows, faults and graph
     counts."""
     import os
 
@@ -545,8 +546,33 @@ def _rows_on_ranks(rank: int, world_size: int, out: str) -> dict:
         parallelize_module(model, init_device_mesh("cpu", (world_size,)), parallel)
         return model, (torch.compile(model, backend="aot_eager") if compiled else model), 8
 
+    def tp_sp(compiled: bool) -> tuple:
+        # torchtitan's layout: sequence parallelism on the norm, the FFN sharded, DTensors between the
+        # blocks (each block's input is a DTensor sharded on the sequence), each block compiled on its own
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            SequenceParallel,
+            parallelize_module,
+        )
+
+        model = nn.Sequential(SequenceBlock(), SequenceBlock())
+        mesh = init_device_mesh("cpu", (world_size,))
+        for block in model:
+            parallel = {
+                "norm": SequenceParallel(),
+                "w1": ColwiseParallel(input_layouts=Shard(1)),
+                "w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            }
+            parallelize_module(block, mesh, parallel)
+            if compiled:
+                block.compile(backend="aot_eager")
+        return model, model, 8
+
     found = {}
-    for setup in (ddp, fsdp, tp):
+    for setup in (ddp, fsdp, tp, tp_sp):
         for compiled in (False, True):
             torch._dynamo.reset()
             counters.clear()
@@ -556,13 +582,20 @@ def _rows_on_ranks(rank: int, world_size: int, out: str) -> dict:
             cfg = Path(out) / f"{setup.__name__}{rank}{compiled}.json"
             monitor = TrainerMon(write_config(cfg, xy_distribution=True, ops=list(OPS)))
             monitor.set_monitor(model, optimizer=opt)
-            gen = torch.Generator().manual_seed(1 + (0 if setup is tp else rank))  # TP: one batch
+            gen = torch.Generator().manual_seed(1 + (0 if setup in (tp, tp_sp) else rank))  # TP: one batch
             refs: dict = {}
             for step in range(2):
                 x = torch.randn(4, width, generator=gen)
                 if setup is tp:
                     refs.update(_tp_pieces(model, x, step, rank, world_size))
-                run(x).square().mean().backward()
+                if setup is tp_sp:  # (batch, sequence, width): this rank's piece of the sequence
+                    from torch.distributed.tensor import DTensor, Shard
+
+                    x = torch.randn(2, 4, width, generator=gen).chunk(world_size, dim=1)[rank]
+                    x = DTensor.from_local(x, model[0].norm.weight.device_mesh, [Shard(1)])
+                    run(x).to_local().square().mean().backward()
+                else:
+                    run(x).square().mean().backward()
                 opt.step()
                 opt.zero_grad()
             monitor.close()
@@ -632,6 +665,15 @@ def _rows_on_ranks(rank: int, world_size: int, out: str) -> dict:
     return found
 
 
+class SequenceBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.w1, self.w2 = nn.LayerNorm(8), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.w2(torch.tanh(self.w1(self.norm(x))))
+
+
 def _tp_pieces(model: nn.Module, x: torch.Tensor, step: int, rank: int, world_size: int) -> dict:
     """The reference for the tensor-parallel model: its forward and backward in float64 on full weights
     (gathered from the DTensors), and this rank's column piece of the activations and gradients that stay
@@ -667,14 +709,16 @@ def test_ddp_and_fsdp2_on_two_ranks(tmp_path):
     boundaries (the taps survive the split; an effect token did not); FSDP2 with each block compiled
     on its own (no graph break there); tensor parallelism with DTensor activations, written in place by
     ReLU(inplace=True) (their hooks stay in the graph: with graph breaks there torch 2.13 failed to
-    compile the model). Rows equal the eager run's on every rank, but for the in-place ReLU's input
-    gradient, which compiled code does not write; no hook fails. The tensor-parallel rows,
-    in both modes, equal this rank's piece of a float64 reference built from the full weights (rtol 1e-5:
-    float32 against float64 over at most four ops on values of order 1, ~1e-6 at most)."""
+    compile the model); torchtitan's sequence-parallel blocks, compiled one by one, DTensors between
+    them (session 29 saw such blocks fail to compile). Rows equal the eager run's on every rank, but
+    for the in-place ReLU's input gradient, which compiled code does not write; no hook fails. The
+    tensor-parallel rows, in both modes, equal this rank's piece of a float64 reference built from the
+    full weights (rtol 1e-5: float32 against float64 over at most four ops on values of order 1, ~1e-6
+    at most)."""
     from tests.distributed import run_ranks
 
     for found in run_ranks(_rows_on_ranks, world_size=2, out=str(tmp_path)):
-        for setup in ("ddp", "fsdp", "tp"):
+        for setup in ("ddp", "fsdp", "tp", "tp_sp"):
             compiled, eager = found[setup, True], found[setup, False]
             assert compiled[2] == 0 and eager[2] == 0
             # torch 2.11 runs compiled DDP's forward eagerly (its own graph breaks, with or without the
@@ -691,6 +735,10 @@ def test_ddp_and_fsdp2_on_two_ranks(tmp_path):
                 _same_rows(compiled[1], want)
         assert found["fsdp", True][4] == 0  # the blocks' graphs: no break
         assert found["tp", True][4] == 0  # DTensor activations stay in the graph
+        # no break in the blocks compiled one by one; two graphs, as without the monitor: the first block's
+        # input takes no gradient, the second's does (dynamo guards on it)
+        assert found["tp_sp", True][3:5] == (2, 0), found["tp_sp", True][3:5]
+        assert {name for name, _, _ in found["tp_sp", True][1]} >= {"1.input", "1.norm.input", "1.w2.output"}
         assert found["faulty"][0] >= 1 and found["faulty"][1]
         (eager, compiled), _ = found["no rule"]
         assert compiled[2] >= 1 and compiled[1] == 0 and eager[1] == 0  # breaks, no fault
