@@ -70,17 +70,21 @@ def _job(rank: int, world: int, out: str) -> dict:
     sd = sorted(glob.glob(os.path.join(out, "prometheus_sd", f"rank{rank}-*.json")))
     sd_labels = [json.load(open(p))[0]["labels"] for p in sd]
     run_dir = monitor.run_dir
-    transfers = monitor.loop.transfers.count
+    transfers, merged_by = monitor.loop.transfers.count, monitor.loop.xrank.merged_by
     monitor.close()
     return {"run_dir": run_dir, "page": page, "sd_labels": sd_labels, "transfers": transfers,
-            "uneven": _uneven(rank, out)}  # fmt: skip
+            "merged_by": merged_by, "uneven": _uneven(rank, out)}  # fmt: skip
 
 
 def _uneven(rank: int, out: str) -> dict:
     """Ranks with different rows (as pipeline stages and module_ranks give): even ranks have a layer
     the odd ranks lack, and only ranks 0 and 2 collect activations. No deadlock, and the summaries of
-    each row come from the ranks that hold it."""
+    each row come from the ranks that hold it. Merged as on a large job: two all-reduces, not the
+    all-gather (`GATHER_BYTES` set to 0), with a NaN in rank 2's input at the last step."""
     from trainermon import TrainerMon
+    from trainermon.collect import xrank
+
+    xrank.GATHER_BYTES = 0
 
     out = os.path.join(out, "uneven")
     os.environ["MONITOR_OUTPUT_DIR"] = out
@@ -95,14 +99,17 @@ def _uneven(rank: int, out: str) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = TrainerMon(cfg)
     monitor.set_monitor(model, grad_acc_steps=1, optimizer=opt)
-    for _ in range(2):
-        model(torch.randn(3, 4)).sum().backward()
+    for step in range(2):
+        x = torch.randn(3, 4)
+        if rank == 2 and step == 1:
+            x[0, 0] = float("nan")
+        model(x).sum().backward()
         opt.step()
         opt.zero_grad()
     monitor.flush()
-    agreements = monitor.loop.xrank.agreements
+    agreements, merged_by = monitor.loop.xrank.agreements, monitor.loop.xrank.merged_by
     monitor.close()
-    return {"run_dir": monitor.run_dir, "agreements": agreements}
+    return {"run_dir": monitor.run_dir, "agreements": agreements, "merged_by": merged_by}
 
 
 def test_four_rank_job(tmp_path):
@@ -136,18 +143,8 @@ def test_four_rank_job(tmp_path):
     xrank_csv = _read_xrank(results[0]["run_dir"])
     assert not glob.glob(os.path.join(results[1]["run_dir"], "xrank_*.csv"))  # rank 0 writes them
     assert set(xrank_csv) == set(expected)
-    # max and min: the value with its 2 lowest mantissa bits cleared (4 ranks), see collect/xrank.py
-    rel = 2.0**-49
-    for key, want in expected.items():
-        got = xrank_csv[key]
-        for col in ("max", "min", "mean"):
-            if math.isnan(want[col]):
-                assert math.isnan(got[col]), (key, col)
-            else:
-                # mean: a sum of 4 float64 values divided by 4, each term's rounding 2^-53
-                assert abs(got[col] - want[col]) <= rel * abs(want[col]) + 1e-300, (key, col, got, want)
-        for col in ("max_rank", "min_rank", "nans", "infs", "nonfinite_rank", "ranks"):
-            assert got[col] == want[col], (key, col, got[col], want[col])
+    _same_summaries(xrank_csv, expected)
+    assert [r["merged_by"] for r in results] == ["all_gather"] * WORLD  # a small job: one collective
     # the summaries ride in each step's single device-to-host copy
     assert [r["transfers"] for r in results] == [STEPS] * WORLD
     assert len({v["max_rank"] for v in expected.values()}) > 1  # not a constant: the argmax is checked
@@ -195,13 +192,12 @@ def test_four_rank_job(tmp_path):
     # ---- ranks with different rows ---------------------------------------------------------------
     uneven = [r["uneven"] for r in results]
     assert [u["agreements"] for u in uneven] == [1] * WORLD  # the layout is agreed once, not per step
+    assert [u["merged_by"] for u in uneven] == ["all_reduce"] * WORLD
     expected = _expected(uneven)
     got = _read_xrank(uneven[0]["run_dir"])
     assert set(got) == set(expected)
-    for key, want in expected.items():
-        assert {c: got[key][c] for c in ("max_rank", "min_rank", "ranks", "nonfinite_rank")} == {
-            c: want[c] for c in ("max_rank", "min_rank", "ranks", "nonfinite_rank")
-        }, key
+    _same_summaries(got, expected)
+    assert {v["nonfinite_rank"] for v in expected.values()} == {-1, 2}  # rank 2's NaN is found
     ranks_of = {(k[0], k[1]): v["ranks"] for k, v in got.items()}
     # the even ranks' head is "3": only they hold it (the odd ranks' head is "2")
     assert ranks_of[("grad_unreduced", "3.weight")] == 2
@@ -210,6 +206,22 @@ def test_four_rank_job(tmp_path):
 
 
 STATS = ("norm", "mean", "min", "max")
+
+
+def _same_summaries(got: dict, expected: dict) -> None:
+    # max and min: the value with its 2 lowest mantissa bits cleared (4 ranks), see collect/xrank.py
+    rel = 2.0**-49
+    for key, want in expected.items():
+        for col in ("max", "min", "mean"):
+            if math.isnan(want[col]):
+                assert math.isnan(got[key][col]), (key, col)
+            else:
+                # mean: a sum of at most 4 float64 values (any order) divided by their count, each
+                # addition's rounding 2^-53 relative to a sum no larger than 4 x the largest term
+                scale = max(abs(want[col]), abs(want["max"]), abs(want["min"]))
+                assert abs(got[key][col] - want[col]) <= rel * scale + 1e-300, (key, col, got[key], want)
+        for col in ("max_rank", "min_rank", "nans", "infs", "nonfinite_rank", "ranks"):
+            assert got[key][col] == want[col], (key, col, got[key][col], want[col])
 
 
 def _expected(results: list) -> dict:

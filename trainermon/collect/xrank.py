@@ -8,9 +8,12 @@ lowest rank whose row was non-finite. Rank 0 writes them as the family `xrank`.
 Cost per collected step, whatever the number of rows: one all-gather of the step's packed table over
 the default group (on the rows' device; the int64 keys ride bit for bit beside the float64 sums, merged
 by max and by sums in rank order on every rank), plus one 8-byte all-reduce on a CPU (gloo) group that
-checks the layout (below). An all-gather moves world x table: 160 bytes per row with 4 statistics, so
-1,000 rows cost 160 KB sent and 160 MB received per rank per collected step at 1,000 ranks (the two
-all-reduces this replaced moved the table alone; issue 23's one-collective target chose the gather).
+checks the layout (below). An all-gather receives world x table: 160 bytes per row with 4 statistics, so
+1,000 rows at 1,000 ranks would receive 160 MB per rank per collected step, into a buffer of that size
+on the device. Hence the gather only while world x table is at most `GATHER_BYTES` (1,000 rows up to
+26 ranks, 100 rows up to 262); beyond, two all-reduces (int64 max of the keys, float64 sum of the rest), which
+receive about twice the table whatever the world size. The choice is the same on every rank (the table's
+size is agreed) and on every step until the layout changes.
 The results travel to the host in the step's single transfer (`StepCollector.finish(tail=...)`);
 decoding happens on the worker.
 
@@ -49,6 +52,8 @@ from .records import XRANK_FAMILIES, RowMeta
 from .transfer import on_device, to_device
 
 _ABSENT = -(2**63)
+#: Largest world x table (bytes) merged by one all-gather; larger tables take two all-reduces instead.
+GATHER_BYTES = 4 << 20
 _FLIP = 0x7FFF_FFFF_FFFF_FFFF
 
 Key = tuple  # (family, vpp_stage, name, micro_step)
@@ -147,6 +152,7 @@ class CrossRank:
         self.keys: tuple[Key, ...] = ()
         self.slots: dict[Key, int] = {}
         self.agreements = 0  # how often the ranks agreed a new layout (tests, docs)
+        self.merged_by = ""  # the last step's collective: "all_gather" or "all_reduce" (tests, docs)
         self.cpu_group: Any = None
 
     def attach(self) -> None:
@@ -191,7 +197,8 @@ class CrossRank:
         rows to append to the step's transfer and the layout to decode them, on rank 0 (None, None
         elsewhere), and `add` (a float64 scalar, e.g. the job's gradient sum of squares) summed over
         every rank, or None if not given. Collective: one all-gather on the default group (the scalar
-        rides in it as one more row), one 8-byte all-reduce on the CPU group."""
+        rides in it as one more row), or two all-reduces there on a large job (`GATHER_BYTES`), and one
+        8-byte all-reduce on the CPU group."""
         import torch.distributed as dist
 
         stats = tuple(stats)
@@ -237,7 +244,7 @@ class CrossRank:
             )
         if n + spare == 0:
             return None, None, None
-        keys, sums = _gather_merge(keys, sums)
+        keys, sums = self._merge(keys, sums)
         summed = None if add is None else sums[n, 0]
         if n == 0 or self.rank != 0:
             return None, None, summed
@@ -247,6 +254,21 @@ class CrossRank:
         pad = layout.tail_rows * NUM_PARTIALS - flat.numel()
         flat = torch.cat([flat, torch.zeros(pad, dtype=torch.float64, device=device)])
         return flat.view(-1, NUM_PARTIALS), layout, summed
+
+    def _merge(self, keys: torch.Tensor, sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's keys (max over ranks) and sums (added): one all-gather while the world's tables
+        fit in `GATHER_BYTES`, else two all-reduces (sums added in the backend's order rather than rank
+        order: a mean may differ from the gather's in its last bits)."""
+        import torch.distributed as dist
+
+        received = self.world_size * (keys.numel() + sums.numel()) * 8
+        if received <= GATHER_BYTES:
+            self.merged_by = "all_gather"
+            return _gather_merge(keys, sums)
+        self.merged_by = "all_reduce"
+        dist.all_reduce(keys, op=dist.ReduceOp.MAX)
+        dist.all_reduce(sums)
+        return keys, sums
 
     def _agree(self, local_keys: list[Key]) -> None:
         """The union of every rank's keys (and the agreed ones): the keys as JSON bytes, all-gathered on
