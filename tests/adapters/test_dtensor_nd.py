@@ -313,8 +313,13 @@ def _partial(rank: int) -> dict:
 
 
 def _matrix(rank: int, world: int, out_root: str) -> dict:
+    from trainermon.stats import partials
+
     out = {"partial": _partial(rank)}
+    gather_bytes = partials.GATHER_BYTES
     for case in CASES:
+        # the 3-D case merges as a job of thousands of ranks does: all-reduces instead of all-gathers
+        partials.GATHER_BYTES = 0 if case == "fsdp2-tp-3d" else gather_bytes
         monitored = _train(case, rank, out_root)
         monitored["plain_losses"] = _train(case, rank, None)["losses"]
         out[case] = monitored

@@ -80,11 +80,11 @@ def _uneven(rank: int, out: str) -> dict:
     """Ranks with different rows (as pipeline stages and module_ranks give): even ranks have a layer
     the odd ranks lack, and only ranks 0 and 2 collect activations. No deadlock, and the summaries of
     each row come from the ranks that hold it. Merged as on a large job: two all-reduces, not the
-    all-gather (`GATHER_BYTES` set to 0), with a NaN in rank 2's input at the last step."""
+    all-gather (`stats.partials.GATHER_BYTES` set to 0), with a NaN in rank 2's input at the last step."""
     from trainermon import TrainerMon
-    from trainermon.collect import xrank
+    from trainermon.stats import partials
 
-    xrank.GATHER_BYTES = 0
+    partials.GATHER_BYTES = 0
 
     out = os.path.join(out, "uneven")
     os.environ["MONITOR_OUTPUT_DIR"] = out

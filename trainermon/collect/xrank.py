@@ -10,10 +10,10 @@ the default group (on the rows' device; the int64 keys ride bit for bit beside t
 by max and by sums in rank order on every rank), plus one 8-byte all-reduce on a CPU (gloo) group that
 checks the layout (below). An all-gather receives world x table: 160 bytes per row with 4 statistics, so
 1,000 rows at 1,000 ranks would receive 160 MB per rank per collected step, into a buffer of that size
-on the device. Hence the gather only while world x table is at most `GATHER_BYTES` (1,000 rows up to
-26 ranks, 100 rows up to 262); beyond, two all-reduces (int64 max of the keys, float64 sum of the rest), which
-receive about twice the table whatever the world size. The choice is the same on every rank (the table's
-size is agreed) and on every step until the layout changes.
+on the device. Hence the gather only while world x table is at most `stats.partials.GATHER_BYTES`
+(4 MiB: 1,000 rows up to 26 ranks, 100 rows up to 262); beyond, two all-reduces (int64 max of the
+keys, float64 sum of the rest), which receive about twice the table whatever the world size. The choice
+is the same on every rank (the table's size is agreed) and on every step until the layout changes.
 The results travel to the host in the step's single transfer (`StepCollector.finish(tail=...)`);
 decoding happens on the worker.
 
@@ -46,14 +46,13 @@ import numpy as np
 import torch
 
 from trainermon.stats import INFS, MAX, MIN, NANS, NUM_PARTIALS, SUM, SUMSQ, ZEROS
+from trainermon.stats import partials as stats_partials
 from trainermon.stats.table import FLOAT_STATS
 
 from .records import XRANK_FAMILIES, RowMeta
 from .transfer import on_device, to_device
 
 _ABSENT = -(2**63)
-#: Largest world x table (bytes) merged by one all-gather; larger tables take two all-reduces instead.
-GATHER_BYTES = 4 << 20
 _FLIP = 0x7FFF_FFFF_FFFF_FFFF
 
 Key = tuple  # (family, vpp_stage, name, micro_step)
@@ -197,8 +196,8 @@ class CrossRank:
         rows to append to the step's transfer and the layout to decode them, on rank 0 (None, None
         elsewhere), and `add` (a float64 scalar, e.g. the job's gradient sum of squares) summed over
         every rank, or None if not given. Collective: one all-gather on the default group (the scalar
-        rides in it as one more row), or two all-reduces there on a large job (`GATHER_BYTES`), and one
-        8-byte all-reduce on the CPU group."""
+        rides in it as one more row), or two all-reduces there on a large job
+        (`stats.partials.GATHER_BYTES`), and one 8-byte all-reduce on the CPU group."""
         import torch.distributed as dist
 
         stats = tuple(stats)
@@ -257,12 +256,12 @@ class CrossRank:
 
     def _merge(self, keys: torch.Tensor, sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every rank's keys (max over ranks) and sums (added): one all-gather while the world's tables
-        fit in `GATHER_BYTES`, else two all-reduces (sums added in the backend's order rather than rank
-        order: a mean may differ from the gather's in its last bits)."""
+        fit in `stats.partials.GATHER_BYTES`, else two all-reduces (sums added in the backend's order
+        rather than rank order: a mean may differ from the gather's in its last bits)."""
         import torch.distributed as dist
 
         received = self.world_size * (keys.numel() + sums.numel()) * 8
-        if received <= GATHER_BYTES:
+        if received <= stats_partials.GATHER_BYTES:
             self.merged_by = "all_gather"
             return _gather_merge(keys, sums)
         self.merged_by = "all_reduce"

@@ -50,6 +50,10 @@ SUMSQ, SUM, MIN, MAX, NANS, INFS, ZEROS = (PARTIAL_NAMES.index(n) for n in PARTI
 NUM_PARTIALS = len(PARTIALS)
 ADDITIVE = [i for i, (_, merge) in enumerate(PARTIALS) if merge is Merge.SUM]
 DTYPE = torch.float64
+#: The largest all-gather (bytes received per rank: world x table) a merge across ranks makes; larger
+#: tables (thousands of ranks) take all-reduces instead, which receive about twice the table at any world
+#: size. The same on every rank: the table's shape is.
+GATHER_BYTES = 4 << 20
 
 
 def empty_partials(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -86,7 +90,8 @@ def reduce_across(partials: torch.Tensor, group: Any = None, flags: torch.Tensor
     rows and flags), whatever the number of rows; each rank then merges the gathered rows itself (sums
     in rank order, min/max, flags OR-ed). Payload per rank: world x rows x (NUM_PARTIALS + 1) x 8 bytes
     received, against two all-reduces of rows x NUM_PARTIALS before (bytes traded for one round trip:
-    the merged rows are a few hundred per step).
+    the merged rows are a few hundred per step). Where that exceeds `GATHER_BYTES` (a group of thousands
+    of ranks), two all-reduces instead (`_reduce_merge`).
 
     Every rank must pass the same rows in the same order; a rank that holds no piece of a tensor passes
     `empty_partials` for its row. `flags` (one float per row, 0 or 1) travel in the same collective and
@@ -102,6 +107,9 @@ def reduce_across(partials: torch.Tensor, group: Any = None, flags: torch.Tensor
         column = flags.to(partials.dtype).reshape(n, 1)
     packed = torch.cat([partials, column], dim=1).contiguous()
     world = dist.get_world_size(group)
+    if world * packed.numel() * packed.element_size() > GATHER_BYTES:
+        out, bad = _reduce_merge(partials, column, group)
+        return out if flags is None else (out, bad)
     gathered = torch.empty((world * n, packed.shape[1]), dtype=packed.dtype, device=packed.device)
     dist.all_gather_into_tensor(gathered, packed, group=group)  # ranks stacked along dim 0 (gloo's form)
     gathered = gathered.view(world, n, packed.shape[1])
@@ -113,6 +121,33 @@ def reduce_across(partials: torch.Tensor, group: Any = None, flags: torch.Tensor
     if flags is None:
         return out
     return out, gathered[:, :, NUM_PARTIALS].amax(0) > 0
+
+
+def _reduce_merge(partials: torch.Tensor, flags: torch.Tensor, group: Any) -> tuple[torch.Tensor, Any]:
+    """`reduce_across` by two all-reduces: a sum of the additive columns, a max of [max, -min, flag,
+    NaN max, NaN min]. A NaN min or max travels as a column of its own (a backend's max may drop a
+    NaN, where the gather's `amin`/`amax` keep it) and is put back after."""
+    import torch.distributed as dist
+
+    sums = partials[:, ADDITIVE].contiguous()
+    top, low = partials[:, MAX], -partials[:, MIN]
+    extremes = torch.stack(
+        [
+            torch.where(torch.isnan(top), -math.inf, top),  # (nan_to_num would clip the infinities)
+            torch.where(torch.isnan(low), -math.inf, low),
+            flags[:, 0],
+            torch.isnan(top).to(partials.dtype),
+            torch.isnan(low).to(partials.dtype),
+        ],
+        dim=1,
+    )
+    dist.all_reduce(sums, group=group)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    out = torch.empty_like(partials)
+    out[:, ADDITIVE] = sums
+    out[:, MAX] = torch.where(extremes[:, 3] > 0, math.nan, extremes[:, 0])
+    out[:, MIN] = torch.where(extremes[:, 4] > 0, math.nan, -extremes[:, 1])
+    return out, extremes[:, 2] > 0
 
 
 def grad_sumsq(rows: Any) -> Any:

@@ -1,0 +1,89 @@
+"""The two ways ranks merge partial rows (`stats.partials.reduce_across`): the all-gather a small group
+uses, and the two all-reduces a group of thousands of ranks takes instead (`GATHER_BYTES`), on 4 gloo
+ranks, against a merge of every rank's rows computed in the test.
+
+The rows hold what merges meet: pieces of one tensor, ranks with no piece (the identity: min +inf, max
+-inf), a NaN min or max (NaN counting off), flags on some ranks, and a -0.0. Sums: at most four terms of
+order 1 in float64 in any order, so within 4 x 2^-53 relative of the test's rank-order sum (1e-15 abs
+bounds both; the gather adds in rank order, as the test does, and is held to exact equality)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tests.distributed import run_ranks
+
+WORLD, ROWS = 4, 6
+
+
+def _rows(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from trainermon.stats.partials import MAX, MIN, empty_partials
+
+    gen = torch.Generator().manual_seed(100 + rank)
+    rows = torch.rand(ROWS, 7, generator=gen, dtype=torch.float64) * 4 - 2
+    rows[:, MIN], rows[:, MAX] = rows[:, MIN].minimum(rows[:, MAX]), rows[:, MIN].maximum(rows[:, MAX])
+    if rank == 1:
+        rows[1] = empty_partials(1)[0]  # this rank holds no piece of row 1
+    if rank == 2:
+        rows[2, MAX] = math.nan  # a NaN seen with NaN counting off
+    if rank == 3:
+        rows[3, MIN] = math.nan
+    rows[4] = empty_partials(1)[0]  # no rank holds a piece of row 4
+    rows[5, MIN] = -0.0 if rank == 0 else 0.5
+    flags = torch.zeros(ROWS, dtype=torch.float64)
+    flags[0] = float(rank == 3)
+    return rows, flags
+
+
+def _merge_both(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from trainermon.stats import partials
+
+    calls: list[str] = []
+    for name in ("all_gather_into_tensor", "all_reduce"):
+        real = getattr(dist, name)
+        setattr(dist, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    rows, flags = _rows(rank)
+    gathered = partials.reduce_across(rows.clone(), None, flags.clone())
+    gather_calls = list(calls)
+    partials.GATHER_BYTES = 0
+    reduced = partials.reduce_across(rows.clone(), None, flags.clone())
+    plain = partials.reduce_across(rows.clone(), None)  # no flags given: the rows alone
+    return {
+        "gather": [gathered[0].tolist(), gathered[1].tolist()],
+        "reduce": [reduced[0].tolist(), reduced[1].tolist()],
+        "plain": plain.tolist(),
+        "calls": [gather_calls, calls[len(gather_calls) :]],
+    }
+
+
+def test_gather_and_all_reduce_merge_alike():
+    from trainermon.stats.partials import ADDITIVE, MAX, MIN
+
+    results = run_ranks(_merge_both, world_size=WORLD)
+    every = [_rows(rank) for rank in range(WORLD)]
+    want = every[0][0].clone()
+    for rows, _ in every[1:]:
+        want[:, ADDITIVE] += rows[:, ADDITIVE]
+    stacked = torch.stack([rows for rows, _ in every])
+    want[:, MIN] = stacked[:, :, MIN].amin(0)  # NaN-propagating, as the merge must be
+    want[:, MAX] = stacked[:, :, MAX].amax(0)
+    want_flags = [any(float(flags[i]) > 0 for _, flags in every) for i in range(ROWS)]
+    assert math.isnan(want[2, MAX]) and math.isnan(want[3, MIN]) and want[4, MIN] == math.inf
+    for rank, found in enumerate(results):
+        assert found["calls"] == [["all_gather_into_tensor"], ["all_reduce"] * 4], found["calls"]
+        gathered = torch.tensor(found["gather"][0], dtype=torch.float64)
+        reduced = torch.tensor(found["reduce"][0], dtype=torch.float64)
+        assert torch.equal(gathered.isnan(), want.isnan()) and torch.equal(reduced.isnan(), want.isnan())
+        assert torch.equal(gathered.nan_to_num(), want.nan_to_num()), rank  # rank order: exact
+        torch.testing.assert_close(reduced, want, rtol=0, atol=1e-15, equal_nan=True)
+        # min and max are exact whatever the path (no arithmetic), the identity rows included
+        for column in (MIN, MAX):
+            assert torch.equal(reduced[:, column].nan_to_num(), want[:, column].nan_to_num()), (rank, column)
+        assert found["gather"][1] == want_flags and found["reduce"][1] == want_flags, rank
+        assert torch.equal(
+            torch.tensor(found["plain"], dtype=torch.float64).nan_to_num(), reduced.nan_to_num()
+        )
