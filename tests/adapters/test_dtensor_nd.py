@@ -316,11 +316,15 @@ def _matrix(rank: int, world: int, out_root: str) -> dict:
     from trainermon.stats import partials
 
     out = {"partial": _partial(rank)}
-    gather_bytes = partials.GATHER_BYTES
+    gather_bytes, reduce_merge = partials.GATHER_BYTES, partials._reduce_merge
+    merges: list[int] = []
+    partials._reduce_merge = lambda *args: merges.append(1) or reduce_merge(*args)  # counted
     for case in CASES:
         # the 3-D case merges as a job of thousands of ranks does: all-reduces instead of all-gathers
         partials.GATHER_BYTES = 0 if case == "fsdp2-tp-3d" else gather_bytes
+        merges.clear()
         monitored = _train(case, rank, out_root)
+        monitored["reduce_merges"] = len(merges)
         monitored["plain_losses"] = _train(case, rank, None)["losses"]
         out[case] = monitored
     return out
@@ -331,6 +335,7 @@ def _check(results: list[dict], case: str) -> None:
     for rank, res in enumerate(per_rank):
         assert res["faults"] == {}, (case, rank, res["faults"])
         assert res["losses"] == res["plain_losses"], (case, rank, res["losses"], res["plain_losses"])
+        assert (res["reduce_merges"] > 0) == (case == "fsdp2-tp-3d"), (case, rank, res["reduce_merges"])
     refs = {}
     for res in per_rank:
         refs.update(res["refs"])

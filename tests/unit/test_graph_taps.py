@@ -728,8 +728,9 @@ def test_ddp_and_fsdp2_on_two_ranks(tmp_path):
             _same_rows(compiled[0], eager[0])
             # compiled, the in-place ReLU's input gradient is not written (test_an_in_place_module_...)
             want = {k: v for k, v in eager[1].items() if not (setup == "tp" and k[0] == "1.input")}
-            if in_graphs:  # an FSDP2 block's own hooks ("0.output") run outside its compiled forward
-                outside = (lambda key: key[0].count(".") == 1) if setup == "fsdp" else (lambda key: False)
+            if in_graphs:  # a block's own hooks ("0.output") run outside its compiled forward
+                blocks = setup in ("fsdp", "tp_sp")  # each block compiled on its own
+                outside = (lambda key: key[0].count(".") == 1) if blocks else (lambda key: False)
                 _same_grad_rows(compiled[1], want, outside=outside)
             else:
                 _same_rows(compiled[1], want)
@@ -738,7 +739,12 @@ def test_ddp_and_fsdp2_on_two_ranks(tmp_path):
         # no break in the blocks compiled one by one; two graphs, as without the monitor: the first block's
         # input takes no gradient, the second's does (dynamo guards on it)
         assert found["tp_sp", True][3:5] == (2, 0), found["tp_sp", True][3:5]
-        assert {name for name, _, _ in found["tp_sp", True][1]} >= {"1.input", "1.norm.input", "1.w2.output"}
+        if HOOKS_IN_GRAPH:  # older torch: only the blocks' own hooks, which run outside their graphs
+            assert {name for name, _, _ in found["tp_sp", True][1]} >= {
+                "1.input",
+                "1.norm.input",
+                "1.w2.output",
+            }
         assert found["faulty"][0] >= 1 and found["faulty"][1]
         (eager, compiled), _ = found["no rule"]
         assert compiled[2] >= 1 and compiled[1] == 0 and eager[1] == 0  # breaks, no fault
