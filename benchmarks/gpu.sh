@@ -26,14 +26,14 @@ nvidia-smi >"$out/nvidia-smi.txt" 2>&1
 # skipped on machines without CUDA).
 "$py" -m pytest -q -rs tests/unit/test_transfers.py tests/unit/test_stats.py tests/unit/test_engine_accuracy.py \
   tests/unit/test_graph_taps.py tests/unit/test_triton_stats.py tests/unit/test_cuda_graphs.py \
-  tests/unit/test_hook_batches.py tests/unit/test_clipping.py \
+  tests/unit/test_hook_batches.py tests/unit/test_clipping.py tests/unit/test_nccl_merge.py \
   2>&1 | tee "$out/tests.log"
 tests_rc=${PIPESTATUS[0]}
 # torch.compile (inductor, CUDA) with and without the monitor against the same model run eagerly (issue 23:
 # the compiled overhead at most 2x the eager one), graphs and graph breaks; with the forward_only arms in
 # the same rounds (actv alone in both modes: like for like on a torch older than 2.12, whose compiled graphs
 # write no actv_grad rows; two separate runs differed by more than the overhead, session 30).
-PYTHONUNBUFFERED=1 "$py" benchmarks/bench_compile.py --device cuda --rounds 5 --steps 45 --width 1024 --both \
+PYTHONUNBUFFERED=1 "$py" benchmarks/bench_compile.py --device cuda --rounds 5 --steps 45 --width 1024 --both --hold0 \
   --json "$out/compile.json" 2>&1 | tee -a "$out/bench.log"
 compile_rc=${PIPESTATUS[0]}
 PYTHONUNBUFFERED=1 "$py" benchmarks/gpu_overhead.py --json "$out/gpu_overhead.json" --profile "$out/profile.txt" 2>&1 | tee -a "$out/bench.log"
