@@ -2,7 +2,7 @@
 and the monitor's overhead on the compiled model against its overhead on the same model run eagerly.
 
     PYTHONPATH=. python benchmarks/bench_compile.py [--backend inductor] [--steps 60] [--rounds 3]
-        [--layers 8] [--width 256] [--tp] [--device cuda] [--forward-only | --both]
+        [--layers 8] [--width 256] [--tp] [--device cuda] [--forward-only | --both [--hold0]]
 
 Arms over the same MLP (`--layers` Linear+GELU layers, default 8 of width 256, batch 64, CPU, one thread;
 `--layers 32 --width 64` is a model of many small modules, where per-module costs dominate): compiled
@@ -11,12 +11,13 @@ without the monitor; compiled with the monitor's xy_distribution scheduled but n
 every step collected. `--device cuda` runs the same arms on the GPU (step times taken after a
 synchronize). `--forward-only` collects actv alone in both modes: the like-for-like comparison on a torch
 older than 2.12, whose compiled graphs write no actv_grad rows; `--both` adds the forward-only arms to the
-same rounds (`compiled/every-fo`, `eager/every-fo`). Each round runs every arm once, in a fresh
-random order; within an arm, step times are taken after a warm-up third of the steps (which covers the
-first collected step's recompile). Printed per arm: the median over rounds of each round's median step,
-the spread of those round medians, and dynamo's counters from the last round. Then the overheads
-(collected against no monitor, same mode) and their ratio, compiled over eager (issue 23's target: at
-most 2).
+same rounds (`compiled/every-fo`, `eager/every-fo`); `--hold0` one more, `compiled/every-fo-hold0`
+(`accelerator_hold_mib` 0: on a GPU each tap's tensors reduced before the tap returns). Each round
+runs every arm once, in a fresh random order; within an arm, step times are taken after a warm-up third
+of the steps (which covers the first collected step's recompile). Printed per arm: the median over
+rounds of each round's median step, the spread of those round medians, and dynamo's counters from the
+last round. Then the overheads (collected against no monitor, same mode) and their ratio, compiled over
+eager (issue 23's target: at most 2).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ ARMS = (
 #: sessions differ by more than the monitor's overhead (H200, session 30: the off arms by 20%, and
 #: compiled/every's round medians of one run spread 5.8-8.6 ms)
 FORWARD_ARMS = (("compiled", "every-fo"), ("eager", "every-fo"))
+#: `--hold0`: also the compiled forward-only arm with `accelerator_hold_mib` 0, where each tap's tensors are
+#: reduced before the tap returns, as every tap's were before session 32 (now: copied into the hook batch)
+HOLD0_ARMS = (("compiled", "every-fo-hold0"),)
 
 
 def run(
@@ -82,8 +86,10 @@ def run(
     monitor = None
     if mode != "off":
         cfg = out / f"{mode}.json"
-        fo = forward_only or mode.endswith("-fo")
+        fo = forward_only or "-fo" in mode
         keys = {"xy_distribution": True, "ops": ["norm", "min", "max"], "forward_only": fo}
+        if mode.endswith("-hold0"):
+            keys["accelerator_hold_mib"] = 0  # each tap's tensors reduced before it returns, uncopied
         if mode == "idle":
             keys["start_step"] = 10**9
         cfg.write_text(json.dumps(keys))
@@ -124,6 +130,7 @@ def main() -> None:
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--forward-only", action="store_true", help="actv only, no actv_grad")
     which.add_argument("--both", action="store_true", help="with and without forward_only, same rounds")
+    parser.add_argument("--hold0", action="store_true", help="with --both: a compiled arm holding nothing")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     if args.tp and args.device != "cpu":
@@ -137,7 +144,9 @@ def main() -> None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29517")
         dist.init_process_group("gloo", rank=0, world_size=1)
-    arms_run = ARMS + (FORWARD_ARMS if args.both else ())
+    if args.hold0 and not args.both:
+        parser.error("--hold0 compares with the forward-only arms: give --both too")
+    arms_run = ARMS + (FORWARD_ARMS if args.both else ()) + (HOLD0_ARMS if args.hold0 else ())
     medians: dict[str, list[float]] = {f"{c}/{m}": [] for c, m in arms_run}
     last: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -173,6 +182,9 @@ def main() -> None:
     if args.both:
         for c in ("compiled", "eager"):
             summary[f"added_ms_{c}_fo"] = arms[f"{c}/every-fo"]["median_ms"] - arms[f"{c}/off"]["median_ms"]
+    if args.hold0:
+        off = arms["compiled/off"]["median_ms"]
+        summary["added_ms_compiled_fo_hold0"] = arms["compiled/every-fo-hold0"]["median_ms"] - off
     print(json.dumps(summary))
     if args.json:
         run_of = {"args": vars(args), "torch": torch.__version__}

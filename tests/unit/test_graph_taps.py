@@ -92,6 +92,7 @@ def _run(
     fullgraph: bool = True,
     device: str = "cpu",
     mode: str | None = None,
+    at_hook: bool = True,
 ):
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -103,6 +104,7 @@ def _run(
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     monitor = TrainerMon(write_config(tmp_path / f"{tag}.json", xy_distribution=True, ops=list(OPS)))
     monitor.set_monitor(model, optimizer=opt)
+    monitor.loop.collector.at_hook = at_hook  # False: no row read at the hook by the native kernel
     run = model if backend is None else torch.compile(model, backend=backend, fullgraph=fullgraph, mode=mode)
     gen = torch.Generator().manual_seed(1)
     outputs = []
@@ -207,6 +209,38 @@ def test_compiled_rows_equal_eager_with_no_graph_break(tmp_path, out_dir, backen
                 assert float(grads[("blocks.1.output", step, micro)]["norm"]) == pytest.approx(
                     2 * float(out.norm()), rel=1e-5
                 )
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_graph_tensors_wait_for_the_batch_as_copies(tmp_path, out_dir, backend, monkeypatch):
+    """Where no kernel reads a tap's tensors at once (a GPU; here the CPU with its kernel's read at the hook
+    turned off), they are copied into the hook batch, one engine call for many taps instead of one per
+    tap: the copies keep the values the compiler then writes over (inductor reuses b's input buffer for
+    a later result), so the rows are the eager run's."""
+    from trainermon.collect import hook_rows
+
+    calls = {"at_once": 0, "batched": 0}
+    real_now, real_held = hook_rows.compute_now, hook_rows.reduce_held
+
+    def now(engine, tensors):
+        calls["at_once"] += len(tensors)
+        return real_now(engine, tensors)
+
+    def held(engine, batch, *args):
+        calls["batched"] += len(batch.tensors)
+        return real_held(engine, batch, *args)
+
+    monkeypatch.setattr(hook_rows, "compute_now", now)
+    monkeypatch.setattr(hook_rows, "reduce_held", held)
+    want_actv, want_grad, *_ = _run(tmp_path, "eager", None)
+    calls.update(at_once=0, batched=0)
+    actv, grads, _, faults, breaks = _run(tmp_path, backend, backend, at_hook=False)
+    assert not breaks and faults == 0
+    _same_rows(actv, want_actv)
+    _same_grad_rows(grads, want_grad)
+    # every tensor of the graphs' taps went through the batch, none was computed at once (a tensor
+    # passed twice is copied once, a None output's row has no tensor: at most one per row)
+    assert calls["at_once"] == 0 and 0 < calls["batched"] <= len(actv) + len(grads), calls
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: no CUDA device on this machine")

@@ -91,8 +91,10 @@ class HookRows:
         """Rows for this rank's own tensors seen by a hook (activations and their gradients). `shards`
         labels tensors that are pieces of a larger one (by position; a DTensor labels itself).
         `transient`: their memory may be rewritten once the call returns without their version counter
-        seeing it (a compiled graph's buffers, reused by the compiler): reduced now, never matched
-        against other tensors nor matched by them, never held.
+        seeing it (a compiled graph's buffers, reused by the compiler): never matched against other
+        tensors nor matched by them, never held by reference. Those the native kernel does not read at
+        once are copied into the batch (the copies count against the hold: `accelerator_hold_mib` on a
+        GPU, 2 MiB on the CPU; a tensor larger than the hold is reduced before the call returns, uncopied).
 
         A tensor already reduced this step (the same memory, unmodified: a module's output that is the
         next module's input, or a view of it) reuses that row. One the native kernel reads is reduced now,
@@ -147,6 +149,15 @@ class HookRows:
             row = table.write(engine, t) if direct else None
             if row is not None:
                 ref = row  # read now, while the hook's tensor is in cache
+            elif transient and self.batching and self._fits_hold(t) and same_device(batch, t):
+                # The compiler may write over a graph's buffer once the tap returns: a copy of it waits
+                # for the batch instead of an engine call per tap (~100-150 us of host time each on a GPU)
+                ref = (batch, len(batch.tensors))
+                copy = t.detach().clone()
+                batch.tensors.append(copy)
+                batch.stamps.append(stamp_of(copy))
+                batch.trust.append(trust)
+                self._held += copy.numel() * copy.element_size()
             elif transient:
                 ref = -1 - len(now)
                 now.append(t)
@@ -213,6 +224,11 @@ class HookRows:
         limit = hold_limit(batch, self.hold_bytes, self.hold_bytes_accelerator)
         if self._held > limit or len(batch.tensors) + len(self._watch) > HOLD_COUNT:
             self.flush()
+
+    def _fits_hold(self, t: torch.Tensor) -> bool:
+        """Whether a copy of `t` alone fits the hold of its device (a larger one is reduced at once)."""
+        limit = self.hold_bytes if t.device.type == "cpu" else self.hold_bytes_accelerator
+        return 0 < t.numel() * t.element_size() <= limit
 
     def flush(self) -> None:
         """Reduce the tensors recorded by reference in one engine call, and check that every tensor held

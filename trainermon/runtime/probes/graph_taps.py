@@ -36,9 +36,11 @@ same statistics code, as in eager mode.
   torch 2.13 failed to compile a model whose ReLU(inplace=True) writes a DTensor ("got mixed torch.Tensor
   and DTensor"). The operators and that rule are in `tap_ops`.
 
-The tensors an operator gets are read before it returns and never kept nor matched against other
-tensors (`transient` in `StepCollector.add_local`): the compiler reuses a buffer for a later result
-without the version counter seeing it (measured: b's input, tanh(a's output), written over a's output).
+The tensors an operator gets are read before it returns, or copied into the hook batch where no kernel
+reads them at once (a GPU: one engine call for many taps, not one per tap), never held by reference nor
+matched against other tensors (`transient` in `StepCollector.add_local`): the compiler reuses a buffer for
+a later result without the version counter seeing it (measured: b's input, tanh(a's output), written over
+a's output).
 
 Costs, measured on the 2-core CPU host: the operator's dispatch is 2-4 us; a tensor it takes must exist
 in memory (the compiler cannot fuse its producer into the next kernel), which cost 10-25 us in a
