@@ -8,9 +8,14 @@ Plain helpers (config files, reading rows back, reference statistics) are in tes
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -25,6 +30,31 @@ def out_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def static_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     """DYNAMIC_MONITOR unset for this test: the monitor reads its config once and never watches it."""
     monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
+
+
+@pytest.fixture(scope="session")
+def msprobe_gpt(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]:
+    """`tests/msprobe_gpt.py` run once per tool ("msprobe" or "trainermon") for the whole session: tool ->
+    the folder it wrote (tests only read it). Three tests compare the two tools' output of this one seeded
+    run; msprobe's takes ~30 s on a 2-core host."""
+    root = tmp_path_factory.mktemp("msprobe_gpt")
+    done: dict[str, str] = {}
+
+    def run(tool: str) -> str:
+        if tool not in done:
+            out = str(root / tool)
+            proc = subprocess.run(
+                [sys.executable, "-m", "tests.msprobe_gpt", tool, out],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            done[tool] = out
+        return done[tool]
+
+    return run
 
 
 @pytest.fixture

@@ -27,8 +27,6 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("msprobe") is None,
     reason="mindstudio-probe is not installed (pip install mindstudio-probe==26.2.0; .ci/run does)",
@@ -37,15 +35,9 @@ pytestmark = pytest.mark.skipif(
 OPS = ("norm", "min", "max", "mean")
 
 
-def _run(tool: str, out: str) -> dict[tuple, dict[str, str]]:
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.msprobe_gpt", tool, out],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+def _rows(out: str) -> dict[tuple, dict[str, str]]:
+    """Every row a tool wrote into `out` (the `msprobe_gpt` fixture's folder), by (file, name, step,
+    micro_step)."""
     rows = {}
     for path in glob.glob(os.path.join(out, "*", "*.csv")):
         family = os.path.basename(path).rsplit("_", 1)[0]
@@ -69,9 +61,9 @@ def _deliberate(key: tuple, row: dict[str, str]) -> bool:
     return family == "actv" and name == "emb.input"
 
 
-def test_everything_msprobe_writes_is_there_with_the_same_value(tmp_path):
-    theirs = _run("msprobe", str(tmp_path / "msprobe"))
-    ours = _run("trainermon", str(tmp_path / "trainermon"))
+def test_everything_msprobe_writes_is_there_with_the_same_value(msprobe_gpt):
+    theirs = _rows(msprobe_gpt("msprobe"))
+    ours = _rows(msprobe_gpt("trainermon"))
     compared, missing, wrong = 0, [], []
     for key, row in theirs.items():
         if _deliberate(key, row):
@@ -97,15 +89,14 @@ def test_everything_msprobe_writes_is_there_with_the_same_value(tmp_path):
     assert compared >= 4 * (len(theirs) - excluded) - 4 * 80 and compared > 1500, (compared, len(theirs))
 
 
-def test_csv2tensorboard_by_step_converts_msprobes_own_output_as_msprobe_does(tmp_path):
+def test_csv2tensorboard_by_step_converts_msprobes_own_output_as_msprobe_does(tmp_path, msprobe_gpt):
     """`trainermon.csv2tensorboard_by_step` on msprobe's own CSV output writes the event files msprobe's
     converter of the same name writes from it: the same tags, steps and values."""
     pytest.importorskip("tensorboard", reason="the tensorboard package is in the test extras")
     from tests.sinks.test_csv2tb import _tree
     from trainermon import csv2tensorboard_by_step
 
-    out = str(tmp_path / "msprobe")
-    _run("msprobe", out)
+    out = msprobe_gpt("msprobe")
     theirs, ours = str(tmp_path / "tb_msprobe"), str(tmp_path / "tb_ours")
     script = (
         "import sys; from msprobe.pytorch.monitor.csv2tb import csv2tensorboard_by_step as f; "

@@ -9,8 +9,6 @@ import csv
 import glob
 import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,8 +17,6 @@ from torch import nn
 from exporters.csv import _io_key, msprobe_grad_order
 from trainermon import TrainerMon
 from trainermon.collect.records import RowMeta
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _names(path: str) -> list[tuple[str, str]]:
@@ -123,21 +119,10 @@ def _rows(out: str) -> dict[str, list[tuple]]:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("msprobe") is None, reason="mindstudio-probe is not installed")
-def test_actv_grad_order_side_by_side_with_msprobe(tmp_path):
+def test_actv_grad_order_side_by_side_with_msprobe(msprobe_gpt):
     """tests/msprobe_gpt.py through both tools: the same rows in the same order in every actv_grad file,
     but for the rows trainermon deliberately does not write (test_msprobe_side_by_side)."""
-    got = {}
-    for tool in ("msprobe", "trainermon"):
-        out = str(tmp_path / tool)
-        done = subprocess.run(
-            [sys.executable, "-m", "tests.msprobe_gpt", tool, out],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        got[tool] = _rows(out)
+    got = {tool: _rows(msprobe_gpt(tool)) for tool in ("msprobe", "trainermon")}
     assert sorted(got["msprobe"]) == sorted(got["trainermon"]) and got["msprobe"]
     for name, theirs in got["msprobe"].items():
         expected = [r[:3] for r in theirs if not r[0].startswith(".") and r[3] != "nan"]
