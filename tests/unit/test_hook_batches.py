@@ -312,3 +312,56 @@ def test_row_table_grows_and_keeps_every_row():
     for row, t in zip(rows, tensors):
         exact = float(t.double().square().sum())
         assert math.isclose(float(table.result[row, SUMSQ]), exact, rel_tol=2e-6)
+
+
+def test_copies_of_graph_tensors_stay_within_the_hold(monkeypatch):
+    """A compiled graph's tap passes its tensors in one call, copied into the batch where no kernel reads
+    them at the hook (a GPU's path; here the CPU's with no kernel). The copies are new memory: the batch is
+    reduced before a copy would take it past the hold, not after the call. Four taps of four 1 MiB
+    tensors under a 1 MiB hold: at most 1 MiB of copies alive, every row exact."""
+    from trainermon.collect import hook_rows
+
+    peak = [0]
+    real = hook_rows.reduce_held
+
+    def held(engine, batch, *args):
+        peak[0] = max(peak[0], sum(t.numel() * t.element_size() for t in batch.tensors))
+        return real(engine, batch, *args)
+
+    monkeypatch.setattr(hook_rows, "reduce_held", held)
+    collector, engine, faults = _collector(kernel=False)
+    collector.hold_bytes = 1 << 20
+    mib = 1 << 18  # float32 elements in 1 MiB
+    for tap in range(4):
+        tensors = [torch.full((mib,), float(4 * tap + j)) for j in range(4)]
+        collector.add_local("actv", 0, [f"m{tap}.{j}" for j in range(4)], 0, tensors, transient=True)
+    payload = collector.finish(0, StepScalars())
+    assert 0 < peak[0] <= 1 << 20, peak[0]
+    # each row sqrt(sum of squares) = value x sqrt(2^18) = value x 512
+    assert payload.partials[:, 0].sqrt().tolist() == [512.0 * k for k in range(16)]
+    assert faults.total == 0
+
+
+@pytest.mark.parametrize("first", ["inference", "training"])
+@pytest.mark.parametrize("hold", [HOLD_BYTES, 0])
+def test_graph_tensors_under_inference_mode(first, hold):
+    """A compiled forward under `torch.inference_mode()` with the model in train mode (a rollout): its
+    tap's tensors are reduced at once, not copied (a copy made there has no version counter for the
+    batch's check), and neither order of inference and training calls leaves the engine a buffer the other
+    mode cannot write. Before: every row of the step was lost to a fault."""
+    collector, _, faults = _collector(kernel=False)
+    collector.hold_bytes = hold
+
+    def training() -> None:
+        collector.add_local("actv", 0, ["a.output"], 0, [torch.full((64,), 2.0)], transient=True)
+
+    def inference() -> None:
+        with torch.inference_mode():
+            collector.add_local("actv", 0, ["b.output"], 0, [torch.full((64,), 3.0)], transient=True)
+
+    for call in (inference, training) if first == "inference" else (training, inference):
+        call()
+    payload = collector.finish(0, StepScalars())
+    norms = dict(zip((row.name for row in payload.rows), payload.partials[:, 0].sqrt().tolist()))
+    assert norms == {"a.output": 2.0 * 8, "b.output": 3.0 * 8}, norms
+    assert faults.total == 0

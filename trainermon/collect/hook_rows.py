@@ -149,15 +149,26 @@ class HookRows:
             row = table.write(engine, t) if direct else None
             if row is not None:
                 ref = row  # read now, while the hook's tensor is in cache
-            elif transient and self.batching and self._fits_hold(t) and same_device(batch, t):
+            elif (
+                transient
+                and self.batching
+                and self._fits_hold(t)
+                and same_device(batch, t)
+                and not torch.is_inference_mode_enabled()  # a copy made there has no version counter
+            ):
                 # The compiler may write over a graph's buffer once the tap returns: a copy of it waits
                 # for the batch instead of an engine call per tap (~100-150 us of host time each on a GPU)
-                ref = (batch, len(batch.tensors))
+                size = t.numel() * t.element_size()
+                if self._held + size > self._hold_of(t):
+                    self.flush()  # copies are new memory: reduce what is held before going past the hold
+                    batch = self._batch
                 copy = t.detach().clone()
+                stamp = stamp_of(copy)  # before any append: a batch's lists stay aligned if it raises
+                ref = (batch, len(batch.tensors))
                 batch.tensors.append(copy)
-                batch.stamps.append(stamp_of(copy))
+                batch.stamps.append(stamp)
                 batch.trust.append(trust)
-                self._held += copy.numel() * copy.element_size()
+                self._held += size
             elif transient:
                 ref = -1 - len(now)
                 now.append(t)
@@ -225,10 +236,13 @@ class HookRows:
         if self._held > limit or len(batch.tensors) + len(self._watch) > HOLD_COUNT:
             self.flush()
 
+    def _hold_of(self, t: torch.Tensor) -> int:
+        """Bytes of hook tensors the batch may hold on `t`'s device."""
+        return self.hold_bytes if t.device.type == "cpu" else self.hold_bytes_accelerator
+
     def _fits_hold(self, t: torch.Tensor) -> bool:
         """Whether a copy of `t` alone fits the hold of its device (a larger one is reduced at once)."""
-        limit = self.hold_bytes if t.device.type == "cpu" else self.hold_bytes_accelerator
-        return 0 < t.numel() * t.element_size() <= limit
+        return 0 < t.numel() * t.element_size() <= self._hold_of(t)
 
     def flush(self) -> None:
         """Reduce the tensors recorded by reference in one engine call, and check that every tensor held

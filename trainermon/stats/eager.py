@@ -127,7 +127,8 @@ def _scratch(like: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(like)
     buf = getattr(_local, "buf", None)
     if buf is None or buf.numel() < like.numel() or buf.dtype != like.dtype:
-        buf = _local.buf = torch.empty(max(like.numel(), CHUNK), dtype=like.dtype)
+        with torch.inference_mode(False):  # made under inference_mode, no later call could write it
+            buf = _local.buf = torch.empty(max(like.numel(), CHUNK), dtype=like.dtype)
     return buf[: like.numel()].view(like.shape)
 
 

@@ -275,7 +275,8 @@ class StatsEngine:
     def _stage(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         buf = self._staging.get(dtype)
         if buf is None or buf.numel() < numel:
-            buf = torch.empty(max(numel, CHUNK), dtype=dtype)
+            with torch.inference_mode(False):  # made under inference_mode, no later call could write it
+                buf = torch.empty(max(numel, CHUNK), dtype=dtype)
             self._staging[dtype] = buf
         return buf[:numel]
 
