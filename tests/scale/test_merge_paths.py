@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from tests.distributed import run_ranks
@@ -62,10 +63,56 @@ def _merge_both(rank: int, world: int) -> dict:
     }
 
 
-def test_gather_and_all_reduce_merge_alike():
+#: Each rank's row keys for two agreements of the summaries' layout: ranks 0 and 1 hold one list, 2 and 3
+#: another (two pipeline stages, say); then every rank the same list (data-parallel replicas).
+def _keys(rank: int, agreement: int) -> list[tuple]:
+    if agreement == 0:
+        names = ("a", "b") if rank < 2 else ("b", "c")
+    else:
+        names = ("c", "d")
+    return [("actv", 0, name, 0) for name in names]
+
+
+def _agree_twice(rank: int, world: int) -> dict:
+    """Two agreements of the key union (`CrossRank._agree`), with the collectives each made."""
+    import torch.distributed as dist
+
+    from trainermon.collect.xrank import CrossRank
+
+    xrank = CrossRank(rank, world)
+    xrank.attach()
+    found: dict = {"unions": [], "calls": []}
+    for agreement in range(2):
+        calls: list[str] = []
+        real = {name: getattr(dist, name) for name in ("all_gather", "broadcast")}
+        for name, fn in real.items():
+            counted = lambda *a, _fn=fn, _name=name, _calls=calls, **k: _calls.append(_name) or _fn(*a, **k)  # noqa: E731
+            setattr(dist, name, counted)
+        try:
+            xrank._agree(_keys(rank, agreement))
+        finally:
+            for name, fn in real.items():
+                setattr(dist, name, fn)
+        found["unions"].append([list(k) for k in xrank.keys])
+        found["calls"].append(calls)
+    found["slots"] = [[list(k), v] for k, v in xrank.slots.items()]
+    return found
+
+
+def _launch(rank: int, world: int) -> dict:
+    return {"merge": _merge_both(rank, world), "agree": _agree_twice(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def launched() -> list[dict]:
+    """One 4-rank launch for the tests of this module."""
+    return run_ranks(_launch, world_size=WORLD)
+
+
+def test_gather_and_all_reduce_merge_alike(launched):
     from trainermon.stats.partials import ADDITIVE, MAX, MIN
 
-    results = run_ranks(_merge_both, world_size=WORLD)
+    results = [r["merge"] for r in launched]
     every = [_rows(rank) for rank in range(WORLD)]
     want = every[0][0].clone()
     for rows, _ in every[1:]:
@@ -89,3 +136,16 @@ def test_gather_and_all_reduce_merge_alike():
         assert torch.equal(
             torch.tensor(found["plain"], dtype=torch.float64).nan_to_num(), reduced.nan_to_num()
         )
+
+
+def test_each_distinct_key_list_travels_once(launched):
+    """The layout's union of keys is what a gather of every rank's list gives (rank order, then each
+    rank's order, the agreed keys first), with one broadcast per distinct list: two for the first
+    agreement (two lists over four ranks), one for the second (every rank the same list)."""
+    want_first = [["actv", 0, n, 0] for n in ("a", "b", "c")]
+    want_second = want_first + [["actv", 0, "d", 0]]
+    for rank, result in enumerate(launched):
+        found = result["agree"]
+        assert found["unions"] == [want_first, want_second], rank
+        assert found["calls"] == [["all_gather", "broadcast", "broadcast"], ["all_gather", "broadcast"]], rank
+        assert found["slots"] == [[k, i] for i, k in enumerate(want_second)], rank

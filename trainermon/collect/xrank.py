@@ -21,9 +21,9 @@ Layout: a packed reduction needs the same table on every rank, but ranks may hol
 (`module_ranks`, pipeline stages, escalated activations). The table is laid out by an agreed list of keys,
 the union over ranks, ordered by rank then by each rank's row order. Each step every rank checks on the
 host whether all its rows have a slot; the OR of that check over ranks (the gloo all-reduce: no device
-sync) is known to every rank at the same step, and when it is set the ranks agree a new union with an
-all-gather of their key lists as JSON (only on steps whose rows changed, usually the first) before
-reducing. A rank lacking a row fills its slot with the identity (absent), so every rank reduces the
+sync) is known to every rank at the same step, and when it is set the ranks agree a new union of their
+key lists (`key_union`: each distinct list sent once; only on steps whose rows changed, usually the first)
+before reducing. A rank lacking a row fills its slot with the identity (absent), so every rank reduces the
 same table and no rank waits on another: no deadlock whatever the row sets. `ranks` says how many ranks
 held each row.
 
@@ -36,7 +36,6 @@ far below the statistics' own accuracy (float32 accumulation, about 5e-7).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,6 +48,7 @@ from trainermon.stats import INFS, MAX, MIN, NANS, NUM_PARTIALS, SUM, SUMSQ, ZER
 from trainermon.stats import partials as stats_partials
 from trainermon.stats.table import FLOAT_STATS
 
+from .key_union import union_of_keys
 from .records import XRANK_FAMILIES, RowMeta
 from .transfer import on_device, to_device
 
@@ -270,23 +270,9 @@ class CrossRank:
         return keys, sums
 
     def _agree(self, local_keys: list[Key]) -> None:
-        """The union of every rank's keys (and the agreed ones): the keys as JSON bytes, all-gathered on
-        the CPU group (their lengths first), never pickled."""
-        import torch.distributed as dist
-
-        data = torch.frombuffer(bytearray(json.dumps(local_keys).encode()), dtype=torch.uint8)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.cpu_group)
-        longest = max(int(n[0]) for n in sizes)
-        padded = torch.zeros(longest, dtype=torch.uint8)
-        padded[: len(data)] = data
-        gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
-        dist.all_gather(gathered, padded, group=self.cpu_group)
-        union = dict.fromkeys(self.keys)
-        for buf, n in zip(gathered, sizes):
-            keys = json.loads(buf[: int(n[0])].numpy().tobytes().decode())
-            union.update(dict.fromkeys(tuple(k) for k in keys))
-        self.keys = tuple(union)
+        """The union of every rank's keys (and the agreed ones) on the CPU group: each distinct key list
+        travels once (`key_union`), data-parallel ranks holding the same ones."""
+        self.keys = union_of_keys(self.keys, local_keys, self.rank, self.world_size, self.cpu_group)
         self.slots = {k: i for i, k in enumerate(self.keys)}
         self.agreements += 1
 

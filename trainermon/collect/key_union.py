@@ -1,0 +1,48 @@
+"""The union of every rank's row keys, for the cross-rank summaries' table layout (`xrank.CrossRank`).
+
+Ranks mostly hold the same keys: every data-parallel replica of a (tensor, pipeline, expert) coordinate
+writes the same rows. Gathering each rank's list would make every rank receive world x list bytes (tens of
+MB at thousands of ranks); instead the ranks gather a digest of their lists (24 bytes each), and each
+distinct list travels once, broadcast by the lowest rank holding it. Collective on `group`, which must
+span every rank of the job (its ranks are the global ranks): one all-gather of the digests and one
+broadcast per distinct list, on the CPU. Keys travel as JSON, never pickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+def _digest(data: bytes) -> list[int]:
+    """Two signed 64-bit words of a 128-bit hash of the list's bytes, then its length."""
+    raw = hashlib.blake2b(data, digest_size=16).digest()
+    words = [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in (0, 8)]
+    return [*words, len(data)]
+
+
+def union_of_keys(known: Sequence[tuple], local: Sequence[tuple], rank: int, world: int, group: Any) -> tuple:
+    """`known` followed by the keys of every rank not in it, in rank order and then in each rank's own order
+    (the order a gather of every list would give). `local`: this rank's keys (JSON-serialisable tuples)."""
+    import torch.distributed as dist
+
+    data = json.dumps(list(local)).encode()
+    every = [torch.zeros(3, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(every, torch.tensor(_digest(data), dtype=torch.int64), group=group)
+    first: dict[tuple[int, ...], int] = {}  # digest -> the lowest rank holding that list
+    for r, digest in enumerate(every):
+        first.setdefault(tuple(digest.tolist()), r)
+    union = dict.fromkeys(known)
+    for digest, source in first.items():  # rank order: the same union as a gather of every list
+        if source == rank:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        else:
+            buf = torch.empty(digest[2], dtype=torch.uint8)
+        dist.broadcast(buf, src=source, group=group)
+        keys = json.loads(buf.numpy().tobytes().decode())
+        union.update(dict.fromkeys(tuple(k) for k in keys))
+    return tuple(union)
