@@ -26,7 +26,7 @@ from trainermon.collect.collector import StepCollector, TransferCounter
 from trainermon.collect.records import StepScalars
 from trainermon.config import MonitorConfig
 from trainermon.failsafe import FaultLog
-from trainermon.stats import NANS, EngineOptions, StatsEngine, fused
+from trainermon.stats import INFS, NANS, EngineOptions, StatsEngine, fused
 
 
 class Block(nn.Module):
@@ -365,3 +365,26 @@ def test_graph_tensors_under_inference_mode(first, hold):
     norms = dict(zip((row.name for row in payload.rows), payload.partials[:, 0].sqrt().tolist()))
     assert norms == {"a.output": 2.0 * 8, "b.output": 3.0 * 8}, norms
     assert faults.total == 0
+
+
+@pytest.mark.skipif(not fused.AVAILABLE, reason="the row table is written by the native kernel")
+@pytest.mark.parametrize("how", ["grown", "made"])
+def test_a_row_table_from_inference_mode_takes_training_rows(how):
+    """The step's row table grown (a rollout of 300 rows) or made (a step ending there) under
+    `torch.inference_mode()` still takes the next training rows, a non-finite one included (recomputed
+    into the table in place). Before: an inference tensor, and every later hook a fault."""
+    faults = FaultLog()
+    collector = StepCollector(StatsEngine(EngineOptions(nonfinite=True)), TransferCounter(), faults)
+    with torch.inference_mode():
+        count = 300 if how == "grown" else 1
+        for i in range(count):
+            collector.add_local("actv", 0, [f"r{i}"], 0, [torch.full((64,), 1.0 + i)], transient=True)
+        if how == "made":
+            collector.finish(0, StepScalars())  # the next step's table is made here
+    bad = torch.full((64,), 2.0)
+    bad[3] = float("inf")
+    collector.add_local("actv", 0, ["train.output"], 0, [bad])
+    payload = collector.finish(1, StepScalars())
+    assert payload.rows[-1].name == "train.output" and faults.total == 0
+    row = payload.partials[-1]
+    assert row[INFS].item() == 1 and row[0].item() == pytest.approx(63 * 4.0)  # sumsq of the finite values

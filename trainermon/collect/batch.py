@@ -44,7 +44,8 @@ class RowTable:
     __slots__ = ("result", "used", "capacity")
 
     def __init__(self, capacity: int = 256) -> None:
-        self.result = torch.empty((capacity, NUM_PARTIALS), dtype=torch.float64)
+        with torch.inference_mode(False):  # made under inference_mode, no later call could write it
+            self.result = torch.empty((capacity, NUM_PARTIALS), dtype=torch.float64)
         self.used = 0
         self.capacity = capacity  # len(self.result), kept: a tensor's len() is a Python-level call
 
@@ -53,8 +54,9 @@ class RowTable:
         cannot read `t` (nothing written)."""
         row = self.used
         if row == self.capacity:
-            grown = torch.empty((2 * row, NUM_PARTIALS), dtype=torch.float64)
-            grown[:row] = self.result
+            with torch.inference_mode(False):
+                grown = torch.empty((2 * row, NUM_PARTIALS), dtype=torch.float64)
+                grown[:row] = self.result
             self.result, self.capacity = grown, 2 * row
         if not engine.kernel_row(t, self.result, row):
             return None
