@@ -6,6 +6,12 @@
 and return something picklable. The process group is initialised before `fn` runs and destroyed after.
 A rank that raises makes `run_ranks` raise in the test process with that rank's traceback; a rank that
 dies without a word (a crash, a hang past `timeout`) is reported with its exit code.
+
+Ranks are forked from one server process per test session that has already imported torch and its
+compiler stack (`PRELOAD`): importing them takes 10-20 s of CPU per process on a 2-core host, more than
+most multi-rank tests run for. Each rank still imports its test module and any framework afresh (none is
+preloaded, so tests that check what gets imported keep their meaning), runs in the test's working
+directory and sys.path, and gets the test process's environment as it is at launch.
 """
 
 from __future__ import annotations
@@ -31,7 +37,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world_size: int, port: int, fn: Callable[..., Any], kwargs: dict, results: Any) -> None:
+# torch internals only (no framework): what torch, torch.distributed.tensor, dynamo and inductor import.
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch._dynamo",
+    "torch._inductor.lowering",
+]
+
+
+def _child(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    kwargs: dict,
+    results: Any,
+    env: dict[str, str],
+) -> None:
+    # The server was started with the environment of the first launch: take this launch's.
+    os.environ.clear()
+    os.environ.update(env)
     import torch.distributed as dist
 
     os.environ.update(
@@ -57,11 +84,13 @@ def run_ranks(
     fn: Callable[..., Any], world_size: int = 2, timeout: float = 600.0, **kwargs: Any
 ) -> list[Any]:
     """Run `fn(rank, world_size, **kwargs)` on `world_size` spawned gloo ranks; return results by rank."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # used when the server starts, at the session's first launch
     results = ctx.Queue()
     port = free_port()
+    env = dict(os.environ)
     procs = [
-        ctx.Process(target=_child, args=(r, world_size, port, fn, kwargs, results), daemon=False)
+        ctx.Process(target=_child, args=(r, world_size, port, fn, kwargs, results, env), daemon=False)
         for r in range(world_size)
     ]
     for p in procs:
