@@ -2,7 +2,7 @@
 
     results = run_ranks(fn, world_size=2, out_dir=str(tmp_path))   # [rank 0's return value, rank 1's]
 
-`fn(rank, world_size, **kwargs)` must be a module-level function (it is pickled into spawned processes)
+`fn(rank, world_size, **kwargs)` must be a module-level function (it is pickled into the rank processes)
 and return something picklable. The process group is initialised before `fn` runs and destroyed after.
 A rank that raises makes `run_ranks` raise in the test process with that rank's traceback; a rank that
 dies without a word (a crash, a hang past `timeout`) is reported with its exit code.
@@ -17,8 +17,12 @@ directory and sys.path, and gets the test process's environment as it is at laun
 from __future__ import annotations
 
 import os
+import pickle
 import queue
+import shutil
 import socket
+import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -48,17 +52,15 @@ PRELOAD = [
 
 
 def _child(
-    rank: int,
-    world_size: int,
-    port: int,
-    fn: Callable[..., Any],
-    kwargs: dict,
-    results: Any,
-    env: dict[str, str],
+    rank: int, world_size: int, port: int, job: bytes, results: Any, env: dict[str, str], log: str
 ) -> None:
-    # The server was started with the environment of the first launch: take this launch's.
+    # The server keeps the environment and output of the session's first launch: take this launch's
+    # before the test module is imported (the job is unpickled here, not by multiprocessing).
     os.environ.clear()
     os.environ.update(env)
+    with open(log, "ab", buffering=0) as fh:
+        os.dup2(fh.fileno(), 1)
+        os.dup2(fh.fileno(), 2)
     import torch.distributed as dist
 
     os.environ.update(
@@ -69,6 +71,7 @@ def _child(
         WORLD_SIZE=str(world_size),
     )
     try:
+        fn, kwargs = pickle.loads(job)
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         try:
             value = fn(rank, world_size, **kwargs)
@@ -83,14 +86,20 @@ def _child(
 def run_ranks(
     fn: Callable[..., Any], world_size: int = 2, timeout: float = 600.0, **kwargs: Any
 ) -> list[Any]:
-    """Run `fn(rank, world_size, **kwargs)` on `world_size` spawned gloo ranks; return results by rank."""
+    """Run `fn(rank, world_size, **kwargs)` on `world_size` gloo ranks; return results by rank."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # used when the server starts, at the session's first launch
     results = ctx.Queue()
     port = free_port()
+    job = pickle.dumps((fn, kwargs))
     env = dict(os.environ)
+    logs = tempfile.mkdtemp(prefix="ranks-")
     procs = [
-        ctx.Process(target=_child, args=(r, world_size, port, fn, kwargs, results, env), daemon=False)
+        ctx.Process(
+            target=_child,
+            args=(r, world_size, port, job, results, env, os.path.join(logs, f"rank{r}.log")),
+            daemon=False,
+        )
         for r in range(world_size)
     ]
     for p in procs:
@@ -129,8 +138,21 @@ def run_ranks(
                 p.terminate()
                 p.join(timeout=5.0)
         results.close()
+        _echo_logs(logs, world_size)
     for rank in sorted(got):
         ok, value = got[rank]
         if not ok:
             raise RankFailed(f"rank {rank} failed:\n{value}")
     return [got[r][1] for r in range(world_size)]
+
+
+def _echo_logs(logs: str, world_size: int) -> None:
+    """Write each rank's output to this process's stdout (pytest shows it when the test fails)."""
+    for r in range(world_size):
+        path = os.path.join(logs, f"rank{r}.log")
+        if os.path.exists(path):
+            with open(path, errors="replace") as fh:
+                text = fh.read()
+            if text:
+                sys.stdout.write(f"----- rank {r} -----\n{text}")
+    shutil.rmtree(logs, ignore_errors=True)
