@@ -41,13 +41,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# torch internals only (no framework): what torch, torch.distributed.tensor, dynamo and inductor import.
+# No training framework: torch, its distributed tensors and compiler stack, and the Parquet writer's
+# pyarrow (which imports pandas on its first table).
 PRELOAD = [
     "torch",
     "torch.distributed",
     "torch.distributed.tensor",
     "torch._dynamo",
     "torch._inductor.lowering",
+    "pyarrow.parquet",
+    "pandas",
 ]
 
 

@@ -44,6 +44,9 @@ class Layout:
     grouped: bool = False  # MoE experts as one GroupedMLP (legacy grouped GEMM), not SequentialMLP
     deallocate: bool = True  # deallocate_pipeline_outputs, as Megatron-LM's training loop sets it
     clip: float = 1.0  # clip_grad (a huge value keeps the norm computed and the gradients untouched)
+    # GroupedMLP's activation through Megatron's jit_fuser (torch.compile): ~8 s of inductor per process
+    # on a CPU; False builds it uncompiled
+    fused_activation: bool = True
     extra: dict = field(default_factory=dict)  # more TransformerConfig keys
 
 
@@ -206,7 +209,16 @@ def setup(layout: Layout) -> tuple[list[Any], Any]:
     torch.manual_seed(0)
     if layout.grouped:
         _grouped_gemm_stand_in()
-    chunks = build_chunks(layout)
+    if layout.fused_activation:
+        chunks = build_chunks(layout)
+    else:
+        from megatron.core.transformer.moe import experts
+
+        fuser, experts.jit_fuser = experts.jit_fuser, lambda fn: fn
+        try:
+            chunks = build_chunks(layout)
+        finally:
+            experts.jit_fuser = fuser
     deterministic_init(chunks)
     return wrap(chunks, layout)
 

@@ -68,9 +68,17 @@ def _layouts(world: int) -> list[tuple[str, dict]]:
             # all local experts in one GroupedMLP weight, the same name on both expert-parallel ranks
             # (GroupedMLP takes bf16 only)
             ("grouped-dp2-bf16", {"experts": 4, "grouped": True, "bf16": True}),
+            # (Megatron's compiled activation is covered by the layout above: not compiled again here)
             (
                 "grouped-ep2-distopt-bf16",
-                {"experts": 4, "ep": 2, "grouped": True, "dist_opt": True, "bf16": True},
+                {
+                    "experts": 4,
+                    "ep": 2,
+                    "grouped": True,
+                    "dist_opt": True,
+                    "bf16": True,
+                    "fused_activation": False,
+                },
             ),
         ]
     return [

@@ -35,6 +35,8 @@ def _args(out: str, **extra):
 
 
 def _deepspeed_rank(rank: int, world: int, out_dir: str, cfg: str, hf_dir: str) -> dict:
+    # DeepSpeed's first init_distributed on CPU compiles a shared-memory op (~30 s); gloo does not use it.
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     import transformers
     from deepspeed.utils import safe_get_full_fp32_param
 
