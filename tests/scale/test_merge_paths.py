@@ -11,6 +11,7 @@ and is held to exact equality."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -63,18 +64,22 @@ def _merge_both(rank: int, world: int) -> dict:
     }
 
 
-#: Each rank's row keys for two agreements of the summaries' layout: ranks 0 and 1 hold one list, 2 and 3
-#: another (two pipeline stages, say); then every rank the same list (data-parallel replicas).
+#: Each rank's row keys for three agreements of the summaries' layout: ranks 0 and 1 hold one list, 2 and
+#: 3 another (two pipeline stages, say); then every rank its own (rank-specific rows); then every rank the
+#: same list (data-parallel replicas).
 def _keys(rank: int, agreement: int) -> list[tuple]:
     if agreement == 0:
         names = ("a", "b") if rank < 2 else ("b", "c")
+    elif agreement == 1:
+        names = ("c", f"r{rank}")
     else:
         names = ("c", "d")
     return [("actv", 0, name, 0) for name in names]
 
 
-def _agree_twice(rank: int, world: int) -> dict:
-    """Two agreements of the key union (`CrossRank._agree`), with the collectives each made."""
+def _agree_thrice(rank: int, world: int) -> dict:
+    """Three agreements of the key union (`CrossRank._agree`), with the collectives each made (the
+    all-reduce with its length in bytes)."""
     import torch.distributed as dist
 
     from trainermon.collect.xrank import CrossRank
@@ -82,11 +87,15 @@ def _agree_twice(rank: int, world: int) -> dict:
     xrank = CrossRank(rank, world)
     xrank.attach()
     found: dict = {"unions": [], "calls": []}
-    for agreement in range(2):
-        calls: list[str] = []
-        real = {name: getattr(dist, name) for name in ("all_gather", "broadcast")}
+    for agreement in range(3):
+        calls: list = []
+        real = {name: getattr(dist, name) for name in ("all_gather", "broadcast", "all_reduce")}
         for name, fn in real.items():
-            counted = lambda *a, _fn=fn, _name=name, _calls=calls, **k: _calls.append(_name) or _fn(*a, **k)  # noqa: E731
+
+            def counted(*a, _fn=fn, _name=name, _calls=calls, **k):
+                _calls.append([_name, a[0].numel()] if _name == "all_reduce" else _name)
+                return _fn(*a, **k)
+
             setattr(dist, name, counted)
         try:
             xrank._agree(_keys(rank, agreement))
@@ -100,7 +109,7 @@ def _agree_twice(rank: int, world: int) -> dict:
 
 
 def _launch(rank: int, world: int) -> dict:
-    return {"merge": _merge_both(rank, world), "agree": _agree_twice(rank, world)}
+    return {"merge": _merge_both(rank, world), "agree": _agree_thrice(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -140,12 +149,21 @@ def test_gather_and_all_reduce_merge_alike(launched):
 
 def test_each_distinct_key_list_travels_once(launched):
     """The layout's union of keys is what a gather of every rank's list gives (rank order, then each
-    rank's order, the agreed keys first), with one broadcast per distinct list: two for the first
-    agreement (two lists over four ranks), one for the second (every rank the same list)."""
-    want_first = [["actv", 0, n, 0] for n in ("a", "b", "c")]
-    want_second = want_first + [["actv", 0, "d", 0]]
+    rank's order, the agreed keys first). After the digests' all-gather, the distinct lists travel in one
+    all-reduce of exactly their bytes, however many there are (two lists over four ranks, then four), and
+    nothing travels when every rank holds the same list."""
+    key = [["actv", 0, n, 0] for n in ("a", "b", "c", "r0", "r1", "r2", "r3", "d")]
+    unions = [key[:3], key[:7], key]
+    sizes = [
+        sum(len(json.dumps([list(k) for k in _keys(r, agreement)])) for r in ranks)
+        for agreement, ranks in ((0, (0, 2)), (1, (0, 1, 2, 3)))
+    ]
     for rank, result in enumerate(launched):
         found = result["agree"]
-        assert found["unions"] == [want_first, want_second], rank
-        assert found["calls"] == [["all_gather", "broadcast", "broadcast"], ["all_gather", "broadcast"]], rank
-        assert found["slots"] == [[k, i] for i, k in enumerate(want_second)], rank
+        assert found["unions"] == unions, rank
+        assert found["calls"] == [
+            ["all_gather", ["all_reduce", sizes[0]]],
+            ["all_gather", ["all_reduce", sizes[1]]],
+            ["all_gather"],
+        ], rank
+        assert found["slots"] == [[k, i] for i, k in enumerate(key)], rank

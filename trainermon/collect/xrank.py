@@ -22,10 +22,10 @@ Layout: a packed reduction needs the same table on every rank, but ranks may hol
 the union over ranks, ordered by rank then by each rank's row order. Each step every rank checks on the
 host whether all its rows have a slot; the OR of that check over ranks (the gloo all-reduce: no device
 sync) is known to every rank at the same step, and when it is set the ranks agree a new union of their
-key lists (`key_union`: each distinct list sent once; only on steps whose rows changed, usually the first)
-before reducing. A rank lacking a row fills its slot with the identity (absent), so every rank reduces the
-same table and no rank waits on another: no deadlock whatever the row sets. `ranks` says how many ranks
-held each row.
+key lists (`key_union`: each distinct list sent once, in at most two collectives; only on steps whose rows
+changed, usually the first) before reducing. A rank lacking a row fills its slot with the identity
+(absent), so every rank reduces the same table and no rank waits on another: no deadlock whatever the row
+sets. `ranks` says how many ranks held each row.
 
 Max and argmax in one reduction: each float64 value becomes an order-preserving int64 key whose lowest
 b bits (b = bits of world_size - 1) are replaced by (world_size - 1 - rank), so an int64 MAX gives the
