@@ -9,9 +9,12 @@ dies without a word (a crash, a hang past `timeout`) is reported with its exit c
 
 Ranks are forked from one server process per test session that has already imported torch and its
 compiler stack (`PRELOAD`): importing them takes 10-20 s of CPU per process on a 2-core host, more than
-most multi-rank tests run for. Each rank still imports its test module and any framework afresh (none is
-preloaded, so tests that check what gets imported keep their meaning), runs in the test's working
-directory and sys.path, and gets the test process's environment as it is at launch.
+most multi-rank tests run for. Each rank still imports its test module and every training framework
+afresh (Megatron, DeepSpeed, transformers: none is preloaded), runs in the test's working directory and
+sys.path, and gets the test process's environment as it is at launch. Forked ranks share the server's
+string-hash seed (so the same iteration order of string sets), where ranks started by torchrun each have
+their own: `fresh_interpreters=True` spawns new interpreters instead, as a few broad tests do, so that an
+order that differs across ranks still shows.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import pickle
 import queue
 import shutil
 import socket
-import sys
 import tempfile
 import time
 import traceback
@@ -87,11 +89,19 @@ def _child(
 
 
 def run_ranks(
-    fn: Callable[..., Any], world_size: int = 2, timeout: float = 600.0, **kwargs: Any
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    timeout: float = 600.0,
+    fresh_interpreters: bool = False,
+    **kwargs: Any,
 ) -> list[Any]:
-    """Run `fn(rank, world_size, **kwargs)` on `world_size` gloo ranks; return results by rank."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # used when the server starts, at the session's first launch
+    """Run `fn(rank, world_size, **kwargs)` on `world_size` gloo ranks; return results by rank.
+    `fresh_interpreters`: spawn each rank (its own hash seed; 10-20 s more per rank on 2 cores)."""
+    if fresh_interpreters:
+        ctx = mp.get_context("spawn")
+    else:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)  # used when the server starts, at the session's first launch
     results = ctx.Queue()
     port = free_port()
     job = pickle.dumps((fn, kwargs))
@@ -150,12 +160,14 @@ def run_ranks(
 
 
 def _echo_logs(logs: str, world_size: int) -> None:
-    """Write each rank's output to this process's stdout (pytest shows it when the test fails)."""
-    for r in range(world_size):
-        path = os.path.join(logs, f"rank{r}.log")
-        if os.path.exists(path):
-            with open(path, errors="replace") as fh:
-                text = fh.read()
-            if text:
-                sys.stdout.write(f"----- rank {r} -----\n{text}")
+    """Write each rank's output to this process's file descriptor 2, where spawned ranks wrote theirs:
+    pytest's fd capture shows it when the test fails, and capsys (sys.stdout) never sees it."""
+    with open(2, "wb", closefd=False) as err:
+        for r in range(world_size):
+            path = os.path.join(logs, f"rank{r}.log")
+            if os.path.exists(path):
+                with open(path, "rb") as fh:
+                    data = fh.read()
+                if data:
+                    err.write(f"----- rank {r} -----\n".encode() + data)
     shutil.rmtree(logs, ignore_errors=True)

@@ -380,7 +380,8 @@ def _check(results: list[dict], case: str) -> None:
 
 
 def test_dtensor_and_hybrid_layouts_on_four_ranks(tmp_path: Path) -> None:
-    results = run_ranks(_matrix, world_size=4, timeout=900, out_root=str(tmp_path))
+    # fresh interpreters: each rank its own string-hash seed, as under torchrun
+    results = run_ranks(_matrix, world_size=4, timeout=900, fresh_interpreters=True, out_root=str(tmp_path))
     failures = []
     partial = [r["partial"] for r in results]
     assert partial[0]["rows"] == [("p", [4, 6])] and all(not p["rows"] for p in partial[1:]), partial

@@ -455,7 +455,8 @@ def _check_matrix(results: list[dict], world: int) -> None:
 
 
 def test_megatron_layouts_on_two_ranks(tmp_path: Path) -> None:
-    results = run_ranks(_matrix, world_size=2, timeout=1200, out_root=str(tmp_path))
+    # fresh interpreters: each rank its own string-hash seed, as under torchrun
+    results = run_ranks(_matrix, world_size=2, timeout=1200, fresh_interpreters=True, out_root=str(tmp_path))
     _check_matrix(results, 2)
 
 
