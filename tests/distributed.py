@@ -14,7 +14,7 @@ afresh (Megatron, DeepSpeed, transformers: none is preloaded), runs in the test'
 sys.path, and gets the test process's environment as it is at launch. Forked ranks share the server's
 string-hash seed (so the same iteration order of string sets), where ranks started by torchrun each have
 their own: `fresh_interpreters=True` spawns new interpreters instead, as a few broad tests do, so that an
-order that differs across ranks still shows.
+order that differs across ranks still shows. Where CUDA is available every launch spawns (see run_ranks).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -97,7 +98,9 @@ def run_ranks(
 ) -> list[Any]:
     """Run `fn(rank, world_size, **kwargs)` on `world_size` gloo ranks; return results by rank.
     `fresh_interpreters`: spawn each rank (its own hash seed; 10-20 s more per rank on 2 cores)."""
-    if fresh_interpreters:
+    # With a GPU, spawn as well: the preloaded compiler stack may initialise CUDA in the server, and a
+    # forked child of a process that did cannot use CUDA.
+    if fresh_interpreters or torch.cuda.is_available():
         ctx = mp.get_context("spawn")
     else:
         ctx = mp.get_context("forkserver")
