@@ -442,7 +442,7 @@ def test_load_of_one_part_file_knows_its_family_and_rank(tmp_path):
 
 SECONDS_SCRIPT = textwrap.dedent(
     """
-    import os, signal, sys, time
+    import os, pathlib, signal, sys, time
     import torch
     from trainermon import TrainerMon
     os.environ["MONITOR_OUTPUT_DIR"] = sys.argv[1]
@@ -455,15 +455,24 @@ SECONDS_SCRIPT = textwrap.dedent(
         model(torch.randn(3, 4)).sum().backward()
         opt.step()
         opt.zero_grad()
-    time.sleep(float(sys.argv[3]))  # no further collected step: a long evaluation, a rare schedule
+    # No further collected step (a long evaluation, a rare schedule): wait, without stepping, until the
+    # time limit has written both families, or until the deadline; then die without closing.
+    parts = pathlib.Path(sys.argv[1], "parquet")
+    deadline = time.monotonic() + float(sys.argv[3])
+    while time.monotonic() < deadline:
+        found = {p.parent.parent.name for p in parts.glob("family=*/rank=0/part-*.parquet")}
+        if found >= {"family=grad_unreduced", "family=grad_reduced"}:
+            break
+        time.sleep(0.05)
     os.kill(os.getpid(), signal.SIGKILL)
     """
 )
 
 
 def test_seconds_per_part_bounds_the_loss_without_a_further_step(tmp_path):
-    """The time limit was checked only when a step arrived: a job killed after 4 s without a collected
-    step had lost both buffered steps, with seconds_per_part 1."""
+    """The time limit was checked only when a step arrived: a job killed without a further collected
+    step lost both buffered steps, with seconds_per_part 1. The job waits (up to 60 s, no step) for the
+    parts rather than a fixed 4 s: on a loaded host two fsynced part writes took longer than 3 s."""
     cfg = {
         "wg_distribution": True,
         "ops": ["norm"],
@@ -474,7 +483,7 @@ def test_seconds_per_part_bounds_the_loss_without_a_further_step(tmp_path):
     (tmp_path / "run.py").write_text(SECONDS_SCRIPT)
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, str(tmp_path / "run.py"), str(out), str(tmp_path / "cfg.json"), "4"],
+        [sys.executable, str(tmp_path / "run.py"), str(out), str(tmp_path / "cfg.json"), "60"],
         cwd=REPO,
         capture_output=True,
         timeout=120,
