@@ -60,8 +60,9 @@ PRELOAD = [
 def _child(
     rank: int, world_size: int, port: int, job: bytes, results: Any, env: dict[str, str], log: str
 ) -> None:
-    # The server keeps the environment and output of the session's first launch: take this launch's
-    # before the test module is imported (the job is unpickled here, not by multiprocessing).
+    # A forkserver child inherits the environment and output of the session's first launch (a spawned
+    # one, the parent's): take this launch's before the test module is imported (the job is unpickled
+    # here, not by multiprocessing).
     os.environ.clear()
     os.environ.update(env)
     with open(log, "ab", buffering=0) as fh:
