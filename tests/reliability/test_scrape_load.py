@@ -18,12 +18,12 @@ def test_scrape_load_every_scrape_succeeds_and_is_well_formed():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     r = bench.run_load(
-        clients=8, seconds=1.5, max_scrapes=800, quiet_seconds=0.3, width=64, layers=4, parse=True
+        clients=8, seconds=60, max_scrapes=150, quiet_seconds=0.3, width=64, layers=4, parse=True
     )
     s = r["scrape"]
     assert s["failed"] == 0 and s["malformed"] == 0, s["errors"]
-    assert s["ok"] == s["started"] and 100 <= s["ok"] <= 800, s  # every scrape answered, and bounded
-    assert s["wall_s"] < 1.5 + 10  # bounded in time (a scrape times out after 10 s at worst)
+    assert s["ok"] == s["started"] and s["ok"] == 150, s  # every scrape answered, the count reached
+    assert s["wall_s"] < 60 + 10  # bounded in time (a scrape times out after 10 s at worst)
     assert s["regressions"] == 0  # no client ever saw trainermon_last_step go back
     first, last = s["training_steps_during"]
     assert last - first >= 10 and s["last_step_seen"] > s["first_step_seen"]  # training went on

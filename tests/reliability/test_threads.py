@@ -28,7 +28,15 @@ def _foreign_threads(before: set[threading.Thread]) -> list[str]:
     return sorted(t.name for t in threading.enumerate() if t not in before and t.is_alive())
 
 
-def test_close_is_idempotent_flushes_everything_and_joins_every_thread(tmp_path, dynamic_mode, out_dir):
+def test_close_is_idempotent_flushes_everything_and_joins_every_thread(
+    tmp_path, dynamic_mode, out_dir, monkeypatch
+):
+    import pyarrow.parquet  # noqa: F401 - imported untimed (~1.5 s cold), not by the sink
+
+    import trainermon.exporters.prometheus.server as server
+
+    # A close() that waited for the idle client would now wait 120 s, far above any loaded host's time.
+    monkeypatch.setattr(server.Handler, "timeout", 120)
     cfg = write_config(
         tmp_path / "cfg.json",
         dynamic_on=True,
@@ -58,7 +66,7 @@ def test_close_is_idempotent_flushes_everything_and_joins_every_thread(tmp_path,
     finally:
         idle.close()
     assert left == [], f"threads still running after close(): {left}"
-    assert took < 5, took
+    assert took < 60, took
     print(f"\nclose(): {len(started)} monitor threads {started} joined in {took:.3f} s")
     # Everything was flushed: the last step is in the CSV and in the Parquet part that close() completed.
     assert {int(r["step"]) for r in read_family(mon.run_dir, "grad_reduced")} == set(range(5))
@@ -75,6 +83,8 @@ EXIT_SCRIPT = textwrap.dedent(
     import torch
     from torch import nn
     from trainermon import TrainerMon
+    import trainermon.exporters.prometheus.server as server
+    server.Handler.timeout = 120  # an exit that waited for the idle client would take 120 s
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -113,7 +123,7 @@ def test_interpreter_exit_without_close_with_every_thread_running(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir, last_line = done.stdout.split()[-2:]
     exit_took = ended - float(last_line)  # from the script's last line to the process being reaped
-    assert exit_took < 10, exit_took
+    assert exit_took < 60, exit_took
     print(f"\nexit without close(): process gone {exit_took:.3f} s after its last line")
     assert {int(r["step"]) for r in read_family(run_dir, "grad_reduced")} == set(range(6))
     import trainermon as tm
@@ -168,7 +178,7 @@ def _returns_within(fn, seconds: float) -> tuple[bool, list[BaseException], thre
 def test_flush_with_a_hung_sink_returns_without_raising(tmp_path, monkeypatch):
     mon, sink = _hung_monitor(tmp_path, monkeypatch)
     try:
-        returned, errors, _ = _returns_within(lambda: mon.flush(timeout=0.5), 3.0)
+        returned, errors, _ = _returns_within(lambda: mon.flush(timeout=0.5), 15.0)  # hung: 60 s
     finally:
         sink.release.set()
         mon.close()
@@ -178,7 +188,7 @@ def test_flush_with_a_hung_sink_returns_without_raising(tmp_path, monkeypatch):
 def test_close_with_a_hung_sink_is_bounded(tmp_path, monkeypatch):
     mon, sink = _hung_monitor(tmp_path, monkeypatch)
     try:
-        returned, errors, thread = _returns_within(lambda: mon.loop.worker.close(timeout=0.5), 3.0)
+        returned, errors, thread = _returns_within(lambda: mon.loop.worker.close(timeout=0.5), 15.0)
     finally:
         sink.release.set()
         mon.close()
@@ -201,12 +211,14 @@ def test_a_hung_sink_is_switched_off_and_the_others_go_on(tmp_path, monkeypatch,
     monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
     entered, release = threading.Event(), threading.Event()
     calls = {"write": 0, "flush": 0, "after": 0}
+    stuck_thread = []
     real = {name: getattr(csv_mod.CsvExporter, name) for name in ("write", "flush")}
 
     def stuck(name):
         def call(self, *args):
             calls[name] += 1
             if name == stuck_in and not entered.is_set():
+                stuck_thread.append(threading.current_thread())
                 entered.set()
                 release.wait(30)
                 calls["after"] += 1  # returned: the thread must stop without another call
@@ -238,7 +250,7 @@ def test_a_hung_sink_is_switched_off_and_the_others_go_on(tmp_path, monkeypatch,
         start = time.monotonic()
         state = mon.state_dict()  # flushes: served by the new thread
         took = time.monotonic() - start
-        assert took < 3 and state["step"] == 4, (took, state)
+        assert took < 20 and state["step"] == 4, (took, state)  # before: stuck till release (30 s)
         import trainermon as tm
 
         parquet_steps = sorted(set(tm.load(tmp_path / "out").column("step").to_pylist()))
@@ -248,6 +260,8 @@ def test_a_hung_sink_is_switched_off_and_the_others_go_on(tmp_path, monkeypatch,
         written = dict(calls)
     finally:
         release.set()
-        time.sleep(0.2)
+        for thread in stuck_thread:
+            thread.join(30)  # its call returned and the thread stopped
         mon.close()
+    assert not stuck_thread[0].is_alive()
     assert calls == {**written, "after": 1}  # released: no call after it, not even close's flush

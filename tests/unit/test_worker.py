@@ -52,7 +52,7 @@ def wait_for(predicate, seconds: float = 10.0) -> bool:
 
 def test_steps_wait_for_the_interval_then_go_out_together_in_order():
     sink = Recorder()
-    worker = BackgroundWorker([sink], FaultLog(), _derive, queue_size=64, interval_s=0.4)
+    worker = BackgroundWorker([sink], FaultLog(), _derive, queue_size=64, interval_s=2.0)
     try:
         time.sleep(0.05)  # let the worker reach its wait
         t0 = time.monotonic()
@@ -60,10 +60,10 @@ def test_steps_wait_for_the_interval_then_go_out_together_in_order():
             assert worker.submit(payload(step))
         time.sleep(0.1)
         assert sink.steps == []  # a hand-off wakes nobody: nothing written yet
-        assert sink.written.wait(5)
+        assert sink.written.wait(20)
         assert wait_for(lambda: len(sink.steps) == 5)
         assert sink.steps == [0, 1, 2, 3, 4]
-        assert time.monotonic() - t0 < 2.0  # within the interval (plus scheduling slack)
+        assert time.monotonic() - t0 < 15.0  # the interval, not close() or the 60 s default path
         assert worker.written_batches == 5 and worker.dropped_rows == 0
     finally:
         worker.close()
