@@ -135,8 +135,10 @@ class ConfigWatcher:
             except OSError:
                 return None
 
+        first = signature()  # before the thread starts: an edit made once the watcher exists is seen
+
         def run() -> None:
-            last = signature()
+            last = first
             while not self._stop.wait(interval):
                 now = signature()
                 if now != last:
