@@ -460,7 +460,8 @@ SECONDS_SCRIPT = textwrap.dedent(
     parts = pathlib.Path(sys.argv[1], "parquet")
     deadline = time.monotonic() + float(sys.argv[3])
     while time.monotonic() < deadline:
-        found = {p.parent.parent.name for p in parts.glob("family=*/rank=0/part-*.parquet")}
+        # a part ending at step 1: the limit may also have written step 0 alone first
+        found = {p.parent.parent.name for p in parts.glob("family=*/rank=0/part-*-000000000001-*.parquet")}
         if found >= {"family=grad_unreduced", "family=grad_reduced"}:
             break
         time.sleep(0.05)

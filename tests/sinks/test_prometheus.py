@@ -156,9 +156,11 @@ SCRAPER = textwrap.dedent(
     host, port, clients, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
     ok, bad, seen = [0], [0], [-1.0]
     lock = threading.Lock()
-    def run():  # until 250 scrapes are answered and one saw step 23 (what the test needs), or `seconds` pass
+    # until 250 scrapes are answered and one saw step 42, the 20th trained while scraped (what the test
+    # needs), or `seconds` pass
+    def run():
         end = time.monotonic() + seconds
-        while time.monotonic() < end and (ok[0] < 250 or seen[0] < 23):
+        while time.monotonic() < end and (ok[0] < 250 or seen[0] < 42):
             try:
                 conn = http.client.HTTPConnection(host, port, timeout=5)
                 conn.request("GET", "/metrics")
