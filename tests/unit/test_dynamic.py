@@ -35,7 +35,7 @@ def _collected_steps(out_root: str, family: str = "grad_reduced") -> list[int]:
     return sorted(steps)
 
 
-def _wait_dirty(monitor: TrainerMon, timeout: float = 5.0) -> None:
+def _wait_dirty(monitor: TrainerMon, timeout: float = 30.0) -> None:
     watcher = monitor.loop.control.watcher
     deadline = time.monotonic() + timeout
     while not watcher.dirty and time.monotonic() < deadline:
@@ -282,10 +282,44 @@ def test_every_save_style_is_seen(tmp_path, monkeypatch, save, backend):
         watcher.dirty = False
         time.sleep(0.01)
         save(path)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while not watcher.dirty and time.monotonic() < deadline:
             time.sleep(0.01)
         assert watcher.dirty
+    finally:
+        watcher.stop()
+
+
+@pytest.mark.parametrize("backend", ["inotify", "polling", "stat"])
+def test_a_save_before_the_watcher_thread_runs_is_seen(tmp_path, monkeypatch, backend):
+    """A save made once the watcher exists but before its thread first runs (a loaded host) is seen:
+    every back-end takes its baseline (or sets its watch) before the constructor returns. The watcher's
+    loop is held back 0.5 s here, so a baseline taken on that thread would be the saved file."""
+    import threading
+
+    from watchdog.observers.api import EventEmitter
+
+    path = str(tmp_path / "cfg.json")
+    with open(path, "w") as fh:
+        fh.write("{}")
+    if backend == "stat":
+        monkeypatch.setitem(sys.modules, "watchdog.observers", None)
+    owner = threading.Thread if backend == "stat" else EventEmitter  # whose run() the watcher loops in
+    late_run = owner.run
+
+    def held_back(self) -> None:
+        time.sleep(0.5)
+        late_run(self)
+
+    monkeypatch.setattr(owner, "run", held_back)
+    watcher = ConfigWatcher(path, polling=backend == "polling", poll_interval=0.1)
+    try:
+        with open(path, "w") as fh:
+            fh.write('{"collect_times": 3}')
+        deadline = time.monotonic() + 30
+        while not watcher.dirty and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert watcher.dirty, watcher.backend
     finally:
         watcher.stop()
 
