@@ -183,6 +183,10 @@ def test_empty_target_is_refused(tmp_path):
         TrainerMon(write_config(tmp_path / "cfg.json", targets={"": {}, "x": {}}, wg_distribution=True))
 
 
+def _rule(name: str, **args) -> dict:
+    return {"rule_name": name, "args": args}
+
+
 def _attach_warnings(tmp_path, caplog, **cfg_keys) -> list[str]:
     """The trainermon warnings of `set_monitor` on a tiny model, and the run's output files."""
     from trainermon import TrainerMon
@@ -211,6 +215,28 @@ def _attach_warnings(tmp_path, caplog, **cfg_keys) -> list[str]:
             "module_ranks [3]: no such rank in this job of 1",
         ),
         ({"wg_distribution": True, "dynamic_on": True}, "DYNAMIC_MONITOR is not 'true'"),
+        (
+            {"wg_distribution": True, "alert": {"rules": [_rule("AnomalyUpdateRatio", threshold=1)]}},
+            "alert.rules[0] AnomalyUpdateRatio can never fire: it reads the update rows, and "
+            "update_distribution is off",
+        ),
+        (
+            {
+                "wg_distribution": True,
+                "alert": {"rules": [_rule("AnomalyNan"), _rule("AnomalyExpertCollapse")]},
+            },
+            "alert.rules[1] AnomalyExpertCollapse can never fire: it reads the moe_load rows, and "
+            "moe_distribution is off",
+        ),
+        (
+            {"wg_distribution": True, "alert": {"rules": [_rule("AnomalyLogitGrowth")]}},
+            "AnomalyLogitGrowth can never fire: it reads the attn_logit rows, and "
+            "attn_logit_distribution.enable is off",
+        ),
+        (
+            {"wg_distribution": True, "alert": {"escalate_steps": 5}},
+            "alert.escalate_steps 5 has no effect: no alert rule is configured",
+        ),
     ],
 )
 def test_switches_that_select_nothing_say_so(tmp_path, out_dir, static_mode, caplog, keys, said):
@@ -221,7 +247,48 @@ def test_switches_that_select_nothing_say_so(tmp_path, out_dir, static_mode, cap
 
 def test_switches_that_select_something_say_nothing(tmp_path, out_dir, static_mode, caplog):
     keys = {"xy_distribution": True, "forward_only": True, "module_ranks": [0], "wg_distribution": True}
-    assert not _attach_warnings(tmp_path, caplog, monitor_mbs_grad=True, **keys)
+    alert = {"rules": [_rule("AnomalyUpdateRatio", threshold=1), _rule("AnomalyNan")], "escalate_steps": 2}
+    assert not _attach_warnings(
+        tmp_path, caplog, monitor_mbs_grad=True, update_distribution=True, alert=alert, **keys
+    )
+
+
+def _train_warnings(tmp_path, caplog, steps: int, **cfg_keys) -> tuple[list[str], object]:
+    """The trainermon warnings of `steps` steps of a tiny model (set_monitor to close), and the monitor."""
+    from trainermon import TrainerMon
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        monitor = TrainerMon(write_config(tmp_path / "cfg.json", **cfg_keys))
+        monitor.set_monitor(model, optimizer=opt)
+        for _ in range(steps):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        monitor.close()
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING], monitor
+
+
+@pytest.mark.parametrize("start_step, collected", [(3, []), (7, []), (2, [2])])
+def test_a_start_step_the_run_never_reached_is_said_at_close(
+    tmp_path, out_dir, static_mode, caplog, start_step, collected
+):
+    """A production config (start_step 3 or 7) on a 3-step trial run (steps 0-2) collected nothing, and
+    nothing said so."""
+    lines, monitor = _train_warnings(tmp_path, caplog, 3, wg_distribution=True, start_step=start_step)
+    assert sorted({int(r["step"]) for r in read_family(monitor.run_dir, "grad_reduced")}) == collected
+    said = f"the run ended after 3 step(s), before start_step {start_step}"
+    expected = [] if collected else [f"trainermon: no step was collected: {said}"]
+    assert lines == expected
+
+
+def test_cc_distribution_without_torch_distributed_is_said_once(tmp_path, out_dir, static_mode, caplog):
+    """cc_distribution on in a process without torch.distributed watched nothing and wrote no comm row,
+    with no word."""
+    lines, _ = _train_warnings(tmp_path, caplog, 3, cc_distribution={"enable": True})
+    assert len(lines) == 1, lines
+    assert "cc_distribution is on but torch.distributed is not initialized" in lines[0], lines
 
 
 def test_target_of_frozen_parameters_says_they_are_frozen(tmp_path, out_dir, static_mode, caplog):

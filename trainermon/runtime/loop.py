@@ -367,6 +367,10 @@ class StepLoop(ConfigChanges):
         if self.closed:
             return
         self.closed = True
+        if self.adapter is not None and self.control is None:  # static mode: say a start never reached
+            unreached = self.schedule.start_not_reached(self.step)
+            if unreached:
+                logger.warning("trainermon: %s", unreached)
         for probe in self.probes:
             try:
                 probe.close()

@@ -41,6 +41,16 @@ class Schedule:
     def exhausted(self) -> bool:
         return self.collected >= self.collect_times
 
+    def start_not_reached(self, steps_run: int) -> str | None:
+        """At the end of a run of `steps_run` steps: why nothing was collected, when the cause is a
+        start_step the run never reached (a production config on a short trial run); else None."""
+        if self.collected or not self.collect_times or not 0 < steps_run <= self.start_step:
+            return None
+        return (
+            f"no step was collected: the run ended after {steps_run} step(s), before start_step "
+            f"{self.start_step}"
+        )
+
 
 @dataclass(frozen=True)
 class StepPlan:

@@ -11,7 +11,8 @@ the closest names that exist (difflib), at `set_monitor` and at each config relo
   selects `layers.10.weight` too: prefixes are plain string prefixes, as in msprobe);
 - switches that select nothing (`idle_switches`): no family on at all, `forward_only`/`backward_only`
   without activations, `monitor_mbs_grad` without gradients, `module_ranks` naming no rank of the job,
-  `dynamic_on` without `DYNAMIC_MONITOR=true`.
+  `dynamic_on` without `DYNAMIC_MONITOR=true`, an alert rule whose family is off, `alert.escalate_steps`
+  without rules.
 """
 
 from __future__ import annotations
@@ -131,6 +132,18 @@ OUTPUT_SWITCHES = (
 )
 
 
+#: Alert rules that read the rows of one family only: (family, the switch that turns it on, is it on).
+RULE_FAMILIES = {
+    "AnomalyUpdateRatio": ("update", "update_distribution", lambda c: c.update_distribution),
+    "AnomalyExpertCollapse": ("moe_load", "moe_distribution", lambda c: c.moe_distribution),
+    "AnomalyLogitGrowth": (
+        "attn_logit",
+        "attn_logit_distribution.enable",
+        lambda c: c.attn_logit_distribution.enable,
+    ),
+}
+
+
 def idle_switches(config: MonitorConfig, world_size: int, dynamic: bool) -> list[str]:
     """What the config switches on that can select nothing, one sentence each."""
     out = []
@@ -152,6 +165,18 @@ def idle_switches(config: MonitorConfig, world_size: int, dynamic: bool) -> list
         out.append(
             f"module_ranks {missing}: no such rank in this job of {world_size}"
             + (", so no rank collects actv/actv_grad" if alone else "")
+        )
+    for i, rule in enumerate(config.alert.rules):
+        family, switch, on = RULE_FAMILIES.get(rule.get("rule_name"), (None, None, None))
+        if family is not None and not on(config):
+            out.append(
+                f"alert.rules[{i}] {rule['rule_name']} can never fire: it reads the {family} rows, "
+                f"and {switch} is off"
+            )
+    if config.alert.escalate_steps and not config.alert.rules and not config.cc_distribution.enable:
+        out.append(
+            f"alert.escalate_steps {config.alert.escalate_steps} has no effect: no alert rule is "
+            "configured (alert.rules is empty), so no anomaly ever starts an escalation"
         )
     if config.dynamic_on and not dynamic:
         out.append(

@@ -90,6 +90,11 @@ class CommProbe(Probe):
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
+            self._warn_once(
+                "no_dist",
+                "trainermon: cc_distribution is on but torch.distributed is not initialized: no collective "
+                "to watch, so no comm rows (the check runs again at each collected step)",
+            )
             return
         self.recorder.reset()
         self._forwards = 0
