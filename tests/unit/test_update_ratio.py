@@ -159,6 +159,35 @@ def test_update_ratio_rule(tmp_path):
     assert got[1][3] == 0.05
 
 
+def test_a_zero_initialised_parameter_is_no_update_ratio_anomaly(tmp_path, monkeypatch):
+    """A bias initialised to zeros has ||w_before|| = 0 at its first update: its ratio is inf in the
+    output, and `threshold` fired on it at step 0 for every such bias (helper-80). A parameter whose
+    update really is larger than itself still fires."""
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    rules = [{"rule_name": "AnomalyUpdateRatio", "args": {"threshold": 1.0}}]
+    cfg = write_config(
+        tmp_path / "c.json", update_distribution=True, ops=["norm"], alert={"rules": rules, "dump": True}
+    )
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    with torch.no_grad():
+        model[0].bias.zero_()
+        model[2].weight.mul_(1e-4)  # its first update is far larger than the weight itself
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    mon = TrainerMon(cfg)
+    mon.set_monitor(model, optimizer=opt)
+    for _ in range(2):
+        model(torch.randn(5, 6)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    ratio = {(r["name"], int(r["step"])): float(r["ratio"]) for r in read_family(mon.run_dir, "update")}
+    assert ratio[("0.bias", 0)] == math.inf and math.isfinite(ratio[("0.bias", 1)])
+    assert ratio[("2.weight", 0)] > 1.0
+    fired = {(a["name"], a["step"]) for a in load_anomalies(str(tmp_path / "out"))}
+    assert ("2.weight", 0) in fired and ("0.bias", 0) not in fired, fired
+
+
 def test_prometheus_and_tensorboard_export_the_ratio(tmp_path, monkeypatch):
     from tests.sinks.test_prometheus import scrape, url_of, value
     from trainermon.exporters.prometheus import layer_of

@@ -1,7 +1,8 @@
 """Anomaly rules of the training-health families (called by `AnomalyDetector`, worker thread only).
 
 - `AnomalyUpdateRatio`: an `update` row's ||dw||/||w|| above `threshold` (when given), or a spike of it
-  as `AnomalySpike` defines one (`window`, `warmup`, `z`, `min_rel`), per parameter.
+  as `AnomalySpike` defines one (`window`, `warmup`, `z`, `min_rel`), per parameter. A non-finite ratio
+  is not one (inf: the parameter was all zeros before the step).
 - `AnomalyExpertCollapse`: a `moe_load` row whose coefficient of variation of the per-expert load is above
   `cv` (default 1.0: the spread of the load is as large as its mean), or whose fraction of experts that got
   no token is above `dead` (when given). The record names the statistic (`load_cv` or `zeros`).
@@ -31,7 +32,9 @@ def update_ratio(det: Any, batch: StatBatch, args: dict, now: float) -> list:
     out = []
     for i, row in enumerate(batch.rows):
         value = float(column[i])
-        if row.family != "update" or math.isnan(value):
+        # inf: the parameter was all zeros before the step (a zero-initialised bias at its first update),
+        # where the ratio means nothing; a non-finite update is AnomalyNan's, as in the other rules.
+        if row.family != "update" or not math.isfinite(value):
             continue
         roll = det.roll(window, "ratio", row.vpp_stage, row.name)
         baseline = roll.check_then_add(value, warmup, z, min_rel)
