@@ -253,7 +253,7 @@ def test_switches_that_select_something_say_nothing(tmp_path, out_dir, static_mo
     )
 
 
-def _train_warnings(tmp_path, caplog, steps: int, **cfg_keys) -> tuple[list[str], object]:
+def _train_warnings(tmp_path, caplog, steps: int, start: int = 0, **cfg_keys) -> tuple[list[str], object]:
     """The trainermon warnings of `steps` steps of a tiny model (set_monitor to close), and the monitor."""
     from trainermon import TrainerMon
 
@@ -261,7 +261,7 @@ def _train_warnings(tmp_path, caplog, steps: int, **cfg_keys) -> tuple[list[str]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with caplog.at_level(logging.WARNING, logger="trainermon"):
         monitor = TrainerMon(write_config(tmp_path / "cfg.json", **cfg_keys))
-        monitor.set_monitor(model, optimizer=opt)
+        monitor.set_monitor(model, optimizer=opt, start_iteration=start)
         for _ in range(steps):
             model(torch.randn(2, 4)).sum().backward()
             opt.step()
@@ -270,15 +270,17 @@ def _train_warnings(tmp_path, caplog, steps: int, **cfg_keys) -> tuple[list[str]
     return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING], monitor
 
 
-@pytest.mark.parametrize("start_step, collected", [(3, []), (7, []), (2, [2])])
+@pytest.mark.parametrize(
+    "start, start_step, collected", [(0, 3, []), (0, 7, []), (0, 2, [2]), (100, 500, [])]
+)
 def test_a_start_step_the_run_never_reached_is_said_at_close(
-    tmp_path, out_dir, static_mode, caplog, start_step, collected
+    tmp_path, out_dir, static_mode, caplog, start, start_step, collected
 ):
     """A production config (start_step 3 or 7) on a 3-step trial run (steps 0-2) collected nothing, and
-    nothing said so."""
-    lines, monitor = _train_warnings(tmp_path, caplog, 3, wg_distribution=True, start_step=start_step)
+    nothing said so. A run resumed at step 100 counts its own 3 steps."""
+    lines, monitor = _train_warnings(tmp_path, caplog, 3, start, wg_distribution=True, start_step=start_step)
     assert sorted({int(r["step"]) for r in read_family(monitor.run_dir, "grad_reduced")}) == collected
-    said = f"the run ended after 3 step(s), before start_step {start_step}"
+    said = f"the run ended after 3 step(s) (at step {start + 3}), before start_step {start_step}"
     expected = [] if collected else [f"trainermon: no step was collected: {said}"]
     assert lines == expected
 

@@ -83,7 +83,7 @@ class StepLoop(ConfigChanges):
             if env.dynamic
             else None
         )
-        self.step = 0
+        self.step = self.first_step = 0
         self.plan = StepPlan(step=0)
         self.adapter: Any = None
         self.worker: BackgroundWorker | None = None
@@ -113,7 +113,7 @@ class StepLoop(ConfigChanges):
         from .skips import SkippedStepProbe
 
         self.adapter = adapter
-        self.step = start_iteration
+        self.step = self.first_step = start_iteration
         self.outputs.coords = adapter.coordinates()
         self.outputs.unreduced_kind = adapter.msprobe_unreduced_kind
         self.xrank.attach()  # collective: a CPU group (the summaries' layout check, the run id)
@@ -352,7 +352,7 @@ class StepLoop(ConfigChanges):
         self._begin()
 
     def _restore(self, state: dict) -> None:
-        self.step = int(state["step"])
+        self.step = self.first_step = int(state["step"])  # a resumed run counts its steps from here
         # Dynamic mode: the file decides dynamic_on (switched while the job was down, it holds); the count
         # toward collect_times goes on only where collection was on before and is on now.
         if self.control is None or bool(state.get("dynamic_on")) == self.config.dynamic_on:
@@ -368,7 +368,7 @@ class StepLoop(ConfigChanges):
             return
         self.closed = True
         if self.adapter is not None and self.control is None:  # static mode: say a start never reached
-            unreached = self.schedule.start_not_reached(self.step)
+            unreached = self.schedule.start_not_reached(self.first_step, self.step)
             if unreached:
                 logger.warning("trainermon: %s", unreached)
         for probe in self.probes:

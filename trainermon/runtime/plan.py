@@ -41,14 +41,14 @@ class Schedule:
     def exhausted(self) -> bool:
         return self.collected >= self.collect_times
 
-    def start_not_reached(self, steps_run: int) -> str | None:
-        """At the end of a run of `steps_run` steps: why nothing was collected, when the cause is a
-        start_step the run never reached (a production config on a short trial run); else None."""
-        if self.collected or not self.collect_times or not 0 < steps_run <= self.start_step:
+    def start_not_reached(self, first: int, end: int) -> str | None:
+        """At the end of a run of steps `first` to `end` - 1: why nothing was collected, when the cause is
+        a start_step the run never reached (a production config on a short trial run); else None."""
+        if self.collected or not self.collect_times or not first < end <= self.start_step:
             return None
         return (
-            f"no step was collected: the run ended after {steps_run} step(s), before start_step "
-            f"{self.start_step}"
+            f"no step was collected: the run ended after {end - first} step(s) (at step {end}), before "
+            f"start_step {self.start_step}"
         )
 
 
