@@ -234,6 +234,14 @@ def _attach_warnings(tmp_path, caplog, **cfg_keys) -> list[str]:
             "attn_logit_distribution.enable is off",
         ),
         (
+            {"wg_distribution": True, "prometheus": {"port": 9400}},
+            "the prometheus section has no effect: format ['csv'] does not include 'prometheus'",
+        ),
+        (
+            {"wg_distribution": True, "format": "csv", "parquet": {"steps_per_part": 4}},
+            "the parquet section has no effect: format ['csv'] does not include 'parquet'",
+        ),
+        (
             {"wg_distribution": True, "alert": {"escalate_steps": 5}},
             "alert.escalate_steps 5 has no effect: no alert rule is configured",
         ),
@@ -249,7 +257,14 @@ def test_switches_that_select_something_say_nothing(tmp_path, out_dir, static_mo
     keys = {"xy_distribution": True, "forward_only": True, "module_ranks": [0], "wg_distribution": True}
     alert = {"rules": [_rule("AnomalyUpdateRatio", threshold=1), _rule("AnomalyNan")], "escalate_steps": 2}
     assert not _attach_warnings(
-        tmp_path, caplog, monitor_mbs_grad=True, update_distribution=True, alert=alert, **keys
+        tmp_path,
+        caplog,
+        monitor_mbs_grad=True,
+        update_distribution=True,
+        alert=alert,
+        format=["csv", "parquet"],
+        parquet={"steps_per_part": 4},
+        **keys,
     )
 
 

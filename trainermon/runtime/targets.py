@@ -12,7 +12,7 @@ the closest names that exist (difflib), at `set_monitor` and at each config relo
 - switches that select nothing (`idle_switches`): no family on at all, `forward_only`/`backward_only`
   without activations, `monitor_mbs_grad` without gradients, `module_ranks` naming no rank of the job,
   `dynamic_on` without `DYNAMIC_MONITOR=true`, an alert rule whose family is off, `alert.escalate_steps`
-  without rules.
+  without rules, a `parquet`/`prometheus` section whose format is not on.
 """
 
 from __future__ import annotations
@@ -178,6 +178,12 @@ def idle_switches(config: MonitorConfig, world_size: int, dynamic: bool) -> list
             f"alert.escalate_steps {config.alert.escalate_steps} has no effect: no alert rule is "
             "configured (alert.rules is empty), so no anomaly ever starts an escalation"
         )
+    for section in ("parquet", "prometheus"):
+        if section not in config.format and getattr(config, section) != type(getattr(config, section))():
+            out.append(
+                f"the {section} section has no effect: format {list(config.format)} does not include "
+                f"'{section}'"
+            )
     if config.dynamic_on and not dynamic:
         out.append(
             "dynamic_on is set but DYNAMIC_MONITOR is not 'true': the config file is not watched and "
