@@ -242,6 +242,10 @@ def _attach_warnings(tmp_path, caplog, **cfg_keys) -> list[str]:
             "the parquet section has no effect: format ['csv'] does not include 'parquet'",
         ),
         (
+            {"wg_distribution": True, "format": ["csv", "prometheus"], "prometheus": {"families": ["actv"]}},
+            "prometheus.families ['actv'] selects no family the config switches on",
+        ),
+        (
             {"wg_distribution": True, "alert": {"escalate_steps": 5}},
             "alert.escalate_steps 5 has no effect: no alert rule is configured",
         ),
@@ -266,6 +270,24 @@ def test_switches_that_select_something_say_nothing(tmp_path, out_dir, static_mo
         parquet={"steps_per_part": 4},
         **keys,
     )
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {"wg_distribution": True, "prometheus": {"families": ["actv", "grad_reduced"]}},
+        {"param_distribution": True, "prometheus": {"families": ["param_origin", "comm"]}},
+        {"update_distribution": True, "prometheus": {"families": ["update"]}},
+        # an escalation after an anomaly writes every module's activations, with xy_distribution off
+        {
+            "wg_distribution": True,
+            "prometheus": {"families": ["actv"]},
+            "alert": {"rules": [_rule("AnomalyNan")], "escalate_steps": 2},
+        },
+    ],
+)
+def test_prometheus_families_that_may_have_rows_say_nothing(tmp_path, out_dir, static_mode, caplog, keys):
+    assert not _attach_warnings(tmp_path, caplog, format=["csv", "prometheus"], **keys)
 
 
 def _train_warnings(tmp_path, caplog, steps: int, start: int = 0, **cfg_keys) -> tuple[list[str], object]:

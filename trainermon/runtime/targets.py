@@ -12,7 +12,8 @@ the closest names that exist (difflib), at `set_monitor` and at each config relo
 - switches that select nothing (`idle_switches`): no family on at all, `forward_only`/`backward_only`
   without activations, `monitor_mbs_grad` without gradients, `module_ranks` naming no rank of the job,
   `dynamic_on` without `DYNAMIC_MONITOR=true`, an alert rule whose family is off, `alert.escalate_steps`
-  without rules, a `parquet`/`prometheus` section whose format is not on.
+  without rules, a `parquet`/`prometheus` section whose format is not on,
+  `prometheus.families` naming only families that are off.
 """
 
 from __future__ import annotations
@@ -144,6 +145,25 @@ RULE_FAMILIES = {
 }
 
 
+def family_may_have_rows(config: MonitorConfig, family: str) -> bool:
+    """Whether the config switches `family` on (activations also when an escalation may collect them)."""
+    if family in ("actv", "actv_grad"):
+        return config.xy_distribution or config.alert.escalate_steps > 0
+    if family in ("grad_unreduced", "grad_reduced"):
+        return config.wg_distribution
+    if family in ("param_origin", "param_updated"):
+        return config.param_distribution
+    if family == "comm":
+        return config.cc_distribution.enable
+    if family == "attn_logit":
+        return config.attn_logit_distribution.enable
+    if family == "update":
+        return config.update_distribution
+    if family == "moe_load":
+        return config.moe_distribution
+    return config.mv_distribution  # exp_avg, exp_avg_sq and the other optimizers' state families
+
+
 def idle_switches(config: MonitorConfig, world_size: int, dynamic: bool) -> list[str]:
     """What the config switches on that can select nothing, one sentence each."""
     out = []
@@ -184,6 +204,12 @@ def idle_switches(config: MonitorConfig, world_size: int, dynamic: bool) -> list
                 f"the {section} section has no effect: format {list(config.format)} does not include "
                 f"'{section}'"
             )
+    chosen = config.prometheus.families
+    if "prometheus" in config.format and chosen and not any(family_may_have_rows(config, f) for f in chosen):
+        out.append(
+            f"prometheus.families {list(chosen)} selects no family the config switches on, so the endpoint "
+            "has no per-tensor series"
+        )
     if config.dynamic_on and not dynamic:
         out.append(
             "dynamic_on is set but DYNAMIC_MONITOR is not 'true': the config file is not watched and "
