@@ -8,7 +8,7 @@ import logging
 import sys
 from collections.abc import Callable
 
-from .collect.records import STATE_FAMILIES
+from .collect.records import FAMILY_SWITCH
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -73,25 +73,23 @@ def count(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-#: --families names -> the config switches that turn them on.
-FAMILY_SWITCHES = {
-    "actv": "xy_distribution",
-    "actv_grad": "xy_distribution",
-    "xy": "xy_distribution",
-    "grad_unreduced": "wg_distribution",
-    "grad_reduced": "wg_distribution",
-    "wg": "wg_distribution",
-    "exp_avg": "mv_distribution",
-    "exp_avg_sq": "mv_distribution",
-    "mv": "mv_distribution",
-    **{f: "mv_distribution" for f in STATE_FAMILIES},  # other optimizers' state (runtime/moments.py)
-    "param_origin": "param_distribution",
-    "param_updated": "param_distribution",
-    "param": "param_distribution",
-    "update": "update_distribution",
-    "moe_load": "moe_distribution",
-    "attn_logit": "attn_logit_distribution",
+#: `on --families` names: every family, and a short name for each pair that shares a switch.
+FAMILY_ALIASES = {
+    "xy": ("actv", "actv_grad"),
+    "wg": ("grad_unreduced", "grad_reduced"),
+    "mv": ("exp_avg", "exp_avg_sq"),
+    "param": ("param_origin", "param_updated"),
 }
+FAMILY_NAMES = (*FAMILY_SWITCH, *FAMILY_ALIASES)
+
+
+def _switch_value(current: dict, switch: str, on: bool) -> object:
+    """The new value of `switch`: a section (`cc_distribution`, `attn_logit_distribution`) keeps its other
+    keys (`sample`, `ops`, ...) and only its `enable` changes."""
+    value = current.get(switch)
+    if isinstance(value, dict):
+        return {**value, "enable": on}
+    return {"enable": on} if switch == "cc_distribution" else on
 
 
 def _cmd_on(args: argparse.Namespace) -> int:
@@ -99,19 +97,18 @@ def _cmd_on(args: argparse.Namespace) -> int:
     from .runtime.control import update_config_file
 
     changes: dict = {"dynamic_on": True}
+    switches: dict[str, bool] = {}  # written once the file is read: a section keeps its other keys
     if args.collect_times is not None:
         changes["collect_times"] = args.collect_times
     if args.families:
         wanted = [f.strip() for item in args.families for f in item.split(",") if f.strip()]
-        unknown = [f for f in wanted if f not in FAMILY_SWITCHES]
+        unknown = [f for f in wanted if f not in FAMILY_NAMES]
         if unknown:
-            print(f"error: unknown families {unknown}; allowed: {sorted(FAMILY_SWITCHES)}", file=sys.stderr)
+            print(f"error: unknown families {unknown}; allowed: {sorted(FAMILY_NAMES)}", file=sys.stderr)
             return 2
-        for switch in set(FAMILY_SWITCHES.values()):
-            changes[switch] = False
+        named = {FAMILY_SWITCH[f] for w in wanted for f in FAMILY_ALIASES.get(w, (w,))}
+        switches = {switch: switch in named for switch in FAMILY_SWITCH.values()}
         changes["all_xy"] = False  # the named families decide (all_xy widens xy to every module)
-        for family in wanted:
-            changes[FAMILY_SWITCHES[family]] = True
         # Both set each time: the named families replace what an earlier `on --families` chose.
         both = "xy" in wanted or {"actv", "actv_grad"} <= set(wanted)
         changes["forward_only"] = "actv" in wanted and not both
@@ -119,6 +116,9 @@ def _cmd_on(args: argparse.Namespace) -> int:
     try:
         with open(args.config, encoding="utf-8") as fh:
             current = json.load(fh)
+        if not isinstance(current, dict):
+            raise ValueError("the top level must be a JSON object")
+        changes |= {switch: _switch_value(current, switch, on) for switch, on in switches.items()}
         parse_config({**current, **changes}, source=args.config)  # refuse to write an invalid config
         update_config_file(args.config, **changes)
     except (OSError, ValueError, ConfigError) as exc:
@@ -126,7 +126,7 @@ def _cmd_on(args: argparse.Namespace) -> int:
         return 2
     print(
         f"{args.config}: dynamic_on=true "
-        + " ".join(f"{k}={v}" for k, v in changes.items() if k != "dynamic_on")
+        + " ".join(f"{k}={json.dumps(v)}" for k, v in changes.items() if k != "dynamic_on")
     )
     return 0
 
@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     on = sub.add_parser("on", help="switch collection on in a running job's config (DYNAMIC_MONITOR=true)")
     on.add_argument("config")
     on.add_argument("--collect-times", type=int, default=None, help="steps to collect before switching off")
-    on.add_argument("--families", nargs="+", help=f"families to collect, of {sorted(FAMILY_SWITCHES)}")
+    on.add_argument("--families", nargs="+", help=f"families to collect, of {sorted(FAMILY_NAMES)}")
     on.set_defaults(func=_cmd_on)
     off = sub.add_parser("off", help="switch collection off in a running job's config")
     off.add_argument("config")

@@ -435,6 +435,26 @@ def test_cli_on_turns_on_the_health_families(tmp_path):
     parse_config(saved)  # a valid config
 
 
+def test_cli_on_changes_only_a_sections_enable(tmp_path):
+    """`cc_distribution` and `attn_logit_distribution` are sections: `on --families` flips their `enable`
+    and keeps the rest (`sample`, `cc_log_only`), and `comm` is a family like the others."""
+    path = tmp_path / "cfg.json"
+    sections = {
+        "attn_logit_distribution": {"enable": True, "sample": 64},
+        "cc_distribution": {"enable": True, "cc_log_only": True},
+    }
+    path.write_text(json.dumps({**BASE, **sections}))
+    assert cli_main(["on", str(path), "--families", "wg"]) == 0
+    saved = json.loads(path.read_text())
+    assert saved["attn_logit_distribution"] == {"enable": False, "sample": 64}, saved
+    assert saved["cc_distribution"] == {"enable": False, "cc_log_only": True}, saved
+    assert cli_main(["on", str(path), "--families", "comm,attn_logit"]) == 0
+    config = parse_config(json.loads(path.read_text()))
+    assert config.cc_distribution.enable and config.cc_distribution.cc_log_only
+    assert config.attn_logit_distribution.enable and config.attn_logit_distribution.sample == 64
+    assert not config.wg_distribution
+
+
 # ---- two ranks -----------------------------------------------------------------------------------
 def _two_rank_switch(rank: int, world: int, root: str, own_group: bool) -> list[int]:
     # Each rank reads its own copy of the config: a filesystem on which rank 1 sees edits 3 steps late.

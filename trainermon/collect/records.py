@@ -43,6 +43,22 @@ STATE_FAMILIES = (
     "col_var",
     "variance",
 )
+#: The config switch that turns each family on (for a section, `cc_distribution` and
+#: `attn_logit_distribution`, its `enable`). Used by the CLI's `on --families` and by the warnings about
+#: switches that select nothing (`runtime.targets`).
+FAMILY_SWITCH = {
+    "actv": "xy_distribution",
+    "actv_grad": "xy_distribution",
+    "grad_unreduced": "wg_distribution",
+    "grad_reduced": "wg_distribution",
+    "param_origin": "param_distribution",
+    "param_updated": "param_distribution",
+    **dict.fromkeys(("exp_avg", "exp_avg_sq", *STATE_FAMILIES), "mv_distribution"),
+    "comm": "cc_distribution",
+    "update": "update_distribution",
+    "moe_load": "moe_distribution",
+    "attn_logit": "attn_logit_distribution",
+}
 #: Families whose rows carry a micro_step column (msprobe's layout), besides grad_unreduced with
 #: monitor_mbs_grad.
 MICRO_STEP_FAMILIES = ("actv", "actv_grad")

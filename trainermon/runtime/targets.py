@@ -21,6 +21,7 @@ from __future__ import annotations
 import difflib
 import logging
 
+from trainermon.collect.records import FAMILY_SWITCH
 from trainermon.config import MonitorConfig
 
 from .selection import cuts_a_name, module_matches, named_modules, param_aliases, param_matches
@@ -133,35 +134,25 @@ OUTPUT_SWITCHES = (
 )
 
 
-#: Alert rules that read the rows of one family only: (family, the switch that turns it on, is it on).
+#: Alert rules that read the rows of one family only.
 RULE_FAMILIES = {
-    "AnomalyUpdateRatio": ("update", "update_distribution", lambda c: c.update_distribution),
-    "AnomalyExpertCollapse": ("moe_load", "moe_distribution", lambda c: c.moe_distribution),
-    "AnomalyLogitGrowth": (
-        "attn_logit",
-        "attn_logit_distribution.enable",
-        lambda c: c.attn_logit_distribution.enable,
-    ),
+    "AnomalyUpdateRatio": "update",
+    "AnomalyExpertCollapse": "moe_load",
+    "AnomalyLogitGrowth": "attn_logit",
 }
+
+
+def switch_is_on(config: MonitorConfig, switch: str) -> bool:
+    """Whether a `FAMILY_SWITCH` value is on: a boolean key, or a section's `enable`."""
+    value = getattr(config, switch)
+    return value if isinstance(value, bool) else value.enable
 
 
 def family_may_have_rows(config: MonitorConfig, family: str) -> bool:
     """Whether the config switches `family` on (activations also when an escalation may collect them)."""
-    if family in ("actv", "actv_grad"):
-        return config.xy_distribution or config.alert.escalate_steps > 0
-    if family in ("grad_unreduced", "grad_reduced"):
-        return config.wg_distribution
-    if family in ("param_origin", "param_updated"):
-        return config.param_distribution
-    if family == "comm":
-        return config.cc_distribution.enable
-    if family == "attn_logit":
-        return config.attn_logit_distribution.enable
-    if family == "update":
-        return config.update_distribution
-    if family == "moe_load":
-        return config.moe_distribution
-    return config.mv_distribution  # exp_avg, exp_avg_sq and the other optimizers' state families
+    if family in ("actv", "actv_grad") and config.alert.escalate_steps > 0:
+        return True
+    return switch_is_on(config, FAMILY_SWITCH.get(family, "mv_distribution"))
 
 
 def idle_switches(config: MonitorConfig, world_size: int, dynamic: bool) -> list[str]:
@@ -187,8 +178,10 @@ def idle_switches(config: MonitorConfig, world_size: int, dynamic: bool) -> list
             + (", so no rank collects actv/actv_grad" if alone else "")
         )
     for i, rule in enumerate(config.alert.rules):
-        family, switch, on = RULE_FAMILIES.get(rule.get("rule_name"), (None, None, None))
-        if family is not None and not on(config):
+        family = RULE_FAMILIES.get(rule.get("rule_name"))
+        if family is not None and not family_may_have_rows(config, family):
+            switch = FAMILY_SWITCH[family]
+            switch += "" if isinstance(getattr(config, switch), bool) else ".enable"
             out.append(
                 f"alert.rules[{i}] {rule['rule_name']} can never fire: it reads the {family} rows, "
                 f"and {switch} is off"
