@@ -20,11 +20,13 @@ from pathlib import Path
 
 from tests.adapters.test_dtensor_nd import _model
 from tests.distributed import run_ranks
+from trainermon.stats.partials import GATHER_OP
 
 COLLECTIVES = (
     "all_reduce",
     "all_gather",
     "all_gather_into_tensor",
+    "all_gather_single",
     "reduce_scatter_tensor",
     "broadcast",
     "all_to_all_single",
@@ -153,11 +155,11 @@ def test_one_packed_reduction_per_group_per_collected_step(tmp_path: Path) -> No
                     if group == "world":
                         # the summaries' one all-gather, the job-wide gradient norm of a model split
                         # over ranks inside it
-                        assert [n for n, _ in calls] == ["all_gather_into_tensor"], (layers, rank, calls)
+                        assert [n for n, _ in calls] == [GATHER_OP], (layers, rank, calls)
                     elif group == "cpu":  # the layout check: one int64 all-reduce
                         assert calls == [("all_reduce", 8)], (layers, rank, calls)
                     else:
-                        assert len(calls) == 1 and calls[0][0] == "all_gather_into_tensor", (group, calls)
+                        assert len(calls) == 1 and calls[0][0] == GATHER_OP, (group, calls)
             if rank == 0:
                 report[layers] = {g: calls for g, calls in steps[-1].items()}
     # Same count with 4x the tensors; the payload of the sharded merge grows with the rows

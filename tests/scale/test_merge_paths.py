@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import pytest
 import torch
 
 from tests.distributed import run_ranks
+from trainermon.stats.partials import GATHER_OP
 
 WORLD, ROWS = 4, 6
 
@@ -47,16 +49,19 @@ def _merge_both(rank: int, world: int) -> dict:
     from trainermon.stats import partials
 
     calls: list[str] = []
-    for name in ("all_gather_into_tensor", "all_reduce"):
+    for name in (partials.GATHER_OP, "all_reduce"):
         real = getattr(dist, name)
         setattr(dist, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
     rows, flags = _rows(rank)
-    gathered = partials.reduce_across(rows.clone(), None, flags.clone())
-    gather_calls = list(calls)
-    partials.GATHER_BYTES = 0
-    reduced = partials.reduce_across(rows.clone(), None, flags.clone())
-    plain = partials.reduce_across(rows.clone(), None)  # no flags given: the rows alone
+    with warnings.catch_warnings(record=True) as caught:  # torch's deprecations reach every user's log
+        warnings.simplefilter("always")
+        gathered = partials.reduce_across(rows.clone(), None, flags.clone())
+        gather_calls = list(calls)
+        partials.GATHER_BYTES = 0
+        reduced = partials.reduce_across(rows.clone(), None, flags.clone())
+        plain = partials.reduce_across(rows.clone(), None)  # no flags given: the rows alone
     return {
+        "warnings": [f"{w.category.__name__}: {w.message}" for w in caught],
         "gather": [gathered[0].tolist(), gathered[1].tolist()],
         "reduce": [reduced[0].tolist(), reduced[1].tolist()],
         "plain": plain.tolist(),
@@ -132,7 +137,8 @@ def test_gather_and_all_reduce_merge_alike(launched):
     want_flags = [any(float(flags[i]) > 0 for _, flags in every) for i in range(ROWS)]
     assert math.isnan(want[2, MAX]) and math.isnan(want[3, MIN]) and want[4, MIN] == math.inf
     for rank, found in enumerate(results):
-        assert found["calls"] == [["all_gather_into_tensor"], ["all_reduce"] * 4], found["calls"]
+        assert found["calls"] == [[GATHER_OP], ["all_reduce"] * 4], found["calls"]
+        assert found["warnings"] == [], found["warnings"]
         gathered = torch.tensor(found["gather"][0], dtype=torch.float64)
         reduced = torch.tensor(found["reduce"][0], dtype=torch.float64)
         assert torch.equal(gathered.isnan(), want.isnan()) and torch.equal(reduced.isnan(), want.isnan())

@@ -22,6 +22,7 @@ import math
 from types import SimpleNamespace
 
 from tests.distributed import run_ranks
+from trainermon.stats.partials import GATHER_OP
 
 FULL_SHAPES = {"both": (8, 6), "tp_only": (4, 5), "dp_only": (9,), "tp_dp_copy": (6, 2), "copy": (3, 3)}
 
@@ -49,7 +50,7 @@ def _mesh_rank(rank: int, world: int) -> dict:
     tp_group, dp_group = tp_groups[dp], dp_groups[tp]
 
     calls: list[tuple] = []
-    real, real_gather = dist.all_reduce, dist.all_gather_into_tensor
+    real, real_gather = dist.all_reduce, getattr(dist, GATHER_OP)
 
     def ranks(group) -> tuple:
         return tuple(dist.get_process_group_ranks(group)) if group is not None else ("world",)
@@ -111,7 +112,7 @@ def _mesh_rank(rank: int, world: int) -> dict:
         )
 
     dist.all_reduce = counting
-    dist.all_gather_into_tensor = counting_gather
+    setattr(dist, GATHER_OP, counting_gather)
     try:
         collector = StepCollector(StatsEngine(EngineOptions(nonfinite=True)), TransferCounter())
         add_rows(collector)
@@ -125,7 +126,7 @@ def _mesh_rank(rank: int, world: int) -> dict:
         steps.append((collector.finish(1, StepScalars(), job_grad_norm=True, tail=tail), list(calls)))
     finally:
         dist.all_reduce = real
-        dist.all_gather_into_tensor = real_gather
+        setattr(dist, GATHER_OP, real_gather)
 
     def table(payload) -> dict:
         numel = np.array([r.numel for r in payload.rows], dtype=np.float64)

@@ -289,7 +289,7 @@ def _gather_merge(keys: torch.Tensor, sums: torch.Tensor) -> tuple[torch.Tensor,
     gathered = torch.empty(
         (world * packed.shape[0], packed.shape[1]), dtype=packed.dtype, device=packed.device
     )
-    dist.all_gather_into_tensor(gathered, packed)  # ranks stacked along dim 0 (gloo's form)
+    stats_partials.gather_into(gathered, packed)  # ranks stacked along dim 0 (gloo's form)
     gathered = gathered.view(world, *packed.shape)
     merged_keys = gathered[:, :, :width].contiguous().view(torch.int64).amax(0)
     merged_sums = gathered[0, :, width:].clone()

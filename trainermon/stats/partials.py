@@ -85,6 +85,21 @@ def scale_and_pad(row: torch.Tensor, multiplicity: int, implicit_zeros: int, cou
             row[ZEROS] += implicit_zeros
 
 
+#: The all-gather into one tensor: torch 2.13 names it `all_gather_single` and warns on the old name,
+#: which 2.11 has alone.
+GATHER_OP = (
+    "all_gather_single" if hasattr(torch.distributed, "all_gather_single") else "all_gather_into_tensor"
+)
+
+
+def gather_into(out: torch.Tensor, tensor: torch.Tensor, group: Any = None) -> None:
+    """All-gather `tensor` from every rank of `group` into `out` (ranks stacked along dim 0): one
+    collective."""
+    import torch.distributed as dist
+
+    getattr(dist, GATHER_OP)(out, tensor, group=group)  # looked up per call: cc_distribution patches it
+
+
 def reduce_across(partials: torch.Tensor, group: Any = None, flags: torch.Tensor | None = None):
     """Merge each row's partials across the ranks of `group`: one collective (an all-gather of the packed
     rows and flags), whatever the number of rows; each rank then merges the gathered rows itself (sums
@@ -111,7 +126,7 @@ def reduce_across(partials: torch.Tensor, group: Any = None, flags: torch.Tensor
         out, bad = _reduce_merge(partials, column, group)
         return out if flags is None else (out, bad)
     gathered = torch.empty((world * n, packed.shape[1]), dtype=packed.dtype, device=packed.device)
-    dist.all_gather_into_tensor(gathered, packed, group=group)  # ranks stacked along dim 0 (gloo's form)
+    gather_into(gathered, packed, group)  # ranks stacked along dim 0 (gloo's form)
     gathered = gathered.view(world, n, packed.shape[1])
     out = gathered[0, :, :NUM_PARTIALS].clone()
     for r in range(1, world):  # rank order: every rank adds the same terms in the same order
