@@ -161,7 +161,13 @@ def _cmd_anomalies(args: argparse.Namespace) -> int:
     with open(out, "w", encoding="utf-8") as fh:
         json.dump(records, fh, indent=1)
     if not records:
-        print(f"no anomalies recorded under {args.dir}")
+        scope = (f" for run {args.run_id!r}" if args.run_id is not None else "") + (
+            f" in steps {args.steps}" if steps is not None else ""
+        )
+        everything = load_anomalies(args.dir, None, None) if scope else []
+        runs = sorted({str(r.get("run_id", "?")) for r in everything})
+        also = f" ({len(everything)} outside that filter; runs: {', '.join(runs)})" if everything else ""
+        print(f"no anomalies recorded under {args.dir}{scope}{also}")
         return 0
     runs = list(dict.fromkeys(str(r.get("run_id", "?")) for r in records))
     print(f"{len(records)} anomalies, in the order they happened (first = first bad tensor):")
@@ -228,7 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train a small GPT-like model on CPU with monitoring on")
     demo.add_argument("--steps", type=count(1), default=30)
     demo.add_argument("--grad-acc", type=count(1), default=2)
-    demo.add_argument("--output-dir", default=None, help="MONITOR_OUTPUT_DIR (default ./monitor_output)")
+    demo.add_argument(
+        "--output-dir",
+        default=None,
+        help="where to write (default: $MONITOR_OUTPUT_DIR, else ./monitor_output)",
+    )
     demo.set_defaults(func=_cmd_demo)
     check = sub.add_parser("check-config", help="validate a monitor config file")
     check.add_argument("config")

@@ -86,7 +86,8 @@ def summarize(run_dir: str, top: int = 5) -> list[str]:
     """Short per-family summary read back from the CSV output: the layers with the largest norm."""
     lines = []
     for family in ("grad_reduced", "exp_avg", "param_updated", "actv"):
-        files = sorted(glob.glob(os.path.join(run_dir, f"{family}_*.csv")))
+        # {family}_{first}-{last}.csv: `exp_avg_*` alone would also match exp_avg_sq's files
+        files = sorted(glob.glob(os.path.join(run_dir, f"{family}_[0-9]*-[0-9]*.csv")))
         if not files:
             continue
         last: dict[str, float] = {}

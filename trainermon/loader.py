@@ -41,14 +41,23 @@ def _rank_order(directory: str) -> tuple[int, int | str]:
     return (0, int(value)) if value.lstrip("-").isdigit() else (1, value)
 
 
+STEPS_ALLOWED = "an int, an inclusive (first, last) tuple, a range, a list of ints, or 'N' / 'FIRST-LAST'"
+
+
 def _step_filter(steps: Any) -> tuple[int, int, list[int] | None] | None:
-    """(lo, hi, exact list or None) from an int, an inclusive (lo, hi) tuple, a range, or a list."""
+    """(lo, hi, exact list or None) from an int, an inclusive (lo, hi) tuple, a range, a list, or the
+    CLI's `--steps` text ("N" or "FIRST-LAST")."""
     if steps is None:
         return None
     if isinstance(steps, bool):
-        raise TypeError("trainermon.load: steps must be an int, a (first, last) tuple, a range or a list")
+        raise TypeError(f"trainermon.load: steps={steps!r}; allowed: {STEPS_ALLOWED}")
     if isinstance(steps, int):
         return steps, steps, None
+    if isinstance(steps, str):
+        first, _, last = steps.strip().partition("-")
+        if not (first.isdigit() and (last.isdigit() or not last)):
+            raise ValueError(f"trainermon.load: steps={steps!r}; allowed: {STEPS_ALLOWED}")
+        return int(first), int(last or first), None
     if isinstance(steps, range):
         if len(steps) == 0:
             return 0, -1, []
@@ -62,9 +71,7 @@ def _step_filter(steps: Any) -> tuple[int, int, list[int] | None] | None:
     if isinstance(steps, Iterable):
         exact = sorted({int(s) for s in steps})
         return (exact[0], exact[-1], exact) if exact else (0, -1, [])
-    raise TypeError(
-        f"trainermon.load: steps must be an int, a (first, last) tuple, a range or a list: {steps!r}"
-    )
+    raise TypeError(f"trainermon.load: steps={steps!r}; allowed: {STEPS_ALLOWED}")
 
 
 def resolve_dataset(path: str | os.PathLike) -> tuple[str, str | None]:
@@ -152,7 +159,8 @@ def load(
     path: the dataset root (`{MONITOR_OUTPUT_DIR}/parquet` by default), the output root containing it,
         a rank's run directory (then only that run's rows), or one part file.
     family, names, ranks, run_id: one value or a list of values (names match exactly).
-    steps: an int, an inclusive `(first, last)` tuple (either may be None), a range, or a list of steps.
+    steps: an int, an inclusive `(first, last)` tuple (either may be None), a range, a list of steps, or
+        the CLI's text form `"N"` / `"FIRST-LAST"`.
     columns: a subset of the output columns (default all, in the order of `OUTPUT_COLUMNS`).
 
     Rows come sorted by family, rank and step, each step's rows in the order they were written.

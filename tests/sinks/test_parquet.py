@@ -315,6 +315,13 @@ def test_filtered_load_reads_only_needed_files(tmp_path):
     df = trainermon.load(root, family="exp_avg", ranks=3, steps=range(20, 30, 3), as_pandas=True)
     assert sorted(set(df["step"])) == [20, 23, 26, 29] and len(df) == 4 * len(names)
     assert trainermon.load(root, family="exp_avg", ranks=7, steps=[25]).num_rows == len(names)
+    # the CLI's --steps text: "FIRST-LAST" and "N" (a string once read as the list ['2', '0', '-', ...])
+    as_text = trainermon.load(root, family="exp_avg", ranks=3, steps="21-24", columns=["step"])
+    assert sorted(set(as_text.column("step").to_pylist())) == [21, 22, 23, 24]
+    assert trainermon.load(root, family="exp_avg", ranks=7, steps="25").num_rows == len(names)
+    for bad in ("21..24", "-3", "a-b", ""):
+        with pytest.raises(ValueError, match=f"steps={bad!r}; allowed: an int.*'FIRST-LAST'"):
+            trainermon.load(root, family="exp_avg", steps=bad)
     with pytest.raises(ValueError, match="families \\['nothing'\\] are not in"):  # not an empty table
         trainermon.load(root, family="nothing")
     with pytest.raises(Exception):  # noqa: B017 - proof that the corrupted files would have been noticed

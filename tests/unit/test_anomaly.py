@@ -226,7 +226,13 @@ def test_first_anomaly_names_layer_rank_and_step(tmp_path, capsys):
     # Nothing went wrong before the injection, on either rank.
     assert min(r["step"] for r in load_anomalies(out)) == NAN_STEP
     assert cli_main(["anomalies", out, "--steps", "0-2"]) == 0
-    assert "no anomalies" in capsys.readouterr().out
+    total = len(load_anomalies(out))
+    runs = sorted({r["run_id"] for r in load_anomalies(out)})
+    # a filter that leaves nothing says so, and what lies outside it (a typo is no "nothing recorded")
+    said = capsys.readouterr().out
+    assert f"in steps 0-2 ({total} outside that filter; runs: {', '.join(runs)})" in said, said
+    assert cli_main(["anomalies", out, "--run-id", "nosuch"]) == 0
+    assert f"for run 'nosuch' ({total} outside" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
