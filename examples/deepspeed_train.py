@@ -135,7 +135,7 @@ def main() -> None:
     parser.add_argument("--grad-acc", type=int, default=2)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--ranks", type=int, default=2, help="ranks to spawn when not under a launcher")
-    parser.add_argument("--out", default="monitor_output")
+    parser.add_argument("--out", default=os.environ.get("MONITOR_OUTPUT_DIR", "monitor_output"))
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -119,7 +119,8 @@ def pretrain(out_dir: str, steps: int = 5, all_families: bool = True) -> dict[st
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--out", default="monitor_output/megatron")
+    default_out = os.path.join(os.environ.get("MONITOR_OUTPUT_DIR", "monitor_output"), "megatron")
+    parser.add_argument("--out", default=default_out)
     parser.add_argument("--cpu", action="store_true", help="gloo + the test-only CUDA shim")
     args = parser.parse_args()
 
