@@ -54,8 +54,8 @@ def step_range(text: str | None) -> tuple[int, int] | None:
     """`--steps` as (first, last), None without one; ValueError unless it is what `STEPS` says."""
     if not text:
         return None
-    lo, _, hi = text.partition("-")
-    first, last = int(lo), int(hi or lo)
+    lo, sep, hi = text.partition("-")
+    first, last = int(lo), int(hi if sep else lo)  # "5-" is refused, not read as "5"
     if first < 0 or last < first:
         raise ValueError(text)
     return first, last
@@ -157,15 +157,23 @@ def _cmd_anomalies(args: argparse.Namespace) -> int:
         print(f"error: {args.dir!r} is not a directory", file=sys.stderr)
         return 2
     records = load_anomalies(args.dir, steps, None if args.run_id is None else {args.run_id})
+    filtered = steps is not None or args.run_id is not None
+    everything = load_anomalies(args.dir) if filtered and not records else records
+    runs = sorted({str(r.get("run_id", "?")) for r in everything})
+    if args.run_id is not None and everything and args.run_id not in runs:
+        print(f"error: --run-id {args.run_id!r}: not in {args.dir!r} (its run ids: {runs})", file=sys.stderr)
+        return 2
     out = args.json or os.path.join(args.dir, "anomaly_analysis.json")
-    with open(out, "w", encoding="utf-8") as fh:
-        json.dump(records, fh, indent=1)
+    try:
+        with open(out, "w", encoding="utf-8") as fh:
+            json.dump(records, fh, indent=1)
+    except OSError as exc:
+        print(f"error: --json {out!r}: cannot write: {exc.strerror}", file=sys.stderr)
+        return 2
     if not records:
         scope = (f" for run {args.run_id!r}" if args.run_id is not None else "") + (
             f" in steps {args.steps}" if steps is not None else ""
         )
-        everything = load_anomalies(args.dir, None, None) if scope else []
-        runs = sorted({str(r.get("run_id", "?")) for r in everything})
         also = f" ({len(everything)} outside that filter; runs: {', '.join(runs)})" if everything else ""
         print(f"no anomalies recorded under {args.dir}{scope}{also}")
         return 0
@@ -303,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--family", action="append", help="families to compare (default all in both)")
     cmp_.add_argument("--steps", default=None, help=STEPS)
     cmp_.add_argument("--out", default=None, help="report directory (default ./trainermon_compare)")
-    cmp_.add_argument("--max-plots", type=int, default=6, help="diverging tensors to plot")
+    cmp_.add_argument("--max-plots", type=count(0), default=6, help="diverging tensors to plot")
     cmp_.add_argument("--run-id", default=None, help="keep only this run id's rows of RUN (a restart)")
     cmp_.add_argument("--benchmark-run-id", default=None, help="keep only this run id's rows of BENCHMARK")
     _common(cmp_)

@@ -84,9 +84,34 @@ def find_csv_files(csv_dir: str) -> dict[str, list[tuple[str, str]]]:
     return dict(found)
 
 
+_NUMERIC = frozenset(STATS) | {"vpp_stage", "step", "micro_step", "numel"}
+
+
 def _read_csv(path: str) -> list[dict[str, str]]:
+    """The rows of one CSV file; a line cut by a crash or a non-number in a numeric column is an error
+    naming the file and line (never a NaN, or a cut-short value, in the output)."""
     with open(path, newline="", encoding="utf-8") as fh:
-        return list(csv.DictReader(fh))
+        reader = csv.DictReader(fh)
+        rows = []
+        for row in reader:
+            short = [k for k, v in row.items() if v is None]
+            if None in row or short:
+                what = "more fields than" if None in row else f"no value for {short} of"
+                raise ValueError(
+                    f"{path}, line {reader.line_num}: {what} the header's {len(reader.fieldnames)} "
+                    "columns (a line cut by a crash, or edited by hand)"
+                )
+            for key in _NUMERIC.intersection(row):
+                try:
+                    if row[key] != "":
+                        float(row[key])
+                except ValueError:
+                    raise ValueError(
+                        f"{path}, line {reader.line_num}: column {key!r}: {row[key]!r} is not a number "
+                        "(allowed: a number, nan, inf, -inf, or empty)"
+                    ) from None
+            rows.append(row)
+        return rows
 
 
 def convert(

@@ -7,6 +7,7 @@ import glob
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -372,6 +373,28 @@ def test_convert_trainermon_csv_matches_exporter(tmp_path, monkeypatch):
         # micro_step: the CSV layout has one column per file (0 where the exporter stores null)
         ra.pop("micro_step"), rb.pop("micro_step")
         assert ra == rb
+
+
+@pytest.mark.parametrize(
+    "last_line, said",
+    [
+        ("0,w,1,0.3701", r"line 3: no value for \['max'\] of the header's 5 columns"),  # cut by a crash
+        ("0,w,1,1.O3,2", r"line 3: column 'norm': '1.O3' is not a number"),  # a hand edit
+        ("0,w,1,1.0,2,7", r"line 3: more fields than the header's 5 columns"),  # a comma in a name
+    ],
+)
+def test_convert_refuses_a_damaged_line_instead_of_writing_nan(tmp_path, capsys, last_line, said):
+    """A cut line became NaN in the converted dataset: a first NaN that the run never had."""
+    from trainermon.cli import main
+
+    rank_dir = tmp_path / "csv" / "Dec01_10-00-00-rank0-abc"
+    rank_dir.mkdir(parents=True)
+    (rank_dir / "grad_reduced_0-1.csv").write_text(
+        f"vpp_stage,name,step,norm,max\n0,w,0,1.5,2\n{last_line}\n"
+    )
+    assert main(["convert", str(tmp_path / "csv"), str(tmp_path / "ds")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(said, err) and "grad_reduced_0-1.csv" in err, err
 
 
 def test_convert_msprobe_csv(tmp_path):

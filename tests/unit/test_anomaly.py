@@ -231,8 +231,13 @@ def test_first_anomaly_names_layer_rank_and_step(tmp_path, capsys):
     # a filter that leaves nothing says so, and what lies outside it (a typo is no "nothing recorded")
     said = capsys.readouterr().out
     assert f"in steps 0-2 ({total} outside that filter; runs: {', '.join(runs)})" in said, said
-    assert cli_main(["anomalies", out, "--run-id", "nosuch"]) == 0
-    assert f"for run 'nosuch' ({total} outside" in capsys.readouterr().out
+    assert cli_main(["anomalies", out, "--run-id", "nosuch"]) == 2
+    assert f"--run-id 'nosuch': not in {out!r} (its run ids: {runs})" in capsys.readouterr().err
+    assert cli_main(["anomalies", out, "--run-id", runs[0], "--steps", "0-2"]) == 0  # there, not in 0-2
+    assert f"for run {runs[0]!r} in steps 0-2 ({total} outside" in capsys.readouterr().out
+    assert cli_main(["anomalies", out, "--json", str(tmp_path / "no" / "such.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--json" in err and "cannot write" in err, err
 
 
 @pytest.mark.parametrize(
@@ -240,6 +245,8 @@ def test_first_anomaly_names_layer_rank_and_step(tmp_path, capsys):
     [
         (["anomalies", "DIR", "--steps", "20-10"], "--steps '20-10': allowed: N or FIRST-LAST, non-negative"),
         (["anomalies", "DIR", "--top", "-1"], "--top: got -1; allowed: a whole number >= 0"),
+        (["anomalies", "DIR", "--steps", "5-"], "--steps '5-': allowed: N or FIRST-LAST"),  # once step 5
+        (["compare", "DIR", "DIR", "--max-plots", "-1"], "--max-plots: got -1; allowed: a whole number >= 0"),
         (["analyze", "DIR", "--steps", "5-1"], "FIRST <= LAST"),
         (["compare", "DIR", "DIR", "--steps", "3-2"], "FIRST <= LAST"),
         (["analyze", "DIR", "--top", "0"], "--top: got 0; allowed: a whole number >= 1"),
