@@ -321,6 +321,30 @@ def test_shards_with_different_values_are_summed(tmp_path):
     assert global_grad_norm(summary)[0] == pytest.approx(math.sqrt(25 + 4))
 
 
+@pytest.mark.parametrize("engine", ["pyarrow", "duckdb"])
+def test_equal_norms_with_other_values_are_pieces_not_copies(tmp_path, engine):
+    """A LayerNorm output's norm is about sqrt(numel) whatever its input, so at CSV's 6 digits every rank
+    writes the same norm for its own activations while min, max and mean differ: two pieces (norm x
+    sqrt(2)), which were counted once as copies. Rows equal in every value are still one tensor."""
+    pytest.importorskip(engine)
+    header = "vpp_stage,name,step,micro_step,norm,min,max,mean"
+    for rank, (lo, hi, mean) in enumerate([(-2.9497, 3.1, 0.01), (-3.02002, 2.8, -0.02)]):
+        _write_csv(
+            tmp_path / "csv" / f"Jan01_00-00-00-rank{rank}-x" / "actv_0-0.csv",
+            header,
+            [f"0,ln.output,0,0,45.2546,{lo},{hi},{mean}", "0,tp_replicated.output,0,0,7.5,-1,1,0.25"],
+        )
+    from trainermon.convert import convert
+
+    convert(tmp_path / "csv", tmp_path / "pq")
+    source = tmp_path / ("csv" if engine == "pyarrow" else "pq")
+    result = analyze(source, engine=engine, progress=False)
+    norm = result.heatmaps[("actv", "norm")]
+    assert norm.loc["ln.output", 0] == pytest.approx(45.2546 * math.sqrt(2), rel=1e-12)
+    assert norm.loc["tp_replicated.output", 0] == pytest.approx(7.5, rel=1e-12)
+    assert result.heatmaps[("actv", "min")].loc["ln.output", 0] == -3.02002
+
+
 # ---- analyze on a real run ----------------------------------------------------------------------------
 def _check_png(path: str) -> None:
     from matplotlib import image

@@ -13,9 +13,11 @@ A cell is the statistic of all the elements its rows describe, with copies count
 `norm = sqrt(sum of norm^2)`, `min = min`, `max = max`, `mean` and `zeros` weighted by numel (by row
 when numel is unknown), `nans` and `infs` summed. Copies are recognised in two ways: a whole rank whose
 rows of a family start exactly like an earlier rank's is skipped by the scan (see `scan.py`), and
-within a cell, rows whose norms are all bit-identical are one tensor seen several times (counted once).
-Two different shards with bit-identical norms would be taken for copies; with real data this does not
-happen (all-zero shards give the same result either way).
+within a cell, rows whose norm, min, max and mean (those the rows hold) are each bit-identical are one
+tensor seen several times (counted once). The norm alone is not enough: a LayerNorm output's norm is
+about sqrt(numel) whatever its input, so every rank's own activations share it at CSV's 6 digits while
+their min and max differ. Different pieces equal in all four would be taken for copies (all-zero
+pieces give the same result either way).
 
 Memory is proportional to tensors x (step, micro_step) cells, never to rows or ranks.
 """
@@ -33,10 +35,9 @@ from .source import Batch
 #: micro_step is encoded into a column key with the step: key = step * MICRO_BASE + micro_step + 1.
 MICRO_BASE = 1 << 20
 
-#: Accumulator arrays per combining rule of the statistics table (`{s}`: the statistic's name). An L2
-#: statistic also keeps its first value per cell and whether every row equals it (copies, see above).
+#: Accumulator arrays per combining rule of the statistics table (`{s}`: the statistic's name).
 _ARRAYS = {
-    Combine.L2: ("n_{s}", "sq_{s}", "first_{s}", "same_{s}"),
+    Combine.L2: ("n_{s}", "sq_{s}"),
     Combine.MEAN_BY_FINITE: ("w_{s}", "s_{s}"),
     Combine.MEAN_BY_NUMEL: ("w_{s}", "s_{s}"),
     Combine.MIN: ("n_{s}", "{s}"),
@@ -49,6 +50,10 @@ _NEEDS = {
     if st.combine in _ARRAYS
 }
 _NEEDS.pop("numel", None)  # element counts come with the rows, not as a statistic of cells
+#: Statistics that mark copies: each also keeps its first value per cell and whether every row equals it.
+COPY_MARKS = ("norm", "min", "max", "mean")
+for _mark in COPY_MARKS:
+    _NEEDS[_mark] += (f"first_{_mark}", f"same_{_mark}")
 _RULE = {name: BY_NAME[name].combine for name in _NEEDS}
 # ratio (update), load_cv (moe_load): one writer per tensor or router, so a cell has one row; MAX if a
 # copy appears.
@@ -66,11 +71,11 @@ def combine_rule(stat: str) -> Combine:
     return rule
 
 
-_FILL = {f"first_{s}": np.nan for s, r in _RULE.items() if r is Combine.L2}
-_FILL.update({f"same_{s}": True for s, r in _RULE.items() if r is Combine.L2})
+_FILL = {f"first_{s}": np.nan for s in COPY_MARKS}
+_FILL.update({f"same_{s}": True for s in COPY_MARKS})
 _FILL.update({s: np.inf for s, r in _RULE.items() if r is Combine.MIN})
 _FILL.update({s: -np.inf for s, r in _RULE.items() if r is Combine.MAX})
-_DTYPE: dict[str, type] = {f"same_{s}": bool for s, r in _RULE.items() if r is Combine.L2}
+_DTYPE: dict[str, type] = {f"same_{s}": bool for s in COPY_MARKS}
 _DTYPE.update({f"n_{s}": np.int32 for s, r in _RULE.items() if r is not Combine.MEAN_BY_FINITE})
 
 
@@ -173,17 +178,18 @@ class CellGrid:
             self.seen_stats.add(stat)
             acc = self.acc
             rule = _RULE[stat]
-            if rule is Combine.L2:
-                np.add.at(acc[f"n_{stat}"].ravel(), f, 1)
-                np.add.at(acc[f"sq_{stat}"].ravel(), f, v * v)
+            if stat in COPY_MARKS:
                 first = acc[f"first_{stat}"].ravel()
                 same = acc[f"same_{stat}"].ravel()
-                # Rows in arbitrary order: a cell stays "all the same" while every norm equals the first
-                # one stored for it (NaN norms never equal, so a NaN cell is never taken for copies).
+                # Rows in arbitrary order: a cell stays "all the same" while every value equals the first
+                # one stored for it (NaN never equals, so a NaN cell is never taken for copies).
                 fresh = np.isnan(first[f])
                 first[f[fresh]] = v[fresh]
                 differs = first[f] != v
                 same[f[differs]] = False
+            if rule is Combine.L2:
+                np.add.at(acc[f"n_{stat}"].ravel(), f, 1)
+                np.add.at(acc[f"sq_{stat}"].ravel(), f, v * v)
             elif rule in (Combine.MEAN_BY_FINITE, Combine.MEAN_BY_NUMEL):
                 if weight is None:
                     weight = (
@@ -242,7 +248,10 @@ class CellGrid:
                 out[name] = self._view(name)[index]
         if "sq_norm" in out:
             n = out["n_norm"]
-            copies = self._view("same_norm")[index] & (n > 1)
+            copies = n > 1
+            for mark in COPY_MARKS:  # every value statistic the rows hold agrees
+                if f"same_{mark}" in self.acc:
+                    copies = copies & self._view(f"same_{mark}")[index]
             if copies.any():
                 first = self._view("first_norm")[index]
                 out["sq_norm"] = np.where(copies, first * first, out["sq_norm"])

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from trainermon.stats.table import Combine
 
-from .grid import combine_rule
+from .grid import COPY_MARKS, combine_rule
 
 NAN = "CAST('NaN' AS DOUBLE)"
 _INF = "CAST('Infinity' AS DOUBLE)"
@@ -103,14 +103,18 @@ def _aggregates(stat: str) -> list[str]:
     rule = combine_rule(stat)
     # mean/min/max/zeros of an empty tensor (numel 0) are NaN by definition: not values.
     v = f"CASE WHEN NOT _empty THEN {stat} END" if stat in ("mean", "min", "max", "zeros") else stat
-    if rule is Combine.L2:
-        return [
-            f"count({v}) AS n_{stat}",
-            f"sum({v} * {v}) AS sq_{stat}",
+    marks = []
+    if stat in COPY_MARKS:  # every row bit-identical (and none NaN): copies of one tensor (grid.py)
+        marks = [
             f"min({v}) AS first_{stat}",
-            # every row bit-identical (and none NaN): copies of one tensor (grid.py)
             f"(count_if({_isnan(v)}) = 0 AND min({v}) = max({v})) AS same_{stat}",
         ]
+    return marks + _rule_aggregates(stat, rule, v)
+
+
+def _rule_aggregates(stat: str, rule: Combine, v: str) -> list[str]:
+    if rule is Combine.L2:
+        return [f"count({v}) AS n_{stat}", f"sum({v} * {v}) AS sq_{stat}"]
     if rule in (Combine.MEAN_BY_FINITE, Combine.MEAN_BY_NUMEL):
         return [
             f"sum(CASE WHEN {v} IS NOT NULL THEN _w END) AS w_{stat}",
