@@ -152,8 +152,10 @@ def _pre_hook(events: StepEvents) -> Callable[..., Any]:
     def hook(optimizer: Any, args: tuple, kwargs: dict) -> Any:
         if callable(kwargs.get("closure")):
             return args, {**kwargs, "closure": _after_closure(kwargs["closure"], events.pre)}
-        if args and callable(args[0]):
-            return (_after_closure(args[0], events.pre), *args[1:]), kwargs
+        # torch passes the optimizer itself as args[0]: a positional closure (`step(closure)`, LBFGS's
+        # documented form) is args[1]
+        if len(args) > 1 and callable(args[1]):
+            return (args[0], _after_closure(args[1], events.pre), *args[2:]), kwargs
         events.pre()
         return None
 

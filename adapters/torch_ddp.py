@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +33,8 @@ from trainermon.runtime.clip_watch import torch_clip_entries
 from .base import GRAD_REDUCED, GRAD_UNREDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
 from .common import OncePerStep, guarded, hook_optimizer_step, is_wrapper, state_values, unwrap
 from .dtensor import dtensor_piece, is_dtensor, local_piece, reduce_partials, splits_over_ranks
+
+logger = logging.getLogger("trainermon")
 
 
 class TorchAdapter(Adapter):
@@ -83,7 +86,24 @@ class TorchAdapter(Adapter):
             self._params = out
             self._every = [p for root in self._roots for p in root.parameters()]
             self._mark = self._trainable_mark()
+            self._say_parameters_outside_the_optimizer(out)
         return self._params
+
+    def _say_parameters_outside_the_optimizer(self, params: list[MonitoredParam]) -> None:
+        """A second optimizer's parameters (a GAN's, a sparse embedding's) are read around the monitored
+        optimizer's step, not theirs: param_updated equals param_origin and there is no state row. Said
+        once. An optimizer that holds none of the model's parameters (fp32 master copies) is left alone."""
+        held = {id(p) for g in getattr(self.optimizer, "param_groups", ()) for p in g.get("params", ())}
+        outside = [mp.name for mp in params if id(mp.param) not in held]
+        if held and outside and len(outside) < len(params):
+            logger.warning(
+                "trainermon: %d trainable parameters are not in the monitored optimizer (%s%s): their "
+                "param_origin/param_updated rows are read around that optimizer's step, not the one that "
+                "updates them, and they have no optimizer-state rows",
+                len(outside),
+                ", ".join(outside[:5]),
+                ", ..." if len(outside) > 5 else "",
+            )
 
     def _trainable_mark(self) -> tuple[int, int]:
         """The count of trainable parameters and of the optimizer's: a cheap test (one pass over the

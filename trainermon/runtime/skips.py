@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from trainermon.adapters.common import Restore
+from trainermon.adapters.wrapped import hookable
 from trainermon.collect.records import StepScalars
 from trainermon.copies import CopySafe
 
@@ -47,6 +48,7 @@ class SkippedStepProbe(Probe):
         self.calls_reported = False  # the framework calls `step_called` for each step call (see above)
         self.called = False  # ... and did since the last boundary
         self.wired = False  # attached to a torch optimizer
+        self.in_step = False  # inside the optimizer's step(): a closure's zero_grad() is no skip (LBFGS)
 
     def attach(self) -> list[Any]:
         adapter = self.loop.adapter
@@ -64,6 +66,13 @@ class SkippedStepProbe(Probe):
         modules = {id(m): m for m in (*adapter.chunks, *adapter.roots())}
         handles += [self._patch(m) for m in modules.values()]
         handles.append(self._patch(optimizer))
+        if hookable(optimizer):
+            handles.append(
+                optimizer.register_step_pre_hook(CopySafe(lambda *_: setattr(self, "in_step", True)))
+            )
+            handles.append(
+                optimizer.register_step_post_hook(CopySafe(lambda *_: setattr(self, "in_step", False)))
+            )
         self.wired = True
         return handles
 
@@ -73,7 +82,7 @@ class SkippedStepProbe(Probe):
         return self._patch(obj)
 
     def begin(self, plan: StepPlan) -> None:
-        self.trained = self.called = False
+        self.trained = self.called = self.in_step = False
 
     def step_called(self, optimizer: Any) -> None:
         """The framework is about to step `optimizer` (or a wrapper of it): the scaler may skip it."""
@@ -92,7 +101,7 @@ class SkippedStepProbe(Probe):
         original = obj.zero_grad
 
         def zero_grad(*args: Any, **kwargs: Any) -> Any:
-            skipped = self.trained and (self.called or not self.calls_reported)
+            skipped = self.trained and (self.called or not self.calls_reported) and not self.in_step
             if skipped and self.loop.hooked and not self.loop.closed:
                 self._close_skipped()
             return original(*args, **kwargs)

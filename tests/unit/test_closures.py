@@ -1,0 +1,113 @@
+"""Optimizers that take a closure, in PyTorch's documented LBFGS form: the closure calls zero_grad() and
+backward() itself, step() calls it several times, and it is passed positionally (`opt.step(closure)`)
+or by keyword (Lightning's form). Rows are checked against float64 references the test takes itself."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers import read_family, write_config
+from trainermon import TrainerMon
+
+STEPS = 3
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+
+
+def _train(model: nn.Module, positional: bool, monitor: TrainerMon | None = None) -> dict:
+    """LBFGS steps; per step: the gradients after the closure's first call (what the monitor must read:
+    the step's gradients exist only then), the parameters before and after, and the closure's calls."""
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3)
+    if monitor is not None:
+        monitor.set_monitor(model, grad_acc_steps=1, optimizer=opt)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    seen: dict = {"grads": [], "before": [], "after": [], "calls": []}
+    for _ in range(STEPS):
+        calls = [0]
+        seen["before"].append({n: p.detach().double() for n, p in model.named_parameters()})
+
+        def closure(calls: list[int] = calls) -> torch.Tensor:
+            opt.zero_grad()
+            loss = model(x).pow(2).sum()
+            loss.backward()
+            if calls[0] == 0:
+                seen["grads"].append({n: p.grad.detach().double() for n, p in model.named_parameters()})
+            calls[0] += 1
+            return loss
+
+        opt.step(closure) if positional else opt.step(closure=closure)
+        seen["calls"].append(calls[0])
+        seen["after"].append({n: p.detach().double() for n, p in model.named_parameters()})
+    return seen
+
+
+def _norms(run_dir: str, family: str) -> dict[tuple[int, str], float]:
+    rows = read_family(run_dir, family)
+    assert all(r["skipped"] in ("", "0") for r in rows), [r for r in rows if r["skipped"] not in ("", "0")]
+    keys = [(int(r["step"]), r["name"]) for r in rows]
+    assert len(keys) == len(set(keys)), keys  # one row per parameter and step
+    return {(int(r["step"]), r["name"]): float(r["norm"]) for r in rows}
+
+
+@pytest.mark.parametrize("positional", [True, False], ids=["step(closure)", "step(closure=closure)"])
+def test_lbfgs_closure_steps_are_one_step_each(tmp_path, monkeypatch, caplog, positional):
+    """A positional closure was never wrapped (torch passes the optimizer as args[0]), so gradients were
+    read before it ran: none at step 0, the previous step's last closure after that. And each closure's
+    zero_grad() after a backward was taken for a GradScaler-skipped step: 4 LBFGS steps became 12."""
+    reference = _train(_model(), positional)
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    cfg = {"wg_distribution": True, "param_distribution": True, "ops": ["norm"], "ndigits": 17}
+    monitor = TrainerMon(write_config(tmp_path / "cfg.json", **cfg))
+    model = _model()
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        got = _train(model, positional, monitor)
+        monitor.close()
+    assert not [r.getMessage() for r in caplog.records], [r.getMessage() for r in caplog.records]
+    assert min(got["calls"]) >= 2, got["calls"]  # several closure calls per step: the case at hand
+    for step in range(STEPS):  # the monitor changes nothing
+        for name, value in reference["after"][step].items():
+            assert torch.equal(got["after"][step][name], value), (step, name)
+    grads = _norms(monitor.run_dir, "grad_reduced")
+    origin = _norms(monitor.run_dir, "param_origin")
+    updated = _norms(monitor.run_dir, "param_updated")
+    names = [n for n, _ in model.named_parameters()]
+    assert set(grads) == set(origin) == set(updated) == {(s, n) for s in range(STEPS) for n in names}
+    for step in range(STEPS):
+        for name in names:
+            # float32 elements summed in float32 over <= 12 terms: well within 1e-5 relative
+            want = float(got["grads"][step][name].norm())
+            assert math.isclose(grads[step, name], want, rel_tol=1e-5), (step, name, grads[step, name], want)
+            want = float(got["before"][step][name].norm())
+            assert math.isclose(origin[step, name], want, rel_tol=1e-5), (step, name)
+            want = float(got["after"][step][name].norm())
+            assert math.isclose(updated[step, name], want, rel_tol=1e-5), (step, name)
+
+
+def test_parameters_of_a_second_optimizer_are_named_once(tmp_path, monkeypatch, caplog):
+    """The monitored optimizer's step is where param rows are read: a parameter that another optimizer
+    updates shows param_updated == param_origin and no state rows, which is said, once."""
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    model = nn.ModuleDict({"emb": nn.Embedding(10, 4, sparse=True), "head": nn.Linear(4, 2)})
+    dense = torch.optim.Adam(model["head"].parameters())
+    sparse = torch.optim.SparseAdam(model["emb"].parameters())
+    cfg = {"param_distribution": True, "mv_distribution": True, "ops": ["norm"]}
+    monitor = TrainerMon(write_config(tmp_path / "cfg.json", **cfg))
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        monitor.set_monitor(model, grad_acc_steps=1, optimizer=dense)
+        for _ in range(2):
+            model["head"](model["emb"](torch.tensor([1, 2, 3]))).sum().backward()
+            dense.step()
+            sparse.step()
+            dense.zero_grad()
+            sparse.zero_grad()
+        monitor.close()
+    said = [r.getMessage() for r in caplog.records if "not in the monitored optimizer" in r.getMessage()]
+    assert len(said) == 1 and "1 trainable parameters" in said[0] and "(emb.weight)" in said[0], said
