@@ -789,7 +789,14 @@ def test_cli_errors(tmp_path, capsys, monkeypatch):
     assert main(["analyze", str(tmp_path / "ds"), "--stat", "median"]) == 2
     assert "unknown statistics" in capsys.readouterr().err
     assert main(["analyze", str(tmp_path / "ds"), "--steps", "100-200"]) == 2
-    assert "no rows" in capsys.readouterr().err
+    assert "no rows in" in (err := capsys.readouterr().err) and "for --steps 100-200" in err, err
+    ds = str(tmp_path / "ds")
+    # a step range that selects nothing is said as such, not as a statistic missing from both runs
+    assert main(["compare", ds, ds, "--steps", "100-200"]) == 2
+    err = capsys.readouterr().err
+    assert "steps 100-200 select no row of the run or the benchmark" in err, err
+    assert main(["compare", ds, ds, "--stat", "median"]) == 2
+    assert "unknown statistics ['median']; allowed: ['norm'" in capsys.readouterr().err
     assert sorted(os.listdir(tmp_path)) == ["ds", "empty"]
 
 

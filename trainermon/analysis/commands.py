@@ -82,7 +82,14 @@ def run_analyze(args: argparse.Namespace) -> int:
     except Exception as exc:  # noqa: BLE001 - bad input or an engine's error: 2, never a traceback
         return _error(exc)
     if not result.summary.rows_read:
-        print(f"error: no rows in {args.run!r} for the given filters", file=sys.stderr)
+        given = {
+            "--family": args.family,
+            "--steps": args.steps,
+            "--ranks": args.ranks,
+            "--run-id": args.run_id,
+        }
+        filters = " ".join(f"{k} {','.join(v) if isinstance(v, list) else v}" for k, v in given.items() if v)
+        print(f"error: no rows in {args.run!r} for {filters or 'the given filters'}", file=sys.stderr)
         return 2
     paths = _write(
         write_analysis_report, result, args.out or "trainermon_report", max_columns=args.max_columns

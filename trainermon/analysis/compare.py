@@ -31,7 +31,7 @@ import pandas as pd
 from .grid import split_key
 from .jsonutil import describe, jsonable, records
 from .scan import RunSummary, scan
-from .source import RunSource, family_order
+from .source import FAMILY_STATS, FLOAT_STATS, RunSource, family_order
 
 TINY = 1e-12
 
@@ -151,8 +151,12 @@ def _nothing_compared(
     common: list[str],
     notes: list[str],
     wanted: list[str] | None = None,
+    steps: tuple[int, int] | None = None,
 ) -> str:
     """fam_a, fam_b: every family of each run (before `wanted`, the families asked for, chose)."""
+    empty = [label for label, s in (("run", sum_a), ("benchmark", sum_b)) if not s.rows_read]
+    if steps is not None and common and empty:  # the step range, not a statistic, left nothing
+        return f"no cell compared: steps {steps[0]}-{steps[1]} select no row of the {' or the '.join(empty)}"
     if not common:
         asked = "" if wanted is None else f" of those asked for ({wanted})"
         return f"no cell compared: the runs share no family{asked} (run: {fam_a}, benchmark: {fam_b})"
@@ -195,6 +199,9 @@ def compare(
     src_b, eng_b = open_with(benchmark, engine, spark_master)
     engine = eng_a if eng_a == eng_b else resolve_engine(engine, [src_a, src_b])
     stats = list(stats)
+    allowed = [*FLOAT_STATS, "nans", "infs", *(s for extra in FAMILY_STATS.values() for s in extra)]
+    if [s for s in stats if s not in allowed]:  # a typo must not read as "not in both runs"
+        raise KeyError(f"unknown statistics {[s for s in stats if s not in allowed]}; allowed: {allowed}")
     # xrank rows summarise other families over ranks (analyze reports them); not tensors to align
     fam_a = [f for f in src_a.families() if f != "xrank"]
     fam_b = [f for f in src_b.families() if f != "xrank"]
@@ -337,7 +344,7 @@ def compare(
             }
         )
     if not sum(row["cells_compared"] for row in per_family):
-        raise NothingCompared(_nothing_compared(sum_a, sum_b, all_a, all_b, common, notes, wanted))
+        raise NothingCompared(_nothing_compared(sum_a, sum_b, all_a, all_b, common, notes, wanted, steps))
     columns = ["family", "vpp_stage", "name", "label", "first_step", "first_micro_step", "stat", "run_value"]
     columns += ["benchmark_value", "rel_diff_at_first", "divergent_cells", "max_rel_diff"]
     if divergent_parts:
