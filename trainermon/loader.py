@@ -31,7 +31,12 @@ def _as_list(value: Any, what: str) -> list | None:
     if isinstance(value, (str, int)):
         return [value]
     if isinstance(value, Iterable):
-        return list(value)
+        values = list(value)
+        if not values:  # an empty selection would otherwise read as "no filter": every row
+            raise ValueError(
+                f"trainermon.load: {what}=[] selects nothing; allowed: a value, a list, or None (all)"
+            )
+        return values
     raise TypeError(f"trainermon.load: {what} must be a value or a list of values, got {value!r}")
 
 
@@ -60,17 +65,21 @@ def _step_filter(steps: Any) -> tuple[int, int, list[int] | None] | None:
         return int(first), int(last or first), None
     if isinstance(steps, range):
         if len(steps) == 0:
-            return 0, -1, []
+            raise ValueError(f"trainermon.load: steps={steps!r} selects nothing; allowed: {STEPS_ALLOWED}")
         exact = None if steps.step == 1 else list(steps)
         return min(steps), max(steps), exact
     if isinstance(steps, tuple) and len(steps) == 2:
         lo, hi = steps
         lo = -(2**62) if lo is None else int(lo)
         hi = 2**62 if hi is None else int(hi)
+        if hi < lo:
+            raise ValueError(f"trainermon.load: steps={steps!r}: first > last; allowed: {STEPS_ALLOWED}")
         return lo, hi, None
     if isinstance(steps, Iterable):
         exact = sorted({int(s) for s in steps})
-        return (exact[0], exact[-1], exact) if exact else (0, -1, [])
+        if not exact:
+            raise ValueError(f"trainermon.load: steps={steps!r} selects nothing; allowed: {STEPS_ALLOWED}")
+        return exact[0], exact[-1], exact
     raise TypeError(f"trainermon.load: steps={steps!r}; allowed: {STEPS_ALLOWED}")
 
 
@@ -174,6 +183,10 @@ def load(
     rank_list = [int(r) for r in _as_list(ranks, "ranks") or []] or None
     run_ids = _as_list(run_id, "run_id")
     step_spec = _step_filter(steps)
+    columns = None if columns is None else list(columns)  # a generator is read once
+    unknown = [c for c in columns or () if c not in OUTPUT_COLUMNS]
+    if unknown:  # before any file is read
+        raise ValueError(f"trainermon.load: columns {unknown} do not exist; allowed: {list(OUTPUT_COLUMNS)}")
     path = os.fspath(path)
 
     full_schema = pa.schema(list(partition_schema()) + list(file_schema()))

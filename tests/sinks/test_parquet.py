@@ -323,6 +323,16 @@ def test_filtered_load_reads_only_needed_files(tmp_path):
     for bad in ("21..24", "-3", "a-b", ""):
         with pytest.raises(ValueError, match=f"steps={bad!r}; allowed: an int.*'FIRST-LAST'"):
             trainermon.load(root, family="exp_avg", steps=bad)
+    # selections that hold nothing, which read as an empty table or as no filter at all
+    with pytest.raises(ValueError, match=r"steps=\(25, 21\): first > last"):
+        trainermon.load(root, family="exp_avg", steps=(25, 21))
+    for empty in ([], range(5, 5)):
+        with pytest.raises(ValueError, match="selects nothing"):
+            trainermon.load(root, family="exp_avg", steps=empty)
+    with pytest.raises(ValueError, match=r"ranks=\[\] selects nothing"):
+        trainermon.load(root, family="exp_avg", ranks=[])
+    with pytest.raises(ValueError, match=r"columns \['nope'\] do not exist; allowed: \["):
+        trainermon.load(root, family="exp_avg", columns=["step", "nope"])
     with pytest.raises(ValueError, match="families \\['nothing'\\] are not in"):  # not an empty table
         trainermon.load(root, family="nothing")
     with pytest.raises(Exception):  # noqa: B017 - proof that the corrupted files would have been noticed
