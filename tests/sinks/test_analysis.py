@@ -343,6 +343,23 @@ def test_equal_norms_with_other_values_are_pieces_not_copies(tmp_path, engine):
     assert norm.loc["ln.output", 0] == pytest.approx(45.2546 * math.sqrt(2), rel=1e-12)
     assert norm.loc["tp_replicated.output", 0] == pytest.approx(7.5, rel=1e-12)
     assert result.heatmaps[("actv", "min")].loc["ln.output", 0] == -3.02002
+    # the same whatever the statistics asked for: `--stat norm` alone still tells copies by all four
+    alone = analyze(source, engine=engine, stats=["norm"], progress=False).heatmaps[("actv", "norm")]
+    assert alone.loc["ln.output", 0] == pytest.approx(45.2546 * math.sqrt(2), rel=1e-12)
+    assert alone.loc["tp_replicated.output", 0] == pytest.approx(7.5, rel=1e-12)
+    # compare (norm by default) against the same numbers written as one row per tensor
+    _write_csv(
+        tmp_path / "whole" / "Jan01_00-00-00-rank0-y" / "actv_0-0.csv",
+        header,
+        [
+            f"0,ln.output,0,0,{45.2546 * math.sqrt(2)!r},-3.02002,3.1,-0.005",
+            "0,tp_replicated.output,0,0,7.5,-1,1,0.25",
+        ],
+    )
+    convert(tmp_path / "whole", tmp_path / "whole_pq")
+    whole = tmp_path / ("whole" if engine == "pyarrow" else "whole_pq")
+    found = compare(source, whole, engine=engine, progress=False)
+    assert found.first is None and float(found.per_family["max_rel_diff"].max()) < 1e-12, found.per_family
 
 
 # ---- analyze on a real run ----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from typing import Any
 import pandas as pd
 
 from .engines import check_engine, engine_scan, is_url, open_url, resolve_engine, session
+from .grid import with_copy_marks
 from .jsonutil import describe, jsonable, records
 from .layer_tables import expert_load_last_step, head_logits_last_step
 from .scan import RunSummary, scan
@@ -210,10 +211,10 @@ def analyze(
     bad_stats = [s for s in wanted if s not in FLOAT_STATS + ("nans", "infs")]
     if bad_stats:
         raise KeyError(f"unknown statistics {bad_stats}; allowed: {list(FLOAT_STATS) + ['nans', 'infs']}")
-    scan_stats = list(dict.fromkeys(wanted + ["nans", "infs"]))
+    scan_stats = with_copy_marks(list(dict.fromkeys(wanted + ["nans", "infs"])))
     family_stats = {f: scan_stats + list(FAMILY_STATS.get(f, ())) for f in fams}
     if "grad_reduced" in available and "grad_reduced" not in fams:
-        family_stats["grad_reduced"] = ["norm", "nans", "infs"]
+        family_stats["grad_reduced"] = with_copy_marks(["norm", "nans", "infs"])
     if engine == "pyarrow":
         summary = scan(
             source,

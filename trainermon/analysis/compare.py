@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .grid import split_key
+from .grid import split_key, with_copy_marks
 from .jsonutil import describe, jsonable, records
 from .scan import RunSummary, scan
 from .source import FAMILY_STATS, FLOAT_STATS, RunSource, family_order
@@ -217,7 +217,7 @@ def compare(
         fam_a = [f for f in fam_a if f in wanted]
         fam_b = [f for f in fam_b if f in wanted]
     common = [f for f in fam_a if f in fam_b]
-    scan_stats = list(dict.fromkeys(stats + ["nans", "infs"]))
+    scan_stats = with_copy_marks(list(dict.fromkeys(stats + ["nans", "infs"])))
     kw: dict[str, Any] = {"stats": scan_stats, "steps": steps, "progress": progress, "batch_size": batch_size}
     if engine == "pyarrow":
         sum_a = scan(src_a, families=common, label="run", **kw)

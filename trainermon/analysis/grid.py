@@ -54,6 +54,14 @@ _NEEDS.pop("numel", None)  # element counts come with the rows, not as a statist
 COPY_MARKS = ("norm", "min", "max", "mean")
 for _mark in COPY_MARKS:
     _NEEDS[_mark] += (f"first_{_mark}", f"same_{_mark}")
+
+
+def with_copy_marks(stats: list[str]) -> list[str]:
+    """`stats`, and with the norm every other copy mark: which rows are copies must not depend on the
+    statistics asked for (`--stat norm` alone would take equal-norm pieces for copies)."""
+    return list(dict.fromkeys([*stats, *COPY_MARKS])) if "norm" in stats else list(stats)
+
+
 _RULE = {name: BY_NAME[name].combine for name in _NEEDS}
 # ratio (update), load_cv (moe_load): one writer per tensor or router, so a cell has one row; MAX if a
 # copy appears.
