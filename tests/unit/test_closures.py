@@ -111,3 +111,40 @@ def test_parameters_of_a_second_optimizer_are_named_once(tmp_path, monkeypatch, 
         monitor.close()
     said = [r.getMessage() for r in caplog.records if "not in the monitored optimizer" in r.getMessage()]
     assert len(said) == 1 and "1 trainable parameters" in said[0] and "(emb.weight)" in said[0], said
+
+
+def test_a_step_that_raises_leaves_skip_detection_on(tmp_path, monkeypatch):
+    """torch runs no step post-hook when step() raises: a flag set for the whole step() stayed set and
+    hid every later GradScaler skip (iterations 1-3 merged into one step, the overflow lost)."""
+
+    class Flaky(torch.optim.SGD):
+        calls = 0
+
+        def step(self, closure=None):
+            Flaky.calls += 1
+            if Flaky.calls == 2:
+                raise RuntimeError("out of memory (simulated)")
+            return super().step(closure)
+
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    model = _model()
+    opt = Flaky(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    monitor = TrainerMon(write_config(tmp_path / "cfg.json", wg_distribution=True, ops=["norm"]))
+    monitor.set_monitor(model, grad_acc_steps=1, optimizer=opt)
+    gen = torch.Generator().manual_seed(1)
+    for iteration in range(5):
+        loss = model(torch.randn(4, 4, generator=gen)).pow(2).mean()
+        if iteration == 2:
+            loss = loss * math.inf  # the scaler finds inf gradients and skips this step
+        scaler.scale(loss).backward()
+        try:
+            scaler.step(opt)
+        except RuntimeError:
+            pass  # the loop goes on, as a job that retries a batch does
+        scaler.update()
+        opt.zero_grad()
+    monitor.close()
+    flags = sorted({(int(r["step"]), r["skipped"]) for r in read_family(monitor.run_dir, "grad_reduced")})
+    # iteration 1's step raised (no update: a skipped step), iteration 2 overflowed (skipped)
+    assert flags == [(0, ""), (1, "1"), (2, "1"), (3, ""), (4, "")], flags

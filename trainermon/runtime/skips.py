@@ -48,7 +48,7 @@ class SkippedStepProbe(Probe):
         self.calls_reported = False  # the framework calls `step_called` for each step call (see above)
         self.called = False  # ... and did since the last boundary
         self.wired = False  # attached to a torch optimizer
-        self.in_step = False  # inside the optimizer's step(): a closure's zero_grad() is no skip (LBFGS)
+        self.in_step = False  # a step()'s closure is running: its zero_grad() is no skip (LBFGS)
 
     def attach(self) -> list[Any]:
         adapter = self.loop.adapter
@@ -66,13 +66,8 @@ class SkippedStepProbe(Probe):
         modules = {id(m): m for m in (*adapter.chunks, *adapter.roots())}
         handles += [self._patch(m) for m in modules.values()]
         handles.append(self._patch(optimizer))
-        if hookable(optimizer):
-            handles.append(
-                optimizer.register_step_pre_hook(CopySafe(lambda *_: setattr(self, "in_step", True)))
-            )
-            handles.append(
-                optimizer.register_step_post_hook(CopySafe(lambda *_: setattr(self, "in_step", False)))
-            )
+        if hookable(optimizer):  # marks the closure's run, not step(): a step that raises has no post hook
+            handles.append(optimizer.register_step_pre_hook(CopySafe(self._mark_closure)))
         self.wired = True
         return handles
 
@@ -93,6 +88,26 @@ class SkippedStepProbe(Probe):
             optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
         if optimizer is not None and optimizer is target:
             self.called = True
+
+    def _mark_closure(self, optimizer: Any, args: tuple, kwargs: dict) -> Any:
+        """torch's step pre-hook: the closure (keyword, or positional after the optimizer in args[0]) runs
+        with `in_step` set, so its zero_grad() is no skipped step."""
+
+        def marked(closure: Any) -> Any:
+            def run(*a: Any, **k: Any) -> Any:
+                self.in_step = True
+                try:
+                    return closure(*a, **k)
+                finally:
+                    self.in_step = False
+
+            return run
+
+        if callable(kwargs.get("closure")):
+            return args, {**kwargs, "closure": marked(kwargs["closure"])}
+        if len(args) > 1 and callable(args[1]):
+            return (args[0], marked(args[1]), *args[2:]), kwargs
+        return None
 
     def _backward(self, param: Any) -> None:
         self.trained = True
