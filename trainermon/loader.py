@@ -59,10 +59,11 @@ def _step_filter(steps: Any) -> tuple[int, int, list[int] | None] | None:
     if isinstance(steps, int):
         return steps, steps, None
     if isinstance(steps, str):
-        first, _, last = steps.strip().partition("-")
-        if not (first.isdigit() and (last.isdigit() or not last)):
+        first, sep, last = steps.strip().partition("-")
+        last = last if sep else first  # "5-" is refused, as the CLI refuses it
+        if not (first.isdigit() and last.isdigit() and int(first) <= int(last)):
             raise ValueError(f"trainermon.load: steps={steps!r}; allowed: {STEPS_ALLOWED}")
-        return int(first), int(last or first), None
+        return int(first), int(last), None
     if isinstance(steps, range):
         if len(steps) == 0:
             raise ValueError(f"trainermon.load: steps={steps!r} selects nothing; allowed: {STEPS_ALLOWED}")
