@@ -91,15 +91,17 @@ class TorchAdapter(Adapter):
 
     def _say_parameters_outside_the_optimizer(self, params: list[MonitoredParam]) -> None:
         """A second optimizer's parameters (a GAN's, a sparse embedding's) are read around the monitored
-        optimizer's step, not theirs: param_updated equals param_origin and there is no state row. Said
-        once. An optimizer that holds none of the model's parameters (fp32 master copies) is left alone."""
+        optimizer's step, not theirs: their gradients are those they hold then, param_updated equals
+        param_origin, and there is no state row. Said once. An optimizer that holds none of the model's
+        parameters (fp32 master copies) is left alone."""
         held = {id(p) for g in getattr(self.optimizer, "param_groups", ()) for p in g.get("params", ())}
         outside = [mp.name for mp in params if id(mp.param) not in held]
         if held and outside and len(outside) < len(params):
             logger.warning(
                 "trainermon: %d trainable parameters are not in the monitored optimizer (%s%s): their "
-                "param_origin/param_updated rows are read around that optimizer's step, not the one that "
-                "updates them, and they have no optimizer-state rows",
+                "grad_*/param_origin/param_updated rows are read around that optimizer's step (the "
+                "gradients they hold then), not the one that updates them, and they have no "
+                "optimizer-state rows",
                 len(outside),
                 ", ".join(outside[:5]),
                 ", ..." if len(outside) > 5 else "",
