@@ -84,7 +84,8 @@ def find_csv_files(csv_dir: str) -> dict[str, list[tuple[str, str]]]:
     return dict(found)
 
 
-_NUMERIC = frozenset(STATS) | {"vpp_stage", "step", "micro_step", "numel"}
+_NUMERIC = frozenset(STATS) | {"numel"}
+_WHOLE = ("vpp_stage", "step", "micro_step")  # whole numbers; only `step` may not be empty
 
 
 def _read_csv(path: str) -> list[dict[str, str]]:
@@ -101,6 +102,14 @@ def _read_csv(path: str) -> list[dict[str, str]]:
                     f"{path}, line {reader.line_num}: {what} the header's {len(reader.fieldnames)} "
                     "columns (a line cut by a crash, or edited by hand)"
                 )
+            for key in _WHOLE:
+                text = row.get(key)
+                if text is not None and not (
+                    text.strip().lstrip("-").isdigit() or (text == "" and key != "step")
+                ):
+                    raise ValueError(
+                        f"{path}, line {reader.line_num}: column {key!r}: {text!r} is not a whole number"
+                    )
             for key in _NUMERIC.intersection(row):
                 try:
                     if row[key] != "":
