@@ -86,6 +86,7 @@ def find_csv_files(csv_dir: str) -> dict[str, list[tuple[str, str]]]:
 
 _NUMERIC = frozenset(STATS) | {"numel"}
 _WHOLE = ("vpp_stage", "step", "micro_step")  # whole numbers; only `step` may not be empty
+_WHOLE_NUMBER = re.compile(r"-?[0-9]+")
 
 
 def _read_csv(path: str) -> list[dict[str, str]]:
@@ -105,7 +106,7 @@ def _read_csv(path: str) -> list[dict[str, str]]:
             for key in _WHOLE:
                 text = row.get(key)
                 if text is not None and not (
-                    text.strip().lstrip("-").isdigit() or (text == "" and key != "step")
+                    _WHOLE_NUMBER.fullmatch(text.strip()) or (text == "" and key != "step")
                 ):
                     raise ValueError(
                         f"{path}, line {reader.line_num}: column {key!r}: {text!r} is not a whole number"

@@ -302,6 +302,9 @@ def test_msprobe_layout_ranks_copies_and_shards(tmp_path):
         "layers.9.output",
         1,
     )
+    # `--stat norm` reads min/max/mean to tell copies (grid.with_copy_marks); its table shows the norm
+    first = analyze(root, stats=["norm"], progress=False).first_nonfinite
+    assert first.loc[0, "name"] == "layers.9.output" and not {"min", "max", "mean"} & set(first.columns)
 
 
 def test_shards_with_different_values_are_summed(tmp_path):

@@ -393,6 +393,7 @@ def test_convert_trainermon_csv_matches_exporter(tmp_path, monkeypatch):
         ("0,w,1,1.0,2,7", r"line 3: more fields than the header's 5 columns"),  # a comma in a name
         ("0,w,,1.0,2", r"line 3: column 'step': '' is not a whole number"),
         ("0,w,1.5,1.0,2", r"line 3: column 'step': '1.5' is not a whole number"),
+        ("0,w,--5,1.0,2", r"line 3: column 'step': '--5' is not a whole number"),
     ],
 )
 def test_convert_refuses_a_damaged_line_instead_of_writing_nan(tmp_path, capsys, last_line, said):

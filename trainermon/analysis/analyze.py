@@ -258,7 +258,10 @@ def analyze(
         spikes=find_spikes(norm, **rule),
         growth=growth_tables,
         growth_stat=growth_stat,
-        first_nonfinite=first_nonfinite(summary),
+        # the statistics asked for: the copy marks scanned with the norm are not the user's columns
+        first_nonfinite=first_nonfinite(summary).drop(
+            columns=[s for s in scan_stats if s not in wanted + ["nans", "infs"]], errors="ignore"
+        ),
         anomalies=load_run_anomalies(source, steps),
         spike_rule=rule,
         expert_load=expert_load_last_step(source, steps) if "moe_load" in fams else None,
