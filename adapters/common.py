@@ -145,19 +145,26 @@ def _after_closure(closure: Callable[[], Any], pre: Callable[[], None]) -> Calla
     return call
 
 
+def with_wrapped_closure(args: tuple, kwargs: dict, wrap: Callable[[Any], Any]) -> tuple[tuple, dict] | None:
+    """A step pre-hook's new (args, kwargs): the step's closure replaced by `wrap(closure)`; None when the
+    step has no closure. torch passes the optimizer itself as args[0], so a positional closure
+    (`step(closure)`, LBFGS's documented form) is args[1]."""
+    if callable(kwargs.get("closure")):
+        return args, {**kwargs, "closure": wrap(kwargs["closure"])}
+    if len(args) > 1 and callable(args[1]):
+        return (args[0], wrap(args[1]), *args[2:]), kwargs
+    return None
+
+
 def _pre_hook(events: StepEvents) -> Callable[..., Any]:
     """torch's step pre-hook. A step given a closure (Lightning's automatic optimization, LBFGS) runs
     forward and backward inside `step()`, after this hook: the pre event then fires from the closure."""
 
     def hook(optimizer: Any, args: tuple, kwargs: dict) -> Any:
-        if callable(kwargs.get("closure")):
-            return args, {**kwargs, "closure": _after_closure(kwargs["closure"], events.pre)}
-        # torch passes the optimizer itself as args[0]: a positional closure (`step(closure)`, LBFGS's
-        # documented form) is args[1]
-        if len(args) > 1 and callable(args[1]):
-            return (args[0], _after_closure(args[1], events.pre), *args[2:]), kwargs
-        events.pre()
-        return None
+        wrapped = with_wrapped_closure(args, kwargs, lambda closure: _after_closure(closure, events.pre))
+        if wrapped is None:
+            events.pre()
+        return wrapped
 
     return hook
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from trainermon.adapters.common import Restore
+from trainermon.adapters.common import Restore, with_wrapped_closure
 from trainermon.adapters.wrapped import hookable
 from trainermon.collect.records import StepScalars
 from trainermon.copies import CopySafe
@@ -90,8 +90,8 @@ class SkippedStepProbe(Probe):
             self.called = True
 
     def _mark_closure(self, optimizer: Any, args: tuple, kwargs: dict) -> Any:
-        """torch's step pre-hook: the closure (keyword, or positional after the optimizer in args[0]) runs
-        with `in_step` set, so its zero_grad() is no skipped step."""
+        """torch's step pre-hook: the step's closure runs with `in_step` set, so its zero_grad() is no
+        skipped step."""
 
         def marked(closure: Any) -> Any:
             def run(*a: Any, **k: Any) -> Any:
@@ -103,11 +103,7 @@ class SkippedStepProbe(Probe):
 
             return run
 
-        if callable(kwargs.get("closure")):
-            return args, {**kwargs, "closure": marked(kwargs["closure"])}
-        if len(args) > 1 and callable(args[1]):
-            return (args[0], marked(args[1]), *args[2:]), kwargs
-        return None
+        return with_wrapped_closure(args, kwargs, marked)
 
     def _backward(self, param: Any) -> None:
         self.trained = True
