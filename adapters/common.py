@@ -14,7 +14,7 @@ from trainermon.copies import CopySafe
 from trainermon.failsafe import FaultLog
 
 from .base import StepEvents
-from .wrapped import hookable
+from .wrapped import hookable, nested_step
 
 logger = logging.getLogger("trainermon")
 
@@ -161,10 +161,22 @@ def _pre_hook(events: StepEvents) -> Callable[..., Any]:
     forward and backward inside `step()`, after this hook: the pre event then fires from the closure."""
 
     def hook(optimizer: Any, args: tuple, kwargs: dict) -> Any:
+        if nested_step(optimizer):
+            return None  # the outer step()'s hook fired the event (and wrapped the closure) already
         wrapped = with_wrapped_closure(args, kwargs, lambda closure: _after_closure(closure, events.pre))
         if wrapped is None:
             events.pre()
         return wrapped
+
+    return hook
+
+
+def _post_hook(events: StepEvents) -> Callable[..., None]:
+    """torch's step post-hook; the one of an inner, nested `step()` is not the step's end."""
+
+    def hook(optimizer: Any, args: tuple, kwargs: dict) -> None:
+        if not nested_step(optimizer):
+            events.post(StepScalars())
 
     return hook
 
@@ -175,7 +187,7 @@ def hook_optimizer_step(optimizer: Any, events: StepEvents) -> list[Any]:
     if hookable(optimizer):
         return [
             optimizer.register_step_pre_hook(CopySafe(_pre_hook(events))),
-            optimizer.register_step_post_hook(CopySafe(lambda *_: events.post(StepScalars()))),
+            optimizer.register_step_post_hook(CopySafe(_post_hook(events))),
         ]
     if callable(getattr(optimizer, "step", None)):
         original = optimizer.step

@@ -12,6 +12,7 @@ its loss scaler did not skip the update.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,19 @@ import torch
 
 #: More nesting than any framework uses: a guard against objects whose `.optimizer` leads in circles.
 MAX_DEPTH = 8
+
+
+def _step_wrapper_code() -> Any:
+    """The code of the wrapper torch puts around each optimizer class's `step` to run the step hooks
+    (`Optimizer.profile_hook_step`); None in a torch without it."""
+    make = getattr(torch.optim.Optimizer, "profile_hook_step", None)
+    try:
+        return make(lambda *args, **kwargs: None).__code__ if make is not None else None
+    except Exception:  # noqa: BLE001 - a torch whose wrapper differs: no nesting check
+        return None
+
+
+_STEP_WRAPPER = _step_wrapper_code()
 
 
 def hookable(optimizer: Any) -> bool:
@@ -48,3 +62,22 @@ def describe_chain(chain: list[Any], hooked: Any) -> str:
         through = type(hooked).__name__
         text = f"{text} (steps through {through})" if text else through
     return text
+
+
+def nested_step(optimizer: Any) -> bool:
+    """Whether a step hook of `optimizer` runs inside another `step()` call of the same optimizer. torch
+    wraps the `step` of the class of every optimizer made, so a subclass whose `step` calls
+    `super().step()`, in a process that also made the parent class, runs each step hook twice, nested:
+    the inner run must be ignored or one step counts as two. Decided from the stack, not from a counter,
+    because a `step()` that raises runs no post-hook. Cost: one walk of the stack per hook call."""
+    if _STEP_WRAPPER is None:
+        return False
+    frame = sys._getframe(1)
+    outer = 0
+    while frame is not None:
+        if frame.f_code is _STEP_WRAPPER and frame.f_locals.get("self") is optimizer:
+            outer += 1
+            if outer > 1:
+                return True
+        frame = frame.f_back
+    return False

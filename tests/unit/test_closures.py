@@ -147,3 +147,64 @@ def test_a_step_that_raises_leaves_skip_detection_on(tmp_path, monkeypatch):
     flags = sorted({(int(r["step"]), r["skipped"]) for r in read_family(monitor.run_dir, "grad_reduced")})
     # iteration 1's step raised (no update: a skipped step), iteration 2 overflowed (skipped)
     assert flags == [(0, ""), (1, "1"), (2, "1"), (3, ""), (4, "")], flags
+
+
+@pytest.mark.parametrize("with_closure", [False, True], ids=["step()", "step(closure)"])
+def test_a_step_calling_super_step_is_one_step(tmp_path, monkeypatch, with_closure):
+    """torch wraps the `step` of the class of every optimizer made. Once an SGD exists, a subclass whose
+    step() calls super().step() runs each step hook twice, nested: each iteration counted as two steps
+    (step 1's rows were iteration 0's second half). A step() that raises (iteration 1) runs no post-hook:
+    the nesting check must not depend on one. With a closure, that step ran no closure: no gradients, no
+    step; without, its gradients exist and it is a step without an update (flagged skipped)."""
+
+    class Clipped(torch.optim.SGD):
+        fail_next = False
+
+        def step(self, closure=None):
+            if self.fail_next:
+                self.fail_next = False
+                raise RuntimeError("simulated failure inside step()")
+            return super().step(closure)
+
+    torch.optim.SGD(nn.Linear(1, 1).parameters())  # makes torch wrap SGD.step, whatever ran before
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    model = _model()
+    opt = Clipped(model.parameters(), lr=0.1)
+    cfg = {"wg_distribution": True, "param_distribution": True, "ops": ["norm"], "ndigits": 17}
+    monitor = TrainerMon(write_config(tmp_path / "cfg.json", **cfg))
+    monitor.set_monitor(model, grad_acc_steps=1, optimizer=opt)
+    gen = torch.Generator().manual_seed(1)
+    grads, after = [], []
+    for iteration in range(4):
+        x = torch.randn(5, 4, generator=gen)
+
+        def closure(x: torch.Tensor = x) -> torch.Tensor:
+            opt.zero_grad()
+            loss = model(x).pow(2).sum()
+            loss.backward()
+            return loss
+
+        if not with_closure:
+            closure()
+        opt.fail_next = iteration == 1
+        try:
+            opt.step(closure) if with_closure else opt.step()
+        except RuntimeError:
+            pass
+        if not (with_closure and iteration == 1):
+            grads.append({n: float(p.grad.double().norm()) for n, p in model.named_parameters()})
+            after.append({n: float(p.detach().double().norm()) for n, p in model.named_parameters()})
+        opt.zero_grad()
+    monitor.close()
+    rows = read_family(monitor.run_dir, "grad_reduced")
+    flags = sorted({(int(r["step"]), r["skipped"]) for r in rows})
+    assert flags == ([(0, ""), (1, ""), (2, "")] if with_closure else [(0, ""), (1, "1"), (2, ""), (3, "")])
+    names = sorted(n for n, _ in model.named_parameters())
+    assert sorted((int(r["step"]), r["name"]) for r in rows) == [(s, n) for s, _ in flags for n in names]
+    param_rows = read_family(monitor.run_dir, "param_updated")
+    updated = {(int(r["step"]), r["name"]): float(r["norm"]) for r in param_rows}
+    for row in rows:  # float32 sums of <= 12 terms: well within 1e-5 relative
+        step, name = int(row["step"]), row["name"]
+        assert math.isclose(float(row["norm"]), grads[step][name], rel_tol=1e-5), (step, name)
+        if with_closure or step != 1:
+            assert math.isclose(updated[step, name], after[step][name], rel_tol=1e-5), (step, name)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from trainermon.adapters.common import Restore, with_wrapped_closure
-from trainermon.adapters.wrapped import hookable
+from trainermon.adapters.wrapped import hookable, nested_step
 from trainermon.collect.records import StepScalars
 from trainermon.copies import CopySafe
 
@@ -92,6 +92,8 @@ class SkippedStepProbe(Probe):
     def _mark_closure(self, optimizer: Any, args: tuple, kwargs: dict) -> Any:
         """torch's step pre-hook: the step's closure runs with `in_step` set, so its zero_grad() is no
         skipped step."""
+        if nested_step(optimizer):
+            return None  # the outer step()'s hook marked the closure already
 
         def marked(closure: Any) -> Any:
             def run(*a: Any, **k: Any) -> Any:
