@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from trainermon.collect.family_columns import EXTRA_COLUMNS
+from trainermon.exporters.csv_files import FILE, RANK_DIR, VPP_PREFIX, shape_dims
 from trainermon.exporters.parquet_files import (
     COUNT_STATS,
     STATS,
@@ -34,11 +35,6 @@ from trainermon.names import msprobe_tag
 
 logger = logging.getLogger("trainermon")
 
-_FILE = re.compile(r"^(?P<family>.+)_(?P<first>\d+)-(?P<last>\d+)\.csv$")
-_RANK_DIR = re.compile(r"rank(?P<rank>\d+)(?:-(?P<id>[^/\\]+))?$")
-_VPP_PREFIX = re.compile(r"^(?P<vpp>\d+):(?P<name>.*)$")
-_INT = re.compile(r"-?\d+")
-
 
 def _number(text: str | None) -> float:
     if text is None or text == "":
@@ -49,15 +45,9 @@ def _number(text: str | None) -> float:
         return math.nan
 
 
-def _shape(text: str | None) -> list[int] | None:
-    if text is None or text == "":
-        return None
-    return [int(v) for v in _INT.findall(text)]  # "[4, 8]", "(4, 8)" and "torch.Size([4, 8])" alike
-
-
 def _rank_and_run(directory: str) -> tuple[int, str]:
     base = os.path.basename(os.path.normpath(directory))
-    match = _RANK_DIR.search(base)
+    match = RANK_DIR.search(base)
     if match is None:
         return 0, base or "csv"
     return int(match.group("rank")), match.group("id") or base
@@ -78,7 +68,7 @@ def find_csv_files(csv_dir: str) -> dict[str, list[tuple[str, str]]]:
     found: dict[str, list[tuple[str, str]]] = defaultdict(list)
     for directory, _dirs, files in os.walk(csv_dir):
         for name in sorted(files):
-            match = _FILE.match(name)
+            match = FILE.match(name)
             if match is not None:
                 found[directory].append((match.group("family"), os.path.join(directory, name)))
     return dict(found)
@@ -148,7 +138,7 @@ def convert(
         for family, path in files:
             by_family[family].append(path)
         for family, paths in sorted(by_family.items()):
-            paths.sort(key=lambda p: int(_FILE.match(os.path.basename(p)).group("first")))
+            paths.sort(key=lambda p: int(FILE.match(os.path.basename(p)).group("first")))
             buffer, seq = ColumnBuffer(), 0
             for path in paths:
                 rows = _read_csv(path)
@@ -234,7 +224,7 @@ def _columns(rows: list[dict[str, str]], run_id: str) -> dict[str, Any]:
     for r in rows:
         name = r[name_key]
         vpp = r.get("vpp_stage")
-        prefixed = _VPP_PREFIX.match(name)
+        prefixed = VPP_PREFIX.match(name)
         if prefixed is not None:  # msprobe's "{vpp}:{name}" names
             name = prefixed.group("name")
             vpp = vpp if vpp not in (None, "") else prefixed.group("vpp")
@@ -257,7 +247,7 @@ def _columns(rows: list[dict[str, str]], run_id: str) -> dict[str, Any]:
             columns[stat] = np.nan_to_num(values, nan=0.0) if stat in COUNT_STATS else values
         else:
             columns[stat] = None
-    shapes = [_shape(r.get("shape")) for r in rows]
+    shapes = [shape_dims(r.get("shape")) for r in rows]
     columns["shape"] = shapes
     if "numel" in header:
         columns["numel"] = [int(float(r["numel"])) for r in rows]

@@ -9,7 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from .source import _INT, _VPP_PREFIX, ALL_STATS, Batch, SourceFile, _read_header
+from trainermon.exporters.csv_files import VPP_PREFIX, shape_dims
+
+from .source import ALL_STATS, Batch, SourceFile, _read_header
 
 
 def _to_float(column: Any) -> tuple[np.ndarray, np.ndarray | None]:
@@ -62,7 +64,7 @@ def _tensors(names: Any, vpp: np.ndarray | None) -> tuple[list[tuple[int, str]],
     dictionary = names.dictionary.to_pylist()
     stripped, prefix_vpp = [], []
     for name in dictionary:
-        m = _VPP_PREFIX.match(name) if name is not None else None
+        m = VPP_PREFIX.match(name) if name is not None else None
         if m is not None:
             stripped.append(_unwrapped(m.group("name")))
             prefix_vpp.append(int(m.group("vpp")))
@@ -91,7 +93,7 @@ def _numel_from_shapes(shapes: Any) -> np.ndarray:
     enc = shapes.dictionary_encode()
     values = []
     for text in enc.dictionary.to_pylist():
-        dims = [int(v) for v in _INT.findall(text)] if text else None
+        dims = shape_dims(text)
         values.append(float(np.prod(dims)) if dims is not None else np.nan)
     codes = enc.indices
     lut = np.asarray(values + [np.nan], dtype=np.float64)

@@ -19,7 +19,6 @@ filter and the column projection are pushed into `pyarrow.dataset` (Parquet) and
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from trainermon.collect.records import FAMILIES
+from trainermon.exporters.csv_files import FILE, RANK_DIR, VPP_PREFIX
 from trainermon.exporters.parquet_files import find_dataset, has_partitions
 from trainermon.stats.table import COUNT_STATS, FLOAT_STATS
 
@@ -34,11 +34,6 @@ from trainermon.stats.table import COUNT_STATS, FLOAT_STATS
 #: columns of single families drawn as heatmaps (`update`: ratio = ||dw|| / ||w||; `moe_load`: load_cv).
 FAMILY_STATS = {"update": ("ratio",), "moe_load": ("load_cv",)}
 ALL_STATS = FLOAT_STATS + COUNT_STATS + tuple(s for extra in FAMILY_STATS.values() for s in extra)
-
-_CSV_FILE = re.compile(r"^(?P<family>.+)_(?P<first>\d+)-(?P<last>\d+)\.csv$")
-_RANK_DIR = re.compile(r"rank(?P<rank>\d+)(?:-(?P<id>[^/\\]+))?$")
-_VPP_PREFIX = re.compile(r"^(?P<vpp>\d+):(?P<name>.*)$")
-_INT = re.compile(r"-?\d+")
 
 
 def family_order(family: str) -> int:
@@ -107,7 +102,7 @@ class RunSource:
         when RUN is a dataset root or a rank's run directory."""
         path = os.path.abspath(self.path)
         candidates = [path]
-        inner = has_partitions(path) or _RANK_DIR.search(os.path.basename(path)) is not None
+        inner = has_partitions(path) or RANK_DIR.search(os.path.basename(path)) is not None
         if inner:
             candidates.append(os.path.dirname(path))
         if self.kind == "parquet" and os.path.abspath(self.root) != os.path.join(path, "parquet"):
@@ -266,13 +261,13 @@ def _csv_files(path: str, run_id: str | None) -> list[SourceFile]:
     for directory, dirs, names in os.walk(path):
         dirs[:] = [d for d in dirs if not d.startswith(("family=", "."))]  # never descend into a dataset
         base = os.path.basename(os.path.normpath(directory))
-        match = _RANK_DIR.search(base)
+        match = RANK_DIR.search(base)
         rank = int(match.group("rank")) if match else 0
         rid = (match.group("id") if match else None) or base
         if run_id is not None and rid != run_id:
             continue
         for name in names:
-            m = _CSV_FILE.match(name)
+            m = FILE.match(name)
             if m is None:
                 continue
             full = os.path.join(directory, name)
@@ -317,7 +312,7 @@ def _looks_msprobe(path: str) -> bool:
         first = fh.readline()
     name_at = header.index("name") if "name" in header else 1
     cells = first.split(",")
-    return len(cells) > name_at and _VPP_PREFIX.match(cells[name_at]) is not None
+    return len(cells) > name_at and VPP_PREFIX.match(cells[name_at]) is not None
 
 
 def _note_csv_beside(source: RunSource, csv_files: list) -> None:
