@@ -192,8 +192,41 @@ def _train(rank: int, case: str, out_root: str) -> dict:
     }
 
 
+def _activations(rank: int, out_root: str) -> dict:
+    """One collected step of activations on the tp-sp model; each module's output as this rank's forward
+    returns it (a hook after every other: torch's styles have made it local by then)."""
+    import torch
+
+    from trainermon import TrainerMon
+
+    model, _, _ = _build("tp-sp")
+    os.environ["MONITOR_OUTPUT_DIR"] = os.path.join(out_root, "actv")
+    cfg = os.path.join(out_root, f"actv-{rank}.json")
+    with open(cfg, "w") as fh:
+        json.dump({"xy_distribution": True, "ops": list(OPS), "ndigits": 12}, fh)
+    monitor = TrainerMon(cfg)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    monitor.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
+    seen = {}
+    for name in ("inp", "layers.0.w1", "layers.0.w2", "layers.0.norm", "head"):
+        module = model.get_submodule(name)
+        module.register_forward_hook(lambda m, i, out, name=name: seen.setdefault(name, out))
+    x = torch.randn(B, S, 6, generator=torch.Generator().manual_seed(7))
+    model(x).pow(2).mean().backward()
+    optimizer.step()
+    monitor.close()
+    outputs = {}
+    for name, out in seen.items():
+        local = out.to_local() if hasattr(out, "to_local") else out
+        outputs[name] = {**ref_stats(local.detach().double()), "dtensor": hasattr(out, "to_local")}
+    rows = [r for r in read_family(monitor.run_dir, "actv") if r["name"].endswith(".output")]
+    return {"outputs": outputs, "rows": {r["name"][: -len(".output")]: r for r in rows}}
+
+
 def _both(rank: int, world: int, out_root: str) -> dict:
-    return {case: _train(rank, case, out_root) for case in ("tp-sp", "fsdp2-flat")}
+    out = {case: _train(rank, case, out_root) for case in ("tp-sp", "fsdp2-flat")}
+    out["actv"] = _activations(rank, out_root)
+    return out
 
 
 def _check_rows(per_rank: list[dict], case: str) -> None:
@@ -236,3 +269,19 @@ def test_sequence_parallel_and_flattened_mesh_on_two_ranks(tmp_path: Path) -> No
             # cross-rank summaries' all-gather; on gloo's copy of the group, the layout check's all-reduce
             assert Counter(calls["world"]) == {"all_reduce": 1, GATHER_OP: 2}, (rank, calls)
             assert calls["cpu"] == ["all_reduce"], (rank, step, calls)
+    # Outputs that torch's styles hand on as this rank's plain piece carry their shard label, as a
+    # DTensor output does (they were unlabelled: nothing said that TP peers' rows are different pieces)
+    labels = {
+        "inp": "Shard(1)",  # ColwiseParallel(output_layouts=Shard(1)), made local
+        "layers.0.w1": "Shard(-1)",  # ColwiseParallel(): Shard(-1), made local
+        "layers.0.w2": "Shard(1)",  # RowwiseParallel(output_layouts=Shard(1)), made local
+        "layers.0.norm": "Shard(1)",  # SequenceParallel: stays a DTensor
+        "head": None,  # Replicate(), made local: the whole tensor
+    }
+    for rank, res in enumerate(r["actv"] for r in results):
+        for name, kind in labels.items():
+            row, want = res["rows"][name], res["outputs"][name]
+            assert row["shard"] == (f"{kind}[tp={rank}/2]" if kind else ""), (rank, name, row["shard"])
+            assert want["dtensor"] == (name == "layers.0.norm"), (rank, name)
+            for op in OPS:  # this rank's values, float32 statistics of <= 64 float32 values
+                assert math.isclose(float(row[op]), want[op], rel_tol=1e-5, abs_tol=1e-7), (rank, name, op)
