@@ -90,6 +90,9 @@ KINDS = {
     "0-dim": (lambda y: y.sum(), lambda t: t),
     "expanded (stride 0)": (lambda y: y.detach()[:1].expand(6, 4), lambda t: t.contiguous()),
     "released storage": (_released, None),
+    "float8": (lambda y: y.detach().to(torch.float8_e4m3fn), lambda t: t.float()),
+    # floating point, yet no cast exists: reaching the engine, it cost every later step's rows
+    "packed float4": (lambda y: torch.zeros(2, 4, dtype=torch.uint8).view(torch.float4_e2m1fn_x2), None),
 }
 #: Integer and bool outputs are not activations (token ids, masks): skipped by design, with no fault.
 NOT_ACTIVATIONS = {"int": lambda y: (y * 10).long(), "bool": lambda y: y > 0}

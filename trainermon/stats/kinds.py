@@ -38,6 +38,15 @@ _REAL_DTYPES = frozenset(
 )
 
 
+#: Floating dtypes that eager torch casts to float64 besides those above. Packed ones (float4_e2m1fn_x2)
+#: are floating point too but have no cast: refused here, never handed to an engine.
+_CASTABLE_FLOATS = frozenset(
+    dtype
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if (dtype := getattr(torch, name, None)) is not None
+)
+
+
 class Unreadable(Exception):
     """The tensor's values cannot be read exactly. `kind` names the kind of tensor (one log line per kind);
     the message says why."""
@@ -107,7 +116,7 @@ def _special(t: torch.Tensor) -> Readable:
         if t.is_mkldnn:
             return _strided(t.to_dense())
         raise Unreadable(f"{layout} tensor", "this layout is not supported")
-    if not (t.is_floating_point() or t.dtype in _REAL_DTYPES):
+    if t.dtype not in _REAL_DTYPES and t.dtype not in _CASTABLE_FLOATS:
         raise Unreadable(f"{t.dtype} tensor", "this dtype is not supported")
     return _strided(t)
 
