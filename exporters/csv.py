@@ -373,13 +373,14 @@ class CsvExporter(Exporter):
         first = (step // self.per_record) * self.per_record
         path = os.path.join(self.run_dir, f"{family}_{first}-{first + self.per_record - 1}.csv")
         current = self._files.get(family)
-        if current is not None and current[0] == first:
-            if not current[1].gone():  # one fstat per family and step, on the worker thread
-                return current[1]
+        lost = current is not None and current[0] == first  # this bucket's file: still there?
+        if lost and not current[1].gone():  # one fstat per family and step, on the worker thread
+            return current[1]
+        if lost or not os.path.isdir(self.run_dir):  # a new bucket's file: its directory may be gone
             logger.warning(
                 "trainermon: %s was deleted while open; rows from step %d on go to a new file there "
                 "(the rows written before it was deleted are gone with it)",
-                path,
+                path if lost else self.run_dir,
                 step,
             )
             os.makedirs(self.run_dir, exist_ok=True)

@@ -263,10 +263,13 @@ def test_slow_filesystem_never_blocks_training(tmp_path, out_dir, monkeypatch, c
     )
 
 
-def test_run_directory_deleted_mid_run_is_said_and_later_rows_are_kept(tmp_path, out_dir, caplog):
+@pytest.mark.parametrize("per_record", [100, 1])
+def test_run_directory_deleted_mid_run_is_said_and_later_rows_are_kept(tmp_path, out_dir, caplog, per_record):
     """`rm -r` of the run directory while CSV files are open (one file per 100 steps): the rows written
     after it went into the deleted files, lost without a word. Now one warning per file, and the files
-    are made again, with their header, from the next step on."""
+    are made again, with their header, from the next step on. With one file per step (the default), the
+    next step's first file could not be made: CSV was off for the rest of the run; now the directory is
+    made again, said once."""
     import shutil
 
     cfg = write_config(
@@ -274,7 +277,7 @@ def test_run_directory_deleted_mid_run_is_said_and_later_rows_are_kept(tmp_path,
         wg_distribution=True,
         ops=["norm"],
         write_interval_s=0,
-        step_count_per_record=100,
+        step_count_per_record=per_record,
     )
     model, opt = _small_model()
     mon = TrainerMon(cfg)
@@ -288,7 +291,10 @@ def test_run_directory_deleted_mid_run_is_said_and_later_rows_are_kept(tmp_path,
     assert mon.faults.total == 0, dict(mon.faults.counts)
     said = [r.getMessage() for r in caplog.records if "was deleted while open" in r.getMessage()]
     files = sorted(line.split("/")[-1].split(" ")[0] for line in said)
-    assert files == ["grad_reduced_0-99.csv", "grad_unreduced_0-99.csv"], said
+    if per_record == 1:
+        assert files == [os.path.basename(mon.run_dir)], said
+    else:
+        assert files == ["grad_reduced_0-99.csv", "grad_unreduced_0-99.csv"], said
     assert all("from step 2 on" in line for line in said), said
     assert sorted({int(r["step"]) for r in read_family(mon.run_dir, "grad_reduced")}) == [2, 3, 4]
     assert not csv_problems(mon.run_dir)
