@@ -145,4 +145,6 @@ class HookedModule:
                 result = traced(*args)
                 if result is not UNTAPPED:
                     return result
+        elif in_transform():  # pinned, run eagerly inside a torch.func transform: no micro-batch
+            return None
         return outside_graph()(probe.loop.clock, body, self, *args)
