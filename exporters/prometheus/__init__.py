@@ -253,15 +253,19 @@ class PrometheusExporter(Exporter):
 
     def _update_stats(self, batch: StatBatch) -> None:
         rows = batch.rows
+        # A None element of a module's output gets msprobe's NaN row (no tensor: numel 0, no dtype); it
+        # holds no NaN, so it neither counts as a non-finite step nor turns its layer's norm into NaN.
+        real = np.array([r.numel > 0 or r.dtype is not None for r in rows], dtype=bool)
         keep = [
             i
             for i, r in enumerate(rows)
-            if (self.families is None or r.family in self.families)
+            if real[i]
+            and (self.families is None or r.family in self.families)
             and (self.all_per_rank or r.family not in XRANK_FAMILIES or self._is_target(r.name))
         ]
         values = batch.values
         nonfinite = any(stat in values and np.any(values[stat] > 0) for stat in ("nans", "infs"))
-        if "norm" in values and not np.all(np.isfinite(values["norm"])):
+        if "norm" in values and not np.all(np.isfinite(np.asarray(values["norm"])[real])):
             nonfinite = True
         # A step the loss scaler skipped for its overflow is the scaler at work (trainermon_skipped_steps)
         if nonfinite and not batch.scalars.update_skipped:

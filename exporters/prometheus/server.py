@@ -7,6 +7,7 @@ costs microseconds of interpreter time and never waits for, or on behalf of, tra
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -104,6 +105,10 @@ def start(host: str, port: int, owner: Any, page: bytes, group: object = None) -
     errors (port taken) propagate to the caller."""
     with LIVE_LOCK:
         server = LIVE.get((host, port)) if port else None
+        if server is not None and server.group != group:  # another monitor's endpoint: the port is taken
+            raise OSError(
+                errno.EADDRINUSE, f"{os.strerror(errno.EADDRINUSE)} (another monitor of this process)"
+            )
         if server is None and not port and group is not None:
             # an ephemeral port: the same monitor's sink, reopened, keeps its address (one scrape target,
             # whose counters go on: a new address would be a new series starting at the run's totals)

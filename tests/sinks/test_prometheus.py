@@ -20,6 +20,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import LayeredNet as Net
+from tests.helpers import read_family
 from trainermon import ConfigError, TrainerMon, parse_config
 from trainermon.exporters.prometheus import aggregate, layer_of
 
@@ -350,7 +351,7 @@ def test_reopen_on_a_fixed_port_takes_the_endpoint_over(tmp_path, monkeypatch):
     probe.close()
     cfg = parse_config({"format": ["prometheus"], "prometheus": {"port": port}})
     old, new = PrometheusExporter(), PrometheusExporter()
-    old.open(RunInfo(str(tmp_path / "a"), str(tmp_path), 0, 1, "a", cfg))
+    old.open(RunInfo(str(tmp_path / "a"), str(tmp_path), 0, 1, "b", cfg))  # a reload: the same run id
     new.open(RunInfo(str(tmp_path / "b"), str(tmp_path), 0, 1, "b", cfg))
     try:
         row = RowMeta("grad_reduced", 0, "w", None, (2,), torch.float32, 2)
@@ -594,3 +595,62 @@ def test_a_reopened_sink_on_an_ephemeral_port_keeps_its_address(tmp_path, monkey
         for sink in (old, new, other):
             if sink is not None:
                 sink.close()
+
+
+def test_a_second_monitor_on_a_taken_fixed_port_is_refused(tmp_path, monkeypatch):
+    """A fixed port already serving another monitor of this process (another run id): the second sink
+    took the endpoint over without a word, and the first monitor's series left the page. Now the port is
+    taken for it, as for any other process; the first keeps serving."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    port = _free_port()
+    first = _sink(tmp_path, "run1", port, "a")
+    try:
+        first.write(_derived_batch(3))
+        with pytest.raises(OSError, match="another monitor of this process"):
+            _sink(tmp_path, "run2", port, "b")
+        s = scrape(f"http://127.0.0.1:{port}/metrics")
+        assert value(s, "trainermon_last_step") == 3
+        assert value(s, "trainermon_info", run_id="run1", version="0.1.0") == 1
+    finally:
+        first.close()
+
+
+def test_a_none_output_is_not_a_nonfinite_step(tmp_path, monkeypatch):
+    """A module output with a None element (nn.MultiheadAttention(need_weights=False) returns
+    (out, None)) gets msprobe's NaN placeholder row in the CSV. Prometheus took it for a NaN: every step
+    counted as non-finite (the critical alert on a healthy run) and the layer's norm was NaN."""
+    from torch import nn
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mha = nn.MultiheadAttention(6, 2, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.mha(x[:, None], x[:, None], x[:, None], need_weights=False)[0][:, 0]
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    cfg = {"xy_distribution": True, "ops": ["norm", "nans", "infs"], "format": ["csv", "prometheus"]}
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    torch.manual_seed(0)
+    model = nn.Sequential(Attention(), nn.Linear(6, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    mon = TrainerMon(str(tmp_path / "cfg.json"))
+    mon.set_monitor(model, grad_acc_steps=1, optimizer=opt)
+    gen = torch.Generator().manual_seed(0)
+    try:
+        for _ in range(3):
+            train_step(model, opt, gen)
+        mon.flush()
+        s = scrape(url_of(mon))
+    finally:
+        mon.close()
+    rows = read_family(mon.run_dir, "actv")
+    placeholders = [r for r in rows if r["name"] == "0.mha.output_1"]
+    assert len(placeholders) == 3 and all(r["norm"] == "nan" for r in placeholders)  # the case at hand
+    assert value(s, "trainermon_nonfinite_steps_total") == 0
+    norms = [
+        v for (name, labels), v in s.items() if name == "trainermon_layer_stat" and ("stat", "norm") in labels
+    ]
+    assert norms and all(math.isfinite(v) for v in norms), norms
