@@ -54,13 +54,15 @@ def _make(fmt: str) -> Exporter:
     raise ValueError(f"no exporter for format {fmt!r}")  # config validation lets through known formats
 
 
-def _counting(method: Callable, fmt: str, errors: ExporterErrors) -> Callable:
+def _counting(method: Callable, fmt: str, errors: ExporterErrors, failed: list) -> Callable:
     @functools.wraps(method)
     def call(*args, **kwargs):
         try:
             return method(*args, **kwargs)
         except Exception:
-            errors.add(fmt)
+            if not failed:  # one failure, one count: not again for the close (and its flush) that follows
+                failed.append(True)
+                errors.add(fmt)
             raise  # the worker still disables the sink and records the fault
 
     return call
@@ -87,8 +89,9 @@ def build_exporters(run: RunInfo, faults: Any = None) -> list[Exporter]:
             continue
         # Count later failures of write/flush/close per format (instance attributes: the class and
         # therefore the worker's messages keep the exporter's own name).
+        failed: list = []
         for name in ("write", "flush", "close"):
-            setattr(exporter, name, _counting(getattr(exporter, name), fmt, errors))
+            setattr(exporter, name, _counting(getattr(exporter, name), fmt, errors, failed))
         exporter.format_name = fmt  # type: ignore[attr-defined]
         exporters.append(exporter)
     if failures and faults is None and not exporters:

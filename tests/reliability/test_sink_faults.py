@@ -343,3 +343,33 @@ def test_a_module_name_utf8_cannot_hold_reaches_every_sink(tmp_path, out_dir):
     table = ds.dataset(str(out_dir / "parquet"), partitioning="hive").to_table()
     assert f"{shown}.output" in set(table.column("name").to_pylist())
     assert list(Path(monitor.run_dir).glob("events.out.tfevents*"))
+
+
+def test_one_sink_failure_counts_one_exporter_error(tmp_path, out_dir, monkeypatch, caplog):
+    """A Parquet part write that fails (ENOSPC) at a flush: the worker then closes the sink, whose close
+    flushes again. Each of the three calls counted the same failure (trainermon_exporter_errors_total 3
+    for one fault and one error line)."""
+    import trainermon.exporters.parquet as parquet_mod
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    cfg = write_config(
+        tmp_path / "cfg.json", wg_distribution=True, ops=["norm"], format=["csv", "parquet", "prometheus"]
+    )
+    model, opt = _small_model()
+    mon = TrainerMon(cfg)
+    mon.set_monitor(model, optimizer=opt)
+    monkeypatch.setattr(parquet_mod, "write_part", full_disk)
+    with caplog.at_level(logging.ERROR, logger="trainermon"):
+        _steps(model, opt, 3)
+        mon.flush()  # the failure
+        _steps(model, opt, 1, seed=1)
+        mon.flush()  # a step the page shows the counters after
+        scraped = _scrape(_exporter(mon, "PrometheusExporter").port)
+        mon.close()
+    assert dict(mon.faults.counts) == {"exporter ParquetExporter.flush": 1}
+    assert len([r for r in caplog.records if "ParquetExporter" in r.getMessage()]) == 1
+    assert scraped[("trainermon_exporter_errors_total", (("exporter", "parquet"),))] == 1
+    assert scraped[("trainermon_monitor_faults_total", ())] == 1
+    assert sorted({int(r["step"]) for r in read_family(mon.run_dir, "grad_reduced")}) == [0, 1, 2, 3]
