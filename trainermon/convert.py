@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from trainermon.collect.family_columns import EXTRA_COLUMNS
+from trainermon.collect.family_columns import EXTRA_COLUMNS, FAMILY_COLUMNS
 from trainermon.exporters.csv_files import FILE, RANK_DIR, VPP_PREFIX, shape_dims
 from trainermon.exporters.parquet_files import (
     COUNT_STATS,
@@ -181,6 +181,12 @@ def to_tensorboard(csv_dir: str | os.PathLike, out: str | os.PathLike) -> list[s
                     continue
                 columns = _columns(rows, "")
                 stats = [s for s in STATS if columns.get(s) is not None]
+                # as the TensorBoard sink: numel, and the family's own numbers (update: ratio; moe_load ...)
+                stats += [c for c in ("numel",) if c in rows[0]] + [
+                    c
+                    for c, kind in FAMILY_COLUMNS.get(family, ())
+                    if kind in ("float", "int") and c in rows[0]
+                ]
                 for i, r in enumerate(rows):
                     micro = int(columns["micro_step"][i])
                     prefix = msprobe_tag(

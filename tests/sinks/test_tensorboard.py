@@ -107,8 +107,14 @@ def test_convert_to_tensorboard_writes_what_the_sink_writes(tmp_path, out_dir):
     import subprocess
     import sys
 
+    # numel and the update family's ratio: columns besides the statistics, which convert left out
     cfg = write_config(
-        tmp_path / "c.json", format=["csv", "tensorboard"], wg_distribution=True, ops=OPS, ndigits=12
+        tmp_path / "c.json",
+        format=["csv", "tensorboard"],
+        wg_distribution=True,
+        update_distribution=True,
+        ops=[*OPS, "numel"],
+        ndigits=12,
     )
     model = nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -129,6 +135,7 @@ def test_convert_to_tensorboard_writes_what_the_sink_writes(tmp_path, out_dir):
     sink, converted = _events(monitor.run_dir), _events(str(out / os.path.basename(monitor.run_dir)))
     per_row = {t: v for t, v in sink.items() if not t.startswith("trainermon/")}
     assert per_row and converted.keys() == per_row.keys()
+    assert any(t.endswith("_ratio") for t in per_row) and any(t.endswith("_numel") for t in per_row)
     for tag, series in per_row.items():
         for step, value in series.items():
             assert converted[tag][step] == pytest.approx(value, rel=1e-6) or math.isnan(value)
