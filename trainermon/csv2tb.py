@@ -175,15 +175,26 @@ def _read_family(path: str, series: dict[str, dict[int, list[tuple[str, float]]]
         return
     columns = _columns(rows, "")
     stats = [s for s in STAT_COLUMNS if s in rows[0]]
+    repeated = 0
     for i, row in enumerate(rows):
         tag = f"vp{columns['vpp_stage'][i]}:{columns['name'][i]}"
         micro = int(columns["micro_step"][i])
         if micro >= 0:
             tag = f"{tag}:micro{micro}"
         step = int(columns["step"][i])
-        if step in series[tag]:
-            raise ValueError(f"{path}: {tag} has step {step} twice")
-        series[tag][step] = [(stat, _number(row[stat])) for stat in stats]
+        values = [(stat, _number(row[stat])) for stat in stats]
+        if step in series[tag]:  # a graph run backward twice: two rows of one name and micro-step (README)
+            repeated += 1
+            series[tag][step] += values  # both kept: two points at that step
+        else:
+            series[tag][step] = values
+    if repeated:
+        logger.warning(
+            "trainermon: csv2tensorboard_by_step: %s: %d rows repeat a name, micro-step and step (a graph run"
+            " backward twice gives two actv_grad rows); both are written",
+            path,
+            repeated,
+        )
 
 
 def _families(data_type_list: list[str] | None) -> tuple[str, ...]:

@@ -183,6 +183,39 @@ def test_a_family_asked_for_with_no_rows_is_said(tmp_path, out_dir, caplog):
     assert len(said) == 1, [r.getMessage() for r in caplog.records]
 
 
+def test_a_graph_run_backward_twice_is_converted(tmp_path, out_dir, caplog):
+    """`backward(retain_graph=True)` then `backward()` gives two actv_grad rows of one name, micro-step and
+    step (README). The converter stopped at them ("has step 0 twice") and wrote nothing, not even actv."""
+    cfg = write_config(tmp_path / "c.json", xy_distribution=True, ops=["norm"], ndigits=12)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(model, optimizer=opt)
+    grads = []
+    for _ in range(2):
+        out = model(torch.randn(3, 4))
+        out.retain_grad()
+        loss = out.pow(2).mean()
+        loss.backward(retain_graph=True)
+        first = float(out.grad.norm())
+        loss.backward()
+        grads.append(first)  # each backward's gradient of the last output is the same (linear in loss)
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        out = csv2tensorboard_by_step(str(out_dir))
+    assert sorted(os.listdir(os.path.join(out, "rank0"))) == ["actv", "actv_grad"]
+    said = [r.getMessage() for r in caplog.records if "repeat a name, micro-step and step" in r.getMessage()]
+    assert len(said) == 2, said  # once per file (one per step here), not per row
+    events = _events(os.path.join(out, "rank0", "actv_grad"))
+    points = events["vp0:2.output:micro0/norm"]
+    assert sorted(points) == [0, 1]  # two values per step, both written (the accumulator keeps the last)
+    for step, want in enumerate(grads):  # float32 norms of 3 values, stored as float32: ~1e-7 apart
+        assert math.isclose(points[step], want, rel_tol=1e-6), (step, points[step], want)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "key"),
     [
