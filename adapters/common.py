@@ -185,9 +185,11 @@ def hook_optimizer_step(optimizer: Any, events: StepEvents) -> list[Any]:
     """Fire `events` around this optimizer instance's `step()`: torch's step hooks where the optimizer
     has them, else a wrapper of this instance's `step` (a framework optimizer)."""
     if hookable(optimizer):
+        # Never traced: under a compiled step() dynamo traced the events (torch 2.11: a guard assertion,
+        # only step 0 written) and `nested_step`'s stack walk (a warning per compile)
         return [
-            optimizer.register_step_pre_hook(CopySafe(_pre_hook(events))),
-            optimizer.register_step_post_hook(CopySafe(_post_hook(events))),
+            optimizer.register_step_pre_hook(CopySafe(torch.compiler.disable(_pre_hook(events)))),
+            optimizer.register_step_post_hook(CopySafe(torch.compiler.disable(_post_hook(events)))),
         ]
     if callable(getattr(optimizer, "step", None)):
         original = optimizer.step

@@ -277,3 +277,36 @@ def test_trace_watcher_adds_no_graph_break(tmp_path, out_dir):
     monitor.close()
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     assert monitor.faults.total == 0
+
+
+def test_a_compiled_optimizer_step_is_one_step_each(tmp_path, out_dir):
+    """`torch.compile` of a function that calls `opt.step()`: dynamo traced the monitor's step hooks
+    (torch 2.11: a guard assertion, only step 0 written; 2.13: a warning per compile for the stack walk
+    that tells nested step() calls apart). The hooks now run outside the graph."""
+    import warnings
+
+    cfg = write_config(tmp_path / "c.json", wg_distribution=True, ops=["norm"])
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(model, optimizer=opt)
+
+    @torch.compile(backend="eager")
+    def step() -> None:
+        opt.step()
+
+    grads = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(4):
+            model(torch.full((3, 4), float(i + 1))).pow(2).sum().backward()
+            grads.append(float(model[0].weight.grad.double().norm()))
+            step()
+            opt.zero_grad()
+        monitor.close()
+    assert monitor.faults.total == 0, dict(monitor.faults.counts)
+    assert not [str(w.message) for w in caught if "_getframe" in str(w.message)]
+    rows = [r for r in read_family(monitor.run_dir, "grad_reduced") if r["name"] == "0.weight"]
+    assert [int(r["step"]) for r in rows] == [0, 1, 2, 3]
+    for row, want in zip(rows, grads):  # float32 norm of 32 float32 values: ~1e-7 relative
+        assert float(row["norm"]) == pytest.approx(want, rel=1e-5)

@@ -67,7 +67,8 @@ class SkippedStepProbe(Probe):
         handles += [self._patch(m) for m in modules.values()]
         handles.append(self._patch(optimizer))
         if hookable(optimizer):  # marks the closure's run, not step(): a step that raises has no post hook
-            handles.append(optimizer.register_step_pre_hook(CopySafe(self._mark_closure)))
+            mark = torch.compiler.disable(self._mark_closure)  # never traced: see hook_optimizer_step
+            handles.append(optimizer.register_step_pre_hook(CopySafe(mark)))
         self.wired = True
         return handles
 
