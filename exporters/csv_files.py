@@ -1,8 +1,9 @@
 """The CSV sink's files as the readers find them again: file and rank-directory names, the virtual
 pipeline stage prefix of a name, and the `shape` cell.
 
-Shared by `trainermon convert`, `csv2tb` and the analysis readers, so the layout that `exporters.csv`
-writes is parsed in one place. No training state here."""
+Shared by `trainermon convert` and the analysis readers, so the layout that `exporters.csv` writes is
+parsed in one place (`csv2tb` keeps msprobe's converter's own rules for run directories). No training
+state here."""
 
 from __future__ import annotations
 
