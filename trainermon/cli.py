@@ -132,12 +132,22 @@ def _cmd_on(args: argparse.Namespace) -> int:
 
 
 def _cmd_off(args: argparse.Namespace) -> int:
+    from .config import ConfigError, parse_config
     from .runtime.control import update_config_file
 
     try:
-        update_config_file(args.config, dynamic_on=False)
+        new = update_config_file(args.config, dynamic_on=False)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        parse_config(new, source=args.config)
+    except ConfigError as exc:  # a running job ignores an invalid file: it would go on collecting
+        print(
+            f"error: {args.config} now says dynamic_on=false, but a running job ignores it until the file is"
+            f" a valid config: {exc}",
+            file=sys.stderr,
+        )
         return 2
     print(f"{args.config}: dynamic_on=false")
     return 0

@@ -118,6 +118,32 @@ def test_dynamic_on_from_the_start_then_switches_itself_off(dyn):
     assert saved["collect_times"] == 2 and saved["ops"] == ["norm"]  # ... keeping the user's other keys
 
 
+def test_saving_the_on_config_again_after_it_switched_itself_off(dyn):
+    """The switch-off after the last collection is in memory at once; the file is rewritten by rank 0.
+    A save of the same "on" config before the monitor read its own rewrite compared equal to the mapping
+    last applied (still "on"), and was ignored: off for the rest of the run, while the file said on."""
+    make, out = dyn
+    path = make(dynamic_on=True, collect_times=2, step_interval=1)
+    on = open(path).read()
+
+    def save_on_again(monitor: TrainerMon) -> None:
+        with open(path, "w") as fh:  # the user's save: the same content as the config that was on
+            fh.write(on)
+        _wait_dirty(monitor)
+
+    _train(path, 6, {2: save_on_again})
+    assert _collected_steps(out) == [0, 1, 3, 4]
+
+
+def test_an_edit_saved_during_the_last_collected_step_is_kept(dyn):
+    """The monitor's own "dynamic_on": false after its last collection was written over an edit it had
+    not applied yet (the file ended with dynamic_on false and the user's collect_times)."""
+    make, out = dyn
+    path = make(dynamic_on=True, collect_times=2, step_interval=1)
+    _train(path, 7, {1: _edit(path, collect_times=3)})
+    assert _collected_steps(out) == [0, 1, 2, 3, 4]
+
+
 def test_switched_on_mid_run(dyn):
     make, out = dyn
     path = make(dynamic_on=False)
@@ -354,6 +380,11 @@ def test_cli_on_and_off(tmp_path, capsys):
     assert saved["mv_distribution"] is False and saved["targets"] == {"layers.0": {}}
     assert cli_main(["off", str(path)]) == 0
     assert json.loads(path.read_text())["dynamic_on"] is False
+    # `off` on a file a running job would ignore (invalid) is no success: the job would go on collecting
+    path.write_text(json.dumps({**BASE, "dynamic_on": True, "ops": "norm"}))
+    assert cli_main(["off", str(path)]) == 2
+    assert "a running job ignores it" in capsys.readouterr().err
+    path.write_text(json.dumps({**BASE, "targets": {"layers.0": {}}, "mv_distribution": True}))
     assert cli_main(["on", str(path), "--families", "gradients"]) == 2
     assert cli_main(["on", str(path), "--collect-times", "-1"]) == 2  # refused: would be an invalid config
     assert json.loads(path.read_text())["dynamic_on"] is False

@@ -281,9 +281,20 @@ class DynamicControl:
         return self.config
 
     def switch_off_in_file(self) -> None:
-        """After the last collection: set dynamic_on to false in the file (deciding rank only)."""
+        """After the last collection, on every rank: the applied mapping is off too, so that saving the
+        config that was on again is news; and rank 0 sets dynamic_on to false in the file, unless the file
+        holds an edit not applied yet (that edit decides, at the next step)."""
+        applied = self._raw
+        if isinstance(applied, dict):
+            self._raw = {**applied, "dynamic_on": False}
         if self._rank != 0:
             return
+        try:
+            with open(self.path, encoding="utf-8") as fh:
+                if json.load(fh) != applied:
+                    return
+        except (OSError, ValueError):
+            return  # gone or mid-save: a new version is coming, or the file says nothing to switch off
         try:
             update_config_file(self.path, dynamic_on=False)
         except Exception as exc:  # noqa: BLE001
