@@ -163,7 +163,8 @@ def _pre_hook(events: StepEvents) -> Callable[..., Any]:
     def hook(optimizer: Any, args: tuple, kwargs: dict) -> Any:
         if nested_step(optimizer):
             return None  # the outer step()'s hook fired the event (and wrapped the closure) already
-        wrapped = with_wrapped_closure(args, kwargs, lambda closure: _after_closure(closure, events.pre))
+        pre = torch.compiler.disable(events.pre)  # the closure runs inside a compiled step() too
+        wrapped = with_wrapped_closure(args, kwargs, lambda closure: _after_closure(closure, pre))
         if wrapped is None:
             events.pre()
         return wrapped

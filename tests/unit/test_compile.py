@@ -279,7 +279,8 @@ def test_trace_watcher_adds_no_graph_break(tmp_path, out_dir):
     assert monitor.faults.total == 0
 
 
-def test_a_compiled_optimizer_step_is_one_step_each(tmp_path, out_dir):
+@pytest.mark.parametrize("closure", [False, True], ids=["step()", "step(closure)"])
+def test_a_compiled_optimizer_step_is_one_step_each(tmp_path, out_dir, closure):
     """`torch.compile` of a function that calls `opt.step()`: dynamo traced the monitor's step hooks
     (torch 2.11: a guard assertion, only step 0 written; 2.13: a warning per compile for the stack walk
     that tells nested step() calls apart). The hooks now run outside the graph."""
@@ -291,21 +292,33 @@ def test_a_compiled_optimizer_step_is_one_step_each(tmp_path, out_dir):
     monitor = TrainerMon(cfg)
     monitor.set_monitor(model, optimizer=opt)
 
+    x = torch.ones(3, 4)
+
+    def loss_backward() -> torch.Tensor:
+        loss = model(x).pow(2).sum()
+        loss.backward()
+        return loss
+
     @torch.compile(backend="eager")
     def step() -> None:
-        opt.step()
+        opt.step(loss_backward) if closure else opt.step()  # the closure runs inside the compiled step
 
     grads = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for i in range(4):
-            model(torch.full((3, 4), float(i + 1))).pow(2).sum().backward()
-            grads.append(float(model[0].weight.grad.double().norm()))
+            x = torch.full((3, 4), float(i + 1))
+            if not closure:
+                loss_backward()
+                grads.append(float(model[0].weight.grad.double().norm()))
             step()
+            if closure:
+                grads.append(float(model[0].weight.grad.double().norm()))
             opt.zero_grad()
         monitor.close()
     assert monitor.faults.total == 0, dict(monitor.faults.counts)
-    assert not [str(w.message) for w in caught if "_getframe" in str(w.message)]
+    traced = [str(w.message) for w in caught if any(k in str(w.message) for k in ("_getframe", "trainermon"))]
+    assert not traced, traced
     rows = [r for r in read_family(monitor.run_dir, "grad_reduced") if r["name"] == "0.weight"]
     assert [int(r["step"]) for r in rows] == [0, 1, 2, 3]
     for row, want in zip(rows, grads):  # float32 norm of 32 float32 values: ~1e-7 relative
