@@ -1,5 +1,6 @@
 """Cross-rank summaries at their edges, on 2 gloo ranks against each rank's own CSV rows: two rows of one
-name on a rank (modules squashed to one name), and statistics that are exactly 0."""
+name on a rank (modules squashed to one name), statistics that are exactly 0, and the NaN placeholder row
+of a None output element."""
 
 from __future__ import annotations
 
@@ -14,6 +15,13 @@ from torch import nn
 
 from tests.distributed import run_ranks
 from tests.helpers import read_family
+
+
+class Pair(nn.Module):
+    """Returns (x, None), as nn.MultiheadAttention(need_weights=False) does."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return x, None
 
 
 class Block(nn.Module):
@@ -46,7 +54,8 @@ def _job(rank: int, world: int, out: str) -> str:
     torch.manual_seed(rank)
     model = nn.Sequential()
     model.layers = nn.ModuleList([Block(), Block()])
-    model.forward = lambda x: model.layers[1](model.layers[0](x))  # type: ignore[method-assign]
+    model.pair = Pair()
+    model.forward = lambda x: model.pair(model.layers[1](model.layers[0](x)))[0]  # type: ignore[method-assign]
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = TrainerMon(cfg)
     monitor.set_monitor(model, optimizer=opt)
@@ -80,8 +89,12 @@ def test_rows_sharing_a_name_and_zero_statistics(tmp_path):
     # the job's largest norm is in the summaries
     assert max(float(r["max"]) for r in norms) == pytest.approx(overall, rel=1e-14, abs=0)
     # a statistic that is 0 on every rank (no zero elements): min and max exactly 0, never 5e-324
-    zeros = [r for r in rows if r["stat"] == "zeros"]
+    zeros = [r for r in rows if r["stat"] == "zeros" and r["name"] != "pair.output_1"]
     assert zeros and all(float(r["min"]) == 0.0 and float(r["max"]) == 0.0 for r in zeros), zeros[:2]
+    # a healthy run: no rank is named non-finite, the None output's placeholder row (norm NaN) included
+    assert any(r["name"] == "pair.output_1" and r["norm"] == "nan" for r in read_family(run_dirs[0], "actv"))
+    named = [r for r in rows if r["nonfinite_rank"] != "-1"]
+    assert not named, named[:3]
     # `analyze` of the CSV output gives the cross-rank findings too (it once returned none for CSV)
     from trainermon.analysis.analyze import analyze
 

@@ -222,7 +222,8 @@ class CrossRank:
             values = _statistics(table, numel, stats)
             slot = to_device([self.slots[k] for k in local_keys], device)
             present = ~torch.isnan(values)
-            bad = (table[:, NANS] + table[:, INFS] > 0) | ~torch.isfinite(values).all(dim=1)
+            # a row without elements (a None output's placeholder, an empty tensor) holds no non-finite value
+            bad = (table[:, NANS] + table[:, INFS] > 0) | (~torch.isfinite(values).all(dim=1) & (numel > 0))
             packed = torch.cat(
                 [
                     _to_key(values, torch.full((), tag, device=device), bits),
