@@ -69,8 +69,14 @@ def nested_step(optimizer: Any) -> bool:
     wraps the `step` of the class of every optimizer made, so a subclass whose `step` calls
     `super().step()`, in a process that also made the parent class, runs each step hook twice, nested:
     the inner run must be ignored or one step counts as two. Decided from the stack, not from a counter,
-    because a `step()` that raises runs no post-hook. Cost: one walk of the stack per hook call."""
+    because a `step()` that raises runs no post-hook. Cost: a look at the class's bases (~0.5 us); the
+    stack is walked (~3 us at 40 frames) only when two of them have a wrapped `step`."""
     if _STEP_WRAPPER is None:
+        return False
+    wrapped = 0
+    for cls in type(optimizer).__mro__:  # nesting needs a wrapped step in a base class as well
+        wrapped += getattr(vars(cls).get("step"), "hooked", False) is True
+    if wrapped < 2:
         return False
     frame = sys._getframe(1)
     outer = 0
