@@ -159,11 +159,11 @@ def with_wrapped_closure(args: tuple, kwargs: dict, wrap: Callable[[Any], Any]) 
 def _pre_hook(events: StepEvents) -> Callable[..., Any]:
     """torch's step pre-hook. A step given a closure (Lightning's automatic optimization, LBFGS) runs
     forward and backward inside `step()`, after this hook: the pre event then fires from the closure."""
+    pre = torch.compiler.disable(events.pre)  # the closure runs inside a compiled step() too
 
     def hook(optimizer: Any, args: tuple, kwargs: dict) -> Any:
         if nested_step(optimizer):
             return None  # the outer step()'s hook fired the event (and wrapped the closure) already
-        pre = torch.compiler.disable(events.pre)  # the closure runs inside a compiled step() too
         wrapped = with_wrapped_closure(args, kwargs, lambda closure: _after_closure(closure, pre))
         if wrapped is None:
             events.pre()
