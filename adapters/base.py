@@ -114,10 +114,11 @@ class Adapter(ABC):
     def activation_shards(self, module: torch.nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """Labels for the module's activation inputs and outputs (by position) that are pieces of a
         larger tensor on this rank (a column-parallel layer's output), e.g. `Shard(-1)[tp=1/2]`. By default,
-        the outputs that torch's tensor parallelism turns from a sharded DTensor into a local piece."""
-        from .dtensor import local_output_shards
+        the inputs and outputs that torch's tensor parallelism turns from a sharded DTensor into a local
+        piece (`adapters.tp_styles`)."""
+        from .tp_styles import local_input_shards, local_output_shards
 
-        return (), local_output_shards(module)
+        return local_input_shards(module), local_output_shards(module)
 
     def msprobe_unreduced_kind(self, per_micro_batch: bool) -> str:
         """How msprobe's tags name this framework's gradients before the reduction: `acc_grad` where it

@@ -175,28 +175,3 @@ def reduce_partials(values: Sequence[Any]) -> list[Any]:
 def splits_over_ranks(params: list[Any]) -> bool:
     """Some DTensor parameter is sharded: no single rank writes every row of the model."""
     return any(is_dtensor(p) and isinstance(placement_of(p), Sharded) for p in params)
-
-
-def local_output_shards(module: torch.nn.Module) -> tuple[str, ...]:
-    """The label of a module output that torch's tensor parallelism hands on as this rank's plain piece:
-    `ColwiseParallel()` (and `RowwiseParallel(output_layouts=Shard(d))`) turn the sharded DTensor output
-    back into a local tensor (`use_local_output=True`, their default) in a forward hook that runs before
-    any of ours. The style survives only in that hook, which `distribute_module` registers as a lambda over
-    `output_fn` (partial(style._prepare_output_fn, output_layouts, use_local_output)) and `device_mesh`
-    (checked on torch 2.11 and 2.13). Read once per hooked module; () when the hook looks otherwise."""
-    for hook in getattr(module, "_forward_hooks", {}).values():
-        code, cells = getattr(hook, "__code__", None), getattr(hook, "__closure__", None) or ()
-        try:
-            free = dict(zip(code.co_freevars, (cell.cell_contents for cell in cells))) if code else {}
-        except ValueError:  # an empty cell
-            continue
-        output_fn, mesh = free.get("output_fn"), free.get("device_mesh")
-        if getattr(getattr(output_fn, "func", None), "__name__", "") != "_prepare_output_fn":
-            continue
-        args = getattr(output_fn, "args", ())
-        if len(args) != 2 or args[1] is not True or not isinstance(args[0], tuple) or len(args[0]) != 1:
-            continue  # SequenceParallel's (its output stays a DTensor by default), or another style
-        layout = args[0][0]
-        if mesh is not None and getattr(mesh, "ndim", None) == 1 and _is_shard(layout):
-            return (shard_label((layout,), mesh),)
-    return ()

@@ -81,6 +81,7 @@ def _build(case: str):
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
+        PrepareModuleInputOutput,
         RowwiseParallel,
         SequenceParallel,
         parallelize_module,
@@ -92,7 +93,15 @@ def _build(case: str):
         mesh,
         {
             "inp": ColwiseParallel(output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
+            "layers.1": PrepareModuleInputOutput(
+                input_layouts=Shard(1),
+                desired_input_layouts=Shard(1),
+                use_local_input=True,
+                output_layouts=Shard(1),
+                desired_output_layouts=Shard(1),
+                use_local_output=True,
+            ),
+            "norm": SequenceParallel(use_local_output=True),
             "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
         },
     )
@@ -208,9 +217,14 @@ def _activations(rank: int, out_root: str) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     monitor.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
     seen = {}
-    for name in ("inp", "layers.0.w1", "layers.0.w2", "layers.0.norm", "head"):
+
+    def keep(name: str, t) -> None:  # a forward hook's return value would replace the output
+        seen.setdefault(name, t)
+
+    for name in ("inp", "layers.0.w1", "layers.0.w2", "layers.0.norm", "layers.1", "norm", "head"):
         module = model.get_submodule(name)
-        module.register_forward_hook(lambda m, i, out, name=name: seen.setdefault(name, out))
+        module.register_forward_hook(lambda m, i, out, name=name: keep(f"{name}.output", out))
+    model.layers[1].register_forward_hook(lambda m, i, out: keep("layers.1.input", i[0]))
     x = torch.randn(B, S, 6, generator=torch.Generator().manual_seed(7))
     model(x).pow(2).mean().backward()
     optimizer.step()
@@ -219,8 +233,8 @@ def _activations(rank: int, out_root: str) -> dict:
     for name, out in seen.items():
         local = out.to_local() if hasattr(out, "to_local") else out
         outputs[name] = {**ref_stats(local.detach().double()), "dtensor": hasattr(out, "to_local")}
-    rows = [r for r in read_family(monitor.run_dir, "actv") if r["name"].endswith(".output")]
-    return {"outputs": outputs, "rows": {r["name"][: -len(".output")]: r for r in rows}}
+    rows = {r["name"]: r for r in read_family(monitor.run_dir, "actv")}
+    return {"outputs": outputs, "rows": rows, "grads": read_family(monitor.run_dir, "actv_grad")}
 
 
 def _both(rank: int, world: int, out_root: str) -> dict:
@@ -272,16 +286,23 @@ def test_sequence_parallel_and_flattened_mesh_on_two_ranks(tmp_path: Path) -> No
     # Outputs that torch's styles hand on as this rank's plain piece carry their shard label, as a
     # DTensor output does (they were unlabelled: nothing said that TP peers' rows are different pieces)
     labels = {
-        "inp": "Shard(1)",  # ColwiseParallel(output_layouts=Shard(1)), made local
-        "layers.0.w1": "Shard(-1)",  # ColwiseParallel(): Shard(-1), made local
-        "layers.0.w2": "Shard(1)",  # RowwiseParallel(output_layouts=Shard(1)), made local
-        "layers.0.norm": "Shard(1)",  # SequenceParallel: stays a DTensor
-        "head": None,  # Replicate(), made local: the whole tensor
+        "inp.output": "Shard(1)",  # ColwiseParallel(output_layouts=Shard(1)), made local
+        "layers.0.w1.output": "Shard(-1)",  # ColwiseParallel(): Shard(-1), made local
+        "layers.0.w2.output": "Shard(1)",  # RowwiseParallel(output_layouts=Shard(1)), made local
+        "layers.0.norm.output": "Shard(1)",  # SequenceParallel(): stays a DTensor
+        "layers.1.input": "Shard(1)",  # PrepareModuleInputOutput(..., use_local_input=True), made local
+        "layers.1.output": "Shard(1)",  # and its use_local_output=True
+        "norm.output": "Shard(1)",  # SequenceParallel(use_local_output=True), made local
+        "head.output": None,  # Replicate(), made local: the whole tensor
     }
     for rank, res in enumerate(r["actv"] for r in results):
         for name, kind in labels.items():
             row, want = res["rows"][name], res["outputs"][name]
             assert row["shard"] == (f"{kind}[tp={rank}/2]" if kind else ""), (rank, name, row["shard"])
-            assert want["dtensor"] == (name == "layers.0.norm"), (rank, name)
+            assert want["dtensor"] == (name == "layers.0.norm.output"), (rank, name)
             for op in OPS:  # this rank's values, float32 statistics of <= 64 float32 values
                 assert math.isclose(float(row[op]), want[op], rel_tol=1e-5, abs_tol=1e-7), (rank, name, op)
+        # their gradients are the same pieces of the full gradient
+        grads = {row["name"]: row["shard"] for row in res["grads"]}
+        for name in ("layers.1.input", "layers.1.output", "norm.output"):
+            assert grads[name] == f"Shard(1)[tp={rank}/2]", (rank, name, grads[name])

@@ -1,0 +1,106 @@
+"""Shard labels of module inputs and outputs that torch's tensor-parallel styles hand on as this rank's
+plain piece.
+
+`parallelize_module` turns a style's sharded DTensor output back into a local tensor (`use_local_output`)
+in a forward hook that runs before any of ours, so our hook sees a plain tensor that is one piece of a
+larger one; `PrepareModuleInput(use_local_output=True)` does the same to inputs in a forward pre-hook.
+The style survives only in the closures of the hooks `distribute_module` and the styles' `_apply`
+register; these functions read them once per hooked module (checked on torch 2.11 and 2.13) and return
+() when a hook looks otherwise, so an unknown style gives unlabelled rows, never an error:
+
+- `ColwiseParallel` / `RowwiseParallel`: output hook over `output_fn = partial(_prepare_output_fn,
+  output_layouts, use_local_output)` and `device_mesh`.
+- `SequenceParallel(use_local_output=True)`: output hook over `partial(_prepare_output_fn,
+  use_local_output)`; the layout (`Shard(sequence_dim)`) is in its input hook's `partial(_prepare_input_fn,
+  sequence_sharding)`.
+- `PrepareModuleOutput` (and `PrepareModuleInputOutput`, which applies one): output hook over the style
+  (`self`) and `device_mesh`; one layout per output, by position.
+- `PrepareModuleInput` (and `PrepareModuleInputOutput`): input hook over the style and `device_mesh`; one
+  layout per positional argument. Inputs are labelled by tensor argument, so only the arguments before the
+  first one the style leaves alone (layout None, which may be a non-tensor) are known to be tensors and
+  get a label; keyword arguments get none.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trainermon.stats.kinds import shard_label
+
+
+def _free_vars(hook: Any) -> dict[str, Any]:
+    code, cells = getattr(hook, "__code__", None), getattr(hook, "__closure__", None) or ()
+    try:
+        return dict(zip(code.co_freevars, (cell.cell_contents for cell in cells))) if code else {}
+    except ValueError:  # an empty cell
+        return {}
+
+
+def _partial_of(fn: Any, name: str) -> tuple:
+    """The bound arguments of `partial(<style>.name, ...)` (subclasses' overrides included); () otherwise."""
+    return getattr(fn, "args", ()) if getattr(getattr(fn, "func", None), "__name__", "") == name else ()
+
+
+def _piece(layout: Any, mesh: Any) -> str:
+    """The label of a local piece laid out as `layout` on a 1-D mesh; "" for a whole tensor."""
+    from .dtensor import _is_shard
+
+    if layout is None or mesh is None or getattr(mesh, "ndim", None) != 1 or not _is_shard(layout):
+        return ""
+    return shard_label((layout,), mesh)
+
+
+def _sequence_sharding(module: torch.nn.Module) -> Any:
+    for hook in getattr(module, "_forward_pre_hooks", {}).values():
+        args = _partial_of(_free_vars(hook).get("input_fn"), "_prepare_input_fn")
+        if len(args) == 1 and isinstance(args[0], tuple) and len(args[0]) == 1:  # SequenceParallel's
+            return args[0][0]
+    return None
+
+
+def _labels(module: torch.nn.Module, hook: Any) -> tuple[str, ...]:
+    from torch.distributed.tensor.parallel.style import PrepareModuleOutput
+
+    free = _free_vars(hook)
+    mesh, style = free.get("device_mesh"), free.get("self")
+    args = _partial_of(free.get("output_fn"), "_prepare_output_fn")
+    if len(args) == 2 and args[1] is True and isinstance(args[0], tuple) and len(args[0]) == 1:
+        return (_piece(args[0][0], mesh),)  # ColwiseParallel, RowwiseParallel
+    if args == (True,):  # SequenceParallel(use_local_output=True)
+        return (_piece(_sequence_sharding(module), mesh),)
+    if isinstance(style, PrepareModuleOutput) and style.use_local_output is True:
+        layouts = zip(style.output_layouts, style.desired_output_layouts)
+        return tuple(_piece(desired, mesh) if given is not None else "" for given, desired in layouts)
+    return ()
+
+
+def local_output_shards(module: torch.nn.Module) -> tuple[str, ...]:
+    """Per output position, the label of the piece a style hands on (`Shard(1)[tp=0/2]`), or "" for a
+    whole tensor or an output no style touched; () when no style's hook is found. No collective."""
+    for hook in getattr(module, "_forward_hooks", {}).values():
+        labels = _labels(module, hook)
+        if any(labels):
+            return labels
+    return ()
+
+
+def local_input_shards(module: torch.nn.Module) -> tuple[str, ...]:
+    """Per tensor argument, the label of the piece `PrepareModuleInput(use_local_output=True)` hands on,
+    or ""; () when no such style's hook is found. No collective."""
+    from torch.distributed.tensor.parallel.style import PrepareModuleInput
+
+    for hook in getattr(module, "_forward_pre_hooks", {}).values():
+        free = _free_vars(hook)
+        style, mesh = free.get("self"), free.get("device_mesh")
+        if not isinstance(style, PrepareModuleInput) or style.use_local_output is not True:
+            continue
+        labels = []
+        for given, desired in zip(style.input_layouts or (), style.desired_input_layouts or ()):
+            if given is None:
+                break
+            labels.append(_piece(desired, mesh))
+        if any(labels):
+            return tuple(labels)
+    return ()
