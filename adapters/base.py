@@ -86,6 +86,11 @@ class Adapter(ABC):
     #: What `set_monitor` was given, unwrapped down to `optimizer` (`select_adapter` sets it).
     optimizer_chain: list[Any] = []
 
+    #: The framework's own forward hooks replace module outputs with new tensors (DeepSpeed ZeRO-3), so
+    #: the activation hooks go before them: after them, an output's gradient would lack the module's own
+    #: uses of it (`return y, f(y)`).
+    activation_hooks_first: bool = False
+
     @classmethod
     def owns_optimizer(cls, optimizer: Any) -> bool:
         """A framework optimizer this adapter reads itself, which is not to be unwrapped (`.optimizer`

@@ -112,6 +112,8 @@ class DeepSpeedAdapter(Adapter):
                 steps,
             )
         context.grad_acc_steps = steps
+        # ZeRO-3's forward hooks return `PreBackwardFunctionForModule.apply(output)`, a new tensor
+        self.activation_hooks_first = self.kind.name == "zero3"
 
     def msprobe_unreduced_kind(self, per_micro_batch: bool) -> str:
         # msprobe patches the reduction of DeepSpeedZeroOptimizer (ZeRO-1/2) only; ZeRO-0 (also with

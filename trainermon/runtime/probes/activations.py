@@ -102,7 +102,9 @@ class ActivationProbe(Probe):
         never_frames_of_their_own()  # before any trace can reach this hook
         return [
             module.register_forward_pre_hook(hooked.pre, with_kwargs=True),
-            module.register_forward_hook(hooked.forward, with_kwargs=True),
+            module.register_forward_hook(
+                hooked.forward, with_kwargs=True, prepend=self.loop.adapter.activation_hooks_first
+            ),
         ]
 
     def _make_traced_hooks(self) -> None:
