@@ -19,6 +19,12 @@ register; these functions read them once per hooked module (checked on torch 2.1
   layout per positional argument. Inputs are labelled by tensor argument, so only the arguments before the
   first one the style leaves alone (layout None, which may be a non-tensor) are known to be tensors and
   get a label; keyword arguments get none.
+
+transformers' own tensor parallelism (`from_pretrained(tp_plan=...)`, checked on 5.24) registers no hooks:
+its style replaces `module.forward` by a `tp_forward` closure over the style (`self`) and `mesh` that
+converts inside forward, so our hooks see the caller's input and the style's output. Its
+`ColwiseParallel`, `RowwiseParallel` and `SequenceParallel` are read (their `input_layouts`,
+`output_layouts`, `Shard(sequence_dim)`); other transformers styles give unlabelled rows.
 """
 
 from __future__ import annotations
@@ -76,6 +82,29 @@ def _labels(module: torch.nn.Module, hook: Any) -> tuple[str, ...]:
     return ()
 
 
+def _transformers_label(module: torch.nn.Module, which: str) -> tuple[str, ...]:
+    """The label of the first input (`which="input"`) or the output of a module under transformers' own
+    tensor parallelism; () when `module.forward` is not its `tp_forward` or the style is not read."""
+    forward = module.__dict__.get("forward")
+    if getattr(forward, "__name__", "") != "tp_forward":
+        return ()
+    free = _free_vars(forward)
+    style, mesh = free.get("self"), free.get("mesh")
+    kinds = {c.__name__ for c in type(style).__mro__ if c.__module__.startswith("transformers.")}
+    if which == "output" and getattr(style, "use_local_output", None) is not True:
+        return ()  # the output stays a DTensor, which labels itself
+    if kinds & {"ColwiseParallel", "RowwiseParallel"}:
+        layout = getattr(style, f"{which}_layouts", None)
+    elif "SequenceParallel" in kinds and isinstance(getattr(style, "sequence_dim", None), int):
+        from torch.distributed.tensor import Shard
+
+        layout = Shard(style.sequence_dim)
+    else:
+        return ()
+    label = _piece(layout, mesh) if not isinstance(layout, tuple) else ""
+    return (label,) if label else ()
+
+
 def local_output_shards(module: torch.nn.Module) -> tuple[str, ...]:
     """Per output position, the label of the piece a style hands on (`Shard(1)[tp=0/2]`), or "" for a
     whole tensor or an output no style touched; () when no style's hook is found. No collective."""
@@ -83,7 +112,7 @@ def local_output_shards(module: torch.nn.Module) -> tuple[str, ...]:
         labels = _labels(module, hook)
         if any(labels):
             return labels
-    return ()
+    return _transformers_label(module, "output")
 
 
 def local_input_shards(module: torch.nn.Module) -> tuple[str, ...]:
@@ -103,4 +132,4 @@ def local_input_shards(module: torch.nn.Module) -> tuple[str, ...]:
             labels.append(_piece(desired, mesh))
         if any(labels):
             return tuple(labels)
-    return ()
+    return _transformers_label(module, "input")

@@ -180,3 +180,68 @@ def test_trainer_fsdp2_objects(tmp_path):
         assert set(rows) == {(n, s, None) for (f, n, s) in refs if f == family}, family
         for (n, s, _), row in rows.items():
             assert_row_matches(row, refs[(family, n, s)], OPS)
+
+
+ATTN, MLP = "model.layers.0.self_attn", "model.layers.0.mlp"
+# transformers' tp_plan for Llama: q/k/v, gate/up colwise (output Shard(-1)), o/down rowwise (input Shard(-1))
+PIECES = {
+    f"{ATTN}.q_proj.output": True, f"{ATTN}.q_proj.input": False, f"{ATTN}.o_proj.input": True,
+    f"{ATTN}.o_proj.output": False, f"{MLP}.up_proj.output": True, f"{MLP}.down_proj.input": True,
+    f"{MLP}.down_proj.output": False,
+}  # fmt: skip
+
+
+def _tp_plan_rank(rank: int, world: int, out_dir: str, cfg: str, hf_dir: str) -> dict:
+    """`from_pretrained(tp_plan="auto")`: transformers' styles convert inside `module.forward` (no hooks),
+    so the monitor's hooks see this rank's pieces of q_proj's output and o_proj's input."""
+    import transformers
+
+    from trainermon import TrainerMon
+
+    os.environ["MONITOR_OUTPUT_DIR"] = out_dir
+    if rank == 0:
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=16,
+        )  # fmt: skip
+        transformers.LlamaForCausalLM(config).save_pretrained(hf_dir)
+    torch.distributed.barrier()
+    model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, tp_plan="auto")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(model, optimizer=optimizer)
+    seen: dict = {}
+
+    def keep(name: str, t: torch.Tensor) -> None:  # returns None: a hook's result replaces the output
+        seen[("actv", name)] = ref_stats(t)
+        t.register_hook(lambda g: seen.__setitem__(("actv_grad", name), ref_stats(g)))
+
+    for name in PIECES:
+        module, _, io = name.rpartition(".")
+        if io == "output":
+            model.get_submodule(module).register_forward_hook(lambda m, a, out, n=name: keep(n, out))
+        else:
+            model.get_submodule(module).register_forward_pre_hook(lambda m, a, n=name: keep(n, a[0]))
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    monitor.close()
+    return {"faults": monitor.faults.total, "run_dir": monitor.run_dir, "seen": seen}
+
+
+def test_tp_plan_pieces_are_labelled(tmp_path):
+    cfg = write_config(tmp_path / "cfg.json", xy_distribution=True, ops=list(OPS), ndigits=12)
+    results = run_ranks(
+        _tp_plan_rank, world_size=2, out_dir=str(tmp_path / "out"), cfg=cfg, hf_dir=str(tmp_path / "hf")
+    )
+    for rank, r in enumerate(results):
+        assert r["faults"] == 0
+        for family in ("actv", "actv_grad"):
+            rows = {row["name"]: row for row in read_family(r["run_dir"], family)}
+            for name, piece in PIECES.items():
+                if (family, name) not in r["seen"]:
+                    continue  # q_proj's input: the embedding output, which takes no gradient here
+                row = rows[name]
+                assert row["shard"] == (f"Shard(-1)[tp={rank}/2]" if piece else ""), (rank, family, name)
+                assert_row_matches(row, r["seen"][(family, name)], OPS)
