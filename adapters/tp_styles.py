@@ -49,6 +49,12 @@ def _partial_of(fn: Any, name: str) -> tuple:
     return getattr(fn, "args", ()) if getattr(getattr(fn, "func", None), "__name__", "") == name else ()
 
 
+def _is_style(obj: Any, name: str) -> bool:
+    """`obj` is an instance of torch's style `name` (a subclass too), looked up by name so that modules
+    hooked without tensor parallelism never import it."""
+    return any(c.__name__ == name and c.__module__.startswith("torch.") for c in type(obj).__mro__)
+
+
 def _piece(layout: Any, mesh: Any) -> str:
     """The label of a local piece laid out as `layout` on a 1-D mesh; "" for a whole tensor."""
     from .dtensor import _is_shard
@@ -67,8 +73,6 @@ def _sequence_sharding(module: torch.nn.Module) -> Any:
 
 
 def _labels(module: torch.nn.Module, hook: Any) -> tuple[str, ...]:
-    from torch.distributed.tensor.parallel.style import PrepareModuleOutput
-
     free = _free_vars(hook)
     mesh, style = free.get("device_mesh"), free.get("self")
     args = _partial_of(free.get("output_fn"), "_prepare_output_fn")
@@ -76,7 +80,7 @@ def _labels(module: torch.nn.Module, hook: Any) -> tuple[str, ...]:
         return (_piece(args[0][0], mesh),)  # ColwiseParallel, RowwiseParallel
     if args == (True,):  # SequenceParallel(use_local_output=True)
         return (_piece(_sequence_sharding(module), mesh),)
-    if isinstance(style, PrepareModuleOutput) and style.use_local_output is True:
+    if _is_style(style, "PrepareModuleOutput") and style.use_local_output is True:
         layouts = zip(style.output_layouts, style.desired_output_layouts)
         return tuple(_piece(desired, mesh) if given is not None else "" for given, desired in layouts)
     return ()
@@ -118,12 +122,10 @@ def local_output_shards(module: torch.nn.Module) -> tuple[str, ...]:
 def local_input_shards(module: torch.nn.Module) -> tuple[str, ...]:
     """Per tensor argument, the label of the piece `PrepareModuleInput(use_local_output=True)` hands on,
     or ""; () when no such style's hook is found. No collective."""
-    from torch.distributed.tensor.parallel.style import PrepareModuleInput
-
     for hook in getattr(module, "_forward_pre_hooks", {}).values():
         free = _free_vars(hook)
         style, mesh = free.get("self"), free.get("device_mesh")
-        if not isinstance(style, PrepareModuleInput) or style.use_local_output is not True:
+        if not _is_style(style, "PrepareModuleInput") or style.use_local_output is not True:
             continue
         labels = []
         for given, desired in zip(style.input_layouts or (), style.desired_input_layouts or ()):

@@ -127,3 +127,26 @@ def test_close_is_idempotent_and_hooks_are_removed(tmp_path, monkeypatch):
     assert not monitor.loop.worker._thread.is_alive()
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
     assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_misread_tp_style_costs_the_labels_only(tmp_path, monkeypatch, caplog):
+    """A style closure read wrongly (a torch or transformers version whose hooks look otherwise) raised
+    out of set_monitor: the module's rows are written, unlabelled, and the failure is counted per module
+    and logged once."""
+    import trainermon.adapters.tp_styles as tp_styles
+
+    def boom(module):
+        raise AttributeError("'tuple' object has no attribute 'is_shard'")
+
+    monkeypatch.setattr(tp_styles, "local_output_shards", boom)
+    cfg = _config(tmp_path, monkeypatch)
+    model, opt = _model_and_opt()
+    monitor = TrainerMon(cfg)
+    with caplog.at_level(logging.ERROR, logger="trainermon"):
+        monitor.set_monitor(model, optimizer=opt)
+        _train(model, opt, steps=2)
+    monitor.close()
+    assert dict(monitor.faults.counts) == {"activation shard labels": 3}  # the Linear, ReLU, Linear
+    assert caplog.text.count("activation shard labels") == 1
+    rows = read_family(monitor.run_dir, "actv")
+    assert {r["name"] for r in rows} >= {"0.output", "2.output"} and all(r["shard"] == "" for r in rows)

@@ -95,7 +95,11 @@ class ActivationProbe(Probe):
     def _register(self, vpp_stage: int, name: str, module: torch.nn.Module, extra: bool) -> list[Any]:
         hooked = self._hooked.get(id(module))
         if hooked is None or hooked.extra != extra:
-            shards = self.loop.adapter.activation_shards(module)
+            try:
+                shards = self.loop.adapter.activation_shards(module)
+            except Exception as exc:  # noqa: BLE001 - a framework's layout read wrongly costs the labels only
+                self.loop.faults.record("activation shard labels", exc, "its rows have no shard label")
+                shards = ((), ())
             hooked = self._hooked[id(module)] = HookedModule(self, vpp_stage, name, extra, shards)
         if self.hooks.pinned:
             self._fill_traced(hooked, id(module))
