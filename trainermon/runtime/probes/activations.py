@@ -226,7 +226,7 @@ class ActivationProbe(Probe):
         loop = self.loop
         vpp_stage = hooked.vpp_stage
         try:
-            if not module.training and not torch.is_grad_enabled():
+            if not module.training and not torch.is_grad_enabled() and not self.hooks.grad_forward:
                 self._evaluation_pass(hooked.name)  # between steps (eval(), no_grad): not a micro-batch
                 return None
             key = id(module)

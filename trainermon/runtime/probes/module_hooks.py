@@ -90,7 +90,10 @@ class ModuleHooks:
         self._on_pin = on_pin
         self.pinned = False  # installed for the rest of the run (compiled code may call them)
         self._handles: dict[int, list[Any]] = {}  # module id -> its hooks' handles
-        self._watchers: list[Any] = []  # the roots' trace sentinels
+        self._watchers: list[Any] = []  # the roots' hooks: trace sentinels, and `grad_forward`
+        #: a root's forward that began with grad on is running (eager only): a module inside it that runs
+        #: without grad in eval mode is a reentrant checkpoint's first pass, not an evaluation pass
+        self.grad_forward = False
         self._modules: Sequence[tuple[int, str, torch.nn.Module]] = ()
         self._graphs_without = 0  # dynamo's graph count when the hooks were last removed
         #: pins the hooks when dynamo traces a call of this function (see `reset`); made by `reset`
@@ -112,6 +115,21 @@ class ModuleHooks:
             return True
 
         self.pin_at_trace = torch.compiler.assume_constant_result(pin_at_trace)
+        pin = self.pin_at_trace
+
+        def watch(module: torch.nn.Module, args: Any) -> None:
+            if torch.compiler.is_compiling():
+                pin()
+            else:
+                self.grad_forward = torch.is_grad_enabled()
+
+        def done(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if not torch.compiler.is_compiling():
+                self.grad_forward = False
+
+        for root in roots:
+            self._watchers.append(root.register_forward_pre_hook(CopySafe(watch)))
+            self._watchers.append(root.register_forward_hook(CopySafe(done), always_call=True))
         if compiled_before():
             self._set_pinned()
         if self.pinned:
@@ -120,13 +138,6 @@ class ModuleHooks:
                 recompile_with_hooks()
             return
         self._graphs_without = graphs_compiled()
-        pin = self.pin_at_trace
-
-        def watch(module: torch.nn.Module, args: Any) -> None:
-            if torch.compiler.is_compiling():
-                pin()
-
-        self._watchers = [root.register_forward_pre_hook(CopySafe(watch)) for root in roots]
 
     def arm(self, wanted: bool) -> None:
         """At a step's beginning: the hooks exist on this step iff it collects (unless pinned)."""
@@ -171,6 +182,7 @@ class ModuleHooks:
         for handle in self._watchers:
             handle.remove()
         self._watchers.clear()
+        self.grad_forward = False
 
 
 def in_transform() -> bool:
