@@ -72,12 +72,19 @@ def param_matches(vpp_stage: int, names: list[str], target: str, squash: bool = 
     )
 
 
-def cuts_a_name(names: list[str], target: str) -> str | None:
+def cuts_a_name(params: list[tuple[int, list[str]]], target: str, squash: bool = False) -> str | None:
     """A name `target` selects by a prefix that ends inside one of its dotted parts (`layers.1` selecting
-    `layers.10.weight`), or None: such a target selects more than the module it seems to name."""
-    for n in names:
-        if n.startswith(target) and len(n) > len(target) and target[-1] != "." and n[len(target)] != ".":
-            return n
+    `layers.10.weight`, or `model.layers.10.weight` by its `target_form`), or None: such a target selects
+    more than the module it seems to name. `params`: (vpp_stage, names); every form `param_matches`
+    selects by is checked."""
+    if target.endswith("."):
+        return None
+    for vpp_stage, names in params:
+        for n in names:
+            staged = f"{vpp_stage}:{n}" if ":" in target else n
+            forms = {n, target_form(n), squash_name(n) if squash else n, staged}
+            if any(f.startswith(target) and len(f) > len(target) and f[len(target)] != "." for f in forms):
+                return n
     return None
 
 

@@ -85,7 +85,7 @@ class TargetCheck:
                     f"target {target!r} selects nothing: no parameter name starts with it and no module "
                     f"has that name; closest: {closest(target, module_names + param_names)}"
                 )
-            if by_param and weights and (cut := cuts_a_name(param_names, target)) is not None:
+            if by_param and weights and (cut := cuts_a_name(params, target, config.squash_name)) is not None:
                 self._say(
                     f"target {target!r} selects parameters by name prefix (as msprobe does), so it also "
                     f"selects {cut!r}; end it with '.' ({target + '.'!r}) to select that module alone"
