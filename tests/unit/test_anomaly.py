@@ -75,6 +75,24 @@ def test_bad_rule_config_names_the_key():
         parse_config({"alert": {"rules": [], "escalate_steps": -1}})
 
 
+def test_a_rule_name_not_a_string_and_an_unknown_argument_name_key_and_value(tmp_path, capsys):
+    """A list as rule_name once raised TypeError (unhashable), and check-config printed a traceback, rc 1."""
+    with pytest.raises(ConfigError) as exc:
+        parse_config({"alert": {"rules": [{"rule_name": ["AnomalyNan"]}]}})
+    said = str(exc.value)
+    assert "config key 'alert.rules[0].rule_name': got ['AnomalyNan']; allowed: one of" in said, said
+    assert "'AnomalyNan'" in said.split("allowed:")[1], said
+    with pytest.raises(ConfigError) as exc:
+        parse_config({"alert": {"rules": [{"rule_name": "AnomalyNan", "args": {"foo": 3}}]}})
+    said = str(exc.value)
+    assert "config key 'alert.rules[0].args.foo': got 3; AnomalyNan takes no such argument" in said, said
+    assert "allowed: ['threshold']" in said, said
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"alert": {"rules": [{"rule_name": {"n": 1}}]}}))
+    assert cli_main(["check-config", str(cfg)]) == 2
+    assert "invalid: config key 'alert.rules[0].rule_name': got {'n': 1}" in capsys.readouterr().err
+
+
 def _rule(name: str, **args) -> dict:
     return {"rules": [{"rule_name": name, "args": args}]}
 

@@ -36,7 +36,7 @@ def parse_rules(rules: Iterable[dict]) -> list[RuleSpec]:
     for i, rule in enumerate(rules):
         where = f"alert.rules[{i}]"
         name = rule.get("rule_name")
-        if name not in RULE_ARGS:
+        if not isinstance(name, str) or name not in RULE_ARGS:  # a list or object: unhashable
             raise ValueError(
                 f"config key '{where}.rule_name': got {name!r}; allowed: one of {list(RULE_NAMES)}"
             )
@@ -49,8 +49,8 @@ def parse_rules(rules: Iterable[dict]) -> list[RuleSpec]:
         for key, value in args.items():
             if key not in RULE_ARGS[name]:
                 raise ValueError(
-                    f"config key '{where}.args.{key}': {name} takes no such argument; allowed: "
-                    f"{list(RULE_ARGS[name])}"
+                    f"config key '{where}.args.{key}': got {value!r}; {name} takes no such argument; "
+                    f"allowed: {list(RULE_ARGS[name])}"
                 )
             if (
                 isinstance(value, bool)
