@@ -30,16 +30,22 @@ def _is_int_column(name: str) -> bool:
     return name.endswith("step") or name in ("rank", "vpp_stage", "layers", "steps")
 
 
+def _is_nan(value: Any) -> bool:
+    return isinstance(value, float) and math.isnan(value)
+
+
 def records(df: pd.DataFrame) -> list[dict]:
     """Rows as dicts. Step-like columns (integers that may be missing): int or None. Other numbers:
-    floats, with NaN and Inf spelled "nan", "inf", "-inf" (JSON has no such numbers)."""
+    floats, with NaN and Inf spelled "nan", "inf", "-inf" (JSON has no such numbers). A missing value of
+    a text column (pandas holds None there as float NaN) is None."""
     out = []
+    text = {k for k in df.columns if pd.api.types.is_string_dtype(df[k])}  # (object: only all-text ones)
     for row in df.to_dict(orient="records"):
         clean = {}
         for key, value in row.items():
             if _is_int_column(str(key)) and isinstance(value, (float, np.floating)):
                 value = None if math.isnan(value) else int(value)
-            elif value is None or value is pd.NA:
+            elif value is None or value is pd.NA or (key in text and _is_nan(value)):
                 value = None
             clean[key] = jsonable(value)
         out.append(clean)
