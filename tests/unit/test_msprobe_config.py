@@ -309,3 +309,14 @@ def test_reload_xy_switches_activations_from_the_next_step(tmp_path, out_dir, ca
     with pytest.raises(TypeError):
         monitor.reload_xy("yes")
     assert monitor.faults.total == 0
+
+
+def test_msprobe_keys_without_effect_are_said_when_set(caplog):
+    """`sa_order`, `heatmap_visualizer` and `csv` are accepted for msprobe's configs; set, they said nothing
+    although nothing reads them."""
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        parse_config({"sa_order": "s,b", "heatmap_visualizer": True, "csv": {"a": 1}}, source="cfg.json")
+        parse_config({"heatmap_visualizer": False}, source="off.json")
+    said = _warnings(caplog, "has no effect")
+    assert [s.split("'")[1] for s in said] == ["sa_order", "heatmap_visualizer", "csv"], said
+    assert all("cfg.json" in s for s in said)

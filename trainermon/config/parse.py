@@ -237,6 +237,11 @@ def parse_config(raw: Any, source: str = "<dict>") -> MonitorConfig:
     for key, why in OFF_WITH_A_WARNING.items():
         if raw.get(key):
             logger.warning("trainermon: config key %r in %s is switched off: %s", key, source, why)
+    for key in INERT_KEYS:
+        if raw.get(key):
+            logger.warning(
+                "trainermon: config key %r in %s has no effect (msprobe's; ignored here)", key, source
+            )
 
     forward_only = _bool(raw, "forward_only")
     backward_only = _bool(raw, "backward_only")
