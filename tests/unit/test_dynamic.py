@@ -219,6 +219,27 @@ def test_an_edit_of_the_gpu_hold_reaches_the_collector(dyn):
     assert seen == [64 << 20, 0]
 
 
+def test_an_edit_of_a_key_read_at_start_is_said_and_the_running_value_kept(dyn, caplog):
+    """queue_size and dynamic_watch are read when the worker and the watcher start: an edit of them was
+    accepted, never applied, and `loop.config` showed the new values."""
+    make, _ = dyn
+    path = make(dynamic_on=True, queue_size=64, dynamic_watch="inotify")
+    seen = []
+
+    def record(monitor: TrainerMon) -> None:
+        loop = monitor.loop
+        seen.append((loop.config.queue_size, loop.config.dynamic_watch, loop.config.write_interval_s))
+
+    edit = _edit(path, queue_size=2, dynamic_watch="polling", write_interval_s=0)
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        _train(path, 4, {1: edit, 3: record})
+    assert seen == [(64, "inotify", 0)]  # the running values; write_interval_s does apply
+    said = [r.getMessage() for r in caplog.records if "next start" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "sets queue_size=2, dynamic_watch='polling', read at start only" in said[0], said
+    assert "this run keeps queue_size=64, dynamic_watch='inotify'" in said[0], said
+
+
 def test_switched_on_again_after_automatic_stop(dyn):
     make, out = dyn
     path = make(dynamic_on=True, collect_times=2)

@@ -5,8 +5,8 @@
   filesystems without inotify, or a small stat-polling thread when watchdog is not installed. It only
   sets a flag; the file is read at the next step boundary, so a burst of events becomes one reload.
 - `DynamicControl` runs at every step boundary. Only the deciding rank (rank 0) looks at the file. With
-  more than one rank, rank 0 broadcasts the config version over a dedicated gloo group (one 16-byte
-  broadcast per step), and the config itself (as JSON) only when the version changed, and once at the
+  more than one rank, rank 0 broadcasts the config version and its clock over a dedicated gloo group (one
+  24-byte broadcast per step), and the config itself (as JSON) only when the version changed, and once at the
   first step (each rank read its own file when it started: a `trainermon on` landing while the ranks
   start gave ranks different configs, and the job hung in the first collective only some ran), so every
   rank applies the same config at the same step whatever its own view of a shared filesystem. The file
@@ -165,8 +165,10 @@ class DynamicControl:
     """Decides, identically on every rank, when a new config applies.
 
     `poll()` is called at every step boundary by every rank. It returns a new `MonitorConfig` to apply
-    now, or None. Cost per step: a flag check on rank 0, plus (with several ranks) one broadcast of one
-    int64 over a gloo group; the config itself travels only when it changed.
+    now, or None. Cost per step: a flag check on rank 0, plus (with several ranks) one broadcast of three
+    int64 over a gloo group; the config itself travels only when it changed. `stamp` is rank 0's clock
+    (whole seconds) at the poll that returned the config: every rank names the run directory of a
+    reloaded config by it, so the names match whatever the ranks' clocks say.
     """
 
     def __init__(self, path: str, initial: MonitorConfig, polling: bool = False) -> None:
@@ -188,6 +190,7 @@ class DynamicControl:
         self.watcher: ConfigWatcher | None = None
         self._polling = polling
         self._first = True  # the first poll: rank 0's config reaches every rank, whatever it read
+        self.stamp = int(time.time())
 
     def attach(self, process_group: Any = None) -> None:
         """Collective when distributed: every rank calls it once (from set_monitor)."""
@@ -260,12 +263,12 @@ class DynamicControl:
         if self._rank == 0:
             self._read_if_changed()
         if self._distributed:
-            # The config travels as JSON bytes (never pickled): [version, length] first, bytes if new
-            # (or at the first poll, on every rank alike).
+            # The config travels as JSON bytes (never pickled): [version, length, clock] first, bytes if
+            # new (or at the first poll, on every rank alike).
             data = json.dumps(self._raw).encode() if self._rank == 0 and self._raw is not None else b""
-            box = torch.tensor([self.version, len(data)], dtype=torch.int64)
+            box = torch.tensor([self.version, len(data), int(time.time())], dtype=torch.int64)
             dist.broadcast(box, src=self._src, group=self._group)
-            version, length = (int(v) for v in box.tolist())
+            version, length, self.stamp = (int(v) for v in box.tolist())
             if version == previous and not first:
                 return None
             received = _broadcast_bytes(data, length, self._src, self._group)
@@ -275,6 +278,8 @@ class DynamicControl:
                 return None  # the first poll, and this rank already runs rank 0's config
         elif self.version == previous:
             return None
+        else:
+            self.stamp = int(time.time())
         validated, self._validated = self._validated, None
         # The deciding rank parsed this version already (and said its warnings); the others parse it once.
         self.config = validated if validated is not None else parse_config(self._raw, source=self.path)

@@ -74,10 +74,12 @@ class Outputs:
             self.faults.record("exporter open", exc, "output is off for this run, training continues")
             return []
 
-    def renew(self, config: MonitorConfig) -> list:
+    def renew(self, config: MonitorConfig, stamp: int | None = None) -> list:
         """A new run directory and sinks for it (new columns or sinks after a config change). The run id
-        stays the job's; the time part moves on by at least a second, so the name is new on every rank
-        (every rank renews at the same step) without a collective."""
-        self._started = max(int(time.time()), self._started + 1)
+        stays the job's; the time part is `stamp` (rank 0's clock, which `DynamicControl.poll` hands every
+        rank with the config; this rank's clock when None), moved on by at least a second, so the name is
+        new, and the same on every rank (every rank renews at the same step), without a collective."""
+        now = int(time.time()) if stamp is None else stamp
+        self._started = max(now, self._started + 1)
         self.run_dir = self._new_dir()
         return self.open(config)

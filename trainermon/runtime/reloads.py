@@ -16,6 +16,8 @@ from .control import agree_config
 from .plan import Schedule
 
 logger = logging.getLogger("trainermon")
+#: Keys read when the monitor starts (the worker's queue, the file watcher): an edit in dynamic mode waits.
+FIXED_AT_START = ("queue_size", "dynamic_watch")
 
 
 def engine_options(config: MonitorConfig) -> EngineOptions:
@@ -81,6 +83,15 @@ class ConfigChanges:
     def _reload(self, config: MonitorConfig) -> None:
         """Dynamic mode: a new config from the watched file, applied on every rank at this same step."""
         old = self.config
+        fixed = {k: getattr(old, k) for k in FIXED_AT_START if getattr(config, k) != getattr(old, k)}
+        if fixed:  # the worker's queue and the file watcher are built once: the running values stay
+            logger.warning(
+                "trainermon: the watched config file sets %s, read at start only: it applies at the next "
+                "start; this run keeps %s",
+                ", ".join(f"{k}={getattr(config, k)!r}" for k in fixed),
+                ", ".join(f"{k}={v!r}" for k, v in fixed.items()),
+            )
+            config = dataclasses.replace(config, **fixed)
         self.engine.options = engine_options(config)
         self.schedule = Schedule(config, anchored=config.dynamic_on)  # restarts the count, from this step
         self.detector.rules = parse_rules(config.alert.rules)
@@ -89,7 +100,8 @@ class ConfigChanges:
         if self.worker is not None:
             self.worker.set_interval(config.write_interval_s)
             if any(getattr(old, k) != getattr(config, k) for k in MonitorConfig.OUTPUT_KEYS):
-                self.worker.replace_exporters(self.outputs.renew(config))  # new columns or sinks
+                stamp = self.control.stamp if self.control is not None else None  # rank 0's clock
+                self.worker.replace_exporters(self.outputs.renew(config, stamp))  # new columns or sinks
         logger.info(
             "trainermon: config reloaded at step %d: dynamic_on=%s, collect_times=%d",
             self.step,
