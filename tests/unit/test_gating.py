@@ -188,7 +188,9 @@ def test_module_hooks_exist_on_collected_steps_only(tmp_path, out_dir, monkeypat
     """Eager: a module hook, even one that returns at once, sends every call of its module down PyTorch's
     slow path, so the activation hooks are added when a collected step begins and removed when a step
     that collects nothing begins: no hook, no record, no gradient hook on any tensor on other steps. The
-    root keeps one forward pre-hook, which watches for a torch.compile trace (see test_compile.py)."""
+    root keeps one forward pre-hook, which watches for a torch.compile trace (see test_compile.py) and
+    notes the grad mode its forward began with, and one forward hook that ends that note (see
+    test_checkpointing.py): two calls per forward of the model, none per module."""
     path = write_config(tmp_path / "cfg.json", xy_distribution=True, start_step=1, collect_times=1)
     model = nn.Sequential(nn.Linear(4, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -214,12 +216,12 @@ def test_module_hooks_exist_on_collected_steps_only(tmp_path, out_dir, monkeypat
         grad_hooked.append(len(grad_hooks))
         counts.append(bool(records))
         opt.step()
-    assert len(model._forward_pre_hooks) == 1 and not model._forward_hooks  # the trace watcher
+    assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1  # the root's watchers
     monitor.close()
     assert counts == [0, False, 2, True, 0, False]  # the monitor's two hooks, on step 1 only
     assert grad_hooked == [0, 1, 0]  # Linear's output (its input needs no gradient), on step 1 only
     assert not inner._forward_hooks and not inner._forward_pre_hooks  # close removes them
-    assert not model._forward_pre_hooks
+    assert not model._forward_pre_hooks and not model._forward_hooks
 
 
 def test_second_optimizer_does_not_advance_the_step(tmp_path, out_dir):
