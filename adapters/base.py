@@ -125,6 +125,11 @@ class Adapter(ABC):
 
         return local_input_shards(module), local_output_shards(module)
 
+    def leaf_output_view(self, param: torch.Tensor) -> torch.Tensor:
+        """This call's view of a parameter a module returns as an output (Megatron's `skip_bias_add`): the
+        output-gradient hook goes on the view's node. Called only for such outputs, on collected steps."""
+        return param.view_as(param)
+
     def msprobe_unreduced_kind(self, per_micro_batch: bool) -> str:
         """How msprobe's tags name this framework's gradients before the reduction: `acc_grad` where it
         reads them at the parameters' gradient accumulation (plain PyTorch, DDP, and with

@@ -1,7 +1,7 @@
 """Per-step cost of dynamic mode's rank-consistent control on 2 gloo ranks (loopback).
 
-Each step boundary, rank 0 checks the watcher's flag and broadcasts [version, length] (16 bytes) over a
-gloo group; this measures that call (`DynamicControl.poll`) with no config change, median over many
+Each step boundary, rank 0 checks the watcher's flag and broadcasts [version, length, clock] (24 bytes)
+over a gloo group; this measures that call (`DynamicControl.poll`) with no config change, median over many
 steps. Run: python benchmarks/dynamic_poll.py [--steps 2000]
 """
 

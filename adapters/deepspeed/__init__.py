@@ -115,6 +115,14 @@ class DeepSpeedAdapter(Adapter):
         # ZeRO-3's forward hooks return `PreBackwardFunctionForModule.apply(output)`, a new tensor
         self.activation_hooks_first = self.kind.name == "zero3"
 
+    def leaf_output_view(self, param: torch.Tensor) -> torch.Tensor:
+        view = param.view_as(param)
+        if self.activation_hooks_first and hasattr(param, "ds_id"):
+            # ZeRO-3's post-forward hook, which now runs after ours, registers a returned parameter as
+            # the module's external parameter; it knows a view of one by DeepSpeed's alias attribute
+            view.ds_param_alias = param
+        return view
+
     def msprobe_unreduced_kind(self, per_micro_batch: bool) -> str:
         # msprobe patches the reduction of DeepSpeedZeroOptimizer (ZeRO-1/2) only; ZeRO-0 (also with
         # BF16_Optimizer) and ZeRO-3 fall back to its hooks on the gradient accumulation

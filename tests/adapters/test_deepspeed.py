@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.adapters.deepspeed_outputs import zero3_outputs
 from tests.distributed import run_ranks
 from tests.helpers import keyed, read_family, ref_stats
 
@@ -317,74 +318,6 @@ def _run_case(rank: int, world: int, out_root: str, case_index: int, case: dict[
     assert gathered[0] != gathered[1]
 
 
-class _Reuse(nn.Module):
-    """Returns y and a function of y: y's whole gradient includes the use inside the module."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin, self.out = nn.Linear(5, 6), nn.Linear(6, 1)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        y = torch.tanh(self.lin(x))
-        return y, self.out(y)
-
-
-class _ReuseNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(1)
-        self.block, self.head = _Reuse(), nn.Linear(6, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y, z = self.block(x)
-        return self.head(y) + z
-
-
-def _zero3_outputs(rank: int, out_root: str) -> list[str]:
-    """ZeRO-3's forward hooks hand on `PreBackwardFunctionForModule.apply(y)`, a new tensor whose gradient
-    lacks the module's own use of y: `actv_grad` rows of `block.output_0` held only the head's part. The
-    reference: y's gradient from a tensor hook on y itself (a forward hook registered before DeepSpeed's)."""
-    import deepspeed
-
-    from trainermon import TrainerMon
-
-    os.environ["MONITOR_OUTPUT_DIR"] = os.path.join(out_root, "zero3-outputs")
-    cfg_path = os.path.join(out_root, f"zero3-outputs-{rank}.json")
-    with open(cfg_path, "w") as fh:
-        json.dump({"xy_distribution": True, "ops": list(OPS), "ndigits": 12}, fh)
-    model = _ReuseNet()
-    seen: dict[tuple[str, int], torch.Tensor] = {}
-    micro = [0]
-
-    def keep(module: nn.Module, args: tuple, out: tuple) -> None:
-        seen[("actv", micro[0])] = out[0].detach().double().clone()
-        out[0].register_hook(lambda g, m=micro[0]: seen.__setitem__(("actv_grad", m), g.double().clone()))
-
-    model.block.register_forward_hook(keep)  # before deepspeed.initialize: runs before ZeRO-3's hooks
-    basic = torch.optim.SGD(model.parameters(), lr=1e-2)
-    config = {**_ds_config({"stage": 3, "bf16": False}, dist.get_world_size())}
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=basic, config=config)
-    monitor = TrainerMon(cfg_path)
-    monitor.set_monitor(engine, grad_acc_steps=GAS, optimizer=engine.optimizer)
-    gen = torch.Generator().manual_seed(7 + rank)
-    for m in range(GAS):
-        micro[0] = m
-        engine.backward(engine(torch.randn(MICRO_BATCH, 5, generator=gen)).pow(2).mean())
-        engine.step()
-    monitor.close()
-    assert not monitor.faults.counts, dict(monitor.faults.counts)
-    wrong = []
-    for family in ("actv", "actv_grad"):
-        rows = keyed(read_family(monitor.run_dir, family))
-        for m in range(GAS):
-            row, ref = rows[("block.output_0", 0, m)], ref_stats(seen[(family, m)])
-            for op in OPS:  # float32 statistics of the same float32 values: rtol 1e-5
-                if not math.isclose(float(row[op]), ref[op], rel_tol=1e-5, abs_tol=1e-9):
-                    wrong.append((family, m, op, row[op], ref[op]))
-    assert not wrong, wrong
-    return ["zero3-outputs"]
-
-
 def _all_cases(rank: int, world: int, out_root: str) -> list[str]:
     os.environ["DS_ACCELERATOR"] = "cpu"
     # The first init_distributed compiles a shared-memory op for a minute; gloo does not need it.
@@ -396,7 +329,7 @@ def _all_cases(rank: int, world: int, out_root: str) -> list[str]:
     for index, case in enumerate(CASES):
         _run_case(rank, world, out_root, index, case)
         done.append(_case_id(case))
-    return done + _zero3_outputs(rank, out_root)
+    return done + zero3_outputs(rank, out_root)
 
 
 def test_deepspeed_matrix(tmp_path: Path) -> None:

@@ -238,6 +238,15 @@ def test_an_edit_of_a_key_read_at_start_is_said_and_the_running_value_kept(dyn, 
     assert len(said) == 1, said
     assert "sets queue_size=2, dynamic_watch='polling', read at start only" in said[0], said
     assert "this run keeps queue_size=64, dynamic_watch='inotify'" in said[0], said
+    # an edit between TrainerMon() and set_monitor: the watcher exists already, the worker not yet
+    caplog.clear()
+    path = make(dynamic_on=True, queue_size=64, dynamic_watch="inotify")
+    early_keys = {"queue_size": 8, "dynamic_watch": "polling"}
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        monitor = _train(path, 2, {}, before_attach=lambda m: update_config_file(path, **early_keys))
+    assert (monitor.loop.config.queue_size, monitor.loop.config.dynamic_watch) == (8, "inotify")
+    said = [r.getMessage() for r in caplog.records if "next start" in r.getMessage()]
+    assert len(said) == 1 and "sets dynamic_watch='polling'" in said[0], said
 
 
 def test_switched_on_again_after_automatic_stop(dyn):

@@ -69,6 +69,8 @@ class ConfigChanges:
         since `TrainerMon()` read it) replaces this rank's own; a `reload_xy` made before stays."""
         if self.xy_override is not None:
             config = dataclasses.replace(config, xy_distribution=self.xy_override)
+        if self.control is not None:  # the watcher exists already (the worker, with its queue, not yet)
+            config = self._keep_running(config, ("dynamic_watch",))
         if config == self.config:
             return
         if self.rank == 0:
@@ -80,18 +82,22 @@ class ConfigChanges:
         self.config, self.engine.options = config, engine_options(config)
         self.schedule = Schedule(config, anchored=self.control is not None and config.dynamic_on)
 
-    def _reload(self, config: MonitorConfig) -> None:
-        """Dynamic mode: a new config from the watched file, applied on every rank at this same step."""
-        old = self.config
-        fixed = {k: getattr(old, k) for k in FIXED_AT_START if getattr(config, k) != getattr(old, k)}
-        if fixed:  # the worker's queue and the file watcher are built once: the running values stay
+    def _keep_running(self, config: MonitorConfig, keys: tuple[str, ...]) -> MonitorConfig:
+        """`config` with the running values of `keys` (read when the monitor started); said if it differs."""
+        fixed = {k: getattr(self.config, k) for k in keys if getattr(config, k) != getattr(self.config, k)}
+        if fixed:
             logger.warning(
                 "trainermon: the watched config file sets %s, read at start only: it applies at the next "
                 "start; this run keeps %s",
                 ", ".join(f"{k}={getattr(config, k)!r}" for k in fixed),
                 ", ".join(f"{k}={v!r}" for k, v in fixed.items()),
             )
-            config = dataclasses.replace(config, **fixed)
+        return dataclasses.replace(config, **fixed) if fixed else config
+
+    def _reload(self, config: MonitorConfig) -> None:
+        """Dynamic mode: a new config from the watched file, applied on every rank at this same step."""
+        old = self.config
+        config = self._keep_running(config, FIXED_AT_START)
         self.engine.options = engine_options(config)
         self.schedule = Schedule(config, anchored=config.dynamic_on)  # restarts the count, from this step
         self.detector.rules = parse_rules(config.alert.rules)

@@ -77,7 +77,7 @@ def cuts_a_name(params: list[tuple[int, list[str]]], target: str, squash: bool =
     `layers.10.weight`, or `model.layers.10.weight` by its `target_form`), or None: such a target selects
     more than the module it seems to name. `params`: (vpp_stage, names); every form `param_matches`
     selects by is checked."""
-    if target.endswith("."):
+    if target.endswith((".", ":")):  # "0:" selects all of stage 0: it cuts no name
         return None
     for vpp_stage, names in params:
         for n in names:

@@ -273,7 +273,7 @@ class ActivationProbe(Probe):
                 for label, t, piece in zip(out_labels, outputs, out_pieces):
                     if is_activation(t) and t.requires_grad:
                         if t.is_leaf:  # a parameter as an output: hook this call's view of it
-                            view = leaves[id(t)] = t.view_as(t)
+                            view = leaves[id(t)] = loop.adapter.leaf_output_view(t)
                             t = view
                         node = t.grad_fn
                         index = t.output_nr
