@@ -154,7 +154,7 @@ def floor_step(arm: ov.Arm, monitor: FloorMonitor) -> None:
     x, y = arm.batch
     t0 = time.perf_counter()
     arm.optimizer.zero_grad(set_to_none=True)
-    ov._LOSS(arm.model(x), y).backward()
+    arm.loss(arm.model(x), y).backward()
     monitor.before_update()
     arm.optimizer.step()
     monitor.after_update()
@@ -165,7 +165,6 @@ def floor_step(arm: ov.Arm, monitor: FloorMonitor) -> None:
 
 def run_workload(key: str, blocks: int, steps: int) -> dict[str, Any]:
     work = ov._workloads(False)[key]
-    ov._LOSS = work.loss  # what overhead.run_step calls, as overhead.py sets it per workload
     out = tempfile.mkdtemp()
     arms = {
         "none": (ov.build_arm(work, "none", "-", out), None),

@@ -31,7 +31,7 @@ import overhead as ob
 torch.set_num_threads(1)
 logging.getLogger("trainermon").setLevel(logging.ERROR)
 work = ob._workloads(False)[workload]
-ob._LOSS = work.loss  # run_step uses the loss bench_workload sets: (a) is a language model
+ob._LOSS = work.loss  # older checkouts' run_step reads this global; newer ones use the arm's own loss
 out = tempfile.mkdtemp()
 arms = [ob.build_arm(work, "none", "-", out)] + [ob.build_arm(work, "trainermon", c, out) for c in configs]
 for arm in arms:

@@ -35,7 +35,6 @@ import overhead as ov  # noqa: E402
 def worker_cpu_ms(key: str, config: str, steps: int) -> tuple[int, float]:
     """(rows per step, worker CPU ms per step) for one workload and config."""
     work = ov._workloads(False)[key]
-    ov._LOSS = work.loss
     arm = ov.build_arm(work, "trainermon", config, tempfile.mkdtemp())
     worker = arm.monitor.loop.worker
     kept: list = []

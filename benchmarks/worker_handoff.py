@@ -22,7 +22,6 @@ import statistics
 import sys
 import tempfile
 
-import overhead
 import torch
 from overhead import build_arm, close_arm, many_workload, overhead_interval, run_step
 
@@ -38,7 +37,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     work = many_workload()
-    overhead._LOSS = work.loss
     with tempfile.TemporaryDirectory(prefix="tm-handoff-") as out_dir:
         arms = {"none": build_arm(work, "none", "-", out_dir)}
         for name, interval in (
