@@ -44,6 +44,8 @@ logger = logging.getLogger("trainermon")
 
 STAGES = {"actv": "forward", "actv_grad": "backward", "grad_unreduced": "backward"}
 GLOBAL_NORM = "global_grad_norm"
+#: Families whose Inf/NaN a loss-scale overflow explains (the step is flagged `update_skipped`).
+SCALED_GRAD_FAMILIES = ("actv_grad", "grad_unreduced", "grad_reduced")
 
 
 def stage_of(family: str) -> str:
@@ -279,7 +281,12 @@ class AnomalyDetector:
         threshold = args.get("threshold")
         out = []
         nans, infs = batch.values.get("nans"), batch.values.get("infs")
+        # A step whose update the loss scaler skipped has Inf/NaN gradients by design (the scaler at work,
+        # flagged `skipped`, as Prometheus' non-finite count treats it): its gradients are no anomaly.
+        scaler_skip = bool(batch.scalars.update_skipped)
         for i in range(len(batch.rows)):
+            if scaler_skip and batch.rows[i].family in SCALED_GRAD_FAMILIES:
+                continue
             counted = False
             for stat, column in (("nans", nans), ("infs", infs)):
                 if column is not None and column[i] > 0:
@@ -297,7 +304,7 @@ class AnomalyDetector:
                 elif threshold is not None and abs(value) > float(threshold):
                     out.append(self._make(batch, i, stat, value, float(threshold), "AnomalyNan", now))
         norm = batch.derived.global_grad_norm
-        if norm is not None and not math.isfinite(norm):
+        if norm is not None and not math.isfinite(norm) and not scaler_skip:
             out.append(self._global(batch, norm, None, "AnomalyNan", now))
         return out
 
