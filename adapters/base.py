@@ -27,6 +27,8 @@ from trainermon.collect.placement import Local, Placement, Sharded, TensorPiece
 from trainermon.collect.records import StepScalars
 from trainermon.failsafe import FaultLog
 
+from .pipelining import watch_stages
+
 #: What `read` is asked for: the two gradient families, the parameter, or an optimizer-state key.
 GRAD_REDUCED, GRAD_UNREDUCED, PARAM = "grad_reduced", "grad_unreduced", "param"
 
@@ -82,6 +84,7 @@ class Adapter(ABC):
         self.chunks = list(chunks)
         self.optimizer = optimizer
         self.context = context
+        watch_stages()  # torch.distributed.pipelining: its shape inference, where it reduces gradients
 
     #: What `set_monitor` was given, unwrapped down to `optimizer` (`select_adapter` sets it).
     optimizer_chain: list[Any] = []

@@ -75,13 +75,22 @@ def placement_of(t: Any) -> Placement:
 
 
 _OUTSIDE: dict[int, tuple[Any, list[Any]]] = {}  # id(mesh) -> (mesh, its groups outside): asked per tensor
+_STAGES: list[Any] = [None]  # the job's pipelining.StageMap, where ranks hold different stages
+
+
+def use_stage_map(stages: Any) -> None:
+    """Where ranks hold different pipeline stages (`pipelining.stage_map`), a root mesh dimension along
+    which they differ ("pp") holds other tensors, not copies. Set by the adapters at `set_monitor`."""
+    _STAGES[0] = stages if stages is not None and stages.splits() else None
+    _OUTSIDE.clear()
 
 
 def _dims_outside(mesh: Any) -> list[Any]:
     """Groups of the root mesh's dimensions (size > 1) along which every rank of `mesh` has the same
-    coordinate: `mesh` is one slice of them, and its tensors are copies over them. Decided by the ranks,
-    not the names: a flattened mesh ("dp_shard_cp" of "dp_shard" x "cp") spans dimensions it does not
-    name. `DeviceMesh._get_root_mesh` is private (torch 2.13); a mesh without it is taken as its own root."""
+    coordinate: `mesh` is one slice of them, and its tensors are copies over them, unless the ranks along
+    such a dimension hold other pipeline stages (`use_stage_map`). Decided by the ranks, not the names: a
+    flattened mesh ("dp_shard_cp" of "dp_shard" x "cp") spans dimensions it does not name.
+    `DeviceMesh._get_root_mesh` is private (torch 2.13); a mesh without it is taken as its own root."""
     cached = _OUTSIDE.get(id(mesh))
     if cached is not None and cached[0] is mesh:
         return cached[1]
@@ -93,10 +102,22 @@ def _dims_outside(mesh: Any) -> list[Any]:
         groups = [
             root.get_group(d)
             for d in range(root.ndim)
-            if root.size(d) > 1 and bool((coords[:, d] == coords[0, d]).all())
+            if root.size(d) > 1 and bool((coords[:, d] == coords[0, d]).all()) and _same_stage(root, d)
         ]
     _OUTSIDE[id(mesh)] = (mesh, groups)
     return groups
+
+
+def _same_stage(root: Any, dim: int) -> bool:
+    """The ranks along `dim` through this rank hold this rank's pipeline stage (always, without stages)."""
+    stages = _STAGES[0]
+    if stages is None:
+        return True
+    coordinate = root.get_coordinate()
+    if coordinate is None:
+        return True
+    index = tuple(slice(None) if d == dim else c for d, c in enumerate(coordinate))
+    return stages.same_stage(root.mesh[index].tolist())
 
 
 def without_partial(t: Any) -> Any:

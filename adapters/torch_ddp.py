@@ -29,10 +29,12 @@ import torch
 from trainermon.collect.placement import LOCAL, Placement, Replicated, TensorPiece
 from trainermon.names import clean_name
 from trainermon.runtime.clip_watch import torch_clip_entries
+from trainermon.runtime.side_passes import SIDE_PASSES
 
 from .base import GRAD_REDUCED, GRAD_UNREDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
 from .common import OncePerStep, guarded, hook_optimizer_step, is_wrapper, state_values, unwrap
-from .dtensor import dtensor_piece, is_dtensor, local_piece, reduce_partials, splits_over_ranks
+from .dtensor import dtensor_piece, is_dtensor, local_piece, reduce_partials, splits_over_ranks, use_stage_map
+from .pipelining import on_stage_reduce, stage_map
 
 logger = logging.getLogger("trainermon")
 
@@ -52,6 +54,8 @@ class TorchAdapter(Adapter):
         self._replica = Replicated(dp_group) if (self._ddps or context.dp_group is not None) else LOCAL
         self._params: list[MonitoredParam] | None = None
         self._mark: tuple[int, int] = (0, 0)
+        self._stages = stage_map(self._roots)  # collective under torch.distributed.pipelining
+        use_stage_map(self._stages)
         self._tensor_parallel = splits_over_ranks([p for c in self._roots for p in c.parameters()])
         if self._tensor_parallel and self._replica is LOCAL:
             self._replica = Replicated(None)  # plain parameters beside DTensor ones: copies on every rank
@@ -71,7 +75,8 @@ class TorchAdapter(Adapter):
 
     @property
     def splits_model(self) -> bool:
-        return self._tensor_parallel
+        # pipeline stages hold different parameters: the global norm sums every stage's rows
+        return self._tensor_parallel or (self._stages is not None and self._stages.splits())
 
     def is_wrapper_module(self, module: torch.nn.Module) -> bool:
         return is_wrapper(module)
@@ -154,9 +159,16 @@ class TorchAdapter(Adapter):
             syncing = [True]  # whether DDP reduces the backward of the latest forward
 
             def remember(module: Any, args: Any, syncing: list = syncing) -> None:
+                # a pipeline stage's shape inference (a side pass) runs DDP outside no_sync(): no reduce
                 syncing[0] = torch.is_grad_enabled() and module.require_backward_grad_sync
+                syncing[0] = syncing[0] and SIDE_PASSES.depth == 0
+
+            def reduces_next(syncing: list = syncing) -> None:
+                syncing[0] = True
 
             handles.append(ddp.register_forward_pre_hook(remember))
+            # a pipeline stage runs every forward under no_sync() and reduces in its last backward
+            handles.append(on_stage_reduce("last_backward", ddp, reduces_next))
             self._syncing.append((ddp, syncing))
         self._tapped = True
         return handles

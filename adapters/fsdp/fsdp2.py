@@ -24,6 +24,7 @@ import torch
 from trainermon.collect.placement import LOCAL, Placement, Sharded, TensorPiece
 from trainermon.names import clean_name
 from trainermon.runtime.clip_watch import torch_clip_entries
+from trainermon.runtime.side_passes import SIDE_PASSES
 
 from ..base import GRAD_REDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
 from ..common import (
@@ -36,7 +37,15 @@ from ..common import (
     unwrap,
     wrapper_types,
 )
-from ..dtensor import dtensor_piece, is_dtensor, placement_of, reduce_partials, splits_over_ranks
+from ..dtensor import (
+    dtensor_piece,
+    is_dtensor,
+    placement_of,
+    reduce_partials,
+    splits_over_ranks,
+    use_stage_map,
+)
+from ..pipelining import on_stage_reduce, stage_map
 from . import fsdp_imported
 
 logger = logging.getLogger("trainermon")
@@ -80,6 +89,15 @@ def _fsdp2_unit(module: torch.nn.Module) -> _Fsdp2Unit:
     return _Fsdp2Unit(reduces_gradients, accumulated_grad)
 
 
+def _pending_grad(unit: _Fsdp2Unit, p: torch.Tensor) -> torch.Tensor | None:
+    """What FSDP2 is about to reduce-scatter for `p`: `.grad` plus what it accumulated off `.grad` in the
+    reduce dtype over earlier micro-batches (transient)."""
+    earlier = unit.accumulated_grad(p)
+    if earlier is None:
+        return p.grad
+    return earlier if p.grad is None else earlier + p.grad
+
+
 def _fsdp2_module_class() -> type | None:
     if not fsdp_imported():
         return None
@@ -105,6 +123,8 @@ class Fsdp2Adapter(Adapter):
         self._module_cls = module_cls
         self._wrappers = wrapper_types()
         self._roots = [unwrap(c) for c in self.chunks]
+        self._stages = stage_map(self._roots)  # collective under torch.distributed.pipelining
+        use_stage_map(self._stages)
         self._params: list[MonitoredParam] | None = None
         self._placement_of: dict[int, Placement] = {}
         # FSDP module -> [(index, owner module, attribute)] for the parameters it shards.
@@ -122,7 +142,8 @@ class Fsdp2Adapter(Adapter):
 
     @property
     def splits_model(self) -> bool:
-        return splits_over_ranks([mp.param for mp in self.parameters()])
+        split = self._stages is not None and self._stages.splits()  # pipeline stages: other parameters
+        return split or splits_over_ranks([mp.param for mp in self.parameters()])
 
     def is_wrapper_module(self, module: torch.nn.Module) -> bool:
         return bool(self._wrappers) and isinstance(module, self._wrappers)
@@ -188,7 +209,25 @@ class Fsdp2Adapter(Adapter):
             handles.append(
                 fsdp_module.register_forward_pre_hook(guarded(self.context.faults, "FSDP2 tap", pre_hook))
             )
+        report = guarded(self.context.faults, "FSDP2 pipeline tap", self._before_stage_reduce)
+        for chunk in self.chunks:  # a pipeline stage reduces in `perform_reduce_grad`, not in backward
+            inside = {id(m) for m in chunk.modules()}
+            units = [(_fsdp2_unit(m), managed) for m, managed in self._managed if managed and id(m) in inside]
+            handles.append(on_stage_reduce("reduce", chunk, lambda units=units: report(units, taps)))
         return handles
+
+    def _before_stage_reduce(self, units: list[tuple[_Fsdp2Unit, list]], taps: GradTaps) -> None:
+        """The gradients the stage is about to reduce-scatter: accumulated over its micro-batches."""
+        if not taps.active:
+            return
+        for unit, managed in units:
+            for index, owner, attr in managed:
+                p = owner._parameters.get(attr)
+                if p is None or p is self._params[index].param:  # resharded: nothing pending here
+                    continue
+                grad = _pending_grad(unit, p)
+                if grad is not None and self._seen.fresh([index]):
+                    taps.on_unreduced([index], [grad])
 
     @property
     def taps_report_unreduced(self) -> bool:
@@ -196,17 +235,13 @@ class Fsdp2Adapter(Adapter):
 
     def _make_tap(self, index: int, unit: _Fsdp2Unit, taps: GradTaps):
         def tap(p: torch.Tensor) -> None:
-            if not taps.active or p.grad is None:
+            if not taps.active or p.grad is None or SIDE_PASSES.depth:  # a pipeline's shape inference
                 return
             if not unit.reduces_gradients():
                 return  # accumulating without sync: reported at the backward that reduces
             if not self._seen.fresh([index]):
                 return
-            grad = p.grad
-            earlier = unit.accumulated_grad(p)
-            if earlier is not None:
-                grad = earlier + grad  # what FSDP2 is about to reduce-scatter (transient)
-            taps.on_unreduced([index], [grad])
+            taps.on_unreduced([index], [_pending_grad(unit, p)])
 
         return guarded(self.context.faults, "FSDP2 gradient tap", tap)
 

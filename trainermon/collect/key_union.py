@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 
-def _digest(data: bytes) -> list[int]:
+def digest_of(data: bytes) -> list[int]:
     """Two signed 64-bit words of a 128-bit hash of the list's bytes, then its length."""
     raw = hashlib.blake2b(data, digest_size=16).digest()
     words = [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in (0, 8)]
@@ -34,7 +34,7 @@ def union_of_keys(known: Sequence[tuple], local: Sequence[tuple], rank: int, wor
 
     data = json.dumps(list(local)).encode()
     every = [torch.zeros(3, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(every, torch.tensor(_digest(data), dtype=torch.int64), group=group)
+    dist.all_gather(every, torch.tensor(digest_of(data), dtype=torch.int64), group=group)
     first: dict[tuple[int, ...], int] = {}  # digest -> the lowest rank holding that list
     for r, digest in enumerate(every):
         first.setdefault(tuple(digest.tolist()), r)

@@ -29,6 +29,7 @@ from trainermon.pipeline.health import ATTN_HIDDEN
 from ..attn_math import head_extremes
 from ..plan import StepPlan
 from .base import Probe
+from .module_hooks import not_a_micro_batch
 
 logger = logging.getLogger("trainermon")
 
@@ -98,7 +99,7 @@ class AttnLogitProbe(Probe):
         self, site: Any, query: torch.Tensor, key: torch.Tensor, scale: float, keep: Any, positions: Any
     ) -> None:
         layer = self.layers.get(id(site))
-        if layer is None:
+        if layer is None or not_a_micro_batch():  # a framework's own pass (pipelining's shape inference)
             return
         if query.shape[1] != site.local_heads:
             raise ValueError(f"{layer.name}: {query.shape[1]} query heads, expected {site.local_heads}")

@@ -21,6 +21,7 @@ from trainermon.collect.placement import LOCAL, TensorPiece
 
 from ..clip_watch import Watch, watch
 from ..plan import StepPlan
+from ..side_passes import SIDE_PASSES
 from .base import Probe
 
 _UNSET = object()  # no clipping read the gradients yet this step
@@ -178,7 +179,7 @@ class GradientProbe(Probe):
         try:
             sel = loop.selection
             pos = sel.position.get(index)
-            if pos is None or not loop.plan.collecting:
+            if pos is None or not loop.plan.collecting or SIDE_PASSES.depth:  # a framework's own pass
                 return
             micro = self._microbatch.get(index, 0)
             self._microbatch[index] = micro + 1

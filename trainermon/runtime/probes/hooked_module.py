@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.compiler import is_compiling  # imported with torch itself
 
-from .module_hooks import in_transform
+from .module_hooks import not_a_micro_batch
 from .slots import UNTAPPED, Names
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ class HookedModule:
             return None
         if is_compiling() or probe.hooks.pinned:  # `pinned` is read only when dynamo is not tracing
             return self._not_eager("traced_pre", probe._pre_body, module, args, kwargs)
-        if in_transform():
+        if not_a_micro_batch():
             return None
         with probe.loop.clock:  # the whole body is the monitor's own time, not only its rows
             return probe._pre_body(self, module, args, kwargs)
@@ -128,7 +128,7 @@ class HookedModule:
             return None
         if is_compiling() or probe.hooks.pinned:
             return self._not_eager("traced_forward", probe._forward_body, module, args, kwargs, output)
-        if in_transform():
+        if not_a_micro_batch():
             return None
         with probe.loop.clock:
             return probe._forward_body(self, module, args, kwargs, output)
@@ -145,6 +145,6 @@ class HookedModule:
                 result = traced(*args)
                 if result is not UNTAPPED:
                     return result
-        elif in_transform():  # pinned, run eagerly inside a torch.func transform: no micro-batch
+        elif not_a_micro_batch():  # pinned, run eagerly in a transform or side pass: no micro-batch
             return None
         return outside_graph()(probe.loop.clock, body, self, *args)

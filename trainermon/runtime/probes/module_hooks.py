@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from trainermon.copies import CopySafe
+from trainermon.runtime.side_passes import SIDE_PASSES
 
 logger = logging.getLogger("trainermon")
 
@@ -185,10 +186,11 @@ class ModuleHooks:
         self.grad_forward = False
 
 
-def in_transform() -> bool:
+def not_a_micro_batch() -> bool:
     """A call inside a torch.func transform (vmap, grad, functionalize: per-sample gradients): its tensors
-    are wrappers without addressable values, and the call is not one of the step's micro-batches."""
-    return _functorch_level() is not None
+    are wrappers without addressable values, and the call is not one of the step's micro-batches; or a
+    framework's own pass (`side_passes`)."""
+    return _functorch_level() is not None or SIDE_PASSES.depth > 0
 
 
 _functorch_level = torch._C._functorch.maybe_current_level

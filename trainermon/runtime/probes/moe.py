@@ -36,6 +36,7 @@ from trainermon.pipeline.health import MOE_AUX, MOE_DROPPED, MOE_HIDDEN
 
 from ..plan import StepPlan
 from .base import Probe
+from .module_hooks import not_a_micro_batch
 
 logger = logging.getLogger("trainermon")
 
@@ -129,7 +130,7 @@ class MoEProbe(Probe):
 
     def _hook(self, router: _Router):
         def hook(module: torch.nn.Module, inputs: Any, output: Any) -> None:
-            if not self.armed:
+            if not self.armed or not_a_micro_batch():  # a framework's own pass: no tokens routed
                 return
             try:
                 self._count(router, output)
