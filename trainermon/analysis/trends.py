@@ -8,10 +8,11 @@ ranks and micro-steps as `grid.py` describes).
 from __future__ import annotations
 
 import math
-from collections import deque
 
 import numpy as np
 import pandas as pd
+
+from trainermon.pipeline.anomaly import SpikeWindow
 
 from .scan import RunSummary
 from .source import family_order
@@ -76,28 +77,16 @@ def find_spikes(
     series: pd.Series, window: int = 50, warmup: int = 10, z: float = 6.0, min_rel: float = 0.1
 ) -> pd.DataFrame:
     """Steps whose value is a spike: log(value) more than `z` robust deviations (1.4826 x the median
-    absolute deviation, at least log(1 + min_rel)) above the median of the last `window` non-spike
-    values, once `warmup` values are there. The same test as the online `AnomalySpike` rule.
-    Non-finite and non-positive values are skipped."""
-    history: deque[float] = deque(maxlen=window)
+    absolute deviation, at least log(1 + min_rel)) above the median of the last `window` values, once
+    `warmup` values are there: the online `AnomalySpike` rule's own test (`SpikeWindow`). Non-finite and
+    non-positive values are skipped."""
+    history = SpikeWindow(window)
     rows = []
-    floor = math.log1p(min_rel)
     for step, value in series.items():
         value = float(value)
-        if not (value > 0 and math.isfinite(value)):
-            continue
-        logv = math.log(value)
-        if len(history) >= max(2, warmup):
-            arr = np.fromiter(history, dtype=np.float64)
-            median = float(np.median(arr))
-            mad = float(np.median(np.abs(arr - median))) * 1.4826
-            if logv - median > z * max(mad, floor):
-                baseline = math.exp(median)
-                rows.append(
-                    {"step": int(step), "value": value, "baseline": baseline, "ratio": value / baseline}
-                )
-                continue  # a spike does not join the baseline
-        history.append(logv)
+        baseline = history.check_then_add(value, max(2, warmup), z, min_rel)
+        if baseline is not None:
+            rows.append({"step": int(step), "value": value, "baseline": baseline, "ratio": value / baseline})
     return pd.DataFrame(rows, columns=["step", "value", "baseline", "ratio"])
 
 

@@ -32,8 +32,6 @@ from collections import Counter, deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import numpy as np
-
 from trainermon.collect.records import StatBatch
 
 from . import health_rules
@@ -71,8 +69,9 @@ class Anomaly:
     ranks: tuple[int, ...] = ()  # AnomalyComm: the ranks whose collective output broke its invariant
 
 
-class _Rolling:
-    """Rolling window of log values with a robust (median / MAD) spike test."""
+class SpikeWindow:
+    """Rolling window of log values with a robust (median / MAD) spike test: the online `AnomalySpike`
+    rule and the offline analysis' spikes (`analysis.trends.find_spikes`)."""
 
     __slots__ = ("values",)
 
@@ -86,15 +85,26 @@ class _Rolling:
         logv = math.log(value)
         baseline = None
         if len(self.values) >= warmup:
-            arr = np.fromiter(self.values, dtype=np.float64)
-            median = float(np.median(arr))
-            mad = float(np.median(np.abs(arr - median))) * 1.4826
+            # Plain sorts: np.median on a 50-value window cost ~100 us a row (21 ms a step of 212 rows,
+            # on the worker), more than the step it judged; this is ~4x cheaper, the same numbers.
+            ordered = sorted(self.values)
+            median = _median(ordered)
+            mad = _median(sorted(abs(v - median) for v in ordered)) * 1.4826
             # A floor on the deviation: a perfectly steady series must not make tiny wiggles spikes.
             if logv - median > z * max(mad, math.log1p(min_rel)):
                 baseline = math.exp(median)
-        if baseline is None:
-            self.values.append(logv)  # spikes do not become part of the baseline
+        # Every value enters the window, spikes too: the median and MAD ignore a minority of outliers, so
+        # an isolated spike does not move the baseline, while a lasting change of level (Adam's moments
+        # after a gradient spike, a run resumed after dynamic_on was off) becomes the new baseline after
+        # about window/2 collections instead of firing (and escalating) on every collected step forever.
+        self.values.append(logv)
         return baseline
+
+
+def _median(ordered: list[float]) -> float:
+    n = len(ordered)
+    half = n // 2
+    return ordered[half] if n % 2 else 0.5 * (ordered[half - 1] + ordered[half])
 
 
 class AnomalyDetector:
@@ -119,7 +129,7 @@ class AnomalyDetector:
         self.counts: Counter[str] = Counter()
         self.log_limit = log_limit_per_step
         self._avg: dict[tuple, tuple[float, int]] = {}
-        self._rolling: dict[tuple, _Rolling] = {}
+        self._rolling: dict[tuple, SpikeWindow] = {}
         self._repeat = 0  # the rule being applied is the n-th of that name (its history is its own)
         self._fh: Any = None
         self.on_anomaly: list = []  # callbacks(step, anomalies) — escalation hooks in
@@ -196,20 +206,20 @@ class AnomalyDetector:
         self._avg = dict(state.get("avg", {}))
         self._rolling = {}
         for key, (maxlen, values) in state.get("rolling", {}).items():
-            roll = self._rolling[key] = _Rolling(maxlen)
+            roll = self._rolling[key] = SpikeWindow(maxlen)
             roll.values.extend(values)
 
     def key(self, *key: Any) -> tuple:
         """A history's key: a second rule of the same name (another threshold) keeps its own history."""
         return (*key, self._repeat) if self._repeat else key
 
-    def roll(self, window: int, *key: Any) -> _Rolling:
+    def roll(self, window: int, *key: Any) -> SpikeWindow:
         """The rolling history at `key`, with the rule's current `window` (a reload or a restored state
         may have changed it: the newest values are kept)."""
         key = self.key(*key)
         roll = self._rolling.get(key)
         if roll is None:
-            roll = self._rolling[key] = _Rolling(window)
+            roll = self._rolling[key] = SpikeWindow(window)
         elif roll.values.maxlen != window:
             roll.values = deque(roll.values, maxlen=window)
         return roll
