@@ -25,7 +25,7 @@ nvidia-smi >"$out/nvidia-smi.txt" 2>&1
 # The tests that exercise the device path (the sync-debug test and the compiled-taps test on CUDA are
 # skipped on machines without CUDA).
 "$py" -m pytest -q -rs tests/unit/test_transfers.py tests/unit/test_stats.py tests/unit/test_engine_accuracy.py \
-  tests/unit/test_graph_taps.py tests/unit/test_triton_stats.py tests/unit/test_cuda_graphs.py \
+  tests/unit/test_graph_taps*.py tests/unit/test_triton_stats.py tests/unit/test_cuda_graphs.py \
   tests/unit/test_hook_batches.py tests/unit/test_clipping.py tests/unit/test_nccl_merge.py \
   2>&1 | tee "$out/tests.log"
 tests_rc=${PIPESTATUS[0]}

@@ -1,19 +1,9 @@
-"""`analyze` and `compare` on the family columns (`update`: ratio, `moe_load`: load_cv) through every
-engine: DuckDB (the default for Parquet) failed with `error: ratio` because its SQL looked the rule up in
-the statistics table, which has neither column. Real monitored runs (CSV and Parquet at once) are read by
-pyarrow (Parquet and CSV), DuckDB and Spark (when pyspark and a Java runtime are here); every engine must
-give the numbers the test computes from the rows themselves. CSV holds 6 significant digits: its values
-are checked to 1e-5, the Parquet engines' to 1e-12 (engines sum in their own order).
-
-Also the messages for a run id, a family or a rank that is not there (they must name it and list what
-is there, not say "no monitor output" or return an empty table).
-"""
+"""`analyze` and `compare` on the family columns (`update`: ratio, `moe_load`: load_cv) on every engine."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 from pathlib import Path
 
@@ -21,15 +11,25 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from torch import nn
 
 import trainermon
 from tests.helpers import read_family, write_config
+from tests.sinks.analysis_engines_common import BUMP_STEP, _with_output_dir
+from tests.sinks.analysis_engines_common import runs as runs
 from trainermon import TrainerMon
 from trainermon.analysis import analyze, compare, open_run
 from trainermon.cli import main
 
-STEPS, BUMP_STEP, BUMP = 4, 2, 3.0  # the benchmark's layers.1.weight gradient x BUMP at BUMP_STEP
+# `analyze` and `compare` on the family columns (`update`: ratio, `moe_load`: load_cv) through every
+# engine: DuckDB (the default for Parquet) failed with `error: ratio` because its SQL looked the rule up in
+# the statistics table, which has neither column. Real monitored runs (CSV and Parquet at once) are read by
+# pyarrow (Parquet and CSV), DuckDB and Spark (when pyspark and a Java runtime are here); every engine must
+# give the numbers the test computes from the rows themselves. CSV holds 6 significant digits: its values
+# are checked to 1e-5, the Parquet engines' to 1e-12 (engines sum in their own order).
+#
+# Also the messages for a run id, a family or a rank that is not there (they must name it and list what
+# is there, not say "no monitor output" or return an empty table).
+
 RTOL = 0.01
 SPARK_MASTER = "local[2]"
 
@@ -48,58 +48,6 @@ def _engines() -> list[str]:
 ENGINES = _engines()
 # (format read, engine): the Parquet dataset through every engine, and the CSV files (pyarrow only)
 READERS = [("parquet", e) for e in ENGINES] + [("csv", "pyarrow")]
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
-        self.final_norm = nn.LayerNorm(4)  # bias starts at zero: its first ratio is Inf (dw / 0)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return self.final_norm(x).pow(2).mean()
-
-
-def _with_output_dir(out: Path, fn):
-    old = os.environ.get("MONITOR_OUTPUT_DIR")
-    os.environ["MONITOR_OUTPUT_DIR"] = str(out)
-    try:
-        return fn()
-    finally:
-        if old is None:
-            os.environ.pop("MONITOR_OUTPUT_DIR", None)
-        else:
-            os.environ["MONITOR_OUTPUT_DIR"] = old
-
-
-def _train(out: Path, bump: bool) -> Path:
-    cfg = write_config(
-        out.parent / f"{out.name}.json",
-        update_distribution=True,
-        wg_distribution=True,
-        ops=["norm", "mean", "min", "max", "nans", "infs", "numel"],
-        format=["csv", "parquet"],
-    )
-
-    def run() -> None:
-        torch.manual_seed(0)
-        model = Net()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        mon = TrainerMon(cfg)
-        mon.set_monitor(model, grad_acc_steps=1, optimizer=opt)
-        gen = torch.Generator().manual_seed(1)
-        for step in range(STEPS):
-            model(torch.randn(3, 4, generator=gen)).backward()
-            if bump and step == BUMP_STEP:
-                model.layers[1].weight.grad.mul_(BUMP)
-            opt.step()
-            opt.zero_grad()
-        mon.close()
-
-    _with_output_dir(out, run)
-    return out
 
 
 def _train_moe(out: Path, seed: int) -> Path:
@@ -141,12 +89,6 @@ def _train_moe(out: Path, seed: int) -> Path:
 
     _with_output_dir(out, run)
     return out
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("update_runs")
-    return {"run": _train(root / "run", bump=False), "bench": _train(root / "bench", bump=True)}
 
 
 @pytest.fixture(scope="module")
@@ -327,80 +269,3 @@ def test_moe_load_cv_same_on_every_engine(moe_runs, fmt, engine, spark_master):
     row = cmp.per_family.set_index("family").loc["moe_load"]
     assert (int(row["cells_compared"]), int(row["cells_divergent"])) == (cells, diverging)
     assert diverging > 0 and (cmp.first.step, cmp.first.name, cmp.first.stat) == (step, name, "load_cv")
-
-
-# ---- messages for what is not there -----------------------------------------------------------------
-def _run_id(out: Path) -> str:
-    ids = set(trainermon.load(out, columns=["run_id"]).column("run_id").to_pylist())
-    assert len(ids) == 1
-    return ids.pop()
-
-
-@pytest.mark.parametrize("fmt", ["auto", "parquet", "csv"])
-def test_unknown_run_id_is_named_with_the_run_ids_there(runs, fmt, tmp_path, capsys):
-    run = str(runs["run"])
-    rid = _run_id(runs["run"])
-    with pytest.raises(FileNotFoundError, match=rf"run id 'nosuch' is not in .*\['{rid}'\]"):
-        open_run(run, prefer=fmt, run_id="nosuch")
-    code = main(["analyze", "--run-id", "nosuch", "--format", fmt, run, "--out", str(tmp_path / "a")])
-    err = capsys.readouterr().err
-    assert code == 2 and "run id 'nosuch'" in err and rid in err and "no monitor output" not in err
-    code = main(["compare", run, run, "--benchmark-run-id", "nosuch", "--out", str(tmp_path / "c")])
-    err = capsys.readouterr().err
-    assert code == 2 and "run id 'nosuch'" in err and rid in err
-    # the right id still reads
-    assert open_run(run, prefer=fmt, run_id=rid).files
-
-
-def test_unknown_family_in_compare_is_named_with_the_families_there(runs, tmp_path, capsys):
-    run, bench = str(runs["run"]), str(runs["bench"])
-    with pytest.raises(KeyError, match=r"families \['nosuch'\] are in neither run"):
-        compare(run, bench, families=["nosuch"])
-    code = main(["compare", "--family", "nosuch", run, bench, "--out", str(tmp_path / "c")])
-    err = capsys.readouterr().err
-    assert code == 2 and "'nosuch'" in err and "'update'" in err and "grad_reduced" in err
-    assert "(run: [], benchmark: [])" not in err
-
-
-def test_unknown_rank_is_named_with_the_ranks_there(runs, tmp_path, capsys):
-    run = runs["run"]
-    with pytest.raises(ValueError, match=r"ranks \[5\] are not in .*\(it has ranks \[0\]\)"):
-        trainermon.load(run, ranks=[5])
-    with pytest.raises(ValueError, match=r"ranks \[5\] are not in .*'update'.*\[0\]"):
-        trainermon.load(run, family="update", ranks=[0, 5])
-    assert trainermon.load(run, family="update", ranks=[0]).num_rows == 6 * STEPS
-    code = main(["analyze", str(run), "--ranks", "5", "--out", str(tmp_path / "a")])
-    err = capsys.readouterr().err
-    assert code == 2 and "ranks [5]" in err and "[0]" in err
-
-
-def test_unknown_run_id_in_load_is_named(runs):
-    run = runs["run"]
-    with pytest.raises(ValueError, match=r"run ids \['nosuch'\] are not in .*\(it has \['[0-9a-f]{8}'\]\)"):
-        trainermon.load(run, run_id="nosuch")
-    there = trainermon.load(run, family="update").column("run_id")[0].as_py()
-    assert trainermon.load(run, family="update", run_id=there).num_rows == 6 * STEPS
-    assert trainermon.load(run, family="update", run_id=there, steps=(10**6, 10**6 + 1)).num_rows == 0
-
-
-def test_a_run_id_outside_the_step_range_reads_empty(tmp_path, monkeypatch):
-    """Two runs in one dataset (steps 0-1 and 100-101): run A with B's steps is an empty table, not an
-    error saying A is absent (the check looked only at the files the steps selected)."""
-    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
-    cfg = write_config(tmp_path / "c.json", wg_distribution=True, format="parquet")
-    ids = []
-    for start in (0, 100):
-        model = torch.nn.Linear(2, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        mon = TrainerMon(cfg)
-        mon.set_monitor(model, optimizer=opt, start_iteration=start)
-        for _ in range(2):
-            model(torch.ones(1, 2)).sum().backward()
-            opt.step()
-        mon.close()
-        ids.append(mon.loop.outputs.run_id)
-    root = str(tmp_path / "out")
-    assert trainermon.load(root, run_id=ids[0], steps=(100, 101)).num_rows == 0
-    assert trainermon.load(root, run_id=ids[0]).num_rows == 8  # 2 params x 2 gradient families x 2 steps
-    with pytest.raises(ValueError, match="not in"):
-        trainermon.load(root, run_id="nosuch", steps=(100, 101))

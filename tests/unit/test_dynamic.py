@@ -1,8 +1,4 @@
-"""Dynamic start/stop (DYNAMIC_MONITOR=true): the user guide's scenarios, save styles, two ranks agreeing.
-
-Edits are made "before step i" (before its forward); the watcher flags them within milliseconds and the
-new config applies at the next step boundary, i.e. from step i + 1 on.
-"""
+"""Dynamic start/stop (DYNAMIC_MONITOR=true): the user guide's scenarios, edits, deleted files, resumes."""
 
 from __future__ import annotations
 
@@ -11,7 +7,6 @@ import glob
 import json
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable
 
@@ -19,54 +14,12 @@ import pytest
 import torch
 from torch import nn
 
-from tests.distributed import run_ranks
-from trainermon import TrainerMon, parse_config
-from trainermon.cli import main as cli_main
-from trainermon.runtime.control import ConfigWatcher, DynamicControl, update_config_file
+from tests.unit.dynamic_common import BASE, _collected_steps, _train, _wait_dirty
+from trainermon import TrainerMon
+from trainermon.runtime.control import update_config_file
 
-BASE = {"wg_distribution": True, "ops": ["norm"], "dynamic_on": False, "collect_times": 100}
-
-
-def _collected_steps(out_root: str, family: str = "grad_reduced") -> list[int]:
-    steps: set[int] = set()
-    for path in glob.glob(os.path.join(out_root, "*", f"{family}_*.csv")):
-        with open(path, newline="") as fh:
-            steps |= {int(r["step"]) for r in csv.DictReader(fh)}
-    return sorted(steps)
-
-
-def _wait_dirty(monitor: TrainerMon, timeout: float = 30.0) -> None:
-    watcher = monitor.loop.control.watcher
-    deadline = time.monotonic() + timeout
-    while not watcher.dirty and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert watcher.dirty, "the watcher did not see the save"
-
-
-def _train(
-    cfg_path: str,
-    steps: int,
-    actions: dict[int, Callable[[TrainerMon], None]],
-    process_group=None,
-    before_attach: Callable[[TrainerMon], None] | None = None,
-) -> TrainerMon:
-    """`steps` steps of a tiny model; `actions[i]` runs before step i, `before_attach` between
-    `TrainerMon()` and `set_monitor`."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = TrainerMon(cfg_path, process_group=process_group)
-    if before_attach is not None:
-        before_attach(monitor)
-    monitor.set_monitor(model, optimizer=opt)
-    for i in range(steps):
-        if i in actions:
-            actions[i](monitor)
-        model(torch.randn(2, 3)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-    monitor.close()
-    return monitor
+# Edits are made "before step i" (before its forward); the watcher flags them within milliseconds and the
+# new config applies at the next step boundary, i.e. from step i + 1 on.
 
 
 def _edit(path: str, **changes) -> Callable[[TrainerMon], None]:
@@ -293,134 +246,6 @@ def test_bad_json_mid_run_keeps_config_and_warns_once(dyn, caplog):
     assert monitor.faults.total == 0
 
 
-# ---- save styles ---------------------------------------------------------------------------------
-def _in_place(path):
-    with open(path, "w") as fh:
-        fh.write('{"a": 1}')
-
-
-def _atomic_replace(path):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        fh.write('{"a": 2}')
-    os.replace(tmp, path)
-
-
-def _rename_and_create(path):
-    os.rename(path, path + "~")  # editors that keep a backup
-    with open(path, "w") as fh:
-        fh.write('{"a": 3}')
-
-
-def _delete_and_recreate(path):
-    os.unlink(path)
-    time.sleep(0.05)
-    with open(path, "w") as fh:
-        fh.write('{"a": 4}')
-
-
-@pytest.mark.parametrize("save", [_in_place, _atomic_replace, _rename_and_create, _delete_and_recreate])
-@pytest.mark.parametrize("backend", ["inotify", "polling", "stat"])
-def test_every_save_style_is_seen(tmp_path, monkeypatch, save, backend):
-    path = str(tmp_path / "cfg.json")
-    with open(path, "w") as fh:
-        fh.write("{}")
-    time.sleep(0.02)
-    if backend == "stat":
-        monkeypatch.setitem(sys.modules, "watchdog.observers", None)  # as if watchdog were not installed
-    watcher = ConfigWatcher(path, polling=backend == "polling", poll_interval=0.1)
-    try:
-        assert (
-            watcher.backend
-            == {"inotify": "watchdog", "polling": "watchdog-polling", "stat": "stat-polling"}[backend]
-        )
-        time.sleep(0.15)
-        watcher.dirty = False
-        time.sleep(0.01)
-        save(path)
-        deadline = time.monotonic() + 30
-        while not watcher.dirty and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert watcher.dirty
-    finally:
-        watcher.stop()
-
-
-@pytest.mark.parametrize("backend", ["inotify", "polling", "stat"])
-def test_a_save_before_the_watcher_thread_runs_is_seen(tmp_path, monkeypatch, backend):
-    """A save made once the watcher exists but before its thread first runs (a loaded host) is seen:
-    every back-end takes its baseline (or sets its watch) before the constructor returns. The watcher's
-    loop is held back 0.5 s here, so a baseline taken on that thread would be the saved file."""
-    import threading
-
-    from watchdog.observers.api import EventEmitter
-
-    path = str(tmp_path / "cfg.json")
-    with open(path, "w") as fh:
-        fh.write("{}")
-    if backend == "stat":
-        monkeypatch.setitem(sys.modules, "watchdog.observers", None)
-    owner = threading.Thread if backend == "stat" else EventEmitter  # whose run() the watcher loops in
-    late_run = owner.run
-
-    def held_back(self) -> None:
-        time.sleep(0.5)
-        late_run(self)
-
-    monkeypatch.setattr(owner, "run", held_back)
-    watcher = ConfigWatcher(path, polling=backend == "polling", poll_interval=0.1)
-    try:
-        with open(path, "w") as fh:
-            fh.write('{"collect_times": 3}')
-        deadline = time.monotonic() + 30
-        while not watcher.dirty and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert watcher.dirty, watcher.backend
-    finally:
-        watcher.stop()
-
-
-def test_burst_of_saves_is_one_reload(tmp_path):
-    from trainermon.config import parse_config
-
-    path = str(tmp_path / "cfg.json")
-    with open(path, "w") as fh:
-        json.dump(BASE, fh)
-    control = DynamicControl(path, parse_config(BASE))
-    control.attach()
-    try:
-        for i in range(20):
-            update_config_file(path, collect_times=i + 1)
-        time.sleep(0.3)
-        new = control.poll()
-        assert new is not None and new.collect_times == 20 and control.version == 1
-        assert control.poll() is None
-    finally:
-        control.close()
-
-
-# ---- CLI -----------------------------------------------------------------------------------------
-def test_cli_on_and_off(tmp_path, capsys):
-    path = tmp_path / "cfg.json"
-    path.write_text(json.dumps({**BASE, "targets": {"layers.0": {}}, "mv_distribution": True}))
-    assert cli_main(["on", str(path), "--collect-times", "7", "--families", "grad_reduced,actv"]) == 0
-    saved = json.loads(path.read_text())
-    assert saved["dynamic_on"] is True and saved["collect_times"] == 7
-    assert saved["wg_distribution"] and saved["xy_distribution"] and saved["forward_only"]
-    assert saved["mv_distribution"] is False and saved["targets"] == {"layers.0": {}}
-    assert cli_main(["off", str(path)]) == 0
-    assert json.loads(path.read_text())["dynamic_on"] is False
-    # `off` on a file a running job would ignore (invalid) is no success: the job would go on collecting
-    path.write_text(json.dumps({**BASE, "dynamic_on": True, "ops": "norm"}))
-    assert cli_main(["off", str(path)]) == 2
-    assert "a running job ignores it" in capsys.readouterr().err
-    path.write_text(json.dumps({**BASE, "targets": {"layers.0": {}}, "mv_distribution": True}))
-    assert cli_main(["on", str(path), "--families", "gradients"]) == 2
-    assert cli_main(["on", str(path), "--collect-times", "-1"]) == 2  # refused: would be an invalid config
-    assert json.loads(path.read_text())["dynamic_on"] is False
-    assert "collect_times" in capsys.readouterr().err
-
-
 def _delete(path: str) -> Callable[[TrainerMon], None]:
     def act(monitor: TrainerMon) -> None:
         os.remove(path)
@@ -469,89 +294,6 @@ def test_an_edit_with_an_unknown_key_is_warned_once(dyn, caplog):
     assert _collected_steps(out) == [2, 3]
 
 
-def test_cli_on_families_replace_the_previous_choice(tmp_path):
-    """Each `on --families` sets both forward_only and backward_only: actv, then actv_grad, is accepted
-    (the first call's forward_only once made the second an invalid config), and xy takes both."""
-    path = tmp_path / "cfg.json"
-    path.write_text(json.dumps({**BASE, "all_xy": True}))  # every module's activations, by itself
-    expected = {"actv": (True, False), "actv_grad": (False, True), "grad_reduced": (False, False)}
-    expected |= {"actv,actv_grad": (False, False), "xy": (False, False), "xy,actv": (False, False)}
-    for families, (forward, backward) in [*expected.items(), ("actv", (True, False))]:
-        assert cli_main(["on", str(path), "--families", families]) == 0, families
-        saved = json.loads(path.read_text())
-        assert (saved["forward_only"], saved["backward_only"]) == (forward, backward), families
-        assert saved["xy_distribution"] is (families != "grad_reduced"), families
-        assert saved["all_xy"] is False, families  # `on --families grad_reduced` must not keep activations
-
-
-def test_cli_on_turns_on_the_health_families(tmp_path):
-    path = tmp_path / "cfg.json"
-    path.write_text(json.dumps(BASE))
-    assert cli_main(["on", str(path), "--families", "update,moe_load,attn_logit"]) == 0
-    saved = json.loads(path.read_text())
-    on = [
-        k for k in ("update_distribution", "moe_distribution", "attn_logit_distribution") if saved[k] is True
-    ]
-    assert len(on) == 3 and saved["wg_distribution"] is False and saved["dynamic_on"] is True, saved
-    parse_config(saved)  # a valid config
-
-
-def test_cli_on_changes_only_a_sections_enable(tmp_path):
-    """`cc_distribution` and `attn_logit_distribution` are sections: `on --families` flips their `enable`
-    and keeps the rest (`sample`, `cc_log_only`), and `comm` is a family like the others."""
-    path = tmp_path / "cfg.json"
-    sections = {
-        "attn_logit_distribution": {"enable": True, "sample": 64},
-        "cc_distribution": {"enable": True, "cc_log_only": True},
-    }
-    path.write_text(json.dumps({**BASE, **sections}))
-    assert cli_main(["on", str(path), "--families", "wg"]) == 0
-    saved = json.loads(path.read_text())
-    assert saved["attn_logit_distribution"] == {"enable": False, "sample": 64}, saved
-    assert saved["cc_distribution"] == {"enable": False, "cc_log_only": True}, saved
-    assert cli_main(["on", str(path), "--families", "comm,attn_logit"]) == 0
-    config = parse_config(json.loads(path.read_text()))
-    assert config.cc_distribution.enable and config.cc_distribution.cc_log_only
-    assert config.attn_logit_distribution.enable and config.attn_logit_distribution.sample == 64
-    assert not config.wg_distribution
-
-
-# ---- two ranks -----------------------------------------------------------------------------------
-def _two_rank_switch(rank: int, world: int, root: str, own_group: bool) -> list[int]:
-    # Each rank reads its own copy of the config: a filesystem on which rank 1 sees edits 3 steps late.
-    # own_group: each rank passes a group of itself alone as process_group (msprobe's Megatron insertion
-    # passes the pipeline group: one rank with PP=1); the decision is still the job's.
-    import torch.distributed as dist
-
-    group = dist.new_subgroups(group_size=1)[0] if own_group else None
-    os.environ["DYNAMIC_MONITOR"] = "true"
-    out = os.path.join(root, f"out{rank}")
-    os.environ["MONITOR_OUTPUT_DIR"] = out
-    path = os.path.join(root, f"cfg{rank}.json")
-    with open(path, "w") as fh:
-        json.dump(BASE, fh)
-    lag = 0 if rank == 0 else 3
-
-    def edit(**changes):
-        def act(monitor):
-            update_config_file(path, **changes)
-            if monitor.loop.control.watcher is not None:
-                _wait_dirty(monitor)
-
-        return act
-
-    _train(path, 12, {2 + lag: edit(dynamic_on=True), 6 + lag: edit(dynamic_on=False)}, group)
-    return _collected_steps(out)
-
-
-@pytest.mark.parametrize("own_group", [False, True], ids=["default-group", "process_group-of-one"])
-def test_two_ranks_switch_on_the_same_step(tmp_path, own_group):
-    """With a process_group of one rank each, each rank once decided alone: rank 1 switched 3 steps
-    late here, and with xrank summaries on the first rank to switch waited in their collective forever."""
-    steps = run_ranks(_two_rank_switch, world_size=2, timeout=120, root=str(tmp_path), own_group=own_group)
-    assert steps[0] == steps[1] == [3, 4, 5, 6]
-
-
 def test_an_edit_before_set_monitor_applies_at_the_first_step(dyn):
     """`trainermon on` between `TrainerMon()` (which read the file) and `set_monitor` (which starts the
     watcher): the first step reads the file again (the edit was never applied: 0 rows)."""
@@ -583,36 +325,3 @@ def test_after_a_resume_the_file_decides(dyn, saved_on):
         opt.zero_grad()
     monitor.close()
     assert _collected_steps(out) == ([] if saved_on else [5, 6, 7])
-
-
-def _starting_apart(rank: int, world_size: int, root: str, resumed: bool) -> list[int]:
-    # Each rank reads its own file, and they disagree when the ranks start (a `trainermon on` landing
-    # between two ranks' start): rank 0 says on, rank 1 off. Resumed: a checkpoint's monitor state (on,
-    # one of the three collections done) loaded before set_monitor.
-    os.environ["DYNAMIC_MONITOR"] = "true"
-    out = os.path.join(root, f"out{rank}")
-    os.environ["MONITOR_OUTPUT_DIR"] = out
-    path = os.path.join(root, f"cfg{rank}.json")
-    with open(path, "w") as fh:
-        json.dump({**BASE, "dynamic_on": rank == 0, "collect_times": 3, "dynamic_watch": "polling"}, fh)
-
-    def resume(monitor: TrainerMon) -> None:
-        if resumed:
-            state = monitor.state_dict()
-            monitor.load_state_dict({**state, "step": 5, "dynamic_on": True, "schedule_collected": 1})
-
-    _train(path, 5, {}, before_attach=resume)
-    return _collected_steps(out)
-
-
-@pytest.mark.parametrize("resumed", [False, True], ids=["started", "resumed"])
-def test_ranks_that_start_with_different_files_follow_rank_0(resumed):
-    """Each rank kept the config it read at start: rank 0 collected and waited in the cross-rank
-    summaries' collective, which rank 1 never ran (the job hung). Rank 0's config reaches every rank at
-    the first step, before a restored state: rank 1 adopting rank 0's config after the restore started
-    its collect_times count over, and the ranks parted at step 7 (a hang again)."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as root:
-        steps = run_ranks(_starting_apart, world_size=2, timeout=120, root=root, resumed=resumed)
-    assert steps[0] == steps[1] == ([5, 6] if resumed else [0, 1, 2])
