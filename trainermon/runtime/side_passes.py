@@ -5,12 +5,13 @@ micro-batches: torch.distributed.pipelining's shape inference at a stage's first
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
 
 
-class _SidePasses(threading.local):
-    depth = 0  # side passes open on this thread
+class _SidePasses:
+    # Process-wide, not per thread: autograd runs a CUDA backward's hooks on its device threads, which a
+    # thread-local mark set on the training thread would not reach.
+    depth = 0  # side passes open
 
 
 SIDE_PASSES = _SidePasses()
@@ -18,7 +19,7 @@ SIDE_PASSES = _SidePasses()
 
 @contextlib.contextmanager
 def side_pass() -> Iterator[None]:
-    """Mark what runs inside as a framework's own pass on this thread."""
+    """Mark what runs inside as a framework's own pass."""
     SIDE_PASSES.depth += 1
     try:
         yield
