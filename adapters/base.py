@@ -27,7 +27,8 @@ from trainermon.collect.placement import Local, Placement, Sharded, TensorPiece
 from trainermon.collect.records import StepScalars
 from trainermon.failsafe import FaultLog
 
-from .pipelining import watch_stages
+from .dtensor import use_stage_map
+from .pipelining import stage_map, watch_stages
 
 #: What `read` is asked for: the two gradient families, the parameter, or an optimizer-state key.
 GRAD_REDUCED, GRAD_UNREDUCED, PARAM = "grad_reduced", "grad_unreduced", "param"
@@ -138,6 +139,16 @@ class Adapter(ABC):
         reads them at the parameters' gradient accumulation (plain PyTorch, DDP, and with
         `monitor_mbs_grad`), `pre_grad` where it patches the framework's reduction. Names only."""
         return "acc_grad"
+
+    #: Ranks may hold different pipeline stages (torch.distributed.pipelining): `agree` maps them.
+    pipelined: bool = False
+
+    def agree(self, group: Any) -> None:
+        """Collective over `group` (a gloo group of every rank; None when not distributed), on every rank,
+        once, at `set_monitor`: the ranks compare what they hold. A `pipelined` adapter learns which ranks
+        hold its pipeline stage (`pipelining.stage_map`: one all-gather of four int64)."""
+        self._stages = stage_map(self.roots(), self.chunks, group) if self.pipelined else None
+        use_stage_map(self._stages)  # process-wide: a previous monitor's map goes
 
     @property
     def splits_model(self) -> bool:

@@ -22,6 +22,7 @@ Nothing here imports pipelining: it acts only when the job has imported it.
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import logging
 import sys
@@ -145,24 +146,34 @@ class StageMap:
         return all(self.digests[r] == mine for r in ranks)
 
 
-def stage_map(roots: Sequence[torch.nn.Module]) -> StageMap | None:
-    """The job's `StageMap` when pipelining is in use on more than one rank, else None (no collective).
+def stage_map(
+    roots: Sequence[torch.nn.Module], chunks: Sequence[torch.nn.Module] = (), group: Any = None
+) -> StageMap | None:
+    """The job's `StageMap` when any rank uses pipelining, else None.
 
-    Collective on the default group: every rank calls it once, from `set_monitor`; one all-gather of three
-    int64 per rank, on the device of the stage's parameters (the backend's: CUDA under NCCL)."""
+    Collective over `group` (a gloo group of every rank; None: not distributed, no collective): every rank
+    calls it once, from `set_monitor`, whether or not it imported pipelining (ranks that differ in that
+    would otherwise issue different collectives), and learns from the gathered flags whether any did. One
+    all-gather of four int64 per rank, on the CPU. A rank's digest covers its trainable parameter names and
+    the indices of the `PipelineStage`s that run `roots` or `chunks`: stages built as `nn.Sequential`
+    parts have the same local names on every stage."""
     import torch.distributed as dist
 
-    if not in_use() or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if group is None:
         return None
-    params = [(n, p) for root in roots for n, p in root.named_parameters() if p.requires_grad]
-    names = sorted(clean_name(n) for n, _ in params)
-    device = params[0][1].device if params else torch.device("cpu")
-    if device.type == "meta":
-        device = torch.device("cpu")
     try:
-        mine = torch.tensor(digest_of(json.dumps(names).encode()), dtype=torch.int64, device=device)
-        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(every, mine)
+        names = sorted(clean_name(n) for root in roots for n, p in root.named_parameters() if p.requires_grad)
+        used = in_use()
+        mine = [
+            int(used),
+            *digest_of(json.dumps([names, _stage_indices([*roots, *chunks]) if used else []]).encode()),
+        ]
+    except Exception:  # noqa: BLE001 - still take part in the collective, as a rank without stages
+        logger.debug("trainermon: could not digest this rank's parameters", exc_info=True)
+        mine = [0, 0, 0, 0]
+    try:
+        every = [torch.zeros(4, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(every, torch.tensor(mine, dtype=torch.int64), group=group)
     except Exception as exc:  # noqa: BLE001 - the rows stay per stage, as before; said once
         logger.warning(
             "trainermon: could not compare the pipeline stages' parameters across ranks (%s); the global "
@@ -170,4 +181,32 @@ def stage_map(roots: Sequence[torch.nn.Module]) -> StageMap | None:
             exc,
         )
         return None
-    return StageMap(dist.get_rank(), tuple(tuple(t.tolist()) for t in every))
+    rows = [tuple(t.tolist()) for t in every]
+    if not any(row[0] for row in rows):
+        return None
+    return StageMap(dist.get_rank(group), tuple(row[1:] for row in rows))
+
+
+def _stage_indices(modules: Sequence[torch.nn.Module]) -> list[int]:
+    """The `stage_index` of every PipelineStage whose module is one of `modules`. The stages exist before
+    `set_monitor` and nothing lists them: they are found among the objects that refer to the modules (a
+    scan of the garbage collector's objects per module, once, only where pipelining is imported)."""
+    stage = sys.modules.get("torch.distributed.pipelining.stage")
+    base = getattr(stage, "_PipelineStageBase", None)
+    if base is None:
+        return []
+    found = set()
+    for module in {id(m): m for m in modules}.values():
+        for ref in gc.get_referrers(module):
+            # a stage's attributes live in its __dict__ (the referrer then) or inline in the object
+            owners = gc.get_referrers(ref) if isinstance(ref, dict) and ref.get("submod") is module else [ref]
+            for owner in owners:
+                if isinstance(owner, base) and getattr(owner, "submod", None) is module:
+                    found.add(int(owner.stage_index))
+    if not found:
+        logger.warning(
+            "trainermon: torch.distributed.pipelining is imported but no PipelineStage runs the monitored "
+            "modules yet: if this job pipelines, build its stages before set_monitor (stages whose "
+            "parameters have the same names are otherwise taken for one stage)"
+        )
+    return sorted(found)

@@ -33,14 +33,15 @@ from trainermon.runtime.side_passes import SIDE_PASSES
 
 from .base import GRAD_REDUCED, GRAD_UNREDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
 from .common import OncePerStep, guarded, hook_optimizer_step, is_wrapper, state_values, unwrap
-from .dtensor import dtensor_piece, is_dtensor, local_piece, reduce_partials, splits_over_ranks, use_stage_map
-from .pipelining import on_stage_reduce, stage_map
+from .dtensor import dtensor_piece, is_dtensor, local_piece, reduce_partials, splits_over_ranks
+from .pipelining import StageMap, on_stage_reduce
 
 logger = logging.getLogger("trainermon")
 
 
 class TorchAdapter(Adapter):
     name = "torch"
+    pipelined = True
 
     def __init__(self, chunks: Sequence[torch.nn.Module], optimizer: Any, context: AdapterContext) -> None:
         super().__init__(chunks, optimizer, context)
@@ -54,8 +55,7 @@ class TorchAdapter(Adapter):
         self._replica = Replicated(dp_group) if (self._ddps or context.dp_group is not None) else LOCAL
         self._params: list[MonitoredParam] | None = None
         self._mark: tuple[int, int] = (0, 0)
-        self._stages = stage_map(self._roots)  # collective under torch.distributed.pipelining
-        use_stage_map(self._stages)
+        self._stages: StageMap | None = None  # which ranks hold this pipeline stage: `agree`
         self._tensor_parallel = splits_over_ranks([p for c in self._roots for p in c.parameters()])
         if self._tensor_parallel and self._replica is LOCAL:
             self._replica = Replicated(None)  # plain parameters beside DTensor ones: copies on every rank

@@ -43,9 +43,8 @@ from ..dtensor import (
     placement_of,
     reduce_partials,
     splits_over_ranks,
-    use_stage_map,
 )
-from ..pipelining import on_stage_reduce, stage_map
+from ..pipelining import StageMap, on_stage_reduce
 from . import fsdp_imported
 
 logger = logging.getLogger("trainermon")
@@ -112,6 +111,7 @@ class Fsdp2Adapter(Adapter):
     """FSDP2 (`fully_shard`), with or without a MixedPrecisionPolicy."""
 
     name = "fsdp2"
+    pipelined = True
 
     def msprobe_unreduced_kind(self, per_micro_batch: bool) -> str:
         return "pre_grad"  # msprobe patches FSDP's post-backward reduction, with monitor_mbs_grad too
@@ -123,8 +123,7 @@ class Fsdp2Adapter(Adapter):
         self._module_cls = module_cls
         self._wrappers = wrapper_types()
         self._roots = [unwrap(c) for c in self.chunks]
-        self._stages = stage_map(self._roots)  # collective under torch.distributed.pipelining
-        use_stage_map(self._stages)
+        self._stages: StageMap | None = None  # which ranks hold this pipeline stage: `agree`
         self._params: list[MonitoredParam] | None = None
         self._placement_of: dict[int, Placement] = {}
         # FSDP module -> [(index, owner module, attribute)] for the parameters it shards.

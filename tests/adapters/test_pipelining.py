@@ -1,7 +1,10 @@
 """torch.distributed.pipelining (torchtitan's pipeline parallelism) on 4 gloo ranks, PP2 x DP2: interleaved
 1F1B (two chunks per rank) with FSDP2 on the data-parallel dimension, 1F1B with DDP (torch 2.13's
-interleaved schedule with two DDP chunks fails in DDP's reducer, with or without the monitor). Every row
-against a float64 recompute of the whole model in the test, with the same data and micro-batches.
+interleaved schedule with two DDP chunks fails in DDP's reducer, with or without the monitor), and 1F1B
+with DDP on stages built as `nn.Sequential` parts (the same local parameter names on both stages). Every
+row against a float64 recompute of the whole model in the test, with the same data and micro-batches.
+First, before any stage exists, a plain DDP job in which only rank 0 has imported pipelining: the ranks
+must still agree (no hang) and the norm is DDP's.
 
 Tolerances: the model runs in float32 through at most 5 linear layers of width 8 and 3 Adam steps; each
 value gathers at most a few hundred float32 roundings (relative 6e-8 each) of magnitudes within a factor
@@ -22,7 +25,7 @@ from tests.distributed import run_ranks
 from tests.helpers import read_family, write_config
 
 D, LAYERS, BATCH, MICRO, STEPS = 8, 4, 8, 4, 3
-CASES = ("interleaved-fsdp2", "1f1b-ddp")
+CASES = ("interleaved-fsdp2", "1f1b-ddp", "local-names-ddp")
 RTOL = 1e-4
 
 
@@ -73,10 +76,18 @@ def _stats(t: torch.Tensor) -> dict[str, float]:
     return {"norm": float(t.norm()), "min": float(t.min()), "max": float(t.max()), "mean": float(t.mean())}
 
 
-def reference() -> dict:
+def local_part(full: Model, layers: list[int]) -> nn.Sequential:
+    """A stage as an `nn.Sequential` of its blocks: its parameters named "0.lin1.weight", ... on every stage
+    (the model without `out`, so that both stages hold the very same names)."""
+    return nn.Sequential(*(copy.deepcopy(full.layers[str(i)]) for i in layers))
+
+
+def reference(with_out: bool = True) -> dict:
     """float64 whole model: per (family, name, step[, micro, dp]) statistics, and the global norms."""
     torch.manual_seed(0)
     model = Model().double()
+    if not with_out:
+        model.out = None
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     modules = {id(m): n for n, m in model.named_modules() if n}
     ref: dict = {"norm": []}
@@ -125,7 +136,37 @@ def reference() -> dict:
 
 
 def _worker(rank: int, world: int, config: str, out_dir: str) -> dict:
-    return {case: _run_case(rank, case, config, out_dir) for case in CASES}  # one launch, both cases
+    first = _one_rank_imports(rank, config, out_dir)  # before any case imports pipelining everywhere
+    return {"one-rank-imports": first, **{case: _run_case(rank, case, config, out_dir) for case in CASES}}
+
+
+def _one_rank_imports(rank: int, config: str, out_dir: str) -> dict:
+    """Plain DDP over the 4 ranks; rank 0 alone has imported pipelining (as a library might do for it)."""
+    import importlib
+    import sys
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from trainermon import TrainerMon
+
+    if rank == 0:
+        importlib.import_module("torch.distributed.pipelining")  # on this rank only
+    imported = "torch.distributed.pipelining.stage" in sys.modules
+    torch.manual_seed(0)
+    model = DDP(Model())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    os.environ["MONITOR_OUTPUT_DIR"] = os.path.join(out_dir, "one-rank-imports")
+    monitor = TrainerMon(config)
+    monitor.set_monitor(model, optimizer=opt)
+    x, y = batch(0, rank)
+    loss_fn(model(x), y).backward()
+    want = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters())))
+    opt.step()
+    opt.zero_grad()
+    monitor.flush()
+    norm, faults = monitor.last_batch.derived.global_grad_norm, monitor.faults.total
+    monitor.close()
+    return {"imported": imported, "norm": norm, "want": want, "faults": faults}
 
 
 def _run_case(rank: int, case: str, config: str, out_dir: str) -> dict:
@@ -139,12 +180,15 @@ def _run_case(rank: int, case: str, config: str, out_dir: str) -> dict:
     pp, dp = divmod(rank, 2)
     torch.manual_seed(0)
     full = Model()
-    if case == "1f1b-ddp":
-        stages, layers = [pp], {0: [0, 1], 1: [2, 3]}
-    else:  # interleaved: stage s holds layer s; this rank holds stages pp and pp + 2
+    if case.startswith("interleaved"):  # stage s holds layer s; this rank holds stages pp and pp + 2
         stages, layers = [pp, pp + 2], {s: [s] for s in range(4)}
+    else:
+        stages, layers = [pp], {0: [0, 1], 1: [2, 3]}
     count = 2 * len(stages)
-    parts = [stage_part(full, layers[s], s == count - 1) for s in stages]
+    if case == "local-names-ddp":
+        parts = [local_part(full, layers[s]) for s in stages]
+    else:
+        parts = [stage_part(full, layers[s], s == count - 1) for s in stages]
     if case == "interleaved-fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -158,7 +202,7 @@ def _run_case(rank: int, case: str, config: str, out_dir: str) -> dict:
         parts = [DDP(part, process_group=mesh["dp"].get_group()) for part in parts]
     group = mesh["pp"].get_group()
     pipeline = [PipelineStage(m, s, count, torch.device("cpu"), group=group) for m, s in zip(parts, stages)]
-    if case == "1f1b-ddp":
+    if len(pipeline) == 1:
         schedule = Schedule1F1B(pipeline[0], MICRO, loss_fn=loss_fn)
     else:
         schedule = ScheduleInterleaved1F1B(pipeline, MICRO, loss_fn=loss_fn)
@@ -246,6 +290,24 @@ def _check(case: str, results: list[dict], ref: dict) -> None:
         assert seen == wanted, (case, family, sorted(wanted - seen)[:4])
 
 
+def _check_local_names(results: list[dict], ref: dict) -> None:
+    """Stage s's "k.lin1.weight" is the whole model's "layers.{k + 2 s}.lin1.weight"."""
+    assert [r["faults"] for r in results] == [0, 0, 0, 0]
+    for r in results:  # both stages' gradients, though their names are the same
+        assert abs(r["norm"] - ref["norm"][-1]) <= RTOL * ref["norm"][-1], (r["norm"], ref["norm"])
+    writers: dict = {}
+    for rank, r in enumerate(results):
+        for row in read_family(r["run_dir"], "grad_reduced"):
+            k, rest = row["name"].split(".", 1)
+            name = f"layers.{int(k) + 2 * (rank // 2)}.{rest}"
+            writers.setdefault((name, int(row["step"])), []).append(row)
+    assert sorted({name for name, _ in writers}) == sorted(ref["names"])
+    for (name, step), rows in writers.items():
+        assert len(rows) == 1, (name, step)  # one writer per stage: the stage's DDP replicas are copies
+        for stat in ("norm", "min", "max", "mean"):
+            assert _close(rows[0][stat], ref["grad_reduced", name, step], stat), (name, step, stat)
+
+
 def test_pp2_x_dp2_fsdp2_and_ddp_rows_match_the_whole_model(tmp_path):
     config = write_config(
         tmp_path / "c.json",
@@ -259,5 +321,11 @@ def test_pp2_x_dp2_fsdp2_and_ddp_rows_match_the_whole_model(tmp_path):
     )
     ref = reference()
     results = run_ranks(_worker, world_size=4, timeout=600, config=config, out_dir=str(tmp_path))
-    for case in CASES:
+    first = [r["one-rank-imports"] for r in results]
+    assert [r["imported"] for r in first] == [True, False, False, False]
+    assert first[0]["norm"] is not None  # DDP's replicas are copies: rank 0 writes the rows
+    for r in first:
+        assert r["faults"] == 0 and abs((r["norm"] or r["want"]) - r["want"]) <= RTOL * r["want"], r
+    for case in CASES[:2]:
         _check(case, [r[case] for r in results], ref)
+    _check_local_names([r["local-names-ddp"] for r in results], reference(with_out=False))

@@ -117,6 +117,7 @@ class StepLoop(ConfigChanges):
         self.outputs.coords = adapter.coordinates()
         self.outputs.unreduced_kind = adapter.msprobe_unreduced_kind
         self.xrank.attach()  # collective: a CPU group (the summaries' layout check, the run id)
+        adapter.agree(self.xrank.cpu_group)  # collective: which ranks hold the same pipeline stage
         self.outputs.share(self.xrank.cpu_group)  # collective: rank 0's run id on every rank
         self._agree_config()  # collective: rank 0's config on every rank, before the sinks open
         self.detector = self._make_detector()
