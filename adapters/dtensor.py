@@ -120,6 +120,18 @@ def _same_stage(root: Any, dim: int) -> bool:
     return stages.same_stage(root.mesh[index].tolist())
 
 
+def same_stage_copies(mesh: Any) -> Placement:
+    """Where a plain tensor that every rank of a tensor-parallel model computes alike (a parameter left
+    whole beside DTensor ones) is a copy: over the groups of `mesh`'s root dimensions (size > 1) along
+    which the ranks hold this rank's pipeline stage (`use_stage_map`); over every rank without stages."""
+    if _STAGES[0] is None:
+        return Replicated(None)
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    root = (get_root() if callable(get_root) else None) or mesh
+    groups = [root.get_group(d) for d in range(root.ndim) if root.size(d) > 1 and _same_stage(root, d)]
+    return Replicated(*groups) if groups else LOCAL
+
+
 def without_partial(t: Any) -> Any:
     """`t` with every `Partial` mesh dimension reduced to `Replicate` (a collective over that group, for
     this tensor alone: `reduce_partials` packs a step's Partial tensors into one)."""

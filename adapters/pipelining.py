@@ -11,6 +11,10 @@ ranks, GPipe, 1F1B and interleaved 1F1B, alone and with DDP or FSDP2 on the data
   `_shape_inference`; 2.13: `_forward_metadata_inference` and `_backward_metadata_inference`), with grad
   on and, on the later stages, on uninitialised `torch.empty` buffers. That run is no micro-batch of the
   step: `watch_stages` marks it (`side_pass`), so it writes no row and takes no micro-step.
+- Zero-bubble schedules (`ScheduleInterleavedZeroBubble`, `ScheduleZBVZeroBubble`) split a backward in
+  two: an "input" pass, then a "weight" pass that runs autograd again from the nodes where the first met
+  the parameters' subgraphs. `watch_stages` marks the weight pass (`replay`): the activation-gradient
+  hooks of those nodes write no second row; the parameters' hooks fire there, as in any backward.
 - The stage reduces a data-parallel module's gradients itself: it runs every DDP forward under
   `no_sync()` and prepares DDP's reducer by hand before the last backward; it keeps FSDP2 from reducing in
   backward and reduces in `perform_reduce_grad`. The adapters' pre-reduce taps, which follow DDP's and
@@ -34,7 +38,7 @@ import torch
 
 from trainermon.collect.key_union import digest_of
 from trainermon.names import clean_name
-from trainermon.runtime.side_passes import side_pass
+from trainermon.runtime.side_passes import replay, side_pass
 
 logger = logging.getLogger("trainermon")
 
@@ -73,8 +77,9 @@ def on_stage_reduce(kind: str, module: torch.nn.Module, callback: Callable[[], N
 
 
 def watch_stages() -> None:
-    """Wrap PipelineStage's shape/metadata inference in `side_pass`, and its reduce points to call the
-    `on_stage_reduce` listeners; once per process. Cost per step: a dict lookup per backward of a stage."""
+    """Wrap PipelineStage's shape/metadata inference in `side_pass`, a zero-bubble weight pass in `replay`,
+    and its reduce points to call the `on_stage_reduce` listeners; once per process. Cost per step: a dict
+    lookup per backward of a stage."""
     stage = sys.modules.get("torch.distributed.pipelining.stage")
     if stage is None:
         return
@@ -109,6 +114,9 @@ def _before_last_backward(method: Any) -> Any:
     def wrapped(self: Any, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False) -> Any:
         if last_backward and backward_type != "input":  # "input": no parameter gradient accumulates
             _tell("last_backward", self.submod)
+        if backward_type == "weight":  # zero bubble: runs again nodes of this micro-batch's "input" pass
+            with replay():
+                return method(self, backward_type, bwd_kwargs, last_backward)
         return method(self, backward_type, bwd_kwargs, last_backward)
 
     return wrapped

@@ -15,7 +15,9 @@
 - Tensor parallelism without FSDP (`parallelize_module`): the parameters, their gradients and optimizer
   states are DTensors, placed over their mesh by `adapters/dtensor.py` (full-parameter statistics, one
   writer); a rank's own gradient piece is its pre-reduce row, labelled. The model's plain parameters are
-  then copies on every rank (the same data reaches every tensor-parallel rank), written once.
+  then copies on every rank (the same data reaches every tensor-parallel rank), written once; under
+  pipelining, copies on the ranks of the same stage only (`dtensor.same_stage_copies`: the mesh's "tp"
+  dimension, not its "pp"), written once per stage.
 """
 
 from __future__ import annotations
@@ -33,7 +35,14 @@ from trainermon.runtime.side_passes import SIDE_PASSES
 
 from .base import GRAD_REDUCED, GRAD_UNREDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
 from .common import OncePerStep, guarded, hook_optimizer_step, is_wrapper, state_values, unwrap
-from .dtensor import dtensor_piece, is_dtensor, local_piece, reduce_partials, splits_over_ranks
+from .dtensor import (
+    dtensor_piece,
+    is_dtensor,
+    local_piece,
+    reduce_partials,
+    same_stage_copies,
+    splits_over_ranks,
+)
 from .pipelining import StageMap, on_stage_reduce
 
 logger = logging.getLogger("trainermon")
@@ -57,7 +66,8 @@ class TorchAdapter(Adapter):
         self._mark: tuple[int, int] = (0, 0)
         self._stages: StageMap | None = None  # which ranks hold this pipeline stage: `agree`
         self._tensor_parallel = splits_over_ranks([p for c in self._roots for p in c.parameters()])
-        if self._tensor_parallel and self._replica is LOCAL:
+        self._plain_copies = self._tensor_parallel and self._replica is LOCAL
+        if self._plain_copies:
             self._replica = Replicated(None)  # plain parameters beside DTensor ones: copies on every rank
         self._tapped = False
         self._seen = OncePerStep("DDP")
@@ -72,6 +82,13 @@ class TorchAdapter(Adapter):
 
     def roots(self) -> list[torch.nn.Module]:
         return self._roots
+
+    def agree(self, group: Any) -> None:
+        super().agree(group)
+        if self._plain_copies:  # under pipeline stages, copies only on the ranks of this stage
+            mesh = next((p.device_mesh for c in self._roots for p in c.parameters() if is_dtensor(p)), None)
+            if mesh is not None:
+                self._replica = same_stage_copies(mesh)
 
     @property
     def splits_model(self) -> bool:

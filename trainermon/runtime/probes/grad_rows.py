@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..side_passes import SIDE_PASSES
+
 
 class GradRows:
     """The hook on the autograd node that makes one tensor, seeing its gradient: one row per label (one
@@ -17,17 +19,28 @@ class GradRows:
     tensor is changed in place after the hook (the node that made its old value keeps the hook), for
     ~1 us less per hooked tensor than `Tensor.register_hook`, which builds a hook dict and a handle. An
     object with slots rather than a closure: a closure with its cells is seven objects for the garbage
-    collector (see `collect.records.RowMetaCache` for why few objects matter)."""
+    collector (see `collect.records.RowMetaCache` for why few objects matter).
 
-    __slots__ = ("loop", "vpp_stage", "labels", "micro", "piece", "index")
+    A zero-bubble schedule's weight pass (`side_passes.replay`) runs again the nodes where its input pass
+    met the parameters' subgraphs: a hook that ran in the input pass (`ran`) writes no second row there,
+    and one on a node only the weight pass reaches (an output made from parameters alone) writes its
+    row then. `ran` stays set on nodes that are never replayed: only a replay reads it."""
+
+    __slots__ = ("loop", "vpp_stage", "labels", "micro", "piece", "index", "ran")
 
     def __init__(
         self, loop: Any, vpp_stage: int, labels: tuple[str, ...], micro: int, piece: str, index: int
     ) -> None:
         self.loop, self.vpp_stage, self.labels, self.micro, self.piece = loop, vpp_stage, labels, micro, piece
-        self.index = index
+        self.index, self.ran = index, False
 
     def __call__(self, grad_outputs: tuple) -> None:
+        if SIDE_PASSES.replays:
+            if self.ran:  # its row was written by the micro-batch's input pass
+                self.ran = False
+                return
+        else:
+            self.ran = True
         loop = self.loop
         with loop.clock:
             try:
