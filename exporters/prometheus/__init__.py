@@ -178,8 +178,8 @@ class PrometheusExporter(Exporter):
             m.skipped.labels(rank).inc()
         # A job-wide value: from rank 0 only (every rank of a split model has it: one series is enough).
         # Not on a step the loss scaler skipped (its norm is inf or NaN by design: TrainermonUpdatesSkipped
-        # watches those, and GradNormSpike would fire on each).
-        if (self.run.rank == 0 or self.run.world_size == 1) and not batch.scalars.update_skipped:
+        # watches those, and GradNormSpike would fire on each); a loop's own skip (`own_skip`) is set.
+        if (self.run.rank == 0 or self.run.world_size == 1) and not batch.scalars.scaler_skip:
             if derived.global_grad_norm is not None:
                 m.global_norm.labels(rank).set(derived.global_grad_norm)
             elif batch.scalars.scheduled and (rank,) in m.global_norm._metrics:  # no longer collected
@@ -268,7 +268,7 @@ class PrometheusExporter(Exporter):
         if "norm" in values and not np.all(np.isfinite(np.asarray(values["norm"])[real])):
             nonfinite = True
         # A step the loss scaler skipped for its overflow is the scaler at work (trainermon_skipped_steps)
-        if nonfinite and not batch.scalars.update_skipped:
+        if nonfinite and not batch.scalars.scaler_skip:
             self.m.nonfinite.labels(self.rank).inc()
         if not keep:
             return

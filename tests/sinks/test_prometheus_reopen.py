@@ -88,7 +88,9 @@ def _sink(tmp_path, run_id: str, port: int, sub: str):
     return sink
 
 
-def _derived_batch(step: int, families=("grad_reduced",), norm=1.0, skipped=None, scheduled=True, **derived):
+def _derived_batch(
+    step: int, families=("grad_reduced",), norm=1.0, skipped=None, scheduled=True, own_skip=False, **derived
+):
     from trainermon.collect.records import Derived, RowMeta, StatBatch, StepScalars
 
     rows = [RowMeta(f, 0, "layers.0.w", None, (2,), torch.float32, 2) for f in families]
@@ -98,7 +100,7 @@ def _derived_batch(step: int, families=("grad_reduced",), norm=1.0, skipped=None
         step=step,
         rows=rows,
         values=vals,
-        scalars=StepScalars(update_skipped=skipped, scheduled=scheduled),
+        scalars=StepScalars(update_skipped=skipped, scheduled=scheduled, own_skip=own_skip),
         derived=Derived(**derived),
     )
 
@@ -183,6 +185,12 @@ def test_a_skipped_update_counts_as_skipped_not_as_a_nonfinite_step(tmp_path, mo
         assert value(s, "trainermon_nonfinite_steps_total") == 0
         sink.write(_derived_batch(1, norm=math.inf, skipped=False))
         assert value(scrape(url), "trainermon_nonfinite_steps_total") == 1
+        # a loop that skipped its own step on NaN gradients (no scaler's step): non-finite, and its norm
+        sink.write(_derived_batch(2, norm=math.nan, skipped=True, own_skip=True, global_grad_norm=math.nan))
+        s = scrape(url)
+        assert value(s, "trainermon_skipped_steps_total") == 2
+        assert value(s, "trainermon_nonfinite_steps_total") == 2
+        assert math.isnan(value(s, "trainermon_global_grad_norm"))
     finally:
         sink.close()
 

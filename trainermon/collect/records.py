@@ -129,8 +129,16 @@ class StepScalars:
     loss_scale: float | torch.Tensor | None = None
     optimizer_grad_norm: float | None = None  # the framework optimizer's own norm (Megatron's step())
     update_skipped: bool | None = None  # the optimizer skipped its update (loss-scale overflow)
+    #: ... but the training loop skipped it itself (no loss scaler's step was called): its Inf/NaN are
+    #: anomalies. False for a scaler's skip and for a framework's own (Megatron, DeepSpeed: overflows).
+    own_skip: bool = False
     monitor_time_ms: float = 0.0  # the monitor's own time on the training thread this step
     scheduled: bool = True  # the configured families were collected (False: an escalation-only step)
+
+    @property
+    def scaler_skip(self) -> bool:
+        """A loss scaler skipped the update for its overflow: Inf/NaN gradients by design, no anomaly."""
+        return bool(self.update_skipped) and not self.own_skip
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,8 @@ logger = logging.getLogger("trainermon")
 
 STAGES = {"actv": "forward", "actv_grad": "backward", "grad_unreduced": "backward"}
 GLOBAL_NORM = "global_grad_norm"
-#: Families whose Inf/NaN a loss-scale overflow explains (the step is flagged `update_skipped`).
+#: Families whose Inf/NaN a loss-scale overflow explains (the step is flagged `update_skipped`, not
+#: `own_skip`: a loop that skips its own step on NaN gradients is told of them like any other step).
 SCALED_GRAD_FAMILIES = ("actv_grad", "grad_unreduced", "grad_reduced")
 
 
@@ -292,8 +293,11 @@ class AnomalyDetector:
         out = []
         nans, infs = batch.values.get("nans"), batch.values.get("infs")
         # A step whose update the loss scaler skipped has Inf/NaN gradients by design (the scaler at work,
-        # flagged `skipped`, as Prometheus' non-finite count treats it): its gradients are no anomaly.
-        scaler_skip = bool(batch.scalars.update_skipped)
+        # flagged `skipped`, as Prometheus' non-finite count treats it): its gradients (SCALED_GRAD_FAMILIES)
+        # and global norm are no anomaly. Exempt: a torch GradScaler's skip, and Megatron's and DeepSpeed's
+        # overflow skips. Not exempt: a skip the loop made itself (`own_skip`: no scaler's step was called,
+        # e.g. it found NaN gradients and did not step), whose NaN is the very one to report.
+        scaler_skip = batch.scalars.scaler_skip
         for i in range(len(batch.rows)):
             if scaler_skip and batch.rows[i].family in SCALED_GRAD_FAMILIES:
                 continue

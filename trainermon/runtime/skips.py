@@ -19,12 +19,24 @@ which its precision plugins call before `scaler.step`), can say so (`report_step
 `zero_grad()` after such a call closes a skipped step. A `zero_grad()` in the middle of an accumulation is
 not a skip: Lightning clears the gradients before validation even there under manual optimization.
 
-Megatron's and DeepSpeed's optimizers report a skip themselves (`update_skipped` from their step); this
-probe is for torch optimizers only.
+Only a skip a loss scaler explains is "the scaler at work": while a probe is attached, `GradScaler.step`
+is wrapped at class level (`torch.amp.GradScaler`, which `torch.cuda.amp.GradScaler` and FSDP's
+`ShardedGradScaler` inherit `step` from; a loaded subclass with its own `step` is wrapped too) and tells
+the probe when it is called on the monitored optimizer or a wrapper of it. A skipped step with no such
+call since the last boundary is the loop's own skip (it found NaN gradients, or any reason of its own,
+and did not call `optimizer.step()`): still closed and flagged `update_skipped`, but also `own_skip`, so
+that `AnomalyNan` reports its non-finite gradients. A framework's reported step call (`step_called`) is
+no explanation: Lightning calls `on_before_optimizer_step` under every precision plugin, scaler or not;
+its mixed-precision plugins step through `scaler.step`, which the wrapper sees. The wrapper's handle is
+among `attach()`'s: the last probe detached puts the original `step` back.
+
+Megatron's and DeepSpeed's optimizers report a skip themselves (`update_skipped` from their step, an
+overflow of their loss scaler: never `own_skip`); this probe is for torch optimizers only.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -49,6 +61,7 @@ class SkippedStepProbe(Probe):
         self.called = False  # ... and did since the last boundary
         self.wired = False  # attached to a torch optimizer
         self.in_step = False  # a step()'s closure is running: its zero_grad() is no skip (LBFGS)
+        self.scaled = False  # a loss scaler's step() was called on the optimizer since the last boundary
 
     def attach(self) -> list[Any]:
         adapter = self.loop.adapter
@@ -69,6 +82,7 @@ class SkippedStepProbe(Probe):
         if hookable(optimizer):  # marks the closure's run, not step(): a step that raises has no post hook
             mark = torch.compiler.disable(self._mark_closure)  # never traced: see hook_optimizer_step
             handles.append(optimizer.register_step_pre_hook(CopySafe(mark)))
+        handles.append(ScalerWatch(self))
         self.wired = True
         return handles
 
@@ -78,17 +92,27 @@ class SkippedStepProbe(Probe):
         return self._patch(obj)
 
     def begin(self, plan: StepPlan) -> None:
-        self.trained = self.called = self.in_step = False
+        self.trained = self.called = self.in_step = self.scaled = False
 
     def step_called(self, optimizer: Any) -> None:
         """The framework is about to step `optimizer` (or a wrapper of it): the scaler may skip it."""
+        if self._ours(optimizer):
+            self.called = True
+
+    def scaler_step(self, optimizer: Any) -> None:
+        """A loss scaler's `step(optimizer)` is starting (before the optimizer's step, whose boundary
+        clears the mark again): a skip until the next boundary is the scaler's."""
+        if self._ours(optimizer):
+            self.scaled = True
+
+    def _ours(self, optimizer: Any) -> bool:
+        """`optimizer` is the monitored optimizer or a short chain of wrappers around it."""
         target = getattr(self.loop.adapter, "optimizer", None)
         for _ in range(8):  # a short chain of wrappers (LightningOptimizer, AcceleratedOptimizer)
             if optimizer is None or optimizer is target:
                 break
             optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
-        if optimizer is not None and optimizer is target:
-            self.called = True
+        return optimizer is not None and optimizer is target
 
     def _mark_closure(self, optimizer: Any, args: tuple, kwargs: dict) -> Any:
         """torch's step pre-hook: the step's closure runs with `in_step` set, so its zero_grad() is no
@@ -127,7 +151,8 @@ class SkippedStepProbe(Probe):
         self.trained = False
         try:
             self.loop.on_pre_optim()
-            self.loop.on_post_optim(StepScalars(update_skipped=True))
+            # No scaler's step since the boundary: the loop skipped the step itself (`own_skip`)
+            self.loop.on_post_optim(StepScalars(update_skipped=True, own_skip=not self.scaled))
         except Exception as exc:  # noqa: BLE001 - never into the training loop
             self.loop.faults.record("skipped step", exc)
 
@@ -140,3 +165,70 @@ def report_step_calls(loop: Any) -> SkippedStepProbe | None:
             probe.calls_reported = True
             return probe
     return None
+
+
+# ---- GradScaler.step, wrapped at class level while any probe is attached --------------------------
+_WATCHERS: list[SkippedStepProbe] = []  # the attached probes, told of every scaler step call
+_ORIGINALS: dict[type, Any] = {}  # each wrapped class's own `step` before the wrapper
+
+
+def _scaler_classes() -> list[type]:
+    """`torch.amp.GradScaler` and its loaded subclasses that define their own `step`."""
+    base = torch.amp.GradScaler
+    found, todo = [base], list(base.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if "step" in cls.__dict__ and cls not in found:
+            found.append(cls)
+    return found
+
+
+def _tell(optimizer: Any) -> None:
+    for probe in tuple(_WATCHERS):
+        try:
+            probe.scaler_step(optimizer)
+        except Exception:  # noqa: BLE001, S110 - never into the training loop; the skip is then reported
+            pass
+
+
+def _wrap(original: Any) -> Any:
+    # Never traced (a step compiled with its scaler); disabled here, not at import (that loads dynamo).
+    tell = torch.compiler.disable(_tell)
+
+    @functools.wraps(original)
+    def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        if _WATCHERS:
+            tell(optimizer)
+        return original(scaler, optimizer, *args, **kwargs)
+
+    step.__trainermon_scaler_step__ = True  # type: ignore[attr-defined]
+    return step
+
+
+class ScalerWatch:
+    """`probe` is told of `GradScaler.step` calls until `.remove()`; the first watch wraps the scaler
+    classes' `step`, the last one removed puts back each that is still the wrapper (one that someone
+    wrapped again since stays wrapped, and its wrapper, with no probe attached, only calls through)."""
+
+    def __init__(self, probe: SkippedStepProbe) -> None:
+        self.probe: SkippedStepProbe | None = probe
+        if not _WATCHERS:
+            for cls in _scaler_classes():
+                own = cls.__dict__["step"]
+                if not getattr(own, "__trainermon_scaler_step__", False):
+                    _ORIGINALS[cls] = own
+                    cls.step = _wrap(own)
+        _WATCHERS.append(probe)
+
+    def remove(self) -> None:
+        probe, self.probe = self.probe, None
+        if probe is None:
+            return
+        _WATCHERS[:] = [p for p in _WATCHERS if p is not probe]
+        if _WATCHERS:
+            return
+        for cls, original in list(_ORIGINALS.items()):
+            if getattr(cls.__dict__.get("step"), "__trainermon_scaler_step__", False):
+                cls.step = original
+            del _ORIGINALS[cls]
