@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from operator import attrgetter
 from typing import Any
@@ -97,6 +98,8 @@ class PrometheusExporter(Exporter):
         )
         NEWEST[self.group] = self.m
         self.exposed = Exposed(self.m.registry)
+        self._lock = threading.Lock()  # a step's gauge updates, or a render of the page: never both
+        self._rendered: bytes | None = None  # the page as of the last step written (None: stale)
 
         host = section.host
         port = section.port + run.local_rank if section.port > 0 else 0
@@ -104,7 +107,7 @@ class PrometheusExporter(Exporter):
         # Binding fails here (port taken, bad address): the sink is disabled with one error and training
         # goes on.
         try:
-            self.server: http.MetricsServer | None = http.start(host, port, self, self._render(), self.group)
+            self.server: http.MetricsServer | None = http.start(host, port, self, self._page, self.group)
         except OSError as exc:  # say which address, and where the port came from
             raise OSError(
                 exc.errno,
@@ -162,14 +165,19 @@ class PrometheusExporter(Exporter):
 
     def attach_error_counts(self, errors: Any, formats: list[str]) -> None:
         """Called by build_exporters: the shared per-sink failure counts to export."""
-        self._errors = errors
-        if self.discovery_error is not None:
-            errors.add(getattr(self, "format_name", "prometheus"))
-        self._sync_errors()
-        self._publish()
+        with self._lock:
+            self._errors = errors
+            if self.discovery_error is not None:
+                errors.add(getattr(self, "format_name", "prometheus"))
+            self._sync_errors()
+            self._publish()
 
     # ---- worker thread ------------------------------------------------------------------------
     def write(self, batch: StatBatch) -> None:
+        with self._lock:  # a scrape renders between steps, never in the middle of one
+            self._write(batch)
+
+    def _write(self, batch: StatBatch) -> None:
         m, rank, derived = self.m, self.rank, batch.derived
         m.step.labels(rank).set(batch.step)
         m.step_ts.labels(rank).set(time.time())
@@ -207,9 +215,15 @@ class PrometheusExporter(Exporter):
         self._publish()
 
     def _publish(self) -> None:
-        server = self.server
-        if server is not None and server.owner is self:  # a successor may own the endpoint now
-            server.page = self._render()
+        self._rendered = None  # rendered at the next scrape (`_page`)
+
+    def _page(self) -> bytes:
+        """The page a scrape gets (on an HTTP thread): rendered at most once per step written."""
+        with self._lock:
+            page = self._rendered
+            if page is None:
+                page = self._rendered = self._render()
+            return page
 
     def _counter_to(self, counter: Any, total: int) -> None:
         """Advance a counter to a cumulative total of the monitor's (the counter may be a predecessor's)."""

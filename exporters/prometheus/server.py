@@ -1,8 +1,10 @@
-"""The HTTP side of the Prometheus sink: one endpoint per rank that serves a pre-rendered page.
+"""The HTTP side of the Prometheus sink: one endpoint per rank that serves its owner's page.
 
-The worker renders the exposition text once per collected step and swaps it in (`server.page`); the
-HTTP threads only hand out that page (one reference read, no lock shared with the worker), so a scrape
-costs microseconds of interpreter time and never waits for, or on behalf of, training.
+A scrape asks the owning sink for its page (`server.source`): the sink renders the exposition text then,
+only when a step was written since its last render, under the lock its worker-thread writes hold, so a
+page never mixes two steps. Rendering per scrape (every 15 s or so) instead of per collected step spares
+the worker ~10 ms of interpreter time per step at a few thousand series (docs/PERFORMANCE.md); a scrape
+waits at most for one step's gauge updates, and never for, or on behalf of, training.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -37,7 +40,12 @@ class Handler(BaseHTTPRequestHandler):
         if self.path.split("?", 1)[0] not in ("/metrics", "/"):
             self.send_error(404)
             return
-        body = self.server.page  # one atomic reference read; the worker swaps whole pages
+        try:
+            body = self.server.source()
+        except Exception:  # noqa: BLE001 - never a traceback on the job's stderr; the scrape fails
+            logger.debug("trainermon: rendering the Prometheus page failed", exc_info=True)
+            self.send_error(500)
+            return
         self.send_response(200)
         self.send_header("Content-Type", CONTENT_TYPE)
         self.send_header("Content-Length", str(len(body)))
@@ -54,7 +62,7 @@ class MetricsServer(ThreadingHTTPServer):
 
     daemon_threads = True
     request_queue_size = 256  # dozens of concurrent scrapers must not overflow the listen backlog
-    page: bytes = b""
+    source: Callable[[], bytes] = staticmethod(lambda: b"")  # the owner's current page
     owner: object = None
     group: object = None  # the monitor (run and rank) whose sinks may take this server over
 
@@ -98,7 +106,9 @@ class MetricsServer(ThreadingHTTPServer):
             thread.join(max(0.0, end - time.monotonic()))
 
 
-def start(host: str, port: int, owner: Any, page: bytes, group: object = None) -> MetricsServer:
+def start(
+    host: str, port: int, owner: Any, source: Callable[[], bytes], group: object = None
+) -> MetricsServer:
     """The endpoint at (host, port), owned by `owner`: a live one of this process with a fixed port is
     taken over, else a new server thread starts. A live server of the same `group` (the sinks of one
     monitor) on that port under another host is shut down first: the port is the new address's. Binding
@@ -131,7 +141,7 @@ def start(host: str, port: int, owner: Any, page: bytes, group: object = None) -
             LIVE[(host, server.server_address[1])] = server
         server.owner = owner
         server.group = group
-        server.page = page
+        server.source = source
     return server
 
 

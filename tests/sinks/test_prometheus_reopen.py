@@ -309,3 +309,26 @@ def test_a_none_output_is_not_a_nonfinite_step(tmp_path, monkeypatch):
         v for (name, labels), v in s.items() if name == "trainermon_layer_stat" and ("stat", "norm") in labels
     ]
     assert norms and all(math.isfinite(v) for v in norms), norms
+
+
+def test_the_page_is_rendered_when_scraped_not_at_every_step(tmp_path, monkeypatch):
+    """Rendering the page costs ~10 ms of the worker's interpreter time at a few thousand series: it is
+    done when a scrape asks, at most once per step written, and the page is always the latest step's."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    sink = _sink(tmp_path, "run1", 0, "a")
+    renders = []
+    render = sink._render
+    monkeypatch.setattr(sink, "_render", lambda: renders.append(1) or render())
+    try:
+        url = f"http://127.0.0.1:{sink.port}/metrics"
+        for step in range(50):
+            sink.write(_derived_batch(step, global_grad_norm=float(step)))
+        assert renders == []  # 50 steps, no scrape: no render
+        s = scrape(url)
+        assert value(s, "trainermon_last_step") == 49 and value(s, "trainermon_global_grad_norm") == 49.0
+        scrape(url)
+        assert len(renders) == 1  # nothing written since: the same page
+        sink.write(_derived_batch(50, global_grad_norm=50.0))
+        assert value(scrape(url), "trainermon_last_step") == 50 and len(renders) == 2
+    finally:
+        sink.close()
