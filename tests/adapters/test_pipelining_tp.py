@@ -27,7 +27,6 @@ margin, while a missing micro-batch, stage, TP piece or a row counted twice move
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 from collections import Counter
@@ -36,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.adapters.test_pipelining import loss_fn, stage_part
 from tests.distributed import run_ranks
 from tests.helpers import read_family, write_config
 
@@ -80,24 +80,9 @@ class Model(nn.Module):
         return x if self.out is None else self.out(x)
 
 
-def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return ((out - y) ** 2).mean()
-
-
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 * step + 7)
     return torch.randn(BATCH, D, generator=g), torch.randn(BATCH, 1, generator=g)
-
-
-def stage_part(full: Model, layers: list[int], last: bool) -> Model:
-    """torchtitan's split: the other stages' layers deleted, so the names keep their full FQNs."""
-    part = copy.deepcopy(full)
-    for key in list(part.layers):
-        if int(key) not in layers:
-            del part.layers[key]
-    if not last:
-        part.out = None
-    return part
 
 
 def reference(layers: int) -> dict:
