@@ -265,3 +265,57 @@ def test_a_hung_sink_is_switched_off_and_the_others_go_on(tmp_path, monkeypatch,
         mon.close()
     assert not stuck_thread[0].is_alive()
     assert calls == {**written, "after": 1}  # released: no call after it, not even close's flush
+
+
+def test_close_with_a_hung_sink_still_writes_the_others(tmp_path, monkeypatch):
+    """CSV stuck in the final flush at close() (a dead NFS mount): close() switches it off after HUNG_S
+    like the run does, and Parquet still writes and closes every step it held. Before, close() only
+    waited out its timeout and returned with Parquet's part never written (0 of its rows)."""
+    import pyarrow.parquet  # noqa: F401 - imported now: a first import inside a write may take ~1 s
+
+    import trainermon.pipeline.worker as worker_mod
+
+    monkeypatch.setattr(worker_mod, "HUNG_S", 2.0)
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
+    release = threading.Event()
+    stuck_thread = []
+    real_flush = csv_mod.CsvExporter.flush
+
+    def flush(self):
+        if closing.is_set():
+            stuck_thread.append(threading.current_thread())
+            release.wait(60)
+            return None
+        return real_flush(self)
+
+    closing = threading.Event()
+    monkeypatch.setattr(csv_mod.CsvExporter, "flush", flush)
+    cfg = write_config(
+        tmp_path / "cfg.json",
+        wg_distribution=True,
+        ops=["norm"],
+        format=["csv", "parquet"],
+        parquet={"steps_per_part": 1000, "seconds_per_part": None},  # only close() completes the part
+    )
+    model, opt = _small_model()
+    mon = TrainerMon(cfg)
+    mon.set_monitor(model, optimizer=opt)
+    try:
+        _steps(model, opt, 4)
+        closing.set()
+        start = time.monotonic()
+        mon.close()
+        took = time.monotonic() - start
+    finally:
+        release.set()
+        for thread in stuck_thread:
+            thread.join(30)
+    import trainermon as tm
+
+    assert stuck_thread, "the CSV flush at close was never reached"
+    assert took < 2.0 + 10, took  # HUNG_S, then the other sinks' flush and close
+    steps = tm.load(tmp_path / "out").column("step").to_pylist()
+    assert sorted(set(steps)) == [0, 1, 2, 3]
+    assert [steps.count(s) for s in range(4)] == [steps.count(0)] * 4 and steps.count(0) > 0, steps
+    assert mon.faults.counts == {"exporter CsvExporter hung": 1}, dict(mon.faults.counts)

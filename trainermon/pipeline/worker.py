@@ -162,18 +162,26 @@ class BackgroundWorker:
                 )
                 return
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Write what is queued, then stop the worker and close the exporters; at most `timeout` seconds.
+    def close(self, timeout: float | None = None) -> None:
+        """Write what is queued, then stop the worker and close the exporters; at most `timeout` seconds
+        (default HUNG_S + 10).
 
-        A sink that hangs (a dead network filesystem) is left to its daemon thread: its exporters are not
-        closed under it, and the caller (often the interpreter's exit) is not held."""
+        A sink stuck in one call for HUNG_S is switched off meanwhile, as during the run, so the other
+        sinks still write and close what they hold. One that is still stuck at the deadline is left to its
+        daemon thread: its exporters are not closed under it, and the caller (often the interpreter's
+        exit) is not held."""
         if self._closed:
             return
         self._closed = True
+        timeout = HUNG_S + 10 if timeout is None else timeout
         if self._thread.is_alive():
             self._pending.append(_STOP)
             self._wake.set()
-            self._thread.join(timeout)
+            deadline = time.monotonic() + timeout
+            # In slices: a stuck sink is noticed here, and a new thread finishes the others' work.
+            while self._thread.is_alive() and (left := deadline - time.monotonic()) > 0:
+                self._thread.join(min(HUNG_S / 4, left))
+                self._check_hung()
             if self._thread.is_alive():
                 logger.error(
                     "trainermon: an exporter did not finish within %s s; leaving it to its thread", timeout
