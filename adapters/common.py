@@ -173,11 +173,19 @@ def _pre_hook(events: StepEvents) -> Callable[..., Any]:
 
 
 def _post_hook(events: StepEvents) -> Callable[..., None]:
-    """torch's step post-hook; the one of an inner, nested `step()` is not the step's end."""
+    """torch's step post-hook; the one of an inner, nested `step()` is not the step's end.
+
+    A fused optimizer stepped by a GradScaler (`_step_supports_amp_scaling`) is always called and skips
+    the update in its kernel when the scaler set `optimizer.found_inf` non-zero: that tensor goes out as
+    `update_skipped`, read by the worker (no host sync here)."""
 
     def hook(optimizer: Any, args: tuple, kwargs: dict) -> None:
         if not nested_step(optimizer):
-            events.post(StepScalars())
+            found_inf = getattr(optimizer, "found_inf", None)
+            fused = isinstance(found_inf, torch.Tensor) and getattr(
+                optimizer, "_step_supports_amp_scaling", False
+            )
+            events.post(StepScalars(update_skipped=found_inf if fused else None))
 
     return hook
 

@@ -13,7 +13,7 @@ from torch import nn
 from tests.helpers import read_family, write_config
 from trainermon import TrainerMon
 from trainermon.pipeline.anomaly import GLOBAL_NORM, load_anomalies
-from trainermon.runtime import skips
+from trainermon.runtime import scaler_watch, skips
 
 NAN_STEP = 2
 
@@ -115,7 +115,7 @@ def test_the_scaler_wrapper_lives_while_a_probe_is_attached(tmp_path, monkeypatc
     base = torch.amp.GradScaler
     original = base.__dict__["step"]
     for cls in (torch.cuda.amp.GradScaler, ShardedGradScaler):
-        assert "step" not in cls.__dict__ or cls in skips._scaler_classes()
+        assert "step" not in cls.__dict__ or cls in scaler_watch._scaler_classes("step")
     monitors = []
     for _ in range(2):
         model = _model()
@@ -127,7 +127,7 @@ def test_the_scaler_wrapper_lives_while_a_probe_is_attached(tmp_path, monkeypatc
     monitors[0].close()
     assert base.__dict__["step"] is wrapped  # the second monitor still watches
     monitors[1].close()
-    assert base.__dict__["step"] is original and not skips._WATCHERS and not skips._ORIGINALS
+    assert base.__dict__["step"] is original and not scaler_watch._LISTENERS and not scaler_watch._WRAPPED
 
 
 def test_the_scaler_wrapper_never_raises_into_the_loop(tmp_path, monkeypatch):

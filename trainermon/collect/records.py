@@ -128,7 +128,9 @@ class StepScalars:
 
     loss_scale: float | torch.Tensor | None = None
     optimizer_grad_norm: float | None = None  # the framework optimizer's own norm (Megatron's step())
-    update_skipped: bool | None = None  # the optimizer skipped its update (loss-scale overflow)
+    #: the optimizer skipped its update (loss-scale overflow); a fused optimizer's: the scaler's found_inf
+    #: tensor (non-zero: skipped), which the worker turns into a bool before any sink sees it
+    update_skipped: bool | torch.Tensor | None = None
     #: ... but the training loop skipped it itself (no loss scaler's step was called): its Inf/NaN are
     #: anomalies. False for a scaler's skip and for a framework's own (Megatron, DeepSpeed: overflows).
     own_skip: bool = False

@@ -85,7 +85,11 @@ class Deriver:
                 xrank = decode(payload.tail_meta, payload.tail.numpy())
             except Exception as exc:  # noqa: BLE001 - the step's own rows are still written
                 self.faults.record("cross-rank summaries", exc, "this step's summaries are skipped")
-        batch = StatBatch(payload.step, rows, values, payload.scalars, derived, xrank)
+        scalars = payload.scalars
+        if scalars.update_skipped is not None and not isinstance(scalars.update_skipped, bool):
+            # a scaler's found_inf tensor (a fused optimizer's step): read here, off the training thread
+            scalars = replace(scalars, update_skipped=bool(float(scalars.update_skipped) != 0))
+        batch = StatBatch(payload.step, rows, values, scalars, derived, xrank)
         if self.detector is not None:
             self.detector.check(batch)
             batch = replace(batch, derived=replace(derived, anomalies_total=self.detector.totals()))

@@ -19,16 +19,21 @@ which its precision plugins call before `scaler.step`), can say so (`report_step
 `zero_grad()` after such a call closes a skipped step. A `zero_grad()` in the middle of an accumulation is
 not a skip: Lightning clears the gradients before validation even there under manual optimization.
 
-Only a skip a loss scaler explains is "the scaler at work": while a probe is attached, `GradScaler.step`
-is wrapped at class level (`torch.amp.GradScaler`, which `torch.cuda.amp.GradScaler` and FSDP's
-`ShardedGradScaler` inherit `step` from; a loaded subclass with its own `step` is wrapped too) and tells
-the probe when it is called on the monitored optimizer or a wrapper of it. A skipped step with no such
-call since the last boundary is the loop's own skip (it found NaN gradients, or any reason of its own,
+Only a skip a loss scaler explains is "the scaler at work": while a probe is attached, the scalers'
+`step` and `unscale_` are watched at class level (`scaler_watch`) and tell the probe when called on the
+monitored optimizer or a wrapper of it. A skipped step is the scaler's when its `step` was called since
+the last boundary, or when its `unscale_` found Inf/NaN (a loop that unscales, clips, and skips
+`scaler.step` on a non-finite norm: a routine overflow; the found_inf tensors are read on that skipped
+step only). Any other skipped step is the loop's own (it found NaN gradients, or any reason of its own,
 and did not call `optimizer.step()`): still closed and flagged `update_skipped`, but also `own_skip`, so
 that `AnomalyNan` reports its non-finite gradients. A framework's reported step call (`step_called`) is
 no explanation: Lightning calls `on_before_optimizer_step` under every precision plugin, scaler or not;
-its mixed-precision plugins step through `scaler.step`, which the wrapper sees. The wrapper's handle is
-among `attach()`'s: the last probe detached puts the original `step` back.
+its mixed-precision plugins step through `scaler.step`, which the watch sees. The watch's handle is
+among `attach()`'s: the last probe detached puts the original methods back.
+
+A fused optimizer (`fused=True`: `_step_supports_amp_scaling`) is always stepped by the scaler and skips
+the update inside its kernel; its step hooks fire, so no probe closes anything: the optimizer step
+reports the scaler's `found_inf` instead (`adapters.common`), read by the worker.
 
 Megatron's and DeepSpeed's optimizers report a skip themselves (`update_skipped` from their step, an
 overflow of their loss scaler: never `own_skip`); this probe is for torch optimizers only.
@@ -36,7 +41,6 @@ overflow of their loss scaler: never `own_skip`); this probe is for torch optimi
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -48,6 +52,7 @@ from trainermon.copies import CopySafe
 
 from .plan import StepPlan
 from .probes.base import Probe
+from .scaler_watch import ScalerWatch
 
 #: Adapters whose step is a torch optimizer's, which GradScaler / ShardedGradScaler may skip.
 SCALER_ADAPTERS = ("torch", "fsdp1", "fsdp2")
@@ -62,6 +67,7 @@ class SkippedStepProbe(Probe):
         self.wired = False  # attached to a torch optimizer
         self.in_step = False  # a step()'s closure is running: its zero_grad() is no skip (LBFGS)
         self.scaled = False  # a loss scaler's step() was called on the optimizer since the last boundary
+        self.found_inf: list[Any] = []  # ... or its unscale_(): the scaler's found_inf tensors
 
     def attach(self) -> list[Any]:
         adapter = self.loop.adapter
@@ -93,6 +99,7 @@ class SkippedStepProbe(Probe):
 
     def begin(self, plan: StepPlan) -> None:
         self.trained = self.called = self.in_step = self.scaled = False
+        self.found_inf = []
 
     def step_called(self, optimizer: Any) -> None:
         """The framework is about to step `optimizer` (or a wrapper of it): the scaler may skip it."""
@@ -104,6 +111,21 @@ class SkippedStepProbe(Probe):
         clears the mark again): a skip until the next boundary is the scaler's."""
         if self._ours(optimizer):
             self.scaled = True
+
+    def scaler_unscaled(self, scaler: Any, optimizer: Any) -> None:
+        """A loss scaler's `unscale_(optimizer)` returned: keep its found_inf tensors (no read here: no
+        host sync), so that a skip the loop then makes on a non-finite clip norm is known as an overflow."""
+        if self._ours(optimizer):
+            state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
+            self.found_inf = list((state or {}).get("found_inf_per_device", {}).values())
+
+    def _overflowed(self) -> bool:
+        """The last `unscale_` found Inf/NaN (a host read, on a skipped step only)."""
+        try:
+            return any(float(t.sum()) != 0 for t in self.found_inf)
+        except Exception as exc:  # noqa: BLE001 - the skip is still closed, as the loop's own
+            self.loop.faults.record("scaler found_inf", exc)
+            return False
 
     def _ours(self, optimizer: Any) -> bool:
         """`optimizer` is the monitored optimizer or a short chain of wrappers around it."""
@@ -151,8 +173,10 @@ class SkippedStepProbe(Probe):
         self.trained = False
         try:
             self.loop.on_pre_optim()
-            # No scaler's step since the boundary: the loop skipped the step itself (`own_skip`)
-            self.loop.on_post_optim(StepScalars(update_skipped=True, own_skip=not self.scaled))
+            # Neither a scaler's step since the boundary nor an overflow its unscale_ found: the loop
+            # skipped the step itself (`own_skip`)
+            own = not self.scaled and not self._overflowed()
+            self.loop.on_post_optim(StepScalars(update_skipped=True, own_skip=own))
         except Exception as exc:  # noqa: BLE001 - never into the training loop
             self.loop.faults.record("skipped step", exc)
 
@@ -165,70 +189,3 @@ def report_step_calls(loop: Any) -> SkippedStepProbe | None:
             probe.calls_reported = True
             return probe
     return None
-
-
-# ---- GradScaler.step, wrapped at class level while any probe is attached --------------------------
-_WATCHERS: list[SkippedStepProbe] = []  # the attached probes, told of every scaler step call
-_ORIGINALS: dict[type, Any] = {}  # each wrapped class's own `step` before the wrapper
-
-
-def _scaler_classes() -> list[type]:
-    """`torch.amp.GradScaler` and its loaded subclasses that define their own `step`."""
-    base = torch.amp.GradScaler
-    found, todo = [base], list(base.__subclasses__())
-    while todo:
-        cls = todo.pop()
-        todo += cls.__subclasses__()
-        if "step" in cls.__dict__ and cls not in found:
-            found.append(cls)
-    return found
-
-
-def _tell(optimizer: Any) -> None:
-    for probe in tuple(_WATCHERS):
-        try:
-            probe.scaler_step(optimizer)
-        except Exception:  # noqa: BLE001, S110 - never into the training loop; the skip is then reported
-            pass
-
-
-def _wrap(original: Any) -> Any:
-    # Never traced (a step compiled with its scaler); disabled here, not at import (that loads dynamo).
-    tell = torch.compiler.disable(_tell)
-
-    @functools.wraps(original)
-    def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        if _WATCHERS:
-            tell(optimizer)
-        return original(scaler, optimizer, *args, **kwargs)
-
-    step.__trainermon_scaler_step__ = True  # type: ignore[attr-defined]
-    return step
-
-
-class ScalerWatch:
-    """`probe` is told of `GradScaler.step` calls until `.remove()`; the first watch wraps the scaler
-    classes' `step`, the last one removed puts back each that is still the wrapper (one that someone
-    wrapped again since stays wrapped, and its wrapper, with no probe attached, only calls through)."""
-
-    def __init__(self, probe: SkippedStepProbe) -> None:
-        self.probe: SkippedStepProbe | None = probe
-        if not _WATCHERS:
-            for cls in _scaler_classes():
-                own = cls.__dict__["step"]
-                if not getattr(own, "__trainermon_scaler_step__", False):
-                    _ORIGINALS[cls] = own
-                    cls.step = _wrap(own)
-        _WATCHERS.append(probe)
-
-    def remove(self) -> None:
-        probe, self.probe = self.probe, None
-        if probe is None:
-            return
-        _WATCHERS[:] = [p for p in _WATCHERS if p is not probe]
-        if _WATCHERS:
-            return
-        for cls, original in list(_ORIGINALS.items()):
-            if getattr(cls.__dict__.get("step"), "__trainermon_scaler_step__", False):
-                cls.step = original
-            del _ORIGINALS[cls]
