@@ -149,3 +149,32 @@ def test_another_tools_scaler_wrapper_survives_close(tmp_path, monkeypatch):
     scaler.step(opt)  # theirs -> ours (no listener: calls through) -> torch's
     assert calls == [1]
     assert base.__dict__["unscale_"] is original_unscale  # ours, still in place: put back
+
+
+def test_another_optimizers_overflow_on_the_same_scaler_explains_nothing(tmp_path, monkeypatch):
+    """One scaler, two optimizers: `other` overflows, the monitored one is finite but the loop skips it on
+    a NaN of its own. `update()` adds `other`'s found_inf into the first optimizer's tensor in place; the
+    probe's copy still says the monitored optimizer found nothing: its own skip, reported."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    weight = nn.Parameter(torch.ones(2))
+    other = torch.optim.SGD([weight], lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    monitor = TrainerMon(_config(tmp_path, monkeypatch))
+    monitor.set_monitor(model, grad_acc_steps=1, optimizer=opt)
+    for it in range(ITERATIONS):
+        loss = model(torch.randn(3, 4)).pow(2).mean()
+        scaler.scale(loss + (weight.sum() * (math.inf if it == OVERFLOW else 1.0))).backward()
+        scaler.unscale_(opt)  # first: its found_inf is the tensor update() adds into
+        if it == OVERFLOW:
+            model[0].weight.grad[0, 0] = math.nan
+        else:
+            scaler.step(opt)
+        scaler.step(other)
+        scaler.update()
+        opt.zero_grad()
+        other.zero_grad()
+    monitor.close()
+    assert scaler.get_scale() < 2.0**10  # `other` overflowed
+    got = _nan_records(tmp_path)
+    assert set(got) == {OVERFLOW} and ("grad_reduced", "0.weight", "nans") in got[OVERFLOW], got

@@ -113,11 +113,13 @@ class SkippedStepProbe(Probe):
             self.scaled = True
 
     def scaler_unscaled(self, scaler: Any, optimizer: Any) -> None:
-        """A loss scaler's `unscale_(optimizer)` returned: keep its found_inf tensors (no read here: no
-        host sync), so that a skip the loop then makes on a non-finite clip norm is known as an overflow."""
+        """A loss scaler's `unscale_(optimizer)` returned: keep copies of its found_inf tensors (no read
+        here: no host sync), so that a skip the loop then makes on a non-finite clip norm is known as an
+        overflow. Copies (0-d, one small device op each): `update()` adds the other optimizers' found_inf
+        into the first tensor in place."""
         if self._ours(optimizer):
             state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
-            self.found_inf = list((state or {}).get("found_inf_per_device", {}).values())
+            self.found_inf = [t.clone() for t in (state or {}).get("found_inf_per_device", {}).values()]
 
     def _overflowed(self) -> bool:
         """The last `unscale_` found Inf/NaN (a host read, on a skipped step only)."""
