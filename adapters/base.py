@@ -143,11 +143,21 @@ class Adapter(ABC):
     #: Ranks may hold different pipeline stages (torch.distributed.pipelining): `agree` maps them.
     pipelined: bool = False
 
-    def agree(self, group: Any) -> None:
+    def agree(self, group: Any, failed: bool = False) -> None:
         """Collective over `group` (a gloo group of every rank; None when not distributed), on every rank,
         once, at `set_monitor`: the ranks compare what they hold. A `pipelined` adapter learns which ranks
-        hold its pipeline stage (`pipelining.stage_map`: one all-gather of four int64)."""
-        self._stages = stage_map(self.roots(), self.chunks, group) if self.pipelined else None
+        hold its pipeline stage (`pipelining.stage_map`: one all-gather of four int64). Never raises: a
+        rank that fails before the all-gather (`failed`: in a subclass's own preparation, recorded there)
+        still takes part, and every rank then falls back alike to no map."""
+        stages = None
+        if self.pipelined:
+            try:
+                roots = self.roots()
+            except Exception as exc:  # noqa: BLE001 - the collective runs all the same
+                self.context.faults.record("pipeline stage comparison", exc, "no stage map on any rank")
+                roots, failed = [], True
+            stages = stage_map(roots, self.chunks, group, self.context.faults, failed)
+        self._stages = stages
         use_stage_map(self._stages)  # process-wide: a previous monitor's map goes
 
     @property

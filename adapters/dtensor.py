@@ -124,11 +124,35 @@ def same_stage_copies(mesh: Any) -> Placement:
     """Where a plain tensor that every rank of a tensor-parallel model computes alike (a parameter left
     whole beside DTensor ones) is a copy: over the groups of `mesh`'s root dimensions (size > 1) along
     which the ranks hold this rank's pipeline stage (`use_stage_map`); over every rank without stages."""
-    if _STAGES[0] is None:
-        return Replicated(None)
+    return copies_among(stage_lines(mesh), _STAGES[0])
+
+
+def stage_lines(mesh: Any, world: int | None = None) -> list[tuple[Any, list[int]]]:
+    """For each of `mesh`'s root dimensions of size > 1: its group and the global ranks along it through
+    this rank (none where this rank is off the mesh), checked to be below `world`. What `copies_among`
+    needs, found before the ranks compare their stages: an error here can then reach every rank."""
     get_root = getattr(mesh, "_get_root_mesh", None)
     root = (get_root() if callable(get_root) else None) or mesh
-    groups = [root.get_group(d) for d in range(root.ndim) if root.size(d) > 1 and _same_stage(root, d)]
+    coordinate = root.get_coordinate()
+    lines = []
+    for d in range(root.ndim):
+        if root.size(d) == 1:
+            continue
+        ranks = []
+        if coordinate is not None:
+            ranks = root.mesh[tuple(slice(None) if i == d else c for i, c in enumerate(coordinate))].tolist()
+        if world is not None and not all(0 <= r < world for r in ranks):
+            raise ValueError(f"mesh dimension {d} holds ranks {ranks} outside the world of {world}")
+        lines.append((root.get_group(d), ranks))
+    return lines
+
+
+def copies_among(lines: Sequence[tuple[Any, list[int]]], stages: Any) -> Placement:
+    """`same_stage_copies` from `stage_lines` and a `pipelining.StageMap` (None: no stages); no call
+    that can fail on one rank alone."""
+    if stages is None or not stages.splits():
+        return Replicated(None)
+    groups = [group for group, ranks in lines if stages.same_stage(ranks)]
     return Replicated(*groups) if groups else LOCAL
 
 

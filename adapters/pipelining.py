@@ -30,6 +30,7 @@ import gc
 import json
 import logging
 import sys
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -78,15 +79,20 @@ def on_stage_reduce(kind: str, module: torch.nn.Module, callback: Callable[[], N
 
 def watch_stages() -> None:
     """Wrap PipelineStage's shape/metadata inference in `side_pass`, a zero-bubble weight pass in `replay`,
-    and its reduce points to call the `on_stage_reduce` listeners; once per process. Cost per step: a dict
+    its reduce points to call the `on_stage_reduce` listeners, and its constructor to say when a stage
+    that `stage_map` needed is built after it (`_say_late_stage`); once per process. Cost per step: a dict
     lookup per backward of a stage."""
     stage = sys.modules.get("torch.distributed.pipelining.stage")
     if stage is None:
         return
+    base = getattr(stage, "_PipelineStageBase", None)
     for cls in vars(stage).values():
         if not isinstance(cls, type) or cls.__module__ != stage.__name__:
             continue
-        for name, wrap in _WRAPPERS.items():
+        wrappers = _WRAPPERS
+        if base is not None and issubclass(cls, base):  # not the module's other classes (_RecvInfo, ...)
+            wrappers = {**_WRAPPERS, "__init__": _after_init}
+        for name, wrap in wrappers.items():
             method = cls.__dict__.get(name)
             if method is not None and not getattr(method, "_trainermon", False):
                 wrapped = functools.wraps(method)(wrap(method))
@@ -130,6 +136,18 @@ def _before_reduce(method: Any) -> Any:
     return wrapped
 
 
+def _after_init(method: Any) -> Any:
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> None:
+        method(self, *args, **kwargs)
+        if _UNSTAGED:
+            try:
+                _say_late_stage(self)
+            except Exception:  # noqa: BLE001 - a message only: never in the way of building the stage
+                logger.debug("trainermon: could not check a new pipeline stage", exc_info=True)
+
+    return wrapped
+
+
 _WRAPPERS: dict[str, Callable[[Any], Any]] = {
     **dict.fromkeys(_METADATA_PASSES, _as_side_pass),
     "backward_maybe_with_nosync": _before_last_backward,
@@ -154,8 +172,26 @@ class StageMap:
         return all(self.digests[r] == mine for r in ranks)
 
 
+#: The bits of a rank's flag in `stage_map`'s all-gather
+_USED, _FAILED, _NO_STAGE = 1, 2, 4
+#: What every rank loses when one rank cannot take part in `stage_map` (its fallback is the one of a job
+#: without pipeline stages, the same on every rank)
+_FALLBACK = (
+    "every rank takes the ranks for copies of one model, as without pipeline stages: where ranks hold "
+    "different stages, the global grad norm is this stage's alone, and stages whose parameters have the "
+    "same names are taken for one stage (one writes their rows)"
+)
+#: id(unwrapped monitored module) -> its weak reference, for the modules whose stages `stage_map` found
+#: none of, where the map would need them (no rank's names differ): a stage built for one later is said
+_UNSTAGED: dict[int, Any] = {}
+
+
 def stage_map(
-    roots: Sequence[torch.nn.Module], chunks: Sequence[torch.nn.Module] = (), group: Any = None
+    roots: Sequence[torch.nn.Module],
+    chunks: Sequence[torch.nn.Module] = (),
+    group: Any = None,
+    faults: Any = None,
+    failed: bool = False,
 ) -> StageMap | None:
     """The job's `StageMap` when any rank uses pipelining, else None.
 
@@ -164,24 +200,27 @@ def stage_map(
     would otherwise issue different collectives), and learns from the gathered flags whether any did. One
     all-gather of four int64 per rank, on the CPU. A rank's digest covers its trainable parameter names and
     the indices of the `PipelineStage`s that run `roots` or `chunks`: stages built as `nn.Sequential`
-    parts have the same local names on every stage."""
+    parts have the same local names on every stage.
+
+    Never raises. A rank that fails before the all-gather (here, or in the adapter's own preparation:
+    `failed`) records it in `faults` and still takes part, flagged: then every rank returns None alike."""
     import torch.distributed as dist
 
     if group is None:
         return None
+    used = in_use()
+    flags, digest, indices = (_USED if used else 0) | (_FAILED if failed else 0), [0, 0, 0], []
     try:
         names = sorted(clean_name(n) for root in roots for n, p in root.named_parameters() if p.requires_grad)
-        used = in_use()
-        mine = [
-            int(used),
-            *digest_of(json.dumps([names, _stage_indices([*roots, *chunks]) if used else []]).encode()),
-        ]
-    except Exception:  # noqa: BLE001 - still take part in the collective, as a rank without stages
-        logger.debug("trainermon: could not digest this rank's parameters", exc_info=True)
-        mine = [0, 0, 0, 0]
+        indices = _stage_indices([*roots, *chunks]) if used else []
+        flags |= _NO_STAGE if used and not indices else 0
+        digest = digest_of(json.dumps([names, indices]).encode())
+    except Exception as exc:  # noqa: BLE001 - still take part in the collective, flagged
+        _record(faults, exc)
+        flags |= _FAILED
     try:
         every = [torch.zeros(4, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(every, torch.tensor(mine, dtype=torch.int64), group=group)
+        dist.all_gather(every, torch.tensor([flags, *digest], dtype=torch.int64), group=group)
     except Exception as exc:  # noqa: BLE001 - the rows stay per stage, as before; said once
         logger.warning(
             "trainermon: could not compare the pipeline stages' parameters across ranks (%s); the global "
@@ -190,31 +229,106 @@ def stage_map(
         )
         return None
     rows = [tuple(t.tolist()) for t in every]
-    if not any(row[0] for row in rows):
+    _UNSTAGED.clear()  # process-wide, as `dtensor.use_stage_map`: a previous monitor's modules go
+    if not any(row[0] & _USED for row in rows):
         return None
-    return StageMap(dist.get_rank(group), tuple(row[1:] for row in rows))
+    failing = [rank for rank, row in enumerate(rows) if row[0] & _FAILED]
+    if failing:
+        logger.warning(
+            "trainermon: rank(s) %s could not prepare the comparison of the pipeline stages (their error is "
+            "logged there): %s",
+            failing,
+            _FALLBACK,
+        )
+        return None
+    stages = StageMap(dist.get_rank(group), tuple(row[1:] for row in rows))
+    try:
+        _say_missing_stages(rows, stages, [*roots, *chunks], flags)
+    except Exception:  # noqa: BLE001 - messages only: the map stands, as on every rank
+        logger.debug("trainermon: could not say which stages are missing", exc_info=True)
+    return stages
+
+
+def _record(faults: Any, exc: Exception) -> None:
+    if faults is not None:
+        faults.record("pipeline stage comparison", exc, _FALLBACK)
+    else:
+        logger.warning("trainermon: could not compare the pipeline stages (%s): %s", exc, _FALLBACK)
+
+
+def _say_missing_stages(
+    rows: Sequence[tuple[int, ...]], stages: StageMap, modules: Sequence[torch.nn.Module], flags: int
+) -> None:
+    """A job that imports pipelining without building stages (torchtitan always imports it) is told
+    nothing: a warning is kept for where a missing stage makes the map wrong."""
+    if not flags & _NO_STAGE:
+        return
+    if any(row[0] & _USED and not row[0] & _NO_STAGE for row in rows):
+        # other ranks found their stages: this rank's digest differs from its own stage's copies
+        logger.warning(
+            "trainermon: other ranks run their monitored modules in PipelineStages, this one in none yet: "
+            "build every rank's stages before set_monitor (the ranks of one stage are otherwise not "
+            "taken for copies of each other)"
+        )
+        return
+    logger.info(
+        "trainermon: torch.distributed.pipelining is imported but no PipelineStage runs the monitored "
+        "modules (a job without pipeline stages; a stage built later is said)"
+    )
+    if not stages.splits():  # no rank's names differ: only stage indices could tell the stages apart
+        from .common import unwrap
+
+        for module in modules:
+            inner = unwrap(module)
+            _UNSTAGED[id(inner)] = weakref.ref(inner)
+
+
+def _say_late_stage(stage: Any) -> None:
+    """Warn once when a PipelineStage is built after `stage_map` for a module it looked for."""
+    from .common import unwrap
+
+    submod = getattr(stage, "submod", None)
+    if not isinstance(submod, torch.nn.Module):
+        return
+    ref = _UNSTAGED.get(id(unwrap(submod)))
+    if ref is None or ref() is not unwrap(submod):
+        return
+    _UNSTAGED.clear()  # once
+    logger.warning(
+        "trainermon: a PipelineStage was built for a monitored module after set_monitor, and every rank's "
+        "parameters have the same names: the ranks' stages are taken for one stage (one writes their rows, "
+        "the global grad norm is this stage's alone). Build the stages before set_monitor"
+    )
+
+
+def _stage_kinds(base: type) -> set[type]:
+    kinds, todo = set(), [base]
+    while todo:
+        cls = todo.pop()
+        if cls not in kinds:
+            kinds.add(cls)
+            todo += cls.__subclasses__()
+    return kinds
 
 
 def _stage_indices(modules: Sequence[torch.nn.Module]) -> list[int]:
-    """The `stage_index` of every PipelineStage whose module is one of `modules`. The stages exist before
-    `set_monitor` and nothing lists them: they are found among the objects that refer to the modules (a
-    scan of the garbage collector's objects per module, once, only where pipelining is imported)."""
+    """The `stage_index` of every PipelineStage whose module is one of `modules`, wrappers aside: a stage
+    may run DDP(m) or torch.compile(m) where set_monitor got m, or the other way round. The stages exist
+    before `set_monitor` and nothing lists them: they are found among the garbage collector's objects (one
+    pass, once, only where pipelining is imported; a `gc.get_referrers` per module would be one pass each
+    and sees no stage that runs a wrapper of the module)."""
     stage = sys.modules.get("torch.distributed.pipelining.stage")
     base = getattr(stage, "_PipelineStageBase", None)
     if base is None:
         return []
+    from .common import unwrap
+
+    wanted = {id(unwrap(m)) for m in modules}
+    kinds = _stage_kinds(base)
     found = set()
-    for module in {id(m): m for m in modules}.values():
-        for ref in gc.get_referrers(module):
-            # a stage's attributes live in its __dict__ (the referrer then) or inline in the object
-            owners = gc.get_referrers(ref) if isinstance(ref, dict) and ref.get("submod") is module else [ref]
-            for owner in owners:
-                if isinstance(owner, base) and getattr(owner, "submod", None) is module:
-                    found.add(int(owner.stage_index))
-    if not found:
-        logger.warning(
-            "trainermon: torch.distributed.pipelining is imported but no PipelineStage runs the monitored "
-            "modules yet: if this job pipelines, build its stages before set_monitor (stages whose "
-            "parameters have the same names are otherwise taken for one stage)"
-        )
+    for obj in gc.get_objects():
+        if type(obj) in kinds:
+            submod = getattr(obj, "submod", None)
+            if isinstance(submod, torch.nn.Module) and id(unwrap(submod)) in wanted:
+                found.add(int(obj.stage_index))
     return sorted(found)

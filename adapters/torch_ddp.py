@@ -36,12 +36,13 @@ from trainermon.runtime.side_passes import SIDE_PASSES
 from .base import GRAD_REDUCED, GRAD_UNREDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
 from .common import OncePerStep, guarded, hook_optimizer_step, is_wrapper, state_values, unwrap
 from .dtensor import (
+    copies_among,
     dtensor_piece,
     is_dtensor,
     local_piece,
     reduce_partials,
-    same_stage_copies,
     splits_over_ranks,
+    stage_lines,
 )
 from .pipelining import StageMap, on_stage_reduce
 
@@ -83,12 +84,24 @@ class TorchAdapter(Adapter):
     def roots(self) -> list[torch.nn.Module]:
         return self._roots
 
-    def agree(self, group: Any) -> None:
-        super().agree(group)
+    def agree(self, group: Any, failed: bool = False) -> None:
+        import torch.distributed as dist
+
+        lines = None
         if self._plain_copies:  # under pipeline stages, copies only on the ranks of this stage
-            mesh = next((p.device_mesh for c in self._roots for p in c.parameters() if is_dtensor(p)), None)
-            if mesh is not None:
-                self._replica = same_stage_copies(mesh)
+            # the mesh is read before the ranks compare stages: a failure on one rank is told to every
+            # rank in that comparison, and all keep copies over every rank alike
+            try:
+                meshes = (p.device_mesh for c in self._roots for p in c.parameters() if is_dtensor(p))
+                mesh = next(meshes, None)
+                if mesh is not None:
+                    lines = stage_lines(mesh, dist.get_world_size(group) if group is not None else None)
+            except Exception as exc:  # noqa: BLE001 - the collective below runs all the same
+                self.context.faults.record("pipeline stage comparison", exc, "no stage map on any rank")
+                failed = True
+        super().agree(group, failed)
+        if lines is not None:
+            self._replica = copies_among(lines, self._stages)
 
     @property
     def splits_model(self) -> bool:
