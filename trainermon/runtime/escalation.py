@@ -24,7 +24,11 @@ class Escalation:
         return step <= self.until
 
     def state_dict(self) -> dict:
-        return {"until": self.until}
+        # Requests the worker left since the last boundary: the resumed run applies them at its first step
+        return {"until": self.until, "pending": list(self._requests)}
 
     def load_state_dict(self, state: dict) -> None:
+        """`state` as checked by `resume_state.check_state`."""
         self.until = int(state.get("until", -1))
+        self._requests.clear()
+        self._requests.extend(int(n) for n in state.get("pending", ()))

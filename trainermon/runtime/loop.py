@@ -45,11 +45,11 @@ from .outputs import Outputs
 from .owntime import OwnTime
 from .plan import Schedule, StepPlan, plan_step
 from .reloads import ConfigChanges, engine_options
+from .resume_state import STATE_VERSION, check_state
 from .selection import ParamSelection, select_params
 from .uneven import joinables, joining, say_paused
 
 logger = logging.getLogger("trainermon")
-STATE_VERSION = 1
 
 
 def dist_info() -> tuple[int, int]:
@@ -329,20 +329,14 @@ class StepLoop(ConfigChanges):
             "version": STATE_VERSION,
             "step": self.step,
             "schedule_collected": self.schedule.collected,
+            "schedule_start": self.schedule.start,  # dynamic mode: the grid's anchor (None: none yet)
             "dynamic_on": self.config.dynamic_on,
             "escalation": self.escalation.state_dict(),
             "detector": self.detector.state_dict() if self.detector is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if not isinstance(state, dict):
-            raise ValueError(f"trainermon: a state is a dict from state_dict(), got {type(state).__name__}")
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"trainermon: state version {state.get('version')!r}; allowed: {STATE_VERSION}")
-        for key in ("step", "schedule_collected"):  # checked here: never a KeyError mid-way through a restore
-            value = state.get(key)
-            if type(value) is not int or value < 0:
-                raise ValueError(f"trainermon: state key {key!r} is {value!r}; allowed: a whole number >= 0")
+        check_state(state)  # all of it, here: never an error mid-way through a restore
         if self.adapter is None:
             self._pending_state = state  # applied when set_monitor attaches
             return
@@ -358,6 +352,8 @@ class StepLoop(ConfigChanges):
         # toward collect_times goes on only where collection was on before and is on now.
         if self.control is None or bool(state.get("dynamic_on")) == self.config.dynamic_on:
             self.schedule.collected = int(state["schedule_collected"])
+            if self.control is not None and state.get("schedule_start") is not None:
+                self.schedule.resume(state["schedule_start"])  # not re-anchored at the resumed step
         self.escalation.load_state_dict(state.get("escalation", {}))
         if self.detector is not None and state.get("detector") is not None:
             self.detector.load_state_dict(state["detector"])

@@ -34,6 +34,15 @@ class Schedule:
             return False
         return (step - self.start_step) % self.step_interval == 0
 
+    @property
+    def start(self) -> int | None:
+        """The first collected step; None while a dynamic schedule waits for the step it anchors at."""
+        return None if self._anchor else self.start_step
+
+    def resume(self, start: int) -> None:
+        """A restored dynamic run: its grid goes on from the saved run's anchor, not the resumed step."""
+        self.start_step, self._anchor = start, False
+
     def mark_collected(self) -> None:
         self.collected += 1
 

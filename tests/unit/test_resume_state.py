@@ -1,0 +1,113 @@
+"""Resuming from `state_dict()`: what the saved state must carry, and what it may not do when malformed.
+
+- Dynamic mode: the step_interval grid goes on from the saved run's anchor (before: re-anchored at the
+  resumed step, [0, 3] + [5, 8, 11] for [0, 3, 6, 9]).
+- Escalation requests the worker left before the save are applied after the resume (before: lost).
+- A malformed nested part (`escalation`, `detector`) is refused by `load_state_dict` itself, naming the
+  key, and nothing is applied (before: accepted, then failing half-applied in `set_monitor`).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers import write_config
+from tests.unit.dynamic_common import BASE, _collected_steps
+from trainermon import TrainerMon
+
+CUT, END = 5, 12
+
+
+def _model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def _run(monitor: TrainerMon, model, opt, steps: range) -> None:
+    for _ in steps:
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_a_resumed_dynamic_run_keeps_its_step_interval_grid(tmp_path, out_dir, dynamic_mode):
+    path = tmp_path / "monitor_config.json"
+    path.write_text(json.dumps({**BASE, "dynamic_on": True, "step_interval": 3}))
+    model, opt = _model()
+    first = TrainerMon(str(path))
+    first.set_monitor(model, optimizer=opt)
+    _run(first, model, opt, range(CUT))
+    state = first.state_dict()
+    first.close()
+    assert _collected_steps(out_dir) == [0, 3]
+    second = TrainerMon(str(path))
+    second.load_state_dict(state)
+    second.set_monitor(model, optimizer=opt, start_iteration=CUT)
+    _run(second, model, opt, range(CUT, END))
+    second.close()
+    assert first.faults.total == 0 and second.faults.total == 0
+    assert _collected_steps(out_dir) == [0, 3, 6, 9]
+    assert state["schedule_start"] == 0
+
+
+def test_escalation_requested_before_the_save_is_applied_after_the_resume(tmp_path, out_dir):
+    config = write_config(tmp_path / "c.json", wg_distribution=True, ops=["norm"], collect_times=1)
+    model, opt = _model()
+    first = TrainerMon(config)
+    first.set_monitor(model, optimizer=opt)
+    _run(first, model, opt, range(CUT))
+    first.loop.escalation.request(2)  # as the worker does on an anomaly, before the next boundary
+    state = first.state_dict()
+    first.close()
+    second = TrainerMon(config)
+    second.load_state_dict(state)
+    second.set_monitor(model, optimizer=opt, start_iteration=CUT)
+    escalated = []
+    for step in range(CUT, CUT + 4):
+        escalated.append(second.loop.plan.escalating)
+        _run(second, model, opt, range(step, step + 1))
+    second.close()
+    assert escalated == [True, True, False, False]
+    assert state["escalation"]["pending"] == [2]
+
+
+@pytest.mark.parametrize(
+    "part, named",
+    [
+        ({"escalation": 5}, "'escalation' is 5"),
+        ({"escalation": {"until": "7"}}, "'escalation.until' is '7'"),
+        ({"escalation": {"until": 3, "pending": [0]}}, "'escalation.pending' is 0"),
+        ({"detector": []}, "'detector' is []"),
+        ({"detector": {"counts": {"AnomalyNan": "x"}}}, "'detector.counts'"),
+        ({"detector": {"avg": {("a", "norm"): 1.0}}}, "'detector.avg'"),
+        ({"detector": {"rolling": {("a",): (0, [1.0])}}}, "detector.rolling[('a',)]"),
+        ({"dynamic_on": "yes"}, "'dynamic_on' is 'yes'"),
+        ({"schedule_start": -2}, "'schedule_start' is -2"),
+    ],
+)
+def test_a_malformed_nested_part_is_refused_before_anything_is_applied(tmp_path, out_dir, part, named):
+    config = write_config(
+        tmp_path / "c.json",
+        wg_distribution=True,
+        ops=["norm"],
+        alert={"rules": [{"rule_name": "AnomalySpike", "args": {}}], "dump": False},
+    )
+    model, opt = _model()
+    monitor = TrainerMon(config)
+    good = monitor.state_dict()
+    with pytest.raises(ValueError, match="allowed") as info:
+        monitor.load_state_dict({**good, "step": 7, **part})  # before set_monitor: kept for it
+    assert named in str(info.value), str(info.value)
+    monitor.set_monitor(model, optimizer=opt)  # nothing half-applied: attaches as without the state
+    assert monitor.current_step == 0 and monitor.faults.total == 0
+    with pytest.raises(ValueError, match="allowed"):
+        monitor.load_state_dict({**monitor.state_dict(), "step": 7, **part})  # after set_monitor
+    assert monitor.current_step == 0
+    _run(monitor, model, opt, range(2))
+    monitor.close()
+    assert monitor.current_step == 2 and monitor.faults.total == 0
