@@ -5,7 +5,9 @@ Files: `{run_dir}/{family}_{first}-{last}.csv`, where [first, last] is the step 
 (micro_step for actv, actv_grad, comm, and grad_unreduced with monitor_mbs_grad; `comm` rows end
 with `calls,bytes` after `skipped`): msprobe's columns, then
 trainermon's `shard`, empty unless the rank's row holds only a piece of the tensor (a DTensor's local
-shard), and `skipped` (1: the step's optimizer update was skipped, 0: it ran, empty: not known), so
+shard), and `skipped` (1: the step's optimizer update was skipped, by a loss scaler's overflow or by
+the framework; 2: skipped by the training loop itself, whose Inf/NaN are anomalies (`own_skip`); 0: it
+ran; empty: not known), so
 msprobe's readers, which select columns by name, keep working. Families with columns of their own
 append them after `skipped` (`comm`: `calls,bytes`; `update`: `ratio`; `moe_load`: see
 `collect/family_columns.py`). Each family's rows of a step go to the file in one unbuffered write, so
@@ -317,8 +319,12 @@ class CsvExporter(Exporter):
             elif BY_NAME[op].kind is Kind.COUNT:
                 columns.append([str(int(v)) for v in batch.values[op][indices].tolist()])
         columns.append(list(map(_SHARD, texts)))
-        skipped = batch.scalars.update_skipped  # the step's update was skipped: 1, done: 0, not known: empty
-        columns.append("" if skipped is None else str(int(skipped)))
+        skipped = (
+            batch.scalars.update_skipped
+        )  # skipped: 1 (2: by the loop itself), done: 0, not known: empty
+        columns.append(
+            "" if skipped is None else "2" if skipped and batch.scalars.own_skip else str(int(skipped))
+        )
         if rows and rows[0].family == "comm":
             columns += [[str(r.calls) for r in rows], [str(r.nbytes) for r in rows]]
         fmt = f"%.{self.ndigits}g"

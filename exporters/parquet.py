@@ -124,6 +124,7 @@ class ParquetExporter(Exporter):
                 "dtype": [str(r.dtype) for r in rows],
                 "shard": [r.shard or None for r in rows],
                 "skipped": [batch.scalars.update_skipped] * n,
+                "own_skip": [_own_skip(batch.scalars)] * n,
                 "calls": [r.calls if family == "comm" else None for r in rows],
                 "bytes": [r.nbytes if family == "comm" else None for r in rows],
             }
@@ -203,3 +204,10 @@ class ParquetExporter(Exporter):
 
     def close(self) -> None:
         self.flush()
+
+
+def _own_skip(scalars: Any) -> bool | None:
+    """The `own_skip` column: null where the update's fate is not known."""
+    if scalars.update_skipped is None:
+        return None
+    return bool(scalars.update_skipped) and scalars.own_skip

@@ -35,6 +35,8 @@ EXTRA_FLOATS = tuple(name for name, kind, _ in EXTRA_COLUMNS if kind == "float")
 EXTRA_INTS = tuple(name for name, kind, _ in EXTRA_COLUMNS if kind == "int")
 EXTRA_FAMILIES = {name: families for name, _, families in EXTRA_COLUMNS}
 COLUMNS += tuple(name for name, _, _ in EXTRA_COLUMNS)
+#: Added after the family columns (older files read it as null): see `file_schema`.
+COLUMNS += ("own_skip",)
 PART_PREFIX = "part-"
 DATASET_MARKER = "_trainermon_dataset.json"
 POINTER_FILE = "parquet.json"  # in each rank's run directory: where its rows went
@@ -139,6 +141,10 @@ def file_schema():
         "flist": pa.list_(pa.float64()),
     }
     fields += [pa.field(name, types[kind]) for name, kind, _ in EXTRA_COLUMNS]  # older files: null
+    # A skipped update (`skipped` true) that the training loop made itself, no loss scaler's overflow:
+    # its Inf/NaN are anomalies. False where a scaler or the framework skipped or the update ran; null
+    # where no one said, and in older files.
+    fields.append(pa.field("own_skip", pa.bool_()))
     return pa.schema(fields)
 
 

@@ -264,7 +264,9 @@ def _columns(rows: list[dict[str, str]], run_id: str) -> dict[str, Any]:
         ]
     columns["dtype"] = [r.get("dtype") or None for r in rows]
     columns["shard"] = [r.get("shard") or None for r in rows]  # absent in msprobe's and older CSV
-    columns["skipped"] = [{"1": True, "0": False}.get(r.get("skipped") or "") for r in rows]
+    flags = [r.get("skipped") or "" for r in rows]  # 1: skipped, 2: skipped by the loop itself, 0: ran
+    columns["skipped"] = [{"1": True, "2": True, "0": False}.get(f) for f in flags]
+    columns["own_skip"] = [{"1": False, "2": True, "0": False}.get(f) for f in flags]
     for key in ("calls", "bytes"):  # comm rows only
         columns[key] = [int(r[key]) if r.get(key) else None for r in rows]
     if "stat" in header:  # xrank_*.csv: cross-rank summaries (family and stat say what they summarise)

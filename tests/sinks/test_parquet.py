@@ -56,7 +56,7 @@ def test_round_trip_equals_csv(tmp_path, monkeypatch):
         "norm", "mean", "min", "max", "zeros", "nans", "infs", "numel", "shape", "dtype", "shard", "skipped",
         "calls", "bytes", "xrank_family", "xrank_stat", "max_rank", "min_rank", "nonfinite_rank", "ranks",
         "ratio", "load_cv", "max_expert", "min_expert", "dropped", "aux_loss", "expert_load",
-        "max_head", "head_max_logit",
+        "max_head", "head_max_logit", "own_skip",
     ]  # fmt: skip
     assert table.num_rows == len(csv_rows) > 100
     assert set(table.column("family").to_pylist()) == {

@@ -26,7 +26,7 @@ def _config(tmp_path, monkeypatch) -> str:
         xy_distribution=True,
         wg_distribution=True,
         ops=["norm", "nans"],
-        format="csv",
+        format=["csv", "parquet"],
         alert={"rules": [{"rule_name": "AnomalyNan", "args": {}}], "dump": True},
     )
 
@@ -68,7 +68,20 @@ def test_a_loop_skipping_its_own_step_on_nan_grads_is_a_nan_anomaly(tmp_path, mo
     assert stepped == [True, True, False, True]
     assert monitor.faults.total == 0, dict(monitor.faults.counts)
     skipped = {int(r["step"]): r["skipped"] for r in read_family(monitor.run_dir, "grad_reduced")}
-    assert skipped[NAN_STEP] == "1" and skipped[1] != "1" and skipped[3] != "1"  # CSV as before
+    # CSV: 2, the loop's own skip (a scaler's is 1); Parquet: skipped and own_skip
+    assert skipped[NAN_STEP] == "2" and skipped[1] == "" and skipped[3] == "", skipped
+    import trainermon
+
+    table = trainermon.load(str(tmp_path / "out"), family="grad_reduced", as_pandas=True)
+    flags = table.groupby("step")[["skipped", "own_skip"]].agg(lambda v: set(v.tolist()))
+    assert flags.loc[NAN_STEP, "skipped"] == {True} and flags.loc[NAN_STEP, "own_skip"] == {True}, flags
+    assert all(flags.loc[s, "own_skip"] == {None} for s in (0, 1, 3)), flags
+    from trainermon.cli import main  # CSV converted to Parquet: the same flags
+
+    assert main(["convert", monitor.run_dir, str(tmp_path / "converted")]) == 0
+    converted = trainermon.load(str(tmp_path / "converted"), family="grad_reduced", as_pandas=True)
+    again = converted.groupby("step")[["skipped", "own_skip"]].agg(lambda v: set(v.tolist()))
+    assert again.to_dict() == flags.to_dict()
     by_step = _nan_records(tmp_path)
     assert set(by_step) == {NAN_STEP}, by_step
     got = by_step[NAN_STEP]

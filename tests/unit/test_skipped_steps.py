@@ -109,6 +109,8 @@ def test_gradscaler_overflow_is_its_own_flagged_step(tmp_path, monkeypatch, clea
     table = trainermon.load(str(tmp_path / "out"), family="grad_reduced", as_pandas=True)
     flags = table.groupby("step")["skipped"].agg(lambda v: set(v.tolist()))
     assert flags[OVERFLOW] == {True}
+    own = table.groupby("step")["own_skip"].agg(lambda v: set(v.tolist()))
+    assert own[OVERFLOW] == {False}  # the scaler's overflow, not the loop's own skip
     assert all(True not in flags[s] for s in range(ITERATIONS) if s != OVERFLOW), flags
 
 
