@@ -178,3 +178,61 @@ def test_another_optimizers_overflow_on_the_same_scaler_explains_nothing(tmp_pat
     assert scaler.get_scale() < 2.0**10  # `other` overflowed
     got = _nan_records(tmp_path)
     assert set(got) == {OVERFLOW} and ("grad_reduced", "0.weight", "nans") in got[OVERFLOW], got
+
+
+_LATE_SCALER = """
+import math, sys
+import torch, torch.distributed as dist
+from torch import nn
+from trainermon import TrainerMon
+from tests.helpers import read_family
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+assert "torch.distributed.fsdp.sharded_grad_scaler" not in sys.modules
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+monitor = TrainerMon(sys.argv[1])
+monitor.set_monitor(model, grad_acc_steps=1, optimizer=opt)
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # after set_monitor
+
+scaler = ShardedGradScaler(device="cpu", init_scale=2.0**10)
+for it in range(4):
+    loss = model(torch.randn(3, 4)).pow(2).mean() * (math.inf if it == 2 else 1.0)
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)  # ShardedGradScaler's own, not the base class's
+    if torch.isfinite(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)):
+        scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+monitor.close()
+print(sorted({(int(r["step"]), r["skipped"]) for r in read_family(monitor.run_dir, "grad_reduced")}))
+dist.destroy_process_group()
+"""
+
+
+def test_a_scaler_class_loaded_after_set_monitor_is_watched(tmp_path, monkeypatch):
+    """FSDP's ShardedGradScaler, imported after set_monitor (`import torch.distributed.fsdp` does not load
+    it), defines its own `unscale_`: its overflow is still the scaler's (skipped 1, no AnomalyNan). Before,
+    only the classes loaded at set_monitor were wrapped: skipped 2 and 11 AnomalyNan records. In a fresh
+    process, where the class is not loaded yet."""
+    import os
+    import subprocess
+    import sys
+
+    config = _config(tmp_path, monkeypatch)
+    script = tmp_path / "late.py"
+    script.write_text(_LATE_SCALER)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": repo}
+    out = subprocess.run(
+        [sys.executable, str(script), config, str(tmp_path / "store")],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[(0, ''), (1, ''), (2, '1'), (3, '')]", out.stdout
+    assert _nan_records(tmp_path) == {}

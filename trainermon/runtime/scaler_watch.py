@@ -9,6 +9,10 @@
   `scaler.step` itself on a non-finite clip norm, and the scaler's `found_inf` says whether that skip
   is a routine overflow (the probe keeps the tensors; it reads them only on a skipped step).
 
+A subclass loaded later (FSDP's `sharded_grad_scaler` is imported by the user, often after
+`set_monitor`; a user's own scaler class) is wrapped when its first instance is built: `GradScaler.__init__`,
+which every subclass reaches through `super().__init__`, is watched too.
+
 Cost: one Python call more per scaler call, nothing while no probe is attached. The wrappers never
 raise into the training loop: a failing probe is passed over.
 """
@@ -62,6 +66,35 @@ def _tell_unscaled(scaler: Any, optimizer: Any) -> None:
             pass
 
 
+def _watch_class(cls: type) -> None:
+    """Wrap `cls`'s own `step` / `unscale_` where not yet wrapped (a subclass loaded after the watch)."""
+    for name in WATCHED:
+        own = cls.__dict__.get(name)
+        if own is not None and (cls, name) not in _WRAPPED and not _is_ours(own):
+            wrapper = _wrap(name, own)
+            _WRAPPED[(cls, name)] = (own, wrapper)
+            setattr(cls, name, wrapper)
+
+
+def _is_ours(method: Any) -> bool:
+    return any(method is wrapper for _, wrapper in _WRAPPED.values())
+
+
+def _wrap_init(original: Any) -> Any:
+    @functools.wraps(original)
+    def __init__(scaler: Any, *args: Any, **kwargs: Any) -> None:
+        original(scaler, *args, **kwargs)
+        if _LISTENERS:
+            try:
+                for cls in type(scaler).__mro__:
+                    if issubclass(cls, torch.amp.GradScaler):
+                        _watch_class(cls)
+            except Exception:  # noqa: BLE001, S110 - never into the training loop; skips then reported
+                pass
+
+    return __init__
+
+
 def _wrap(name: str, original: Any) -> Any:
     # Never traced (a step compiled with its scaler); disabled here, not at import (that loads dynamo).
     if name == "step":
@@ -90,12 +123,13 @@ class ScalerWatch:
     def __init__(self, listener: ScalerListener) -> None:
         self.listener: ScalerListener | None = listener
         if not _LISTENERS:
-            for name in WATCHED:
-                for cls in _scaler_classes(name):
-                    own = cls.__dict__[name]
-                    wrapper = _wrap(name, own)
-                    _WRAPPED[(cls, name)] = (own, wrapper)
-                    setattr(cls, name, wrapper)
+            for cls in {c: None for name in WATCHED for c in _scaler_classes(name)}:
+                _watch_class(cls)
+            base = torch.amp.GradScaler
+            init = base.__dict__["__init__"]
+            wrapper = _wrap_init(init)
+            _WRAPPED[(base, "__init__")] = (init, wrapper)
+            base.__init__ = wrapper
         _LISTENERS.append(listener)
 
     def remove(self) -> None:
