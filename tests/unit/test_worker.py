@@ -177,3 +177,60 @@ def test_monitor_takes_the_interval_from_its_config_and_a_reload(tmp_path, out_d
         assert wait_for(lambda: len(read_family(mon.run_dir, "grad_reduced")) == 8)
     finally:
         mon.close()
+
+
+class _StuckSink:
+    """A sink on a dead mount: `stuck_in` ("flush" or "close") waits for `release` once closing."""
+
+    def __init__(self, stuck_in: str | None, release: threading.Event) -> None:
+        self.stuck_in, self.release, self.calls = stuck_in, release, []
+
+    def write(self, batch) -> None:
+        self.calls.append("write")
+
+    def flush(self) -> None:
+        self.calls.append("flush")
+        if self.stuck_in == "flush":
+            self.release.wait(120)
+
+    def close(self) -> None:
+        self.calls.append("close")
+        if self.stuck_in == "close":
+            self.release.wait(120)
+
+
+def _close_with(monkeypatch, stuck: list[str | None], hung_s: float, timeout: float | None):
+    import trainermon.pipeline.worker as worker_mod
+
+    monkeypatch.setattr(worker_mod, "HUNG_S", hung_s)
+    release = threading.Event()
+    sinks = [_StuckSink(s, release) for s in stuck]
+    faults = FaultLog()
+    worker = BackgroundWorker(sinks, faults, _derive, interval_s=0)
+    start = time.monotonic()
+    try:
+        worker.close() if timeout is None else worker.close(timeout)
+        took = time.monotonic() - start
+    finally:
+        release.set()
+    return sinks, faults, took
+
+
+def test_close_is_bounded_when_a_sink_hangs_in_its_own_close(monkeypatch):
+    """Before: close() ran every exporter's close() on the caller's thread with no bound: stuck for good
+    (the interpreter's exit held), and the sinks after it never closed."""
+    sinks, faults, took = _close_with(monkeypatch, ["close", None], hung_s=1.0, timeout=5.0)
+    assert took < 1.0 + 4.0, took  # HUNG_S for the stuck close, then the other's
+    assert sinks[1].calls == ["flush", "close"]
+    assert dict(faults.counts) == {"exporter _StuckSink.close hung": 1}
+
+
+def test_close_with_three_sinks_hung_in_flush_still_closes_the_fourth(monkeypatch):
+    """A dead mount hangs every file sink: each is switched off after HUNG_S, and the default timeout
+    (HUNG_S + 10) is renewed for the sinks after it. Before: it covered the hangs that fit in it once
+    (here the third is switched off at 15 s at the earliest, the deadline), and the healthy sink after
+    them was neither flushed nor closed."""
+    sinks, faults, took = _close_with(monkeypatch, ["flush"] * 3 + [None], hung_s=5.0, timeout=None)
+    assert sinks[3].calls == ["flush", "close"], sinks[3].calls
+    assert dict(faults.counts) == {"exporter _StuckSink hung": 3}
+    assert took < 3 * (5.0 + 5.0 / 4) + 10, took

@@ -163,16 +163,18 @@ class BackgroundWorker:
                 return
 
     def close(self, timeout: float | None = None) -> None:
-        """Write what is queued, then stop the worker and close the exporters; at most `timeout` seconds
-        (default HUNG_S + 10).
+        """Write what is queued, then stop the worker and close the exporters.
 
         A sink stuck in one call for HUNG_S is switched off meanwhile, as during the run, so the other
-        sinks still write and close what they hold. One that is still stuck at the deadline is left to its
-        daemon thread: its exporters are not closed under it, and the caller (often the interpreter's
-        exit) is not held."""
+        sinks still write and close what they hold; each exporter's `close()` gets HUNG_S on a thread of
+        its own. The wait for the writing is at most `timeout` seconds; by default HUNG_S + 10, renewed
+        each time a sink is switched off (a dead mount hangs every file sink: each costs HUNG_S, and the
+        sinks after it still write). A sink still stuck then is left to its daemon thread, and the caller
+        (often the interpreter's exit) is not held."""
         if self._closed:
             return
         self._closed = True
+        renew = timeout is None
         timeout = HUNG_S + 10 if timeout is None else timeout
         if self._thread.is_alive():
             self._pending.append(_STOP)
@@ -181,13 +183,40 @@ class BackgroundWorker:
             # In slices: a stuck sink is noticed here, and a new thread finishes the others' work.
             while self._thread.is_alive() and (left := deadline - time.monotonic()) > 0:
                 self._thread.join(min(HUNG_S / 4, left))
+                off = len(self._disabled)
                 self._check_hung()
+                if renew and len(self._disabled) > off:
+                    deadline = max(deadline, time.monotonic() + HUNG_S + 10)
             if self._thread.is_alive():
                 logger.error(
                     "trainermon: an exporter did not finish within %s s; leaving it to its thread", timeout
                 )
                 return
-        self._close_exporters()
+        self._close_each_bounded()
+
+    def _close_each_bounded(self) -> None:
+        """Close the exporters that are on, each on a daemon thread for at most HUNG_S: one stuck in its
+        `close()` (a dead mount) is counted and left, and the others are still closed."""
+        for i, exporter in enumerate(self.exporters):
+            if i in self._disabled:
+                continue
+            closer = threading.Thread(
+                target=self._close_one, args=(exporter,), name="trainermon-close", daemon=True
+            )
+            closer.start()
+            closer.join(HUNG_S)
+            if closer.is_alive():
+                self.faults.record(
+                    f"exporter {type(exporter).__name__}.close hung",
+                    TimeoutError(f"close() has not returned for {HUNG_S:g} s (a dead filesystem or server?)"),
+                    "left to its thread; the other exporters are closed",
+                )
+
+    def _close_one(self, exporter: Any) -> None:
+        try:
+            exporter.close()
+        except Exception as exc:  # noqa: BLE001
+            self.faults.record(f"exporter {type(exporter).__name__}.close", exc)
 
     def _check_hung(self) -> None:
         """Any thread: a sink stuck in one call for HUNG_S is switched off (a counted fault), and a new
