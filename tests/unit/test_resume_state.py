@@ -111,3 +111,59 @@ def test_a_malformed_nested_part_is_refused_before_anything_is_applied(tmp_path,
     _run(monitor, model, opt, range(2))
     monitor.close()
     assert monitor.current_step == 2 and monitor.faults.total == 0
+
+
+def test_a_state_saved_before_pending_and_schedule_start_existed_still_loads(tmp_path, out_dir, dynamic_mode):
+    path = tmp_path / "monitor_config.json"
+    path.write_text(json.dumps({**BASE, "dynamic_on": True, "step_interval": 3}))
+    model, opt = _model()
+    first = TrainerMon(str(path))
+    first.set_monitor(model, optimizer=opt)
+    _run(first, model, opt, range(CUT))
+    state = first.state_dict()
+    first.close()
+    del state["schedule_start"]
+    state["escalation"] = {"until": CUT}  # the old layout: no queued requests
+    second = TrainerMon(str(path))
+    second.load_state_dict(state)
+    second.set_monitor(model, optimizer=opt, start_iteration=CUT)
+    escalating = second.loop.plan.escalating
+    _run(second, model, opt, range(CUT, END))
+    second.close()
+    assert escalating and second.faults.total == 0
+    # No anchor saved: the grid starts again at the resumed step, as before the anchor was kept
+    assert _collected_steps(out_dir) == [0, 3, 5, 8, 11]
+
+
+def test_a_real_detector_state_passes_the_check_through_torch_save(tmp_path, out_dir):
+    import io
+
+    rules = [
+        {"rule_name": "AnomalyTurbulence", "args": {}},
+        {"rule_name": "AnomalySpike", "args": {"warmup": 2}},
+        {"rule_name": "AnomalyUpdateRatio", "args": {}},
+    ]
+    config = write_config(
+        tmp_path / "c.json",
+        wg_distribution=True,
+        update_distribution=True,
+        ops=["norm", "mean"],
+        alert={"rules": rules, "dump": False},
+    )
+    model, opt = _model()
+    first = TrainerMon(config)
+    first.set_monitor(model, optimizer=opt)
+    _run(first, model, opt, range(CUT))
+    state = first.state_dict()
+    first.close()
+    saved = state["detector"]
+    assert saved["avg"] and saved["rolling"]  # tuple keys, (mean, n) and (window, [values]) entries
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    second = TrainerMon(config)
+    second.load_state_dict(torch.load(buf, weights_only=True))
+    second.set_monitor(model, optimizer=opt, start_iteration=CUT)
+    assert second.loop.detector.state_dict() == saved
+    second.close()
+    assert second.faults.total == 0
