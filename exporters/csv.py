@@ -319,9 +319,8 @@ class CsvExporter(Exporter):
             elif BY_NAME[op].kind is Kind.COUNT:
                 columns.append([str(int(v)) for v in batch.values[op][indices].tolist()])
         columns.append(list(map(_SHARD, texts)))
-        skipped = (
-            batch.scalars.update_skipped
-        )  # skipped: 1 (2: by the loop itself), done: 0, not known: empty
+        # skipped: 1 (2: by the loop itself), done: 0, not known: empty
+        skipped = batch.scalars.update_skipped
         columns.append(
             "" if skipped is None else "2" if skipped and batch.scalars.own_skip else str(int(skipped))
         )
