@@ -167,3 +167,18 @@ def test_a_real_detector_state_passes_the_check_through_torch_save(tmp_path, out
     assert second.loop.detector.state_dict() == saved
     second.close()
     assert second.faults.total == 0
+
+
+def test_a_state_loaded_before_set_monitor_is_kept_as_checked(tmp_path, out_dir):
+    """The caller's dict changed between load_state_dict and set_monitor (a checkpoint dict reused): the
+    state applied is the one checked. Before: kept by reference, the change skipped the check and failed
+    in set_monitor."""
+    config = write_config(tmp_path / "c.json", wg_distribution=True, ops=["norm"])
+    model, opt = _model()
+    monitor = TrainerMon(config)
+    state = {**monitor.state_dict(), "step": 7}
+    monitor.load_state_dict(state)
+    state["step"], state["escalation"] = "seven", "bad"
+    monitor.set_monitor(model, optimizer=opt)
+    assert monitor.current_step == 7 and monitor.faults.total == 0
+    monitor.close()

@@ -22,6 +22,7 @@ Costs per step that is not collected: one flag check per hook that is always ins
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import threading
@@ -338,7 +339,8 @@ class StepLoop(ConfigChanges):
     def load_state_dict(self, state: dict) -> None:
         check_state(state)  # all of it, here: never an error mid-way through a restore
         if self.adapter is None:
-            self._pending_state = state  # applied when set_monitor attaches
+            # applied when set_monitor attaches: a copy, as checked (the caller may reuse its dict)
+            self._pending_state = copy.deepcopy(state)
             return
         self._restore(state)
         for probe in self.probes:  # the current step's plan came from the state before the load
