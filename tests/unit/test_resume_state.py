@@ -35,7 +35,8 @@ def _run(monitor: TrainerMon, model, opt, steps: range) -> None:
         opt.zero_grad()
 
 
-def test_a_resumed_dynamic_run_keeps_its_step_interval_grid(tmp_path, out_dir, dynamic_mode):
+def _dynamic_first_run(tmp_path):
+    """Steps 0 to CUT - 1 in dynamic mode, every 3rd step collected; the state saved at CUT."""
     path = tmp_path / "monitor_config.json"
     path.write_text(json.dumps({**BASE, "dynamic_on": True, "step_interval": 3}))
     model, opt = _model()
@@ -44,6 +45,11 @@ def test_a_resumed_dynamic_run_keeps_its_step_interval_grid(tmp_path, out_dir, d
     _run(first, model, opt, range(CUT))
     state = first.state_dict()
     first.close()
+    return path, model, opt, first, state
+
+
+def test_a_resumed_dynamic_run_keeps_its_step_interval_grid(tmp_path, out_dir, dynamic_mode):
+    path, model, opt, first, state = _dynamic_first_run(tmp_path)
     assert _collected_steps(out_dir) == [0, 3]
     second = TrainerMon(str(path))
     second.load_state_dict(state)
@@ -114,14 +120,7 @@ def test_a_malformed_nested_part_is_refused_before_anything_is_applied(tmp_path,
 
 
 def test_a_state_saved_before_pending_and_schedule_start_existed_still_loads(tmp_path, out_dir, dynamic_mode):
-    path = tmp_path / "monitor_config.json"
-    path.write_text(json.dumps({**BASE, "dynamic_on": True, "step_interval": 3}))
-    model, opt = _model()
-    first = TrainerMon(str(path))
-    first.set_monitor(model, optimizer=opt)
-    _run(first, model, opt, range(CUT))
-    state = first.state_dict()
-    first.close()
+    path, model, opt, first, state = _dynamic_first_run(tmp_path)
     del state["schedule_start"]
     state["escalation"] = {"until": CUT}  # the old layout: no queued requests
     second = TrainerMon(str(path))
