@@ -120,13 +120,6 @@ def _same_stage(root: Any, dim: int) -> bool:
     return stages.same_stage(root.mesh[index].tolist())
 
 
-def same_stage_copies(mesh: Any) -> Placement:
-    """Where a plain tensor that every rank of a tensor-parallel model computes alike (a parameter left
-    whole beside DTensor ones) is a copy: over the groups of `mesh`'s root dimensions (size > 1) along
-    which the ranks hold this rank's pipeline stage (`use_stage_map`); over every rank without stages."""
-    return copies_among(stage_lines(mesh), _STAGES[0])
-
-
 def stage_lines(mesh: Any, world: int | None = None) -> list[tuple[Any, list[int]]]:
     """For each of `mesh`'s root dimensions of size > 1: its group and the global ranks along it through
     this rank (none where this rank is off the mesh), checked to be below `world`. What `copies_among`
@@ -148,8 +141,10 @@ def stage_lines(mesh: Any, world: int | None = None) -> list[tuple[Any, list[int
 
 
 def copies_among(lines: Sequence[tuple[Any, list[int]]], stages: Any) -> Placement:
-    """`same_stage_copies` from `stage_lines` and a `pipelining.StageMap` (None: no stages); no call
-    that can fail on one rank alone."""
+    """Where a plain tensor that every rank of a tensor-parallel model computes alike (a parameter left
+    whole beside DTensor ones) is a copy: over the groups of the mesh's root dimensions (`stage_lines`)
+    along which the ranks hold this rank's pipeline stage (`stages`, a `pipelining.StageMap`); over every
+    rank without stages. No call that can fail on one rank alone."""
     if stages is None or not stages.splits():
         return Replicated(None)
     groups = [group for group, ranks in lines if stages.same_stage(ranks)]

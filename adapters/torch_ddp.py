@@ -16,7 +16,7 @@
   states are DTensors, placed over their mesh by `adapters/dtensor.py` (full-parameter statistics, one
   writer); a rank's own gradient piece is its pre-reduce row, labelled. The model's plain parameters are
   then copies on every rank (the same data reaches every tensor-parallel rank), written once; under
-  pipelining, copies on the ranks of the same stage only (`dtensor.same_stage_copies`: the mesh's "tp"
+  pipelining, copies on the ranks of the same stage only (`dtensor.copies_among`: the mesh's "tp"
   dimension, not its "pp"), written once per stage.
 """
 

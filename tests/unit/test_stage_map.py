@@ -83,7 +83,7 @@ def _worker(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     model = nn.Module()
     model.add_module(f"layer{rank}", parallelize_module(nn.Linear(4, 4), mesh, ColwiseParallel()))
-    model.plain = nn.Linear(4, 4)  # a plain parameter beside DTensor ones: `same_stage_copies`
+    model.plain = nn.Linear(4, 4)  # a plain parameter beside DTensor ones: `copies_among`
     control = TorchAdapter([model], None, AdapterContext())
     control.agree(dist.group.WORLD)
     out["control"] = {"splits": control._stages.splits(), "replica": repr(control._replica)}
