@@ -2,7 +2,8 @@
 
 - Dynamic mode: the step_interval grid goes on from the saved run's anchor (before: re-anchored at the
   resumed step, [0, 3] + [5, 8, 11] for [0, 3, 6, 9]).
-- Escalation requests the worker left before the save are applied after the resume (before: lost).
+- Escalation requests the worker left before the save are applied after the resume, at the step they
+  would have been without it (before: lost, then a step early).
 - A malformed nested part (`escalation`, `detector`) is refused by `load_state_dict` itself, naming the
   key, and nothing is applied (before: accepted, then failing half-applied in `set_monitor`).
 """
@@ -61,25 +62,48 @@ def test_a_resumed_dynamic_run_keeps_its_step_interval_grid(tmp_path, out_dir, d
     assert state["schedule_start"] == 0
 
 
-def test_escalation_requested_before_the_save_is_applied_after_the_resume(tmp_path, out_dir):
+def _escalated(monitor: TrainerMon, model, opt, steps: range) -> list[bool]:
+    seen = []
+    for step in steps:
+        seen.append(monitor.loop.plan.escalating)
+        _run(monitor, model, opt, range(step, step + 1))
+    return seen
+
+
+@pytest.mark.parametrize("loaded", ["before set_monitor", "after set_monitor"])
+def test_escalation_requested_before_the_save_starts_where_it_would_have_without_it(
+    tmp_path, out_dir, loaded
+):
+    """The worker's request left after step CUT's boundary applies at CUT + 1, resumed or not (before:
+    lost; then, resumed, applied at CUT, a step early)."""
     config = write_config(tmp_path / "c.json", wg_distribution=True, ops=["norm"], collect_times=1)
-    model, opt = _model()
-    first = TrainerMon(config)
-    first.set_monitor(model, optimizer=opt)
-    _run(first, model, opt, range(CUT))
-    first.loop.escalation.request(2)  # as the worker does on an anomaly, before the next boundary
+
+    def first_part():
+        model, opt = _model()
+        monitor = TrainerMon(config)
+        monitor.set_monitor(model, optimizer=opt)
+        _run(monitor, model, opt, range(CUT))
+        monitor.loop.escalation.request(2)  # as the worker does on an anomaly, before the next boundary
+        return monitor, model, opt
+
+    uninterrupted, model, opt = first_part()
+    expected = _escalated(uninterrupted, model, opt, range(CUT, CUT + 4))
+    uninterrupted.close()
+    first, model, opt = first_part()
     state = first.state_dict()
     first.close()
     second = TrainerMon(config)
-    second.load_state_dict(state)
-    second.set_monitor(model, optimizer=opt, start_iteration=CUT)
-    escalated = []
-    for step in range(CUT, CUT + 4):
-        escalated.append(second.loop.plan.escalating)
-        _run(second, model, opt, range(step, step + 1))
+    if loaded == "before set_monitor":
+        second.load_state_dict(state)
+        second.set_monitor(model, optimizer=opt, start_iteration=CUT)
+    else:
+        second.set_monitor(model, optimizer=opt)
+        second.load_state_dict(state)
+    resumed = _escalated(second, model, opt, range(CUT, CUT + 4))
     second.close()
-    assert escalated == [True, True, False, False]
-    assert state["escalation"]["pending"] == [2]
+    assert expected == [False, True, True, False]
+    assert resumed == expected
+    assert state["escalation"]["pending"] == [2] and second.faults.total == 0
 
 
 @pytest.mark.parametrize(

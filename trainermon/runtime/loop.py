@@ -356,7 +356,7 @@ class StepLoop(ConfigChanges):
             self.schedule.collected = int(state["schedule_collected"])
             if self.control is not None and state.get("schedule_start") is not None:
                 self.schedule.resume(state["schedule_start"])  # not re-anchored at the resumed step
-        self.escalation.load_state_dict(state.get("escalation", {}))
+        self.escalation.load_state_dict(state.get("escalation", {}), self.step)
         if self.detector is not None and state.get("detector") is not None:
             self.detector.load_state_dict(state["detector"])
         self._pending_state = None
