@@ -2,6 +2,8 @@
 
 - Dynamic mode: the step_interval grid goes on from the saved run's anchor (before: re-anchored at the
   resumed step, [0, 3] + [5, 8, 11] for [0, 3, 6, 9]).
+- Dynamic mode: a config edited while the job was down applies as a new one (before: the saved grid and
+  count went on under it).
 - Escalation requests the worker left before the save are applied after the resume, at the step they
   would have been without it (before: lost, then a step early).
 - A malformed nested part (`escalation`, `detector`) is refused by `load_state_dict` itself, naming the
@@ -62,6 +64,22 @@ def test_a_resumed_dynamic_run_keeps_its_step_interval_grid(tmp_path, out_dir, d
     assert state["schedule_start"] == 0
 
 
+def test_a_config_edited_while_the_job_was_down_applies_as_new(tmp_path, out_dir, dynamic_mode, caplog):
+    """dynamic_on stays true but step_interval and collect_times changed: the new config runs from the
+    resumed step, its collect_times counted from there, as an edit while running would (before: the saved
+    grid and count went on under the new config: [6] for [5, 7, 9])."""
+    path, model, opt, first, state = _dynamic_first_run(tmp_path)
+    path.write_text(json.dumps({**BASE, "dynamic_on": True, "step_interval": 2, "collect_times": 3}))
+    second = TrainerMon(str(path))
+    second.load_state_dict(state)
+    with caplog.at_level("INFO", logger="trainermon"):
+        second.set_monitor(model, optimizer=opt, start_iteration=CUT)
+    _run(second, model, opt, range(CUT, END))
+    second.close()
+    assert _collected_steps(out_dir) == [0, 3, 5, 7, 9]
+    assert "changed since the state was saved" in caplog.text and second.faults.total == 0
+
+
 def _escalated(monitor: TrainerMon, model, opt, steps: range) -> list[bool]:
     seen = []
     for step in steps:
@@ -118,6 +136,7 @@ def test_escalation_requested_before_the_save_starts_where_it_would_have_without
         ({"detector": {"rolling": {("a",): (0, [1.0])}}}, "detector.rolling[('a',)]"),
         ({"dynamic_on": "yes"}, "'dynamic_on' is 'yes'"),
         ({"schedule_start": -2}, "'schedule_start' is -2"),
+        ({"config_digest": 5}, "'config_digest' is 5"),
     ],
 )
 def test_a_malformed_nested_part_is_refused_before_anything_is_applied(tmp_path, out_dir, part, named):

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -284,6 +285,14 @@ class DynamicControl:
         # The deciding rank parsed this version already (and said its warnings); the others parse it once.
         self.config = validated if validated is not None else parse_config(self._raw, source=self.path)
         return self.config
+
+    def digest(self) -> str | None:
+        """A fingerprint of the applied config mapping (the same on every rank: rank 0's), saved with the
+        state: a resumed run whose file differs runs a new config, as an edit while running would. None
+        before the first poll: the mapping is still this rank's own, not the one every rank runs."""
+        if self._first or not isinstance(self._raw, dict):
+            return None
+        return hashlib.sha256(json.dumps(self._raw, sort_keys=True).encode()).hexdigest()[:16]
 
     def switch_off_in_file(self) -> None:
         """After the last collection, on every rank: the applied mapping is off too, so that saving the

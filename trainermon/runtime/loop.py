@@ -46,7 +46,7 @@ from .outputs import Outputs
 from .owntime import OwnTime
 from .plan import Schedule, StepPlan, plan_step
 from .reloads import ConfigChanges, engine_options
-from .resume_state import STATE_VERSION, check_state
+from .resume_state import check_state, restore_state, saved_state
 from .selection import ParamSelection, select_params
 from .uneven import joinables, joining, say_paused
 
@@ -326,15 +326,7 @@ class StepLoop(ConfigChanges):
 
     # ==== checkpoint ===================================================================================
     def state_dict(self) -> dict:
-        return {
-            "version": STATE_VERSION,
-            "step": self.step,
-            "schedule_collected": self.schedule.collected,
-            "schedule_start": self.schedule.start,  # dynamic mode: the grid's anchor (None: none yet)
-            "dynamic_on": self.config.dynamic_on,
-            "escalation": self.escalation.state_dict(),
-            "detector": self.detector.state_dict() if self.detector is not None else None,
-        }
+        return saved_state(self)
 
     def load_state_dict(self, state: dict) -> None:
         check_state(state)  # all of it, here: never an error mid-way through a restore
@@ -349,16 +341,7 @@ class StepLoop(ConfigChanges):
         self._begin()
 
     def _restore(self, state: dict) -> None:
-        self.step = self.first_step = int(state["step"])  # a resumed run counts its steps from here
-        # Dynamic mode: the file decides dynamic_on (switched while the job was down, it holds); the count
-        # toward collect_times goes on only where collection was on before and is on now.
-        if self.control is None or bool(state.get("dynamic_on")) == self.config.dynamic_on:
-            self.schedule.collected = int(state["schedule_collected"])
-            if self.control is not None and state.get("schedule_start") is not None:
-                self.schedule.resume(state["schedule_start"])  # not re-anchored at the resumed step
-        self.escalation.load_state_dict(state.get("escalation", {}), self.step)
-        if self.detector is not None and state.get("detector") is not None:
-            self.detector.load_state_dict(state["detector"])
+        restore_state(self, state)
         self._pending_state = None
 
     # ==== shutdown =====================================================================================

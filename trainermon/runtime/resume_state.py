@@ -1,4 +1,5 @@
-"""The saved monitoring state (`TrainerMon.state_dict()`), checked whole before any part is applied.
+"""The saved monitoring state (`TrainerMon.state_dict()`): what it holds, how it is applied, and its check
+(whole, before any part is applied).
 
 A state is applied in parts (the loop's position, escalation, the anomaly rules' history), some of them
 only when `set_monitor` attaches: a part that failed there would leave the others applied and the job
@@ -8,10 +9,50 @@ call to `load_state_dict` itself, before anything changes.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
+logger = logging.getLogger("trainermon")
 STATE_VERSION = 1
+
+
+def saved_state(loop: Any) -> dict:
+    """`StepLoop.state_dict()`: the loop's position, its escalation and the anomaly rules' history."""
+    return {
+        "version": STATE_VERSION,
+        "step": loop.step,
+        "schedule_collected": loop.schedule.collected,
+        "schedule_start": loop.schedule.start,  # dynamic mode: the grid's anchor (None: none yet)
+        "dynamic_on": loop.config.dynamic_on,
+        "config_digest": loop.control.digest() if loop.control is not None else None,
+        "escalation": loop.escalation.state_dict(),
+        "detector": loop.detector.state_dict() if loop.detector is not None else None,
+    }
+
+
+def restore_state(loop: Any, state: dict) -> None:
+    """Apply `state` (checked by `check_state`) to an attached `StepLoop`, whose config is final."""
+    loop.step = loop.first_step = int(state["step"])  # a resumed run counts its steps from here
+    control = loop.control
+    # Dynamic mode: the file decides (switched or edited while the job was down, it holds); the count
+    # toward collect_times and the grid go on only where the saved run ran this same config.
+    if control is None or (
+        bool(state.get("dynamic_on")) == loop.config.dynamic_on
+        and state.get("config_digest") in (None, control.digest())  # None: saved before digests
+    ):
+        loop.schedule.collected = int(state["schedule_collected"])
+        if control is not None and state.get("schedule_start") is not None:
+            loop.schedule.resume(state["schedule_start"])  # not re-anchored at the resumed step
+    elif loop.config.dynamic_on:
+        logger.info(
+            "trainermon: the config file changed since the state was saved: it applies from step %d, "
+            "its collect_times counted from there",
+            loop.step,
+        )
+    loop.escalation.load_state_dict(state.get("escalation", {}), loop.step)
+    if loop.detector is not None and state.get("detector") is not None:
+        loop.detector.load_state_dict(state["detector"])
 
 
 def _bad(key: str, value: Any, allowed: str) -> ValueError:
@@ -42,6 +83,9 @@ def check_state(state: Any) -> None:
     start = state.get("schedule_start")
     if start is not None:
         _whole("schedule_start", start, 0)
+    digest = state.get("config_digest")
+    if digest is not None and not isinstance(digest, str):
+        raise _bad("config_digest", digest, "a string from state_dict(), or null")
     _check_escalation(state.get("escalation", {}))
     if state.get("detector") is not None:
         _check_detector(state["detector"])
