@@ -115,6 +115,53 @@ def test_state_rows_equal_the_optimizers_own(tmp_path, out_dir, static_mode, cap
         assert not read_family(monitor.run_dir, key), key
 
 
+@pytest.mark.parametrize("beta1", [None, 0.9])
+def test_transformers_adafactor_is_not_taken_for_torchs(tmp_path, out_dir, static_mode, caplog, beta1):
+    """transformers' Adafactor shares torch's class name but keeps exp_avg_sq_row/_col/exp_avg_sq (and
+    exp_avg with beta1). Before: given torch's keys, which its state never has: no rows, no warning."""
+    from transformers.optimization import Adafactor
+
+    def make(ps):
+        return Adafactor(ps, lr=0.01, relative_step=False, scale_parameter=False, beta1=beta1)
+
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        monitor, refs = _run(tmp_path, make)
+    assert not [r for r in caplog.records if "mv_distribution" in r.getMessage()]
+    keys = ("exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq") + (("exp_avg",) if beta1 else ())
+    for key in keys:
+        rows = keyed(read_family(monitor.run_dir, key))
+        want = {(n, s, None) for (k, n, s) in refs if k == key}
+        assert rows and set(rows) == want, (key, sorted(set(rows) ^ want))
+        for (n, s, _), row in rows.items():
+            assert_row_matches(row, refs[(key, n, s)][0], OPS)
+    assert keyed(read_family(monitor.run_dir, "exp_avg_sq_row"))[("0.weight", 0, None)]["shape"] == "[4]"
+    for key in {"row_var", "col_var", "variance", "exp_avg"} - set(keys):
+        assert not read_family(monitor.run_dir, key), key
+
+
+class SGD(torch.optim.Optimizer):
+    """Another package's `SGD`: the name of torch's, a state of its own (`velocity`)."""
+
+    step = Velocity.step
+
+    def __init__(self, params) -> None:
+        super().__init__(params, {"lr": 0.1, "momentum": 0.9})
+
+
+def test_a_documented_name_whose_state_differs_is_said_and_read_from_its_state(
+    tmp_path, out_dir, static_mode, caplog
+):
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        monitor, refs = _run(tmp_path, SGD)
+    lines = [r.getMessage() for r in caplog.records if "mv_distribution" in r.getMessage()]
+    assert len(lines) == 1 and "momentum_buffer" in lines[0] and "velocity" in lines[0], lines
+    rows = keyed(read_family(monitor.run_dir, "velocity"))
+    # from the first step's update on: found in the state after it, as for an unknown optimizer
+    assert set(rows) == {(n, s, None) for (k, n, s) in refs if k == "velocity"}
+    for (n, s, _), row in rows.items():
+        assert_row_matches(row, refs[("velocity", n, s)][0], OPS)
+
+
 def test_adafactor_factors_are_their_own_rows(tmp_path, out_dir, static_mode):
     monitor, _ = _run(tmp_path, CASES["adafactor"][0])
     rows = keyed(read_family(monitor.run_dir, "row_var"))
@@ -154,10 +201,10 @@ def test_one_warning_when_nothing_matches(tmp_path, out_dir, static_mode, caplog
 
 def test_state_families_are_known_to_the_config():
     from trainermon.collect.records import FAMILIES, STATE_FAMILIES
-    from trainermon.runtime.moments import STATE_KEYS
+    from trainermon.runtime.moments import QUALIFIED_KEYS, STATE_KEYS
 
     # every state key an optimizer can have is a family: Adam's two among FAMILIES, the others' in
     # STATE_FAMILIES, and no STATE_FAMILIES entry that no optimizer has
     assert {"exp_avg", "exp_avg_sq"} <= set(FAMILIES)
-    keys = {k for keys in STATE_KEYS.values() for k in keys}
+    keys = {k for keys in (*STATE_KEYS.values(), *QUALIFIED_KEYS.values()) for k in keys}
     assert keys == set(STATE_FAMILIES) | {"exp_avg", "exp_avg_sq"}

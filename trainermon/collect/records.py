@@ -42,6 +42,8 @@ STATE_FAMILIES = (
     "row_var",
     "col_var",
     "variance",
+    "exp_avg_sq_row",
+    "exp_avg_sq_col",
 )
 #: The config switch that turns each family on (for a section, `cc_distribution` and
 #: `attn_logit_distribution`, its `enable`). Used by the CLI's `on --families` and by the warnings about

@@ -14,10 +14,15 @@ A family is the optimizer's own state key, so rows say what they are:
     Adafactor               row_var and col_var (a factored parameter, >= 2-D: the row and column
                             second-moment factors, each its own row with its own shape), variance (1-D)
     Lion                    exp_avg
+    transformers' Adafactor exp_avg_sq_row and exp_avg_sq_col (factored, >= 2-D), exp_avg_sq (1-D),
+                            exp_avg (with beta1)
 
 Optimizer classes are matched by name along their MRO (subclasses inherit; third-party classes need no
-import). Any other optimizer is reported under the keys of its state that hold tensors of the
-parameter's shape, found in its state once it has some (at `set_monitor` or after its first update).
+import); where two packages use one name for different state, by package and name first. A documented
+optimizer whose state, after an update, holds none of its keys (another class of the same name) is
+said once and reported from its state as an unknown one would be. Any other optimizer is reported
+under the keys of its state that hold tensors of the parameter's shape, found in its state once it has
+some (at `set_monitor` or after its first update).
 When nothing matches, one warning names the optimizer and this list. The keys are decided from the
 optimizer's class and hyperparameters, the same on every rank (sharded rows must line up for the packed
 reduction), except for unknown optimizers found from their state.
@@ -49,6 +54,11 @@ STATE_KEYS: dict[str, tuple[str, ...]] = {
     "Lion": ("exp_avg",),
 }
 
+#: Classes whose name another package's class also has, with other state: (top-level package, name).
+QUALIFIED_KEYS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("transformers", "Adafactor"): ("exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq", "exp_avg"),
+}
+
 #: Keys that exist only under a hyperparameter: (group key, test of its value). A key is kept when some
 #: param group has that hyperparameter and passes the test (an optimizer without it never makes the key).
 _CONDITIONS = {
@@ -56,11 +66,13 @@ _CONDITIONS = {
     "grad_avg": ("centered", bool),
     "max_exp_avg_sq": ("amsgrad", bool),
 }
+_QUALIFIED_CONDITIONS = {("transformers", "Adafactor"): {"exp_avg": ("beta1", lambda v: v is not None)}}
 
 SUPPORTED = (
     "Adam-family exp_avg/exp_avg_sq, Adamax exp_inf, SGD (with momentum) and Muon momentum_buffer, "
     "Adagrad sum, RMSprop square_avg/momentum_buffer/grad_avg, Adadelta square_avg/acc_delta, Rprop "
-    "prev/step_size, ASGD ax, Adafactor row_var/col_var/variance, Lion exp_avg; other optimizers: "
+    "prev/step_size, ASGD ax, Adafactor row_var/col_var/variance, Lion exp_avg, transformers' Adafactor "
+    "exp_avg_sq_row/exp_avg_sq_col/exp_avg_sq/exp_avg; other optimizers: "
     "state tensors of the parameter's shape"
 )
 
@@ -82,17 +94,20 @@ def state_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
 
 def _documented(opt: torch.optim.Optimizer) -> tuple[str, ...] | None:
     for cls in type(opt).__mro__:
-        keys = STATE_KEYS.get(cls.__name__)
+        qualified = (cls.__module__.split(".")[0], cls.__name__)
+        keys = QUALIFIED_KEYS.get(qualified, STATE_KEYS.get(cls.__name__))
         if keys is not None:
-            return tuple(
-                k for k in keys if k not in _CONDITIONS or any(_applies(k, g) for g in opt.param_groups)
-            )
+            conditions = _QUALIFIED_CONDITIONS.get(qualified, _CONDITIONS)
+            return tuple(k for k in keys if _made(k, conditions, opt.param_groups))
     return None
 
 
-def _applies(key: str, group: dict) -> bool:
-    hyper, test = _CONDITIONS[key]
-    return hyper in group and bool(test(group[hyper]))
+def _made(key: str, conditions: dict, groups: list[dict]) -> bool:
+    """The optimizer makes `key`: unconditionally, or some group has the hyperparameter that allows it."""
+    if key not in conditions:
+        return True
+    hyper, test = conditions[key]
+    return any(hyper in group and bool(test(group[hyper])) for group in groups)
 
 
 def _from_state(opt: torch.optim.Optimizer) -> tuple[str, ...]:
@@ -117,28 +132,57 @@ class MomentKeys:
         )
         self.keys: tuple[str, ...] | None = None
         self.warned = False
+        self._unchecked: list[torch.optim.Optimizer] = []  # documented: are its keys in its state?
         self._decide(after_update=False)
 
     def _decide(self, after_update: bool) -> None:
         if not self.optimizers:
             self.keys = ()
             return
-        keys: dict[str, None] = {}
+        self._of: dict[int, tuple[str, ...]] = {}  # id(optimizer) -> its keys
+        self._unchecked = []
         for opt in self.optimizers:
             documented = _documented(opt)
             if documented is None:
                 if not opt.state and not after_update:
                     return  # unknown, no state yet: decided after its first update
                 documented = _from_state(opt)
-            keys.update(dict.fromkeys(documented))
-        self.keys = tuple(keys)
+            elif documented:
+                self._unchecked.append(opt)
+            self._of[id(opt)] = documented
+        self._join()
+
+    def _join(self) -> None:
+        self.keys = tuple(dict.fromkeys(k for keys in self._of.values() for k in keys))
 
     def for_step(self) -> tuple[str, ...]:
-        """The keys to read after this step's update."""
+        """The keys to read after this step's update (the first time a documented optimizer has state:
+        one look at it, that its keys are there)."""
         if self.keys is None:
             self._decide(after_update=True)
             self.warn_if_none()
+        if self._unchecked:
+            self._check_documented()
         return self.keys or ()
+
+    def _check_documented(self) -> None:
+        for opt in [o for o in self._unchecked if o.state]:
+            self._unchecked.remove(opt)
+            expected = self._of[id(opt)]
+            if any(k in entry for entry in opt.state.values() for k in expected):
+                continue
+            found = _from_state(opt)
+            logger.warning(
+                "trainermon: mv_distribution: the state of %s.%s holds none of the keys %s documented for "
+                "its class name (another class of that name?); writing the state tensors shaped like their "
+                "parameter instead: %s",
+                type(opt).__module__,
+                type(opt).__qualname__,
+                "/".join(expected),
+                "/".join(found) or "none",
+            )
+            self._of[id(opt)] = found
+            self._join()
 
     def warn_if_none(self) -> None:
         if self.keys == () and not self.warned:
