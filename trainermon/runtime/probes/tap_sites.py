@@ -140,7 +140,8 @@ class TapSites:
         self._by_key: dict[tuple, int] = {}
         self.replaying: list[TapSite] = []  # sites holding micro-steps for recomputation (`begin_step`)
         self._said_no_gradients = self._said_in_place = self._said_view_write = False
-        self._lost_checks = 3  # collected steps on which `begin_step` looks for lost input gradients
+        self._lost_checks = 3  # collected steps on which `begin_step` looks for lost gradients
+        self._said_lost: set[str] = set()  # "input", "output": each said once
         # plain functions (dynamo's constant-result marker does not take bound methods)
         self.pre_site = torch.compiler.assume_constant_result(lambda *shape: self._pre_number(*shape))
         self.forward_site = torch.compiler.assume_constant_result(lambda *shape: self._forward_number(*shape))
@@ -247,46 +248,75 @@ class TapSites:
     def begin_step(self) -> None:
         """Forget the last step's micro-steps kept for recomputed calls (most never are). Only the sites
         that kept one (those called with graded tensors): this runs on every step, collected or not."""
-        if self._lost_checks and any(not site.counts for site in self.replaying):
+        if self._lost_checks and self.replaying:
             self._lost_checks -= 1
-            self._say_lost_input_gradients()
+            self._say_lost_gradients()
         for site in self.replaying:
             site.replays.clear()
             site.got = False
         self.replaying.clear()
 
-    def _say_lost_input_gradients(self) -> None:
-        """A module whose pre-hook tapped graded inputs in the last step, whose input gradient hooks never
-        fired, while gradients did reach its own outputs' taps or the taps of its submodules: where a graph
-        break inside the module's forward splits a block compiled on its own (`torch.compile(block)`),
-        the pre-hook's view of an input leaves its graph as an alias of the graph's input, which the
-        compiler rebuilds without the view's hook (no fix found that keeps an in-place write into the
-        input reaching the caller). Said once, naming the modules: those rows are not written. (A module
-        whose output and submodules do not depend on its input differentiably would be named too; eager
-        mode writes no row there either: hence only after dynamo has broken a graph, which the known loss
-        needs.) The first few collected steps only."""
+    def _say_lost_gradients(self) -> None:
+        """Gradient hooks the compiler lost, said once per kind naming the modules (those rows are not
+        written), on the first few collected steps, only after dynamo has broken a graph (both known
+        losses need one):
+
+        - inputs: a module whose pre-hook tapped graded inputs, whose input gradient hooks never fired
+          while gradients reached its own outputs or its submodules: where a graph break inside the
+          module's forward splits a block compiled on its own (`torch.compile(block)`), the pre-hook's
+          view of an input leaves its graph as an alias of the graph's input, which the compiler rebuilds
+          without the view's hook (no fix found that keeps an in-place write into the input reaching the
+          caller);
+        - outputs: a module whose output gradient hooks never fired while gradients reached its
+          submodules: an output that is a view of another tensor (GPT-2's `transformer` returns a reshape
+          of its last norm's output) and leaves its graph at a later break is rebuilt by the compiler
+          outside the graph, without its hook (torch 2.13).
+
+        (A module whose output, or whose submodules, do not depend on the tensor differentiably would be
+        named too; eager mode writes no row there either.)"""
         dynamo_utils = sys.modules.get("torch._dynamo.utils")
         if dynamo_utils is None or not dynamo_utils.counters["graph_break"]:
             return
         hooked = self.probe._hooked
-        got = [hooked[s.module_key].name for s in self.replaying if s.got and s.module_key in hooked]
-        quiet = {hooked[s.module_key].name for s in self.replaying if not s.counts and not s.got}
-        names = sorted(n for n in quiet if any(g == n or g.startswith(f"{n}.") for g in got))
-        if names:
-            self._lost_checks = 0
-            more = f" and {len(names) - 8} more" if len(names) > 8 else ""
-            logger.warning(
-                "trainermon: inside torch.compile'd code, the input gradient hooks of module(s) %s never "
-                "fired while gradients reached them: no input actv_grad rows for them (a graph break inside "
-                "the forward of a module compiled on its own loses them, where eager mode writes them; a "
-                "module whose output does not depend on its input has none in eager mode either). Their "
-                "other rows are written",
-                ", ".join(names[:8]) + more,
+        name = {id(s): hooked[s.module_key].name for s in self.replaying if s.module_key in hooked}
+        got = [name[id(s)] for s in self.replaying if s.got and id(s) in name]
+        for kind, outputs in (("input", False), ("output", True)):
+            quiet = {
+                name[id(s)] for s in self.replaying if s.counts == outputs and not s.got and id(s) in name
+            }
+            # an input's loss shows in the module's own rows too; an output's only in its submodules'
+            names = sorted(
+                n for n in quiet if any((g == n and not outputs) or g.startswith(f"{n}.") for g in got)
             )
+            if names and kind not in self._said_lost:
+                self._said_lost.add(kind)
+                self._say(kind, names)
+        if len(self._said_lost) == 2:
+            self._lost_checks = 0
+
+    @staticmethod
+    def _say(kind: str, names: list[str]) -> None:
+        more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+        why = (
+            "a graph break inside the forward of a module compiled on its own loses them, where eager mode "
+            "writes them; a module whose output does not depend on its input has none in eager mode either"
+            if kind == "input"
+            else "an output that is a view of another tensor and leaves its graph at a graph break after "
+            "the module loses them, where eager mode writes them: avoid the break (a .item() or print in "
+            "a hook) or return a tensor that is not a view"
+        )
+        logger.warning(
+            "trainermon: inside torch.compile'd code, the %s gradient hooks of module(s) %s never fired "
+            "while gradients reached them: no %s actv_grad rows for them (%s). Their other rows are written",
+            kind,
+            ", ".join(names[:8]) + more,
+            kind,
+            why,
+        )
 
     def close(self) -> None:
-        if self._lost_checks and any(not site.counts for site in self.replaying):
-            self._say_lost_input_gradients()  # the last step's, when no step began after it
+        if self._lost_checks and self.replaying:
+            self._say_lost_gradients()  # the last step's, when no step began after it
         for number in self._by_key.values():
             _SITES.pop(number, None)
         self._by_key.clear()
