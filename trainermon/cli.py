@@ -31,19 +31,27 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from .convert import convert, to_tensorboard
+    from .convert import convert
+    from .csv2tb import to_tensorboard
 
     try:
         if args.to == "tensorboard":
             dirs = to_tensorboard(args.csv_dir, args.out)
-            print(f"wrote TensorBoard event files for {len(dirs)} rank directories to {args.out}")
-            return 0
-        parts = convert(args.csv_dir, args.out, rows_per_part=args.rows_per_part)
-    except (FileNotFoundError, ValueError) as exc:
+            what = f"TensorBoard event files for {len(dirs)} rank directories"
+        else:
+            dirs = convert(args.csv_dir, args.out, rows_per_part=args.rows_per_part)
+            what = f"{len(dirs)} part files"
+    except (OSError, ValueError) as exc:  # OSError: a CSV file that cannot be read, OUT not writable
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {len(parts)} part files to {args.out}")
+    # a re-conversion of a run replaces what an earlier one wrote for it: said, not silent
+    replaced = f" (replaced {len(dirs.replaced)} earlier {_files(args.to)})" if dirs.replaced else ""
+    print(f"wrote {what} to {args.out}{replaced}")
     return 0
+
+
+def _files(to: str) -> str:
+    return "event files" if to == "tensorboard" else "part files"
 
 
 #: What `--steps` takes (anomalies, analyze, compare).
@@ -281,8 +289,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="convert CSV output (trainermon's or msprobe's) into the Parquet dataset layout or TensorBoard",
     )
     conv.add_argument("csv_dir", help="a MONITOR_OUTPUT_DIR with rank directories, or one rank directory")
-    conv.add_argument("out", help="dataset root to write (family=.../rank=.../part-*.parquet)")
-    conv.add_argument("--rows-per-part", type=count(1), default=1_000_000)
+    conv.add_argument(
+        "out",
+        help="directory to write (created if missing): the dataset root (family=.../rank=.../part-*.parquet)"
+        " or the TensorBoard directories; what an earlier convert of the same run wrote there is replaced",
+    )
+    conv.add_argument(
+        "--rows-per-part",
+        type=count(1),
+        default=1_000_000,
+        help="rows per Parquet part file (default 1000000); a part holds whole steps, so it exceeds this "
+        "only where one step alone has more rows",
+    )
     conv.add_argument(
         "--to",
         choices=("parquet", "tensorboard"),

@@ -6,7 +6,8 @@ Input: a directory holding rank directories (`{time}-rank{R}-{id}/`, the layout 
 one such directory. Every `{family}_{first}-{last}.csv` in them is read. Columns are taken by header
 name, so any subset and order of statistics works; `vpp_stage` (absent in old msprobe files: taken from
 a `{vpp}:` name prefix, else 0), `micro_step`, `shape` and `dtype` are optional. Output: the same
-dataset layout as the Parquet exporter (`OUT/family=.../rank=.../part-....parquet`).
+dataset layout as the Parquet exporter (`OUT/family=.../rank=.../part-....parquet`). `--to tensorboard`:
+`trainermon.csv2tb.to_tensorboard`.
 """
 
 from __future__ import annotations
@@ -22,16 +23,17 @@ from typing import Any
 
 import numpy as np
 
-from trainermon.collect.family_columns import EXTRA_COLUMNS, FAMILY_COLUMNS
+from trainermon.collect.family_columns import EXTRA_COLUMNS
 from trainermon.exporters.csv_files import FILE, RANK_DIR, VPP_PREFIX, shape_dims
 from trainermon.exporters.parquet_files import (
     COUNT_STATS,
+    PART_PREFIX,
     STATS,
     ColumnBuffer,
+    parse_part_name,
     write_dataset_marker,
     write_part,
 )
-from trainermon.names import msprobe_tag
 
 logger = logging.getLogger("trainermon")
 
@@ -64,14 +66,35 @@ def _layout(directory: str) -> dict:
 
 
 def find_csv_files(csv_dir: str) -> dict[str, list[tuple[str, str]]]:
-    """{directory: [(family, path), ...]} for every CSV file of the tool layout under `csv_dir`."""
+    """{directory: [(family, path), ...]} for every CSV file of the tool layout under `csv_dir`, in family,
+    then numeric step order (as text "x_10-14" would come before "x_5-9")."""
     found: dict[str, list[tuple[str, str]]] = defaultdict(list)
     for directory, _dirs, files in os.walk(csv_dir):
-        for name in sorted(files):
-            match = FILE.match(name)
-            if match is not None:
-                found[directory].append((match.group("family"), os.path.join(directory, name)))
+        matches = [m for m in map(FILE.match, files) if m is not None]
+        matches.sort(key=lambda m: (m.group("family"), int(m.group("first")), int(m.group("last"))))
+        for match in matches:
+            found[directory].append((match.group("family"), os.path.join(directory, match.group(0))))
     return dict(found)
+
+
+class Written(list):
+    """The paths written (a list, as before) and `replaced`: the earlier files of the same groups that a
+    re-conversion removed once their replacements were complete."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.replaced: list[str] = []
+
+
+def _make_out(out: str) -> None:
+    """OUT must be a directory, created if missing; anything else is an argument error naming it."""
+    allowed = "allowed: a directory (created if missing)"
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"OUT {out!r} is a file; {allowed}")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as exc:  # a file above it (NotADirectoryError), no permission, ...
+        raise ValueError(f"OUT {out!r} cannot be created ({exc.strerror}); {allowed}") from exc
 
 
 _NUMERIC = frozenset(STATS) | {"numel"}
@@ -119,8 +142,13 @@ def convert(
     out: str | os.PathLike,
     rows_per_part: int = 1_000_000,
     compression: str = "zstd",
-) -> list[str]:
-    """Convert every CSV file under `csv_dir` into a Parquet dataset at `out`; return the written parts."""
+) -> Written:
+    """Convert every CSV file under `csv_dir` into a Parquet dataset at `out`; return the written parts.
+
+    A part holds whole steps and at most `rows_per_part` rows, unless one step alone has more (as the
+    exporter's parts, a step is never split). Parts that an earlier conversion wrote for the same family,
+    rank and run id are removed once the new ones are complete (`Written.replaced`): converting a run
+    again, as it goes on, never duplicates rows, and a crash mid-way never loses them."""
     csv_dir, out = os.fspath(csv_dir), os.fspath(out)
     if not os.path.isdir(csv_dir):
         raise FileNotFoundError(f"trainermon convert: {csv_dir!r} is not a directory")
@@ -129,80 +157,91 @@ def convert(
         raise FileNotFoundError(
             f"trainermon convert: no '{{family}}_{{first}}-{{last}}.csv' files under {csv_dir!r}"
         )
-    os.makedirs(out, exist_ok=True)
+    _make_out(out)
     write_dataset_marker(out)
-    written: list[str] = []
+    written = Written()
     for directory, files in sorted(groups.items()):
         rank, run_id = _rank_and_run(directory)
         by_family: dict[str, list[str]] = defaultdict(list)
-        for family, path in files:
+        for family, path in files:  # already in step order
             by_family[family].append(path)
         for family, paths in sorted(by_family.items()):
-            paths.sort(key=lambda p: int(FILE.match(os.path.basename(p)).group("first")))
-            buffer, seq = ColumnBuffer(), 0
-            for path in paths:
-                rows = _read_csv(path)
-                if rows:
-                    buffer.extend(_columns(rows, run_id), np.array([int(r["step"]) for r in rows]))
-                if buffer.rows >= rows_per_part:
-                    written.append(_write(out, family, rank, run_id, seq, buffer, csv_dir, compression))
-                    buffer, seq = ColumnBuffer(), seq + 1
-            if buffer.rows:
-                written.append(_write(out, family, rank, run_id, seq, buffer, csv_dir, compression))
+            group = (out, family, rank, run_id)
+            earlier, parts = _group_parts(group), []
+            try:
+                _convert_group(group, paths, rows_per_part, csv_dir, compression, parts)
+            except BaseException:  # a bad CSV file: the group as it was, not half old and half new
+                _remove_parts(parts, earlier)  # (a new part of an earlier one's name holds the same rows)
+                raise
+            written.extend(parts)
+            if parts:  # only now: a crash before this point leaves the earlier parts in place
+                _remove_parts(earlier, parts)
+                written.replaced.extend(earlier)  # removed, or overwritten by a part of the same name
     return written
 
 
-def to_tensorboard(csv_dir: str | os.PathLike, out: str | os.PathLike) -> list[str]:
-    """Write every CSV file under `csv_dir` as TensorBoard scalars under `out/{rank directory}`, tagged as
-    the TensorBoard sink tags them; return the directories written. Needs the tensorboard package."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as exc:
-        raise ValueError(
-            "trainermon convert --to tensorboard needs the tensorboard package: "
-            "pip install 'trainermon[tensorboard]'"
-        ) from exc
-    csv_dir, out = os.fspath(csv_dir), os.fspath(out)
-    groups = find_csv_files(csv_dir) if os.path.isdir(csv_dir) else {}
-    if not groups:
-        raise FileNotFoundError(
-            f"trainermon convert: no '{{family}}_{{first}}-{{last}}.csv' files under {csv_dir!r}"
-        )
-    written = []
-    for directory, files in sorted(groups.items()):
-        rank, _run_id = _rank_and_run(directory)
-        unreduced = _layout(directory).get("grad_unreduced_kind", "pre_grad")
-        target = os.path.join(out, os.path.basename(os.path.normpath(directory)))
-        writer = SummaryWriter(log_dir=target)
-        try:
-            for family, path in files:
-                rows = _read_csv(path)
-                if not rows:
-                    continue
-                columns = _columns(rows, "")
-                stats = [s for s in STATS if columns.get(s) is not None]
-                # as the TensorBoard sink: numel, and the family's own numbers (update: ratio; moe_load ...)
-                stats += [c for c in ("numel",) if c in rows[0]] + [
-                    c
-                    for c, kind in FAMILY_COLUMNS.get(family, ())
-                    if kind in ("float", "int") and c in rows[0]
-                ]
-                for i, r in enumerate(rows):
-                    micro = int(columns["micro_step"][i])
-                    prefix = msprobe_tag(
-                        family,
-                        columns["vpp_stage"][i],
-                        columns["name"][i],
-                        None if micro < 0 else micro,
-                        rank,
-                        unreduced,
-                    )
-                    for stat in stats:
-                        writer.add_scalar(f"{prefix}_{stat}", _number(r[stat]), int(r["step"]))
-        finally:
-            writer.close()
-        written.append(target)
-    return written
+def _convert_group(
+    group: tuple[str, str, int, str],
+    paths: list[str],
+    rows_per_part: int,
+    source: str,
+    compression: str,
+    parts: list[str],
+) -> None:
+    """Write the parts of one (out, family, rank, run_id) group, adding each to `parts` once written:
+    whole steps, a part closed before the step that would take it past `rows_per_part` rows."""
+    out, family, rank, run_id = group
+    buffer = ColumnBuffer()
+    for path in paths:
+        rows = _read_csv(path)
+        start = 0  # rows[start:] not yet in `buffer`
+        for lo, hi in _step_runs(rows):
+            held = buffer.rows + lo - start
+            if held and held + hi - lo > rows_per_part:
+                _extend(buffer, rows[start:lo], run_id)
+                parts.append(_write(out, family, rank, run_id, len(parts), buffer, source, compression))
+                buffer, start = ColumnBuffer(), lo
+        _extend(buffer, rows[start:], run_id)
+    if buffer.rows:
+        parts.append(_write(out, family, rank, run_id, len(parts), buffer, source, compression))
+
+
+def _step_runs(rows: list[dict[str, str]]) -> list[tuple[int, int]]:
+    """[lo, hi) index ranges of consecutive rows of one step."""
+    runs: list[tuple[int, int]] = []
+    lo = 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or int(rows[i]["step"]) != int(rows[lo]["step"]):
+            runs.append((lo, i))
+            lo = i
+    return runs
+
+
+def _extend(buffer: ColumnBuffer, rows: list[dict[str, str]], run_id: str) -> None:
+    if rows:
+        buffer.extend(_columns(rows, run_id), np.array([int(r["step"]) for r in rows]))
+
+
+def _part_run_id(name: str) -> str | None:
+    """The run id in a part file name (`part-{first}-{last}-{run_id}-{seq}.parquet`), None for others."""
+    if parse_part_name(name) is None:
+        return None
+    middle = name[len(PART_PREFIX) : -len(".parquet")].split("-", 2)[2]
+    return middle.rsplit("-", 1)[0] if "-" in middle else None
+
+
+def _group_parts(group: tuple[str, str, int, str]) -> list[str]:
+    """The part files of `group` (out, family, rank, run_id) already there."""
+    out, family, rank, run_id = group
+    directory = os.path.join(out, f"family={family}", f"rank={rank}")
+    names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    return [os.path.join(directory, n) for n in names if _part_run_id(n) == run_id]
+
+
+def _remove_parts(paths: list[str], keep: list[str]) -> None:
+    """Remove `paths` but those in `keep`."""
+    for path in set(paths) - set(keep):
+        os.unlink(path)
 
 
 def _write(

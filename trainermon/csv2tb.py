@@ -6,7 +6,10 @@ times (trainermon's or msprobe's) as TensorBoard event files laid out and tagged
 Run directories are `{time}-rank{R}-...` under `monitor_path`, `{time}` as `Nov27_09-06-49`; the times
 given select them, both ends included. Where msprobe keeps an arbitrary one of several runs of one rank in
 the range, this takes the latest and names the others in a warning; where it writes an empty output for a
-range with no run, this raises."""
+range with no run, this raises.
+
+`to_tensorboard` is `trainermon convert --to tensorboard`: the TensorBoard sink's tags, one event-file
+directory per rank directory."""
 
 from __future__ import annotations
 
@@ -19,8 +22,13 @@ import threading
 from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
 from datetime import datetime
+from typing import Any
 
-from .convert import _columns, _number, _read_csv
+from trainermon.collect.family_columns import FAMILY_COLUMNS
+from trainermon.exporters.parquet_files import STATS
+
+from .convert import Written, _columns, _layout, _make_out, _number, _rank_and_run, _read_csv, find_csv_files
+from .names import msprobe_tag
 
 logger = logging.getLogger("trainermon")
 
@@ -223,3 +231,86 @@ def _time(key: str, value: str | None) -> datetime | None:
     if when is None:
         raise ValueError(f"{key}: {value!r}; allowed: a run directory's time prefix such as 'Nov27_09-06-49'")
     return when
+
+
+#: Marks the event files `to_tensorboard` writes, so that a re-conversion replaces only its own.
+EVENTS_SUFFIX = ".trainermon-convert"
+
+
+def to_tensorboard(csv_dir: str | os.PathLike, out: str | os.PathLike) -> Written:
+    """Write every CSV file under `csv_dir` as TensorBoard scalars under `out/{rank directory}`, tagged as
+    the TensorBoard sink tags them, each tag in step order; return the directories written. Event files an
+    earlier conversion wrote there are removed once the new one is complete (`Written.replaced`); other
+    event files there (the sink's own) are an error, as their points would be doubled. Needs tensorboard."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:
+        raise ValueError(
+            "trainermon convert --to tensorboard needs the tensorboard package: "
+            "pip install 'trainermon[tensorboard]'"
+        ) from exc
+    csv_dir, out = os.fspath(csv_dir), os.fspath(out)
+    groups = find_csv_files(csv_dir) if os.path.isdir(csv_dir) else {}
+    if not groups:
+        raise FileNotFoundError(
+            f"trainermon convert: no '{{family}}_{{first}}-{{last}}.csv' files under {csv_dir!r}"
+        )
+    _make_out(out)
+    targets = {d: os.path.join(out, os.path.basename(os.path.normpath(d))) for d in groups}
+    earlier = {d: _earlier_events(out, target) for d, target in targets.items()}  # all checked first
+    written = Written()
+    for directory, files in sorted(groups.items()):
+        writer = SummaryWriter(log_dir=targets[directory], filename_suffix=EVENTS_SUFFIX)
+        try:
+            _write_scalars(writer, directory, files)
+        finally:
+            writer.close()
+        for path in earlier[directory]:
+            os.unlink(path)
+        written.replaced.extend(earlier[directory])
+        written.append(targets[directory])
+    return written
+
+
+def _earlier_events(out: str, target: str) -> list[str]:
+    """The event files an earlier `to_tensorboard` wrote in `target`; ValueError for any other."""
+    if not os.path.isdir(target):
+        return []
+    names = sorted(n for n in os.listdir(target) if "tfevents" in n)
+    others = [n for n in names if not n.endswith(EVENTS_SUFFIX)]
+    if others:
+        raise ValueError(
+            f"OUT {out!r}: {target} holds event files that trainermon convert did not write ({others[0]}"
+            f"{', ...' if len(others) > 1 else ''}): converting would double their points; allowed: an OUT "
+            "whose rank directories hold no other event files (remove them, or choose another OUT)"
+        )
+    return [os.path.join(target, n) for n in names]
+
+
+def _write_scalars(writer: Any, directory: str, files: list[tuple[str, str]]) -> None:
+    """The rows of one rank directory's files (in family, then step order) as scalars."""
+    rank, _run_id = _rank_and_run(directory)
+    unreduced = _layout(directory).get("grad_unreduced_kind", "pre_grad")
+    for family, path in files:
+        rows = _read_csv(path)
+        if not rows:
+            continue
+        rows.sort(key=lambda r: int(r["step"]))  # stable: a step's rows keep their order
+        columns = _columns(rows, "")
+        stats = [s for s in STATS if columns.get(s) is not None]
+        # as the TensorBoard sink: numel, and the family's own numbers (update: ratio; moe_load ...)
+        stats += [c for c in ("numel",) if c in rows[0]] + [
+            c for c, kind in FAMILY_COLUMNS.get(family, ()) if kind in ("float", "int") and c in rows[0]
+        ]
+        for i, r in enumerate(rows):
+            micro = int(columns["micro_step"][i])
+            prefix = msprobe_tag(
+                family,
+                columns["vpp_stage"][i],
+                columns["name"][i],
+                None if micro < 0 else micro,
+                rank,
+                unreduced,
+            )
+            for stat in stats:
+                writer.add_scalar(f"{prefix}_{stat}", _number(r[stat]), int(r["step"]))
