@@ -16,7 +16,16 @@ from .jsonutil import describe, jsonable, records
 from .layer_tables import expert_load_last_step, head_logits_last_step
 from .scan import RunSummary, scan
 from .source import FAMILY_STATS, FLOAT_STATS, RunSource, open_run
-from .trends import find_spikes, first_nonfinite, global_grad_norm, growth, heatmap, nonfinite_cells
+from .trends import (
+    find_spikes,
+    first_nonfinite,
+    global_grad_norm,
+    growth,
+    heatmap,
+    incomplete_grad_note,
+    incomplete_grad_steps,
+    nonfinite_cells,
+)
 from .xrank import read_xrank, xrank_findings
 
 #: Statistics drawn as heatmaps by default (those the run has).
@@ -156,7 +165,10 @@ def _stem(*parts: str) -> str:
     return "_".join(p.replace("/", "-") for p in parts)
 
 
-def load_run_anomalies(source: RunSource, steps: tuple[int, int] | None = None) -> list[dict]:
+def load_run_anomalies(
+    source: RunSource, steps: tuple[int, int] | None = None, ranks: Iterable[int] | None = None
+) -> list[dict]:
+    """The run's anomaly records within `steps`, of `ranks` (None: every rank's)."""
     from trainermon.pipeline.anomaly_files import in_order, load_anomalies
 
     # The run's own records: an output directory shared by restarts holds every run's in one file.
@@ -165,6 +177,9 @@ def load_run_anomalies(source: RunSource, steps: tuple[int, int] | None = None) 
     records: list[dict] = []
     for directory in source.anomaly_dirs():
         records += load_anomalies(directory, steps, wanted)
+    if ranks is not None:  # `--ranks` narrows the report: other ranks' records are not of it
+        keep = {int(r) for r in ranks}
+        records = [r for r in records if r.get("rank") is None or int(r["rank"]) in keep]
     return in_order(records)
 
 
@@ -198,6 +213,11 @@ def analyze(
     else:
         fams = list(dict.fromkeys(families))
         unknown = [f for f in fams if f not in available]
+        if "xrank" in unknown and "xrank" in source.families():  # there, but not a family of tensors
+            raise KeyError(
+                f"--family xrank: the cross-rank summaries in {source.path!r} are read automatically (the "
+                f"report's xrank findings); choose --family among {available}"
+            )
         if unknown:
             raise KeyError(f"families {unknown} are not in {source.path!r} (it has {available})")
     if ranks is not None:
@@ -229,6 +249,7 @@ def analyze(
         summary.xrank_rows = read_xrank(source, steps)
     else:
         summary = engine_scan(source, engine, family_stats, steps, ranks, spark_master, xrank=True)
+    summary.ranks = ranks
     if "grad_reduced" not in fams:
         summary.nonfinite_rows.pop("grad_reduced", None)
         summary.nonfinite_counts.pop("grad_reduced", None)
@@ -250,6 +271,9 @@ def analyze(
         _check_recorded(summary, fams, wanted, source.path)
     rule = {**SPIKE_DEFAULTS, **(spike_rule or {})}
     norm = global_grad_norm(summary)
+    short_note = incomplete_grad_note(incomplete_grad_steps(summary))
+    if short_note is not None:
+        summary.notes.append(short_note)
     return Analysis(
         summary=summary,
         heatmaps=heatmaps,
@@ -262,7 +286,7 @@ def analyze(
         first_nonfinite=first_nonfinite(summary).drop(
             columns=[s for s in scan_stats if s not in wanted + ["nans", "infs"]], errors="ignore"
         ),
-        anomalies=load_run_anomalies(source, steps),
+        anomalies=load_run_anomalies(source, steps, ranks),
         spike_rule=rule,
         expert_load=expert_load_last_step(source, steps) if "moe_load" in fams else None,
         xrank=xrank_findings(summary.xrank_rows),

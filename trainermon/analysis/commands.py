@@ -52,14 +52,17 @@ def _progress(args: argparse.Namespace) -> bool | None:
 def run_analyze(args: argparse.Namespace) -> int:
     """`trainermon analyze RUN`: read RUN, write the report, print the findings; 2 on bad input."""
 
+    # each option parsed on its own: an error names only the one that is wrong
     try:
         steps = step_range(args.steps)
+    except ValueError:
+        print(f"error: --steps {args.steps!r}: allowed: {STEPS}", file=sys.stderr)
+        return 2
+    try:
         ranks = [int(r) for r in _split(args.ranks) or []] or None
     except ValueError:
-        print(
-            f"error: --steps {args.steps!r} / --ranks {args.ranks!r}: allowed: {STEPS} / R,R",
-            file=sys.stderr,
-        )
+        given = ",".join(args.ranks)
+        print(f"error: --ranks {given!r}: allowed: integer ranks, R or R,R,...", file=sys.stderr)
         return 2
     try:
         if is_url(args.run):  # object storage: listed by the engine
@@ -185,7 +188,10 @@ def run_compare(args: argparse.Namespace) -> int:
     for note in result.notes:
         print(f"note: {note}")
     first = result.first
-    if first is None:
+    unchecked = result.per_family.loc[result.per_family["cells_compared"] == 0, "family"].tolist()
+    if first is None and unchecked:  # "no divergence" must not cover a family nothing was compared of
+        print(f"no divergence in the cells compared; NOT checked (0 cells compared): {', '.join(unchecked)}")
+    elif first is None:
         print("no divergence")
     else:
         micro = "" if first.micro_step is None else f" micro-step {first.micro_step}"

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from .compare_keys import key_notes, rank_notes
 from .grid import split_key, with_copy_marks
 from .jsonutil import describe, jsonable, records
 from .scan import RunSummary, scan
@@ -226,7 +227,7 @@ def compare(
         wanted_stats = {f: scan_stats for f in common}
         sum_a = engine_scan(src_a, engine, wanted_stats, steps, spark_master=spark_master)
         sum_b = engine_scan(src_b, engine, wanted_stats, steps, spark_master=spark_master)
-    notes: list[str] = []
+    notes: list[str] = rank_notes(src_a, src_b)
 
     per_family, divergent_parts, only_a_rows, only_b_rows = [], [], [], []
     firsts: list[tuple[tuple, Divergence]] = []
@@ -325,6 +326,7 @@ def compare(
                 }
             )
             divergent_parts.append(part)
+        notes += key_notes(family, fa.keys, fb.keys, int(compared.sum()))
         finite_rel = rel[compared & np.isfinite(rel)]
         per_family.append(
             {

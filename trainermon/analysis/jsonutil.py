@@ -27,7 +27,8 @@ def jsonable(value: Any) -> Any:
 
 
 def _is_int_column(name: str) -> bool:
-    return name.endswith("step") or name in ("rank", "vpp_stage", "layers", "steps")
+    # first_step_2x: a step (pandas makes the column float when a layer has None)
+    return name.endswith(("step", "step_2x")) or name in ("rank", "vpp_stage", "layers", "steps")
 
 
 def _is_nan(value: Any) -> bool:
@@ -55,11 +56,16 @@ def records(df: pd.DataFrame) -> list[dict]:
 def describe(summary: Any) -> dict:
     """What was read: path, detected kind, families, ranks, rows, time, notes."""
     src = summary.source
+    ranks, families = src.ranks(), summary.families
+    wanted = getattr(summary, "ranks", None)
+    if wanted is not None:  # `--ranks`: describe what was read, not the whole run
+        ranks = [r for r in ranks if r in set(wanted)]
+        families = [f for f in families if set(src.ranks(f)) & set(ranks)]
     return {
         "path": src.path if "://" in str(src.path) else os.path.abspath(src.path),  # a URL as given
         "kind": src.kind,
-        "families": summary.families,
-        "ranks": src.ranks(),
+        "families": families,
+        "ranks": ranks,
         "rows_read": summary.rows_read,
         "seconds": round(summary.seconds, 3),
         "notes": summary.notes,

@@ -201,7 +201,14 @@ def write_comparison_report(
         + ", or when one side is NaN/Inf and the other is not.</p>"
     )
     first = comparison.first
-    if first is None:
+    # a family with no cell lined up was not checked: "no divergence" must not cover it
+    unchecked = comparison.per_family.loc[comparison.per_family["cells_compared"] == 0, "family"].tolist()
+    if first is None and unchecked:
+        body.append(
+            f"<p class='bad'>no divergence in the cells compared; families with 0 cells compared (NOT "
+            f"checked): {html.escape(', '.join(unchecked))}</p>"
+        )
+    elif first is None:
         body.append("<p class='ok'>no divergence</p>")
     else:
         micro = "" if first.micro_step is None else f", micro-step {first.micro_step}"

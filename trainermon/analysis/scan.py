@@ -40,6 +40,7 @@ class RunSummary:
     steps: tuple[int, int] | None = None
     notes: list[str] = field(default_factory=list)
     xrank_rows: Any = None  # the cross-rank summary rows (pandas), when asked for
+    ranks: list[int] | None = None  # the ranks read when a subset was asked for (None: every rank)
 
     @property
     def families(self) -> list[str]:

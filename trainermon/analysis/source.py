@@ -182,6 +182,7 @@ def open_run(path: str | os.PathLike, prefer: str = "auto", run_id: str | None =
             if files:
                 source = RunSource(path, "parquet", root, files, wanted_run)
                 _note_mixed_runs(source)
+                _note_missing_ranks(source)
                 if prefer == "auto":
                     _note_csv_beside(source, _csv_files(path, run_id))
                 return source
@@ -201,6 +202,7 @@ def open_run(path: str | os.PathLike, prefer: str = "auto", run_id: str | None =
     kind = "msprobe-csv" if any(_looks_msprobe(p) for p in first_per_family.values()) else "csv"
     source = RunSource(path, kind, path, files, run_id)
     _note_mixed_runs(source)
+    _note_missing_ranks(source)
     if empty:
         names = [os.path.basename(f.path) for f in empty[:3]]
         source.notes.append(
@@ -326,6 +328,48 @@ def _note_csv_beside(source: RunSource, csv_files: list) -> None:
             f"CSV files hold {len(left)} (family, rank) pairs that the Parquet dataset lacks (ranks "
             f"{ranks[:10]}): they are not read; pass --format csv to read the CSV files instead"
         )
+    _note_csv_later(source, [f for f in csv_files if (f.family, f.rank) in have])
+
+
+def _note_csv_later(source: RunSource, csv_files: list) -> None:
+    """CSV written beside Parquet is flushed step by step, a Parquet part only when it is full: a job
+    killed (or still running) has later steps in CSV only. Name them, and how to read them."""
+    pq_last = max((f.last_step for f in source.files if f.last_step is not None), default=None)
+    if pq_last is None:
+        return
+    later = [f for f in csv_files if f.last_step is not None and f.last_step > pq_last]
+    last = max((_csv_last_step(f.path) for f in later), default=None)
+    if last is None or last <= pq_last:
+        return
+    source.notes.append(
+        f"CSV files beside the Parquet dataset hold later steps {pq_last + 1}-{last} (the Parquet dataset "
+        f"ends at step {pq_last}: a job stopped or still running); they are not read; pass --format csv "
+        "to read them"
+    )
+
+
+def _csv_last_step(path: str) -> int | None:
+    """The step of a CSV file's last complete row (its name gives the range it was opened for)."""
+    header = _read_header(path)
+    if "step" not in header:
+        return None
+    at = header.index("step")
+    with open(path, "rb") as fh:
+        fh.seek(max(0, os.path.getsize(path) - 65_536))
+        lines = fh.read().decode("utf-8", "replace").splitlines()
+    for line in reversed(lines[1:] if len(lines) > 1 else lines):
+        cells = line.split(",")  # step comes before the quoted shape column: a plain split finds it
+        if len(cells) > at and cells[at].strip().isdigit():
+            return int(cells[at])
+    return None
+
+
+def _note_missing_ranks(source: RunSource) -> None:
+    from .layout import missing_ranks_note
+
+    note = missing_ranks_note(source)
+    if note is not None:
+        source.notes.append(note)
 
 
 def _note_mixed_runs(source: RunSource) -> None:
@@ -334,7 +378,9 @@ def _note_mixed_runs(source: RunSource) -> None:
         runs.setdefault((f.family, f.rank), set()).add(f.run_id)
     mixed = sorted({rank for (_fam, rank), ids in runs.items() if len(ids) > 1})
     if mixed:
+        ids = sorted({i for f in source.files if f.rank in mixed for i in [f.run_id] if i is not None})
         source.notes.append(
             f"ranks {mixed[:10]} hold rows of more than one run id (restarts or several jobs in one "
-            "directory); rows of the same step are combined as if they were shards. Pass run_id to keep one."
+            "directory); rows of the same step are combined as if they were shards. Pass --run-id "
+            f"(run_id= in Python) to keep one of {ids[:10]}."
         )
