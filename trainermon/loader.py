@@ -246,6 +246,15 @@ def load(
                     raise ValueError(
                         f"trainermon.load: run ids {run_ids} are not in {root!r} (it has {sorted(there)})"
                     )
+            if not len(table) and name_list is not None:  # a mistyped name must not read as no rows
+                every = ds.dataset(
+                    select_files(root, families, rank_list, None),
+                    schema=full_schema,
+                    format="parquet",
+                    partitioning=ds.partitioning(partition_schema(), flavor="hive"),
+                    partition_base_dir=root,
+                )
+                _check_names(name_list, every.to_table(columns=["name"]).column("name"), root)
     order = list(columns) if columns is not None else list(OUTPUT_COLUMNS)
     table = table.select(order)
     if len(table) and {"family", "rank", "step"} <= set(order):
@@ -255,6 +264,22 @@ def load(
     if as_pandas:
         return table.to_pandas()
     return table
+
+
+def _check_names(names: list[str], present: Any, where: str) -> None:
+    """ValueError when none of `names` is among the `present` names (any step), naming close ones."""
+    import difflib
+
+    import pyarrow.compute as pc
+
+    there = set(pc.unique(present).to_pylist())
+    if there & set(names):
+        return  # some are there: their rows are outside the other filters
+    close = sorted({c for n in names for c in difflib.get_close_matches(n, sorted(there), n=3)})
+    raise ValueError(
+        f"trainermon.load: names {names[:10]} are not in {where!r} (names match exactly; "
+        f"{len(there)} names there{', close: ' + str(close) if close else ''})"
+    )
 
 
 def _expression(families, names, ranks, run_ids, step_spec):

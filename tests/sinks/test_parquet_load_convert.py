@@ -107,7 +107,7 @@ def test_filtered_load_reads_only_needed_files(tmp_path):
 
 
 def test_load_refuses_what_is_not_there_and_a_moved_tree_reads_its_own_copy(tmp_path, monkeypatch):
-    """A misspelt path or family read as an empty table; a run directory whose output tree was moved
+    """A misspelt path, family or name read as an empty table; a run directory whose output tree was moved
     read nothing (its pointer held the old absolute path), or the original where it still existed."""
     import shutil
 
@@ -124,6 +124,10 @@ def test_load_refuses_what_is_not_there_and_a_moved_tree_reads_its_own_copy(tmp_
         trainermon.load(tmp_path)  # holds out/, not a dataset
     with pytest.raises(ValueError, match=r"families \['grad_reducd'\] are not in .*'grad_reduced'"):
         trainermon.load(out, family="grad_reducd")
+    name = trainermon.load(out, family="grad_reduced").column("name")[0].as_py()
+    with pytest.raises(ValueError, match=rf"names \['x{name}'\] are not in .*close: \[.*'{name}'"):
+        trainermon.load(out, family="grad_reduced", names=f"x{name}")  # before: an empty table
+    assert trainermon.load(out, family="grad_reduced", names=name, steps=999).num_rows == 0  # there
     shutil.copytree(out, tmp_path / "copy")
     moved = tmp_path / "copy" / os.path.basename(mon.run_dir)
     shutil.rmtree(out / "parquet" / "family=grad_reduced")  # the original loses its rows: the copy keeps them
