@@ -258,3 +258,20 @@ def test_restart_note_names_the_option_and_the_run_ids(run, tmp_path):
     shutil.copytree(src, root / src.name.replace(old_id, "second"))
     notes = [n for n in open_run(root, prefer="csv").notes if "more than one run id" in n]
     assert notes and "--run-id" in notes[0] and str(sorted([old_id, "second"])) in notes[0], notes
+
+
+def test_a_reused_out_keeps_no_divergence_plot_of_an_earlier_compare(tmp_path):
+    """compare into an --out that held an earlier divergent comparison: its diverge_*.png stayed beside a
+    compare.html saying "no divergence". Files the earlier report did not list are left alone."""
+    for side, value in (("run", 1.0), ("bench", 1.0), ("other", 5.0)):
+        rank = tmp_path / side / f"Jan01_00-00-00-rank0-{side}"
+        _write_csv(
+            rank / "grad_reduced_0-2.csv", "vpp_stage,name,step,norm", [f"0,w,{s},{value}" for s in range(3)]
+        )
+    out = tmp_path / "c"
+    assert main(["compare", str(tmp_path / "other"), str(tmp_path / "bench"), "--out", str(out)]) == 1
+    plots = sorted(p.name for p in out.glob("*.png"))
+    assert plots, "the divergent comparison drew no plot"
+    (out / "mine.png").write_bytes(b"not the report's")
+    assert main(["compare", str(tmp_path / "run"), str(tmp_path / "bench"), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.glob("*.png")) == ["mine.png"]

@@ -75,6 +75,23 @@ def _notes(notes: list[str]) -> str:
     return "".join(f"<p class='note'>{html.escape(n)}</p>" for n in notes)
 
 
+def _drop_stale_figures(out_dir: str, json_name: str, written: dict) -> None:
+    """Remove the PNGs an earlier report in `out_dir` listed (its `json_name`) that this one did not write:
+    a reused --out must not keep a divergence plot beside a report that says none."""
+    try:
+        with open(os.path.join(out_dir, json_name), encoding="utf-8") as fh:
+            earlier = json.load(fh).get("figures", {})
+    except (OSError, ValueError, AttributeError):
+        return  # none, or not ours: nothing is removed
+    kept = {os.path.basename(path) for path, _ in written.values()}
+    for name in set(earlier.values()) - kept if isinstance(earlier, dict) else ():
+        if isinstance(name, str) and name == os.path.basename(name) and name.endswith(".png"):
+            try:
+                os.remove(os.path.join(out_dir, name))
+            except OSError:
+                pass  # gone already
+
+
 def write_analysis_report(
     analysis: Analysis, out_dir: str | os.PathLike, dpi: int = 100, max_columns: int = 500
 ) -> dict[str, Any]:
@@ -84,6 +101,7 @@ def write_analysis_report(
     os.makedirs(out_dir, exist_ok=True)
     findings = analysis.findings()
     written = _write_figures(analysis.iter_figures(max_columns=max_columns), out_dir, dpi)
+    _drop_stale_figures(out_dir, "findings.json", written)
     findings["figures"] = {stem: os.path.basename(path) for stem, (path, _) in written.items()}
     findings["heatmap_max_columns"] = max_columns
     json_path = os.path.join(out_dir, "findings.json")
@@ -185,6 +203,7 @@ def write_comparison_report(
     os.makedirs(out_dir, exist_ok=True)
     findings = comparison.findings()
     written = _write_figures(comparison.iter_figures(max_plots=max_plots), out_dir, dpi)
+    _drop_stale_figures(out_dir, "compare.json", written)
     findings["figures"] = {stem: os.path.basename(path) for stem, (path, _) in written.items()}
     json_path = os.path.join(out_dir, "compare.json")
     with open(json_path, "w", encoding="utf-8") as fh:
