@@ -275,3 +275,13 @@ def test_a_reused_out_keeps_no_divergence_plot_of_an_earlier_compare(tmp_path):
     (out / "mine.png").write_bytes(b"not the report's")
     assert main(["compare", str(tmp_path / "run"), str(tmp_path / "bench"), "--out", str(out)]) == 0
     assert sorted(p.name for p in out.glob("*.png")) == ["mine.png"]
+
+
+def test_format_csv_on_a_parquet_only_folder_says_what_is_there(run, tmp_path, capsys):
+    """Before: "expected a Parquet dataset ... or CSV files", though the folder held a Parquet dataset."""
+    dataset = tmp_path / "pq"
+    assert main(["convert", str(run["out"]), str(dataset)]) == 0
+    assert main(["analyze", str(dataset), "--format", "csv", "--out", str(tmp_path / "a")]) == 2
+    said = capsys.readouterr().err
+    assert "no CSV files" in said and "holds a Parquet dataset: leave out --format csv" in said, said
+    assert main(["analyze", str(dataset), "--out", str(tmp_path / "b")]) == 0  # as it says

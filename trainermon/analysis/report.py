@@ -152,7 +152,8 @@ def write_analysis_report(
             "<p class='note'>sqrt of the sum of squares of every grad_reduced tensor's norm per step, all "
             "ranks combined (shards summed, copies counted once). Spikes: log(norm) more than "
             f"{analysis.spike_rule['z']:g} robust deviations above the median of the previous "
-            f"{analysis.spike_rule['window']} steps.</p>"
+            f"{analysis.spike_rule['window']} steps, from step {analysis.spike_rule['warmup']} on (the "
+            "first steps only fill the window).</p>"
         )
         body.append(_img(written["global_grad_norm"][1], "global gradient norm"))
         spikes = analysis.spikes

@@ -194,6 +194,15 @@ def open_run(path: str | os.PathLike, prefer: str = "auto", run_id: str | None =
     files = [f for f in files if f.size > 0]
     if not files:
         _missing_run_id(path, run_id, None if prefer == "csv" else root, csv=True)
+        if prefer == "csv":  # asked for CSV: a Parquet dataset there is not what was asked for
+            there = (
+                " (it holds a Parquet dataset: leave out --format csv to read it)"
+                if find_dataset(path)
+                else ""
+            )
+            raise FileNotFoundError(
+                f"no CSV files named {{family}}_{{first}}-{{last}}.csv under {path!r} (--format csv){there}"
+            )
         raise FileNotFoundError(
             f"no monitor output under {path!r}: expected a Parquet dataset (family=*/rank=*/part-*.parquet) "
             "or CSV files named {family}_{first}-{last}.csv"
