@@ -285,3 +285,23 @@ def test_format_csv_on_a_parquet_only_folder_says_what_is_there(run, tmp_path, c
     said = capsys.readouterr().err
     assert "no CSV files" in said and "holds a Parquet dataset: leave out --format csv" in said, said
     assert main(["analyze", str(dataset), "--out", str(tmp_path / "b")]) == 0  # as it says
+
+
+def test_unreadable_anomaly_lines_are_counted_and_said(tmp_path, caplog):
+    """Lines of an anomaly file that are not JSON (one cut by a crash, one damaged in the middle) were
+    skipped silently: the readable records are kept and the skipped ones said, with the file."""
+    import logging
+
+    from trainermon.pipeline.anomaly_files import load_anomalies
+
+    good = [
+        json.dumps({"rank": 0, "step": s, "family": "actv", "name": "x", "rule": "AnomalyNan"})
+        for s in (0, 1)
+    ]
+    path = tmp_path / "anomaly_rank0.jsonl"
+    path.write_text("\n".join([good[0], "{damaged", good[1], '{"rank": 0, "st']) + "\n")
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        records = load_anomalies(str(tmp_path))
+    assert [r["step"] for r in records] == [0, 1]
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "anomaly_rank0.jsonl: 2 unreadable line(s) skipped" in said[0], said

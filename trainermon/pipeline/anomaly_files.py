@@ -4,6 +4,7 @@ merged, in the order the anomalies happened. Used by `trainermon anomalies` and 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 
@@ -50,7 +51,8 @@ def load_anomalies(
         for name in files:
             if not (name.startswith("anomaly_rank") and name.endswith(".jsonl")):
                 continue
-            with open(os.path.join(root, name), encoding="utf-8") as fh:
+            path, unreadable = os.path.join(root, name), 0
+            with open(path, encoding="utf-8") as fh:
                 for line in fh:
                     line = line.strip()
                     if not line:
@@ -58,10 +60,17 @@ def load_anomalies(
                     try:
                         rec = json.loads(line)
                     except json.JSONDecodeError:
-                        continue  # a line cut by a crash: skip it, keep the rest
+                        unreadable += 1  # a line cut by a crash: skip it, keep the rest (said below)
+                        continue
                     run = rec.get("run_id")  # None: a record of a version that did not write it (kept)
                     if run_ids is not None and run is not None and run not in run_ids:
                         continue
                     if steps is None or steps[0] <= int(rec["step"]) <= steps[1]:
                         records.append(rec)
+            if unreadable:
+                logging.getLogger("trainermon").warning(
+                    "trainermon: %s: %d unreadable line(s) skipped (cut by a crash, or damaged)",
+                    path,
+                    unreadable,
+                )
     return in_order(records)
