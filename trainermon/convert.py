@@ -148,7 +148,9 @@ def convert(
     A part holds whole steps and at most `rows_per_part` rows, unless one step alone has more (as the
     exporter's parts, a step is never split). Parts that an earlier conversion wrote for the same family,
     rank and run id are removed once the new ones are complete (`Written.replaced`): converting a run
-    again, as it goes on, never duplicates rows, and a crash mid-way never loses them."""
+    again, as it goes on, never duplicates rows, and a crash mid-way never loses them. Refused before
+    anything is written (ValueError): two directories of one rank and run id, and an OUT holding the
+    Parquet exporter's own parts of the run."""
     csv_dir, out = os.fspath(csv_dir), os.fspath(out)
     if not os.path.isdir(csv_dir):
         raise FileNotFoundError(f"trainermon convert: {csv_dir!r} is not a directory")
@@ -158,26 +160,62 @@ def convert(
             f"trainermon convert: no '{{family}}_{{first}}-{{last}}.csv' files under {csv_dir!r}"
         )
     _make_out(out)
+    plan = _plan(groups, out)  # every check before anything is written or removed
     write_dataset_marker(out)
     written = Written()
+    for group, paths, earlier in plan:
+        parts: list[str] = []
+        try:
+            _convert_group(group, paths, rows_per_part, csv_dir, compression, parts)
+        except BaseException:  # a bad CSV file: the group as it was, not half old and half new
+            _remove_parts(parts, earlier)  # (a new part of an earlier one's name holds the same rows)
+            raise
+        written.extend(parts)
+        if parts:  # only now: a crash before this point leaves the earlier parts in place
+            _remove_parts(earlier, parts)
+            written.replaced.extend(earlier)  # removed, or overwritten by a part of the same name
+    return written
+
+
+def _plan(groups: dict[str, list[tuple[str, str]]], out: str) -> list[tuple[tuple, list[str], list[str]]]:
+    """[(group, its CSV paths in step order, its earlier converted parts)], refusing what a conversion
+    would break: two directories of one (rank, run id) (their parts would replace each other), and
+    parts of the run that `convert` did not write (the Parquet exporter's own, in its dataset)."""
+    plan, seen = [], {}
     for directory, files in sorted(groups.items()):
         rank, run_id = _rank_and_run(directory)
+        other = seen.setdefault((rank, run_id), directory)
+        if other != directory:
+            raise ValueError(
+                f"trainermon convert: {other!r} and {directory!r} are both rank {rank} of run {run_id!r}; "
+                "allowed: one directory per rank and run (convert them into separate OUTs)"
+            )
         by_family: dict[str, list[str]] = defaultdict(list)
         for family, path in files:  # already in step order
             by_family[family].append(path)
         for family, paths in sorted(by_family.items()):
             group = (out, family, rank, run_id)
-            earlier, parts = _group_parts(group), []
-            try:
-                _convert_group(group, paths, rows_per_part, csv_dir, compression, parts)
-            except BaseException:  # a bad CSV file: the group as it was, not half old and half new
-                _remove_parts(parts, earlier)  # (a new part of an earlier one's name holds the same rows)
-                raise
-            written.extend(parts)
-            if parts:  # only now: a crash before this point leaves the earlier parts in place
-                _remove_parts(earlier, parts)
-                written.replaced.extend(earlier)  # removed, or overwritten by a part of the same name
-    return written
+            earlier = _group_parts(group)
+            foreign = [p for p in earlier if not _converted(p)]
+            if foreign:
+                raise ValueError(
+                    f"OUT {out!r} holds parts of run {run_id!r} that convert did not write (the Parquet "
+                    f"exporter's: {os.path.basename(foreign[0])}): converting would duplicate or replace "
+                    "them; allowed: an OUT without that run's exporter parts (choose another OUT)"
+                )
+            plan.append((group, paths, earlier))
+    return plan
+
+
+def _converted(path: str) -> bool:
+    """The part was written by `convert` (its footer names the CSV it came from)."""
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.read_schema(path).metadata or {}
+    except Exception:  # noqa: BLE001 - unreadable: not known to be ours, never removed
+        return False
+    return b"trainermon.converted_from" in meta
 
 
 def _convert_group(

@@ -257,12 +257,26 @@ def to_tensorboard(csv_dir: str | os.PathLike, out: str | os.PathLike) -> Writte
         )
     _make_out(out)
     targets = {d: os.path.join(out, os.path.basename(os.path.normpath(d))) for d in groups}
+    names = [os.path.basename(t) for t in targets.values()]
+    shared = sorted({n for n in names if names.count(n) > 1})  # runA/rank0 and runB/rank0
+    if shared:
+        raise ValueError(
+            f"trainermon convert: several rank directories under {csv_dir!r} are named {shared[0]!r}, so "
+            "their event files would land in one directory; allowed: distinct rank directory names"
+        )
     earlier = {d: _earlier_events(out, target) for d, target in targets.items()}  # all checked first
     written = Written()
     for directory, files in sorted(groups.items()):
         writer = SummaryWriter(log_dir=targets[directory], filename_suffix=EVENTS_SUFFIX)
         try:
             _write_scalars(writer, directory, files)
+        except BaseException:  # a bad CSV file: the earlier events stay alone, not beside a partial copy
+            writer.close()
+            for name in os.listdir(targets[directory]):
+                path = os.path.join(targets[directory], name)
+                if name.endswith(EVENTS_SUFFIX) and path not in earlier[directory]:
+                    os.unlink(path)
+            raise
         finally:
             writer.close()
         for path in earlier[directory]:

@@ -149,3 +149,53 @@ def test_to_tensorboard_refuses_a_directory_with_other_event_files(tmp_path, cap
     err = capsys.readouterr().err
     assert f"error: OUT {str(tmp_path / 'tb')!r}" in err and "trainermon convert did not write" in err
     assert _scalars(str(tmp_path / "tb" / rank_dir.name), "0:w/rank0/post_grad_norm") == [(0, 7.0)]
+
+
+def test_the_exporters_own_parts_and_two_directories_of_one_run_are_refused(tmp_path, monkeypatch, capsys):
+    """Review of the re-conversion: converting a run's CSV into its own Parquet dataset removed the
+    exporter's parts of that run (steps 2-3 lost), and two bare `rank0` directories (one run id) removed
+    each other's parts. Both are refused now, before anything is written; nothing is lost."""
+    import trainermon
+
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    config = write_config(
+        tmp_path / "cfg.json",
+        wg_distribution=True,
+        ops=["norm"],
+        format=["csv", "parquet"],
+        step_count_per_record=2,
+    )
+    torch.manual_seed(0)
+    run_dir = train_monitored(config, LayeredNet(), lambda: torch.randn(4, 6), steps=4).run_dir
+    dataset = tmp_path / "out" / "parquet"
+    before = trainermon.load(dataset, family="grad_reduced")
+    assert sorted(set(before["step"].to_pylist())) == [0, 1, 2, 3]
+    assert main(["convert", os.path.dirname(run_dir), str(dataset)]) == 2
+    assert "convert did not write (the Parquet exporter's" in capsys.readouterr().err
+    assert trainermon.load(dataset, family="grad_reduced").equals(before)
+    for run in ("runA", "runB"):
+        (tmp_path / "csv" / run / "rank0").mkdir(parents=True)
+    _write_csv(tmp_path / "csv" / "runA" / "rank0" / "grad_reduced_0-1.csv", range(2), ["w"])
+    _write_csv(tmp_path / "csv" / "runB" / "rank0" / "grad_reduced_5-6.csv", range(5, 7), ["w"])
+    for to in ("parquet", "tensorboard"):
+        assert main(["convert", str(tmp_path / "csv"), str(tmp_path / f"two-{to}"), "--to", to]) == 2
+        assert "rank0" in capsys.readouterr().err
+    assert not glob.glob(str(tmp_path / "two-parquet" / "family=*"))
+
+
+def test_a_failed_tensorboard_reconversion_leaves_the_earlier_events_alone(tmp_path, capsys):
+    """A bad CSV file met on the second conversion left a partial event file beside the earlier one:
+    every point read twice."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rank = _rank_dir(tmp_path / "csv")
+    _write_csv(rank / "grad_reduced_0-1.csv", range(2), ["w"])
+    out = tmp_path / "tb"
+    assert main(["convert", str(rank.parent), str(out), "--to", "tensorboard"]) == 0
+    (rank / "grad_reduced_2-3.csv").write_text("name,step,norm\nw,2,1.0\nw,3\n")  # cut by a crash
+    assert main(["convert", str(rank.parent), str(out), "--to", "tensorboard"]) == 2
+    acc = EventAccumulator(str(out / rank.name))
+    acc.Reload()
+    (tag,) = [t for t in acc.Tags()["scalars"] if t.endswith("_norm")]
+    assert [(e.step, e.value) for e in acc.Scalars(tag)] == [(0, 0.0), (1, 1.0)]
