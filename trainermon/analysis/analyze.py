@@ -22,8 +22,6 @@ from .trends import (
     global_grad_norm,
     growth,
     heatmap,
-    incomplete_grad_note,
-    incomplete_grad_steps,
     nonfinite_cells,
 )
 from .xrank import read_xrank, xrank_findings
@@ -271,9 +269,6 @@ def analyze(
         _check_recorded(summary, fams, wanted, source.path)
     rule = {**SPIKE_DEFAULTS, **(spike_rule or {})}
     norm = global_grad_norm(summary)
-    short_note = incomplete_grad_note(incomplete_grad_steps(summary))
-    if short_note is not None:
-        summary.notes.append(short_note)
     return Analysis(
         summary=summary,
         heatmaps=heatmaps,

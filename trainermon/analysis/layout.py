@@ -27,13 +27,14 @@ def _layout_dirs(path: str) -> list[str]:
     return found
 
 
-def world_size(path: str, run_id: str | None = None) -> tuple[int | None, list[str]]:
+def world_size(path: str, run_ids: set[str] | None = None) -> tuple[int | None, list[str]]:
     """(the largest world_size any rank's layout.json states, the directories read); None without one.
-    run_id: only rank directories of that run id."""
+    run_ids: only rank directories of those runs (another job's in a reused output directory is not
+    this run's)."""
     sizes, read = [], []
     for directory in _layout_dirs(path):
         match = RANK_DIR.search(os.path.basename(os.path.normpath(directory)))
-        if run_id is not None and match is not None and match.group("id") not in (None, run_id):
+        if run_ids is not None and match is not None and match.group("id") not in (None, *run_ids):
             continue
         try:
             with open(os.path.join(directory, "layout.json"), encoding="utf-8") as fh:
@@ -50,7 +51,10 @@ def missing_ranks_note(source: Any) -> str | None:
     """A note naming the ranks of world_size that `source` has no rows of, or None."""
     if "://" in str(source.path):  # object storage: no layout.json to read
         return None
-    size, _ = world_size(source.path, source.run_id)
+    if RANK_DIR.search(os.path.basename(os.path.normpath(source.path))):
+        return None  # one rank's directory, given on purpose
+    runs = {f.run_id for f in source.files}
+    size, _ = world_size(source.path, None if None in runs else runs)
     if size is None:
         return None
     missing = sorted(set(range(size)) - set(source.ranks()))

@@ -346,7 +346,12 @@ def _note_csv_later(source: RunSource, csv_files: list) -> None:
     pq_last = max((f.last_step for f in source.files if f.last_step is not None), default=None)
     if pq_last is None:
         return
-    later = [f for f in csv_files if f.last_step is not None and f.last_step > pq_last]
+    runs = {f.run_id for f in source.files}  # another job's CSV in a reused output directory is not late
+    later = [
+        f
+        for f in csv_files
+        if f.last_step is not None and f.last_step > pq_last and (None in runs or f.run_id in runs)
+    ]
     last = max((_csv_last_step(f.path) for f in later), default=None)
     if last is None or last <= pq_last:
         return

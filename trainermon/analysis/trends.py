@@ -55,8 +55,7 @@ def global_grad_norm(summary: RunSummary, family: str = "grad_reduced") -> pd.Se
     repeats replicated tensors on every rank). Cells combine pieces and count copies once (`grid.py`),
     so the sum over cells is the norm of the whole model's gradient. A NaN or Inf anywhere at a step
     (a statistic, or a non-zero nans/infs count) makes that step's norm NaN. Empty when the run has no
-    `grad_reduced` norms. A step whose norms cover fewer tensors than its neighbours' is left out (its
-    sum would be understated): `incomplete_grad_steps` names them.
+    `grad_reduced` norms.
     """
     grid = summary.grids.get(family)
     if grid is None or "norm" not in grid.seen_stats:
@@ -64,8 +63,7 @@ def global_grad_norm(summary: RunSummary, family: str = "grad_reduced") -> pd.Se
     final = grid.finalize("step")
     norms, here = final.values["norm"], final.present["norm"]
     squares = np.where(here, norms * norms, 0.0)
-    counts = here.sum(axis=0)
-    any_row = (counts > 0) & ~_short_steps(counts)
+    any_row = here.any(axis=0)
     total = np.sqrt(squares.sum(axis=0))
     # With nans/infs collected a tensor's norm covers its finite elements only; the global norm of a
     # step with any NaN or Inf is NaN all the same (as torch's clip_grad_norm_ would report it).
@@ -73,40 +71,6 @@ def global_grad_norm(summary: RunSummary, family: str = "grad_reduced") -> pd.Se
     series = pd.Series(total[any_row], index=final.keys[any_row], name="global_grad_norm")
     series.index.name = "step"
     return series
-
-
-def _short_steps(counts: np.ndarray) -> np.ndarray:
-    """Steps (after the first) whose norms cover fewer tensors than the steps on both sides, or, the last
-    step, than the one before: rows lost, a writer killed mid-step. A lasting change of the tensor set
-    (a reload selecting other targets, parameters added mid-run) is no dip and leaves no step out."""
-    short = np.zeros(counts.size, dtype=bool)
-    if counts.size > 1:
-        below_next = np.r_[counts[1:-1] < counts[2:], True]  # the last step has no next
-        short[1:] = (counts[1:] < counts[:-1]) & below_next & (counts[1:] > 0)
-    return short
-
-
-def incomplete_grad_steps(summary: RunSummary, family: str = "grad_reduced") -> dict[int, int]:
-    """{step: tensors fewer than the step before} for the steps `global_grad_norm` leaves out."""
-    grid = summary.grids.get(family)
-    if grid is None or "norm" not in grid.seen_stats:
-        return {}
-    final = grid.finalize("step")
-    counts = final.present["norm"].sum(axis=0)
-    short = np.flatnonzero(_short_steps(counts))
-    return {int(final.keys[i]): int(counts[i - 1] - counts[i]) for i in short}
-
-
-def incomplete_grad_note(missing: dict[int, int], family: str = "grad_reduced") -> str | None:
-    """The note naming the steps `global_grad_norm` left out, or None when there are none."""
-    if not missing:
-        return None
-    shown = ", ".join(f"step {s}: {n} missing" for s, n in list(missing.items())[:10])
-    more = f" (and {len(missing) - 10} more steps)" if len(missing) > 10 else ""
-    return (
-        f"global grad norm: {len(missing)} steps have {family} norms of fewer tensors than the other "
-        f"steps and are left out of the curve ({shown}{more})"
-    )
 
 
 def find_spikes(
