@@ -224,36 +224,17 @@ def load(
         if not files:
             table = full_schema.empty_table()
         else:
-            dataset = ds.dataset(
-                files,
-                schema=full_schema,
-                format="parquet",
-                partitioning=ds.partitioning(partition_schema(), flavor="hive"),
-                partition_base_dir=root,
-            )
             expr = _expression(families, name_list, rank_list, run_ids, step_spec)
-            table = dataset.to_table(filter=expr)
+            table = _dataset(root, files, full_schema).to_table(filter=expr)
             if not len(table) and run_id is not None:  # a wrong run id must not read as an empty table
-                every = ds.dataset(
-                    select_files(root, None, None, None),
-                    schema=full_schema,
-                    format="parquet",
-                    partitioning=ds.partitioning(partition_schema(), flavor="hive"),
-                    partition_base_dir=root,
-                )
+                every = _dataset(root, select_files(root, None, None, None), full_schema)
                 there = set(every.to_table(columns=["run_id"]).column("run_id").unique().to_pylist())
                 if not there & set(run_ids):
                     raise ValueError(
                         f"trainermon.load: run ids {run_ids} are not in {root!r} (it has {sorted(there)})"
                     )
             if not len(table) and name_list is not None:  # a mistyped name must not read as no rows
-                every = ds.dataset(
-                    select_files(root, families, rank_list, None),
-                    schema=full_schema,
-                    format="parquet",
-                    partitioning=ds.partitioning(partition_schema(), flavor="hive"),
-                    partition_base_dir=root,
-                )
+                every = _dataset(root, select_files(root, families, rank_list, None), full_schema)
                 _check_names(name_list, every.to_table(columns=["name"]).column("name"), root)
     order = list(columns) if columns is not None else list(OUTPUT_COLUMNS)
     table = table.select(order)
@@ -264,6 +245,16 @@ def load(
     if as_pandas:
         return table.to_pandas()
     return table
+
+
+def _dataset(root: str, files: list[str], schema: Any) -> Any:
+    """The part `files` of the dataset at `root` as one pyarrow dataset (family and rank from their paths)."""
+    import pyarrow.dataset as ds
+
+    partitioning = ds.partitioning(partition_schema(), flavor="hive")
+    return ds.dataset(
+        files, schema=schema, format="parquet", partitioning=partitioning, partition_base_dir=root
+    )
 
 
 def _check_names(names: list[str], present: Any, where: str) -> None:
