@@ -23,6 +23,8 @@ import numpy as np
 
 from . import sqlplan
 from .grid import CellGrid, col_key
+from .rank_steps import FAMILY as STEPS_FAMILY
+from .rank_steps import missing_steps_note
 from .scan import MAX_NONFINITE_ROWS, RunSummary, copies_note
 from .source import ALL_STATS, RunSource, SourceFile, family_order
 
@@ -237,11 +239,22 @@ def engine_scan(
                 _fill(summary.grids[str(fam)], part, stats)
             bad = sess.frame(sqlplan.nonfinite_sql(stats, MAX_NONFINITE_ROWS))
             _nonfinite(summary, bad, family_stats)
+            if STEPS_FAMILY in fams:
+                _missing_steps(summary, sess.frame(sqlplan.rank_steps_sql(STEPS_FAMILY)))
     finally:
         if own:
             sess.close()
     summary.seconds = time.monotonic() - t0
     return summary
+
+
+def _missing_steps(summary: RunSummary, frame: Any) -> None:
+    by_rank: dict[int, list[int]] = {}
+    for rank, step in zip(frame["rank"].tolist(), frame["step"].tolist()):
+        by_rank.setdefault(int(rank), []).append(int(step))
+    note = missing_steps_note(by_rank)
+    if note:
+        summary.notes.append(note)
 
 
 def _copies(sess: Any, stats: list[str]) -> dict[tuple[str, int], int]:

@@ -17,6 +17,8 @@ import numpy as np
 
 from .grid import CellGrid
 from .progress import Progress
+from .rank_steps import FAMILY as STEPS_FAMILY
+from .rank_steps import RankSteps, missing_steps_note
 from .source import ALL_STATS, Batch, RunSource, family_order, open_run
 
 #: Rows of a rank's first batch compared to recognise a whole-rank copy.
@@ -144,6 +146,7 @@ def scan(
     files = source.select(list(per_family), ranks, steps)
     grids = {f: CellGrid(f, per_family[f]) for f in per_family}
     tracker = _NonFinite()
+    rank_steps = RankSteps()
     summary = RunSummary(source, grids, tracker.rows, tracker.counts, {}, steps=steps)
     summary.notes.extend(source.notes)
     seen_prints: dict[tuple[str, bytes], int] = {}
@@ -177,6 +180,8 @@ def scan(
                     seen_prints[fp] = f.rank
                 summary.rows_read += len(batch)
                 grids[f.family].add(batch)
+                if f.family == STEPS_FAMILY:
+                    rank_steps.add(f.rank, batch.step)
                 tracker.add(batch)
             done(f)
     finally:
@@ -184,6 +189,9 @@ def scan(
     summary.seconds = time.monotonic() - t0
     if summary.copies:
         summary.notes.append(copies_note(summary.copies))
+    gaps = missing_steps_note(rank_steps.by_rank())
+    if gaps:
+        summary.notes.append(gaps)
     return summary
 
 

@@ -188,6 +188,11 @@ def fingerprint_sql(dialect: Dialect, stats: list[str]) -> str:
     )
 
 
+def rank_steps_sql(family: str) -> str:
+    """The distinct (rank, step) pairs of `family`'s rows (`rank_steps.py`)."""
+    return f"SELECT rank, step FROM base WHERE family = {quote(family)} GROUP BY rank, step"
+
+
 def exclude(copies: Iterable[tuple[str, int]]) -> str:
     """A WHERE clause body dropping the (family, rank) pairs of `copies`."""
     by_family: dict[str, list[int]] = {}
