@@ -27,6 +27,8 @@ class RunInfo:
     coords: dict = field(default_factory=dict)
     #: msprobe's tag kind of this run's grad_unreduced rows (`Adapter.msprobe_unreduced_kind`)
     grad_unreduced_kind: str = "pre_grad"
+    local_rank_from: str = "LOCAL_RANK"  # the variable `local_rank` came from ("": none set, 0)
+    advertise_host: str | None = None  # TRAINERMON_ADVERTISE_HOST: this node's address (per node)
 
 
 class Exporter(ABC):

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
+
+logger = logging.getLogger("trainermon")
 
 
 def _flag(value: str | None, default: bool) -> bool:
@@ -12,18 +15,56 @@ def _flag(value: str | None, default: bool) -> bool:
     return value.strip().lower() not in ("0", "false", "off", "no", "")
 
 
+#: Where a process's rank on its node is found: torchrun's variable, then those of launchers that do not
+#: set it (Slurm's srun, Open MPI's mpirun, MPICH / Intel MPI's hydra, MVAPICH2), first set wins.
+LOCAL_RANK_VARS = (
+    "LOCAL_RANK",
+    "SLURM_LOCALID",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "MPI_LOCALRANKID",
+    "MV2_COMM_WORLD_LOCAL_RANK",
+)
+#: A node's own address for Prometheus' discovery file: set per node by the launcher script, where one
+#: config file (rank 0's, which every rank runs) cannot hold each node's name.
+ADVERTISE_HOST_VAR = "TRAINERMON_ADVERTISE_HOST"
+
+
 @dataclass(frozen=True)
 class Env:
     output_dir: str  # MONITOR_OUTPUT_DIR (default ./monitor_output), absolute
     dynamic: bool  # DYNAMIC_MONITOR=true: the config file is watched and `dynamic_on` decides
-    local_rank: int  # LOCAL_RANK (Prometheus port offset)
+    local_rank: int  # the rank on this node (Prometheus port offset), from `local_rank_from`
     fused: bool  # TRAINERMON_FUSED (default on): the native CPU kernel
+    local_rank_from: str = "LOCAL_RANK"  # the variable `local_rank` came from ("" when none is set: 0)
+    advertise_host: str | None = None  # TRAINERMON_ADVERTISE_HOST (overrides `prometheus.advertise_host`)
+
+
+def _local_rank() -> tuple[int, str]:
+    """(rank on this node, the variable it came from); (0, "") when no launcher set one. A malformed
+    value is said and passed over: it only offsets the Prometheus port, never worth stopping a job."""
+    for name in LOCAL_RANK_VARS:
+        raw = os.environ.get(name, "").strip()
+        if not raw:
+            continue
+        if raw.isdigit():
+            return int(raw), name
+        logger.warning(
+            "environment variable %s=%r is not a non-negative integer (the rank of this process on its "
+            "node); it is ignored",
+            name,
+            raw,
+        )
+    return 0, ""
 
 
 def read_env() -> Env:
+    """The environment, read once per monitor (at construction)."""
+    local_rank, local_rank_from = _local_rank()
     return Env(
         output_dir=os.path.realpath(os.environ.get("MONITOR_OUTPUT_DIR", "./monitor_output")),
         dynamic=os.environ.get("DYNAMIC_MONITOR", "false").strip().lower() == "true",
-        local_rank=int(os.environ.get("LOCAL_RANK", "0") or 0),
+        local_rank=local_rank,
         fused=_flag(os.environ.get("TRAINERMON_FUSED"), True),
+        local_rank_from=local_rank_from,
+        advertise_host=os.environ.get(ADVERTISE_HOST_VAR, "").strip() or None,
     )

@@ -25,6 +25,7 @@ class Outputs:
     def __init__(self, env: Env, rank: int, world_size: int, faults: FaultLog) -> None:
         self.root = env.output_dir
         self.local_rank = env.local_rank
+        self.env = env
         self.rank = rank
         self.world_size = world_size
         self.faults = faults
@@ -67,6 +68,8 @@ class Outputs:
             self.local_rank,
             self.coords,
             self.unreduced_kind(config.monitor_mbs_grad),
+            local_rank_from=self.env.local_rank_from,
+            advertise_host=self.env.advertise_host,
         )
         try:
             return build_exporters(run, faults=self.faults)

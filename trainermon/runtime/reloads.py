@@ -76,8 +76,15 @@ class ConfigChanges:
         if self.rank == 0:
             logger.info("trainermon: the config file changed since TrainerMon() read it; the new one applies")
         else:
+            differ = [
+                f.name
+                for f in dataclasses.fields(config)
+                if getattr(config, f.name) != getattr(self.config, f.name)
+            ]
             logger.warning(
-                "trainermon: rank %d's config file differs from rank 0's; rank 0's config applies", self.rank
+                "trainermon: rank %d's config file differs from rank 0's (keys %s); rank 0's config applies",
+                self.rank,
+                ", ".join(differ),
             )
         self.config, self.engine.options = config, engine_options(config)
         self.schedule = Schedule(config, anchored=self.control is not None and config.dynamic_on)
