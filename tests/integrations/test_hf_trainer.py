@@ -213,13 +213,20 @@ def test_gpt2_lm_head_target_selects_the_tied_embedding(tmp_path, out_dir, stati
 
 def test_resume_from_checkpoint_continues_the_monitors_count(tmp_path, out_dir, static_mode, caplog):
     """`resume_from_checkpoint`: the callback saved the monitor's state beside each checkpoint and loads
-    it, so `collect_times` counts over both lives (the resumed run used to collect once more)."""
+    it, so `collect_times` counts over both lives (the resumed run used to collect once more). A checkpoint
+    moved out of `output_dir` (a third life) is read where the Trainer resumed from: the callback used to
+    look in `output_dir/checkpoint-N` only, said "afresh" and collected steps 1 and 2."""
+    import shutil
+
     from trainermon.integrations.hf import TrainerMonCallback
 
     cfg = write_config(tmp_path / "cfg.json", wg_distribution=True, collect_times=2, ops=list(OPS))
     hf = str(tmp_path / "hf")
+    moved = str(tmp_path / "elsewhere" / "checkpoint-1")
     steps_written = []
-    for resume in (None, os.path.join(hf, "checkpoint-1")):
+    for resume in (None, os.path.join(hf, "checkpoint-1"), moved):
+        if resume == moved:  # the state file left in output_dir must not be the one read
+            os.remove(os.path.join(hf, "checkpoint-1", "trainermon_state_rank0.pt"))
         torch.manual_seed(0)
         callback = TrainerMonCallback(cfg)
         trainer = transformers.Trainer(
@@ -232,10 +239,12 @@ def test_resume_from_checkpoint_continues_the_monitors_count(tmp_path, out_dir, 
         assert callback.monitor.faults.total == 0, dict(callback.monitor.faults.counts)
         rows = read_family(callback.monitor.run_dir, "grad_reduced")
         steps_written.append(sorted({int(r["step"]) for r in rows}))
-        assert os.path.exists(os.path.join(hf, "checkpoint-1", "trainermon_state_rank0.pt"))
+        if resume is None:
+            assert os.path.exists(os.path.join(hf, "checkpoint-1", "trainermon_state_rank0.pt"))
+            shutil.copytree(os.path.join(hf, "checkpoint-1"), moved)
     # first life: steps 0, 1 (collect_times 2). checkpoint-1 holds one collection (step 0): the resumed
     # run collects step 1 only (without the state: steps 1 and 2)
-    assert steps_written == [[0, 1], [1]], steps_written
+    assert steps_written == [[0, 1], [1], [1]], steps_written
     assert not [r for r in caplog.records if "afresh" in r.getMessage()]
 
 
