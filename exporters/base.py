@@ -51,5 +51,9 @@ class Exporter(ABC):
     def tick(self) -> None:  # noqa: B027 - optional hook
         """Time passed (the worker calls it at least every `tick_s` seconds, with or without steps)."""
 
+    def collection_stopped(self) -> None:  # noqa: B027 - optional hook
+        """Collection stopped (dynamic_on switched off, collect_times reached), after the steps queued
+        before: values that would read as current can go; the next step written means it is on again."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Flush and release resources. Called once."""

@@ -9,6 +9,9 @@ Series (every one labelled with `rank`):
 
     trainermon_info{run_id, version}                                    1
     trainermon_global_grad_norm                                         L2 norm of all reduced gradients
+    trainermon_global_grad_norm_max        its largest over the collected steps of the last
+                                       prometheus.max_window_s seconds, taken at render (`window.py`)
+    trainermon_collecting                                               1, or 0 once collection stopped
     trainermon_last_step, trainermon_last_step_timestamp_seconds         last collected step, when written
     trainermon_steps_collected_total
     trainermon_monitor_step_seconds                                     monitor time on the training thread
@@ -41,23 +44,19 @@ import time
 from operator import attrgetter
 from typing import Any
 
-import numpy as np
-
-from trainermon.collect.family_columns import EXTRA_COLUMNS
-from trainermon.collect.records import XRANK_FAMILIES, StatBatch
-from trainermon.stats.table import VALUE_STATS, combine
+from trainermon.collect.records import StatBatch
+from trainermon.stats.table import VALUE_STATS
 
 from ..base import Exporter, RunInfo
+from . import layers, xrank
 from . import server as http
-from . import xrank
+from .layers import aggregate
 from .metrics import Exposed, Metrics, layer_of
+from .window import WindowMax, WindowMaxGauge
+
+__all__ = ["PrometheusExporter", "aggregate", "layer_of"]
 
 logger = logging.getLogger("trainermon")
-
-
-def aggregate(groups: np.ndarray, count: int, values: dict[str, np.ndarray], stats: tuple[str, ...]) -> dict:
-    """Rows combined into `count` groups by the statistics table's rules (`stats.table.combine`)."""
-    return combine(groups, count, values, stats)
 
 
 class PrometheusExporter(Exporter):
@@ -100,6 +99,10 @@ class PrometheusExporter(Exporter):
         self.exposed = Exposed(self.m.registry)
         self._lock = threading.Lock()  # a step's gauge updates, or a render of the page: never both
         self._rendered: bytes | None = None  # the page as of the last step written (None: stale)
+        # trainermon_global_grad_norm_max: fed on the worker, its value taken when a scrape renders
+        self.norm_max = WindowMax(section.max_window_s)
+        self._shown_max: float | None = None  # its value on the page rendered last
+        self.m.registry.register(WindowMaxGauge(NORM_MAX, NORM_MAX_DOC, self.rank, self.norm_max))
 
         host = section.host
         port = section.port + run.local_rank if section.port > 0 else 0
@@ -190,8 +193,12 @@ class PrometheusExporter(Exporter):
         if (self.run.rank == 0 or self.run.world_size == 1) and not batch.scalars.scaler_skip:
             if derived.global_grad_norm is not None:
                 m.global_norm.labels(rank).set(derived.global_grad_norm)
+                self.norm_max.add(float(derived.global_grad_norm))
             elif batch.scalars.scheduled and (rank,) in m.global_norm._metrics:  # no longer collected
                 m.global_norm.remove(rank)
+                self.norm_max.clear()
+        if batch.scalars.scheduled:
+            m.collecting.labels(rank).set(1)
         seconds = batch.scalars.monitor_time_ms / 1e3
         m.time.labels(rank).set(seconds)
         m.time_total.labels(rank).inc(max(seconds, 0.0))
@@ -204,7 +211,7 @@ class PrometheusExporter(Exporter):
                 child.inc(total - child._value.get())
         families = set(map(_FAMILY, batch.rows))
         if batch.rows:
-            self._update_stats(batch)
+            layers.update_stats(self, batch)
         if batch.xrank is not None and batch.xrank.rows:
             families.update(row[0] for row in batch.xrank.rows)
             self._count_dropped(xrank.export(self, batch.xrank))
@@ -217,9 +224,30 @@ class PrometheusExporter(Exporter):
     def _publish(self) -> None:
         self._rendered = None  # rendered at the next scrape (`_page`)
 
-    def _page(self) -> bytes:
-        """The page a scrape gets (on an HTTP thread): rendered at most once per step written."""
+    def collection_stopped(self) -> None:
+        """The worker's signal that collection stopped (dynamic_on switched off, collect_times reached):
+        the gauges of a step's values leave the page rather than keep the last collected step's values
+        (a flat, healthy-looking line), and trainermon_collecting goes to 0 until the next collected step.
+        The last step, its timestamp and the counters stay."""
         with self._lock:
+            m, rank = self.m, self.rank
+            m.collecting.labels(rank).set(0)
+            for gauge in (m.global_norm, m.time):
+                if (rank,) in gauge._metrics:
+                    gauge.remove(rank)
+            self.norm_max.clear()
+            self._retire({labels[1] for _, labels in self._children})  # every family's
+            self._families = set()
+            self._publish()
+
+    def _page(self) -> bytes:
+        """The page a scrape gets (on an HTTP thread): rendered at most once per step written, and again
+        when the window of trainermon_global_grad_norm_max moved past its largest value."""
+        with self._lock:
+            top = self.norm_max.current()
+            if top != self._shown_max:  # a new step's norm, or the window moved past the largest
+                self._shown_max = top
+                self._rendered = None
             page = self._rendered
             if page is None:
                 page = self._rendered = self._render()
@@ -265,78 +293,11 @@ class PrometheusExporter(Exporter):
             self.series += 1
         return child
 
-    def _update_stats(self, batch: StatBatch) -> None:
-        rows = batch.rows
-        # A None element of a module's output gets msprobe's NaN row (no tensor: numel 0, no dtype); it
-        # holds no NaN, so it neither counts as a non-finite step nor turns its layer's norm into NaN.
-        real = np.array([r.numel > 0 or r.dtype is not None for r in rows], dtype=bool)
-        keep = [
-            i
-            for i, r in enumerate(rows)
-            if real[i]
-            and (self.families is None or r.family in self.families)
-            and (self.all_per_rank or r.family not in XRANK_FAMILIES or self._is_target(r.name))
-        ]
-        values = batch.values
-        nonfinite = any(stat in values and np.any(values[stat] > 0) for stat in ("nans", "infs"))
-        if "norm" in values and not np.all(np.isfinite(np.asarray(values["norm"])[real])):
-            nonfinite = True
-        # A step the loss scaler skipped for its overflow is the scaler at work (trainermon_skipped_steps)
-        if nonfinite and not batch.scalars.scaler_skip:
-            self.m.nonfinite.labels(self.rank).inc()
-        if not keep:
-            return
-        idx = np.asarray(keep, dtype=np.int64)
-        sub = {k: np.asarray(v)[idx] for k, v in values.items()}
-        sub_rows = [rows[i] for i in keep]
-        self._export_groups(self.m.layer, sub_rows, sub, per_parameter=False)
-        if self.m.param is not None:
-            self._export_groups(self.m.param, sub_rows, sub, per_parameter=True)
-
     def _is_target(self, name: str) -> bool:
         hit = self._targeted.get(name)
         if hit is None:
             hit = self._targeted[name] = any(name == t or name.startswith(t + ".") for t in self.targets)
         return hit
-
-    def _export_groups(self, metric: Any, rows: list, values: dict, per_parameter: bool) -> None:
-        index: dict[tuple, int] = {}
-        labels: list[tuple] = []
-        groups = np.empty(len(rows), dtype=np.int64)
-        cache = self._group_cache
-        for i, r in enumerate(rows):
-            ck = (r.family, r.vpp_stage, r.name)
-            hit = cache.get(ck)
-            if hit is None:
-                shown = f"{r.vpp_stage}:{r.name}" if r.vpp_stage else r.name
-                # comm rows: one series per op, group and input/output (call sites summed)
-                layer = r.name.partition("@")[0] if r.family == "comm" else layer_of(r.name, r.vpp_stage)
-                hit = cache[ck] = (layer, shown)
-            layer, shown = hit
-            key = (r.family, layer, shown) if per_parameter else (r.family, layer)
-            g = index.get(key)
-            if g is None:
-                g = index[key] = len(labels)
-                labels.append(key)
-            groups[i] = g
-        stats = tuple(s for s in self.stats if s in values)
-        combined = aggregate(groups, len(labels), values, stats)
-        for extra in _FAMILY_GAUGES:  # update: ratio; moe_load: load_cv, dropped, aux_loss
-            if extra in values:  # a layer shows the largest value of its rows
-                combined[extra] = _max_by_group(groups, len(labels), values[extra])
-                stats += (extra,)
-        dropped = 0
-        for stat in stats:
-            column = combined[stat]
-            for g, key in enumerate(labels):
-                if stat in _FAMILY_GAUGES and (key[0] not in _FAMILY_GAUGES[stat] or np.isnan(column[g])):
-                    continue  # another family's row, or a value the router does not report
-                child = self._child(metric, (self.rank, *key, stat))
-                if child is None:
-                    dropped += 1
-                    continue
-                child.set(float(column[g]))
-        self._count_dropped(dropped)
 
     def _count_dropped(self, dropped: int) -> None:
         if dropped:
@@ -371,16 +332,11 @@ class PrometheusExporter(Exporter):
 
 
 _FAMILY = attrgetter("family")
+NORM_MAX = "trainermon_global_grad_norm_max"
+NORM_MAX_DOC = (
+    "Largest global gradient norm of the collected steps of the last prometheus.max_window_s seconds "
+    "(a spike of one step stays on the page that long)"
+)
 
 #: The metrics of the newest sink of each monitor (run id, rank): the counters a reopened sink continues.
 NEWEST: dict[tuple, Metrics] = {}
-
-#: Float columns of single families exported as gauges (stat label = the column), by family.
-_FAMILY_GAUGES = {name: families for name, kind, families in EXTRA_COLUMNS if kind == "float"}
-
-
-def _max_by_group(groups: np.ndarray, count: int, values: np.ndarray) -> np.ndarray:
-    """The largest non-NaN value of each group (NaN where a group has none)."""
-    out = np.full(count, -np.inf)
-    np.fmax.at(out, groups, np.asarray(values, dtype=np.float64))
-    return np.where(np.isneginf(out), np.nan, out)

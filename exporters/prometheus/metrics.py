@@ -61,6 +61,12 @@ class Metrics:
             r,
             registry=reg,
         )
+        self.collecting = pc.Gauge(
+            "trainermon_collecting",
+            "1 while steps are collected, 0 once collection stopped (dynamic_on off, collect_times reached)",
+            r,
+            registry=reg,
+        )
         self.step = pc.Gauge("trainermon_last_step", "Last collected optimizer step", r, registry=reg)
         self.step_ts = pc.Gauge(
             "trainermon_last_step_timestamp_seconds",
@@ -149,6 +155,7 @@ class Metrics:
             registry=reg,
         )
         self.info.labels(rank, run_id, __version__).set(1)
+        self.collecting.labels(rank).set(1)
         counters = (self.steps, self.skipped, self.time_total, self.nonfinite, self.dropped, self.faults)
         for metric in (*counters, self.series_dropped):
             metric.labels(rank)

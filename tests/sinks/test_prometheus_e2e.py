@@ -1,6 +1,7 @@
-"""End to end: a real Prometheus (Debian's package) scrapes a monitored demo run on 127.0.0.1, the
-shipped alert rules see an injected gradient spike, and every PromQL expression of the shipped Grafana
-dashboard parses and returns data. The shipped rules' promtool unit tests run here too.
+"""End to end: a real Prometheus (Debian's package), with the shipped file_sd scrape job, scrapes a
+monitored demo run on 127.0.0.1, the shipped alert rules see a gradient spike of one step (training goes
+on after it), and every PromQL expression of the shipped Grafana dashboard parses and returns data. The
+shipped rules' promtool unit tests run here too.
 
 Installs the `prometheus` package with apt-get when it is missing; without apt-get (or root) the test
 fails with a message saying so, rather than passing silently.
@@ -19,6 +20,7 @@ import urllib.request
 
 import pytest
 import torch
+import yaml
 from torch import nn
 
 from tests.distributed import free_port
@@ -29,6 +31,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 RULES = os.path.join(REPO, "deploy", "prometheus", "trainermon_alerts.yml")
 RULES_TEST = os.path.join(REPO, "deploy", "prometheus", "trainermon_alerts_test.yml")
 DASHBOARD = os.path.join(REPO, "deploy", "grafana", "trainermon_dashboard.json")
+SCRAPE_CONFIG = os.path.join(REPO, "deploy", "prometheus", "prometheus.yml")
 
 
 def ensure_prometheus() -> tuple[str, str]:
@@ -86,8 +89,24 @@ def dashboard_queries() -> list[tuple[str, str]]:
     return out
 
 
+def prometheus_config(sd_glob: str) -> str:
+    """The shipped config's file_sd job (its scrape options as shipped), on this run's directory, with the
+    shipped rules, scraping and evaluating every second."""
+    with open(SCRAPE_CONFIG, encoding="utf-8") as fh:
+        shipped = yaml.safe_load(fh)
+    job = next(j for j in shipped["scrape_configs"] if j["job_name"] == "trainermon")
+    job["file_sd_configs"] = [{"files": [sd_glob], "refresh_interval": "1s"}]
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [RULES],
+        "scrape_configs": [job],
+    }
+    return yaml.safe_dump(config)
+
+
 class Trainer(threading.Thread):
-    """The demo model trained in a thread; `spike` multiplies one step's gradients, then training pauses."""
+    """The demo model trained in a thread; `spike` multiplies one step's gradients (then training goes
+    on: the spike lasts one step, shorter than a scrape interval)."""
 
     def __init__(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
         super().__init__(daemon=True)
@@ -112,10 +131,7 @@ class Trainer(threading.Thread):
                 self.opt.step()
                 self.opt.zero_grad(set_to_none=True)
                 self.steps += 1
-                if self.spiked_step is not None:
-                    self.stop.wait()  # hold the spike as the last exported value
-                else:
-                    time.sleep(0.05)
+                time.sleep(0.05)
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             self.error = exc
 
@@ -149,12 +165,7 @@ def test_prometheus_end_to_end(tmp_path, out_dir):
 
     web_port = free_port()
     base = f"http://127.0.0.1:{web_port}"
-    (tmp_path / "prometheus.yml").write_text(
-        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-        f"rule_files:\n  - {RULES}\n"
-        "scrape_configs:\n  - job_name: trainermon\n    file_sd_configs:\n"
-        f"      - files: ['{out}/prometheus_sd/*.json']\n        refresh_interval: 1s\n"
-    )
+    (tmp_path / "prometheus.yml").write_text(prometheus_config(f"{out}/prometheus_sd/*.json"))
     server = subprocess.Popen(
         [
             prometheus,
@@ -176,12 +187,12 @@ def test_prometheus_end_to_end(tmp_path, out_dir):
 
         wait_for(target_up, 30, "the rank's target to be discovered via file_sd and up")
 
-        # Enough normal history for the spike rule (10 samples of the global norm).
+        # Enough normal history for the spike rule (10 samples of the window's largest global norm).
         def history():
-            r = api(base, "/api/v1/query", query="count_over_time(trainermon_global_grad_norm[30m])")
+            r = api(base, "/api/v1/query", query="count_over_time(trainermon_global_grad_norm_max[30m])")
             return r["data"]["result"] and float(r["data"]["result"][0]["value"][1]) >= 12
 
-        wait_for(history, 40, "12 scraped samples of trainermon_global_grad_norm")
+        wait_for(history, 40, "12 scraped samples of trainermon_global_grad_norm_max")
         normal = float(
             api(base, "/api/v1/query", query="trainermon_global_grad_norm")["data"]["result"][0]["value"][1]
         )
@@ -202,6 +213,14 @@ def test_prometheus_end_to_end(tmp_path, out_dir):
         assert firing[0]["labels"]["rank"] == "0" and firing[0]["labels"]["severity"] == "warning"
         assert float(firing[0]["value"]) > 100 * normal  # gradients x1000: the norm x1000
         assert trainer.error is None and trainer.spiked_step is not None
+        # ... while the last step's norm is back to normal: one step, between two scrapes
+        assert trainer.steps > trainer.spiked_step + 5
+        last = api(base, "/api/v1/query", query="trainermon_global_grad_norm")["data"]["result"]
+        assert float(last[0]["value"][1]) < 10 * normal
+
+        # One run_id label on trainermon_info (the page's and the discovery file's agree, not doubled).
+        info = api(base, "/api/v1/query", query="trainermon_info")["data"]["result"][0]["metric"]
+        assert info["run_id"] == mon.run_dir.rsplit("-", 1)[-1] and "exported_run_id" not in info, info
 
         # The monitor's own rule saw the spike too, and its counter's alert fires, by rule.
         def anomaly_firing():

@@ -47,6 +47,9 @@ class PrometheusConfig:
     #: Per-rank families (actv, actv_grad, grad_unreduced) from every rank; false: only the rows of the
     #: modules named in `targets` (with one rank: all), the cross-rank summaries stand for the rest.
     per_rank: bool = False
+    #: Seconds of collected steps `trainermon_global_grad_norm_max` covers (the largest global gradient
+    #: norm among them): at least a scrape interval, so that a spike of one step is seen by a scrape.
+    max_window_s: float = 60.0
 
 
 #: Collectives `cc_distribution` can watch (trainermon's `cc_distribution.ops` picks among them).

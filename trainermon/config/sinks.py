@@ -68,4 +68,12 @@ def _prometheus(raw: dict) -> PrometheusConfig:
     values["max_series"] = _int(
         {"prometheus.max_series": values["max_series"]}, "prometheus.max_series", 1, 10**7
     )
+    window = values["max_window_s"]
+    if isinstance(window, bool) or not isinstance(window, (int, float)) or not 1 <= window <= 86400:
+        raise _fail(
+            "prometheus.max_window_s",
+            window,
+            "a number of seconds in [1, 86400], at least the scrape interval (default 60)",
+        )
+    values["max_window_s"] = float(window)
     return PrometheusConfig(**values)

@@ -34,6 +34,7 @@ from trainermon.failsafe import FaultLog
 
 logger = logging.getLogger("trainermon")
 _STOP = object()
+_COLLECTION_STOPPED = object()  # `collection_stopped()`: each sink's optional hook of that name
 
 WRITE_INTERVAL_S = MonitorConfig.write_interval_s  # the config default
 #: Seconds one exporter call may take before its sink counts as hung and is switched off.
@@ -134,6 +135,14 @@ class BackgroundWorker:
         """Switch to new exporters after the steps already queued are written (a config change)."""
         if not self._closed:
             self._pending.append(_Swap(list(exporters)))
+
+    def collection_stopped(self) -> None:
+        """Tell the sinks, after the steps already queued, that collection stopped (dynamic_on off, or
+        collect_times reached): a sink with a `collection_stopped()` method (optional, like `tick`) drops
+        values that would read as current; the next step written means collection is on again."""
+        if not self._closed:
+            self._pending.append(_COLLECTION_STOPPED)
+            self._wake.set()
 
     def flush(self, timeout: float | None = None) -> None:
         """Block until every submitted step is written and every exporter flushed, or `timeout` passes
@@ -296,6 +305,8 @@ class BackgroundWorker:
         if isinstance(item, _Reached):
             item.done.set()
             return True
+        if item is _COLLECTION_STOPPED:
+            return self._each(generation, "collection_stopped", None, 0, None)
         if isinstance(item, _Swap):
             self._close_exporters()
             self.exporters, self._disabled = item.exporters, set()
@@ -328,8 +339,8 @@ class BackgroundWorker:
             try:
                 if what == "write":
                     exporter.write(batch)
-                elif what == "tick":
-                    getattr(exporter, "tick", _nothing)()
+                elif what in ("tick", "collection_stopped"):  # optional hooks
+                    getattr(exporter, what, _nothing)()
                 else:
                     exporter.flush()
             except Exception as exc:  # noqa: BLE001

@@ -323,6 +323,8 @@ class StepLoop(ConfigChanges):
             # every rank at this same step, in memory, without waiting for the watcher to see the write.
             self.control.switch_off_in_file()
             self.config = dataclasses.replace(self.config, dynamic_on=False)
+        if plan.scheduled and self.schedule.exhausted and self.worker is not None:
+            self.worker.collection_stopped()  # the schedule's last collection: sinks drop step values
 
     # ==== checkpoint ===================================================================================
     def state_dict(self) -> dict:

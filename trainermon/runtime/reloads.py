@@ -115,6 +115,8 @@ class ConfigChanges:
             if any(getattr(old, k) != getattr(config, k) for k in MonitorConfig.OUTPUT_KEYS):
                 stamp = self.control.stamp if self.control is not None else None  # rank 0's clock
                 self.worker.replace_exporters(self.outputs.renew(config, stamp))  # new columns or sinks
+            if not config.dynamic_on:  # (after a swap: the new sinks hear it)
+                self.worker.collection_stopped()
         logger.info(
             "trainermon: config reloaded at step %d: dynamic_on=%s, collect_times=%d",
             self.step,
