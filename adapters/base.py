@@ -78,6 +78,13 @@ class GradTaps:
         self.on_microbatch = on_microbatch
 
 
+def _microbatch_hook(taps: GradTaps, index: int) -> Callable[[torch.Tensor], None]:
+    def hook(grad: torch.Tensor) -> None:
+        taps.on_microbatch(index, grad)
+
+    return hook
+
+
 class Adapter(ABC):
     name: str = "base"
 
@@ -234,15 +241,62 @@ class Adapter(ABC):
     def install_microbatch_taps(self, params: Sequence[MonitoredParam], taps: GradTaps) -> list[Any]:
         """Install taps (only for a collected step) that report each micro-batch's own gradient. The
         default is a tensor hook per parameter, which fires with each backward's gradient before it is
-        accumulated into `.grad`; adapters whose parameters are flattened or sharded override it."""
-        handles = []
+        accumulated into `.grad`; adapters whose parameters are flattened or sharded override it. torch
+        refuses a hook on a parameter frozen at the step boundary (`requires_grad=False`: Lightning's
+        `toggle_optimizer`, or the user's own freezing): it is tapped by the first forward of its module
+        that finds it trainable again (`untoggle_optimizer` before its backward), else it has no
+        gradient and no micro-batch row this step."""
+        handles: list[Any] = []
+        frozen = []
         for mp in params:
-
-            def hook(grad: torch.Tensor, index: int = mp.index) -> None:
-                taps.on_microbatch(index, grad)
-
-            handles.append(mp.param.register_hook(hook))
+            if mp.param.requires_grad:
+                handles.append(mp.param.register_hook(_microbatch_hook(taps, mp.index)))
+            else:
+                frozen.append(mp)
+        if frozen:
+            handles += self._tap_when_unfrozen(frozen, taps)
         return handles
+
+    def _tap_when_unfrozen(self, frozen: list[MonitoredParam], taps: GradTaps) -> list[Any]:
+        """A forward pre-hook on each module owning a frozen parameter: when a forward that records a
+        graph finds it trainable, its micro-batch hook is registered (once). Removed with the step's
+        handles. A parameter used outside its module's forward is not seen."""
+        from .common import Handles, guarded  # (common imports this module)
+
+        owners = self._param_owners(frozen)
+        pending: dict[int, tuple[torch.nn.Module, list[MonitoredParam]]] = {}
+        for mp in frozen:
+            module = owners.get(id(mp.param))
+            if module is not None:
+                pending.setdefault(id(module), (module, []))[1].append(mp)
+        group = Handles()
+        for module, waiting in pending.values():
+
+            def pre_hook(_module: Any, _args: Any, waiting: list[MonitoredParam] = waiting) -> None:
+                if not waiting or not torch.is_grad_enabled():
+                    return
+                for mp in [mp for mp in waiting if mp.param.requires_grad]:
+                    waiting.remove(mp)
+                    group.items.append(mp.param.register_hook(_microbatch_hook(taps, mp.index)))
+
+            hook = guarded(self.context.faults, "micro-batch tap of an unfrozen parameter", pre_hook)
+            group.items.append(module.register_forward_pre_hook(hook))
+        return [group]
+
+    def _param_owners(self, wanted: list[MonitoredParam]) -> dict[int, torch.nn.Module | None]:
+        """id(parameter) -> the module that holds it directly; built once (again if a parameter in
+        `wanted` is not in it: the model changed), on a collected step with a frozen parameter only."""
+        owners = getattr(self, "_owners", None)
+        if owners is None or any(id(mp.param) not in owners for mp in wanted):
+            owners = {}
+            for root in self.roots():
+                for module in root.modules():
+                    for p in module.parameters(recurse=False):
+                        owners.setdefault(id(p), module)
+            for mp in wanted:  # held outside the model (an optimizer's own tensor): not looked for again
+                owners.setdefault(id(mp.param), None)
+            self._owners = owners
+        return owners
 
     # ---- where each family lives -------------------------------------------------------------------
     @abstractmethod

@@ -300,8 +300,7 @@ class StepLoop(ConfigChanges):
         self._grads_read = False
         if self.adapter is not None:
             self.adapter.new_step()
-        for probe in self.probes:
-            probe.begin(self.plan)
+        self._each("begin", "begin step")  # each probe on its own: one failing skips no other's begin
 
     def _end_collected(self, scalars: StepScalars) -> None:
         plan = self.plan

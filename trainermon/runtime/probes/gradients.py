@@ -49,6 +49,7 @@ class GradientProbe(Probe):
         super().__init__(loop)
         self.taps = GradTaps(self._on_unreduced, self._on_microbatch)
         self._step_handles: list[Any] = []
+        self._step_taps = GradTaps(self._on_unreduced, self._on_microbatch)  # this step's micro-batch taps
         self._microbatch: dict[int, int] = {}  # parameter index -> micro-batches seen this step
         self._clipping: Watch | None = None  # the clipping functions, watched while a step reads gradients
         self._stamp: Any = _UNSET  # a gradient's (id, version) after this step's last clipping
@@ -61,18 +62,37 @@ class GradientProbe(Probe):
         return []
 
     def begin(self, plan: StepPlan) -> None:
-        for handle in self._step_handles:
-            handle.remove()
-        self._step_handles.clear()
+        self._remove_step_taps()
         self._microbatch.clear()
         self._stamp = _UNSET
         self.taps.active = plan.grads and not plan.microbatch_grads
         self.loop.adapter.arm_grad_taps(self.taps.active)
-        if plan.microbatch_grads:
-            self._step_handles += self.loop.adapter.install_microbatch_taps(
-                self.loop.selection.params, self.taps
-            )
         self._watch_clipping(plan.grads)
+        if plan.microbatch_grads:
+            # This step's own taps object: a hook the adapter registered before failing (its handle lost
+            # with the exception) reports to it, and it is switched off at the next boundary.
+            self._step_taps = self._new_step_taps()
+            self._step_handles += self.loop.adapter.install_microbatch_taps(
+                self.loop.selection.params, self._step_taps
+            )
+
+    def _new_step_taps(self) -> GradTaps:
+        """Taps that report micro-batch gradients while `active` (this step), and never after."""
+        taps = GradTaps(self._on_unreduced, self._on_microbatch)
+
+        def on_microbatch(index: int, grad: torch.Tensor) -> None:
+            if taps.active:
+                self._on_microbatch(index, grad)
+
+        taps.on_microbatch = on_microbatch
+        taps.active = True
+        return taps
+
+    def _remove_step_taps(self) -> None:
+        self._step_taps.active = False
+        for handle in self._step_handles:
+            handle.remove()
+        self._step_handles.clear()
 
     def _watch_clipping(self, on: bool) -> None:
         if on and self._clipping is None:
@@ -154,9 +174,7 @@ class GradientProbe(Probe):
 
     def close(self) -> None:
         self._watch_clipping(False)
-        for handle in self._step_handles:
-            handle.remove()
-        self._step_handles.clear()
+        self._remove_step_taps()
 
     # ---- taps (called from backward) -----------------------------------------------------------
     def _on_unreduced(self, indices: Sequence[int], grads: Sequence[torch.Tensor]) -> None:
