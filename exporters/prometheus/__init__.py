@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 from operator import attrgetter
@@ -50,6 +49,7 @@ from trainermon.stats.table import VALUE_STATS
 from ..base import Exporter, RunInfo
 from . import layers, xrank
 from . import server as http
+from .address import advertised_host
 from .layers import aggregate
 from .metrics import Exposed, Metrics, layer_of
 from .window import WindowMax, WindowMaxGauge
@@ -115,7 +115,8 @@ class PrometheusExporter(Exporter):
             raise OSError(
                 exc.errno,
                 f"cannot serve rank {run.rank}'s metrics at {host}:{port} (prometheus.port "
-                f"{section.port} + LOCAL_RANK {run.local_rank}): {exc.strerror or exc}",
+                f"{section.port} + {run.local_rank_from or 'local rank'} {run.local_rank}): "
+                f"{exc.strerror or exc}",
             ) from exc
         self.host = host
         self.port = self.server.server_address[1]
@@ -144,7 +145,7 @@ class PrometheusExporter(Exporter):
 
     def _write_discovery(self, run: RunInfo, host: str) -> None:
         section = run.config.prometheus
-        advertise = section.advertise_host or (socket.getfqdn() if host in ("0.0.0.0", "::", "") else host)
+        advertise = advertised_host(host, section.advertise_host, run.advertise_host)
         target = f"{advertise}:{self.port}"
         os.makedirs(run.run_dir, exist_ok=True)
         info = {
