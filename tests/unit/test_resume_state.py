@@ -64,16 +64,35 @@ def test_a_resumed_dynamic_run_keeps_its_step_interval_grid(tmp_path, out_dir, d
     assert state["schedule_start"] == 0
 
 
-def test_a_config_edited_while_the_job_was_down_applies_as_new(tmp_path, out_dir, dynamic_mode, caplog):
+def _resume(path, model, opt, state, order: str) -> TrainerMon:
+    """The state loaded before `set_monitor`, or after it with or without `start_iteration` (Megatron's
+    insertion passes none: the state's step is the only one)."""
+    second = TrainerMon(str(path))
+    if order == "before":
+        second.load_state_dict(state)
+    second.set_monitor(
+        model, optimizer=opt, **({} if order == "after-no-start" else {"start_iteration": CUT})
+    )
+    if order != "before":
+        second.load_state_dict(state)
+    return second
+
+
+ORDERS = ("before", "after", "after-no-start")
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_config_edited_while_the_job_was_down_applies_as_new(
+    tmp_path, out_dir, dynamic_mode, caplog, order
+):
     """dynamic_on stays true but step_interval and collect_times changed: the new config runs from the
     resumed step, its collect_times counted from there, as an edit while running would (before: the saved
-    grid and count went on under the new config: [6] for [5, 7, 9])."""
+    grid and count went on under the new config: [6] for [5, 7, 9]; loaded after a `set_monitor` without
+    `start_iteration`, the grid was anchored at step 0: [6, 8, 10])."""
     path, model, opt, first, state = _dynamic_first_run(tmp_path)
     path.write_text(json.dumps({**BASE, "dynamic_on": True, "step_interval": 2, "collect_times": 3}))
-    second = TrainerMon(str(path))
-    second.load_state_dict(state)
     with caplog.at_level("INFO", logger="trainermon"):
-        second.set_monitor(model, optimizer=opt, start_iteration=CUT)
+        second = _resume(path, model, opt, state, order)
     _run(second, model, opt, range(CUT, END))
     second.close()
     assert _collected_steps(out_dir) == [0, 3, 5, 7, 9]
@@ -162,13 +181,14 @@ def test_a_malformed_nested_part_is_refused_before_anything_is_applied(tmp_path,
     assert monitor.current_step == 2 and monitor.faults.total == 0
 
 
-def test_a_state_saved_before_pending_and_schedule_start_existed_still_loads(tmp_path, out_dir, dynamic_mode):
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_state_saved_before_pending_and_schedule_start_existed_still_loads(
+    tmp_path, out_dir, dynamic_mode, order
+):
     path, model, opt, first, state = _dynamic_first_run(tmp_path)
     del state["schedule_start"]
     state["escalation"] = {"until": CUT}  # the old layout: no queued requests
-    second = TrainerMon(str(path))
-    second.load_state_dict(state)
-    second.set_monitor(model, optimizer=opt, start_iteration=CUT)
+    second = _resume(path, model, opt, state, order)
     escalating = second.loop.plan.escalating
     _run(second, model, opt, range(CUT, END))
     second.close()

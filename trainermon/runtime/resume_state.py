@@ -42,9 +42,14 @@ def restore_state(loop: Any, state: dict) -> None:
         and state.get("config_digest") in (None, control.digest())  # None: saved before digests
     ):
         loop.schedule.collected = int(state["schedule_collected"])
-        if control is not None and state.get("schedule_start") is not None:
-            loop.schedule.resume(state["schedule_start"])  # not re-anchored at the resumed step
+        if control is not None:  # the saved run's anchor (not re-anchored); none saved: the resumed step
+            start = state.get("schedule_start")
+            loop.schedule.resume(loop.step if start is None else int(start))
     elif loop.config.dynamic_on:
+        # A new config from the resumed step, wherever `set_monitor` anchored it: loaded after it without
+        # `start_iteration` (Megatron's insertion), the grid started at step 0 and ran off the resumed step
+        loop.schedule.collected = 0
+        loop.schedule.resume(loop.step)
         logger.info(
             "trainermon: the config file changed since the state was saved: it applies from step %d, "
             "its collect_times counted from there",
