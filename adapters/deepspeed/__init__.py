@@ -13,7 +13,10 @@ What is hooked
   the boundary micro-batch. Where it reduces every micro-batch and frees `.grad` (ZeRO-2, ZeRO-3,
   BF16_Optimizer), a tensor hook sees each micro-batch's own gradient and, on collected steps only, the
   adapter sums them in float32 until the boundary (one float32 copy per monitored parameter, only while
-  a collected step with gradient accumulation runs).
+  a collected step with gradient accumulation runs). The PipelineEngine (`layout.py`) has no accumulation
+  boundary in backward: the local sum is taken at the start of its `ReduceGrads` instruction.
+- Pipeline stages and expert parallelism split the model over ranks (`splits_model`): the global norm
+  sums every rank's written rows. Experts are named by their global index.
 
 Where the optimizer-side tensors live (all local reads, no communication; merged by the core's one
 packed reduction per step)
@@ -48,6 +51,7 @@ from trainermon.names import clean_name
 
 from ..base import GRAD_REDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
 from ..common import Restore, guarded
+from . import layout
 from .engine import find_engine, is_deepspeed_object
 
 logger = logging.getLogger("trainermon")
@@ -101,6 +105,10 @@ class DeepSpeedAdapter(Adapter):
         self._fp32_master: dict[int, torch.Tensor] = {}  # fp16_wrapper: id(lp param) -> fp32 master
         self._zero12_group: dict[int, int] = {}  # zero12: id(lp param) -> param group index
         self._said_no_grads = False
+        self._pipe = layout.is_pipeline(engine)
+        self._renames = layout.expert_renames(engine.module)
+        self._splits = layout.num_stages(engine) > 1 or layout.expert_parallel_size(engine.module) > 1
+        layout.warn_tied(engine)
         self._index_maps()
         self._acc: dict[int, torch.Tensor] = {}  # float32 sums of earlier micro-batches (collected steps)
         self._grad_scale: float | None = None
@@ -141,12 +149,19 @@ class DeepSpeedAdapter(Adapter):
     def roots(self) -> list[torch.nn.Module]:
         return [self.engine.module]
 
+    def global_name(self, vpp_stage: int, name: str) -> str:
+        return layout.rename(name, self._renames)
+
+    @property
+    def splits_model(self) -> bool:
+        return self._splits
+
     def parameters(self) -> list[MonitoredParam]:
         if self._params is None:
             out: list[MonitoredParam] = []
             for name, p in self.engine.module.named_parameters():
                 if p.requires_grad:
-                    out.append(MonitoredParam(len(out), 0, clean_name(name), p))
+                    out.append(MonitoredParam(len(out), 0, layout.rename(clean_name(name), self._renames), p))
             self._params = out
         return self._params
 
@@ -197,7 +212,15 @@ class DeepSpeedAdapter(Adapter):
 
     # ---- pre-reduce gradients ------------------------------------------------------------------
     def install_grad_taps(self, taps: GradTaps) -> list[Any]:
-        handles = []
+        handles: list[Any] = []
+        if self._pipe:  # summed in backward where .grad does not keep the sum, reported at ReduceGrads
+            if not self.kind.grad_keeps_sum:
+                handles += [
+                    mp.param.register_hook(self._summing_hook(mp.index, taps)) for mp in self.parameters()
+                ]
+            tap = layout.unreduced_at_reduce(self.parameters(), self.kind.grad_keeps_sum, self._acc, taps)
+            guard = guarded(self.context.faults, "DeepSpeed pipeline gradient tap", tap)
+            return [*handles, layout.ReduceTap(self.engine, guard)]
         accumulate = self.kind.grad_keeps_sum is False and self.engine.gradient_accumulation_steps() > 1
         for mp in self.parameters():
             if accumulate:
@@ -272,7 +295,7 @@ class DeepSpeedAdapter(Adapter):
         return grad.to(torch.float32) / scale  # fp16 only: the recorded gradient is the unscaled one
 
     def _replicated_piece(self, p: torch.nn.Parameter, what: str) -> TensorPiece | None:
-        placement: Placement = Replicated(self._dp_group)
+        placement: Placement = Replicated(layout.expert_data_group(p) or self._dp_group)
         if what == "grad":
             return None if p.grad is None else self._whole(self._unscale(p.grad), placement)
         master = self._fp32_master.get(id(p), p) if self.kind.name == "fp16_wrapper" else p
