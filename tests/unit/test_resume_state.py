@@ -244,3 +244,18 @@ def test_a_state_loaded_before_set_monitor_is_kept_as_checked(tmp_path, out_dir)
     monitor.set_monitor(model, optimizer=opt)
     assert monitor.current_step == 7 and monitor.faults.total == 0
     monitor.close()
+
+
+def test_a_start_iteration_other_than_the_states_step_is_said(tmp_path, out_dir, dynamic_mode, caplog):
+    """The state's step numbers the run; a `start_iteration` that disagrees (a state from another
+    checkpoint than the model's) used to pass silently. The same step, or none given, says nothing."""
+    path, model, opt, first, state = _dynamic_first_run(tmp_path)
+    for start, said in ((CUT + 2, True), (CUT, False), (0, False)):
+        second = TrainerMon(str(path))
+        second.set_monitor(model, optimizer=opt, start_iteration=start)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="trainermon"):
+            second.load_state_dict(state)
+        assert second.loop.step == CUT
+        second.close()
+        assert ("differs from the saved state's step 5" in caplog.text) == said, (start, caplog.text)

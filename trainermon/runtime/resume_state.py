@@ -33,7 +33,15 @@ def saved_state(loop: Any) -> dict:
 
 def restore_state(loop: Any, state: dict) -> None:
     """Apply `state` (checked by `check_state`) to an attached `StepLoop`, whose config is final."""
+    given = loop.step
     loop.step = loop.first_step = int(state["step"])  # a resumed run counts its steps from here
+    if given not in (0, loop.step):  # start_iteration given, and another step than the state's
+        logger.warning(
+            "trainermon: set_monitor's start_iteration %d differs from the saved state's step %d: the "
+            "state's step numbers this run (a state from another checkpoint than the one resumed?)",
+            given,
+            loop.step,
+        )
     control = loop.control
     # Dynamic mode: the file decides (switched or edited while the job was down, it holds); the count
     # toward collect_times and the grid go on only where the saved run ran this same config.
