@@ -102,6 +102,7 @@ class PrometheusExporter(Exporter):
         # trainermon_global_grad_norm_max: fed on the worker, its value taken when a scrape renders
         self.norm_max = WindowMax(section.max_window_s)
         self._shown_max: float | None = None  # its value on the page rendered last
+        self._stopped = False  # collection stopped (`collection_stopped`) and no collected step since
         self.m.registry.register(WindowMaxGauge(NORM_MAX, NORM_MAX_DOC, self.rank, self.norm_max))
 
         host = section.host
@@ -200,8 +201,13 @@ class PrometheusExporter(Exporter):
                 self.norm_max.clear()
         if batch.scalars.scheduled:
             m.collecting.labels(rank).set(1)
+            self._stopped = False
+        # After collection stopped, an escalation step (activations after an anomaly) is counted but
+        # puts no step values back on the page: no later collected step would take them off again.
+        gauges = not self._stopped
         seconds = batch.scalars.monitor_time_ms / 1e3
-        m.time.labels(rank).set(seconds)
+        if gauges:
+            m.time.labels(rank).set(seconds)
         m.time_total.labels(rank).inc(max(seconds, 0.0))
         self._counter_to(m.dropped, derived.dropped_rows)
         self._counter_to(m.faults, derived.monitor_faults)
@@ -212,8 +218,8 @@ class PrometheusExporter(Exporter):
                 child.inc(total - child._value.get())
         families = set(map(_FAMILY, batch.rows))
         if batch.rows:
-            layers.update_stats(self, batch)
-        if batch.xrank is not None and batch.xrank.rows:
+            layers.update_stats(self, batch, gauges)
+        if gauges and batch.xrank is not None and batch.xrank.rows:
             families.update(row[0] for row in batch.xrank.rows)
             self._count_dropped(xrank.export(self, batch.xrank))
         if batch.scalars.scheduled:  # an escalation-only step collects activations alone: keep the rest
@@ -232,6 +238,7 @@ class PrometheusExporter(Exporter):
         The last step, its timestamp and the counters stay."""
         with self._lock:
             m, rank = self.m, self.rank
+            self._stopped = True
             m.collecting.labels(rank).set(0)
             for gauge in (m.global_norm, m.time):
                 if (rank,) in gauge._metrics:

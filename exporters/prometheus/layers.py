@@ -19,7 +19,8 @@ def aggregate(groups: np.ndarray, count: int, values: dict[str, np.ndarray], sta
     return combine(groups, count, values, stats)
 
 
-def update_stats(self: Any, batch: StatBatch) -> None:
+def update_stats(self: Any, batch: StatBatch, gauges: bool = True) -> None:
+    """The step's non-finite count, and (`gauges`) its layer/parameter gauges."""
     rows = batch.rows
     # A None element of a module's output gets msprobe's NaN row (no tensor: numel 0, no dtype); it
     # holds no NaN, so it neither counts as a non-finite step nor turns its layer's norm into NaN.
@@ -38,7 +39,7 @@ def update_stats(self: Any, batch: StatBatch) -> None:
     # A step the loss scaler skipped for its overflow is the scaler at work (trainermon_skipped_steps)
     if nonfinite and not batch.scalars.scaler_skip:
         self.m.nonfinite.labels(self.rank).inc()
-    if not keep:
+    if not keep or not gauges:
         return
     idx = np.asarray(keep, dtype=np.int64)
     sub = {k: np.asarray(v)[idx] for k, v in values.items()}

@@ -212,3 +212,27 @@ def test_the_shipped_rules_pass_their_unit_tests():
     with open(os.path.join(PROM, "trainermon_alerts_test.yml"), encoding="utf-8") as fh:
         tests = {t["name"] for t in yaml.safe_load(fh)["tests"]}
     assert {"a failed scrape does not fire the counter alerts again", "collection switched off"} <= tests
+
+
+def test_escalation_steps_after_the_stop_put_no_step_values_back(tmp_path, monkeypatch):
+    """An anomaly at the last collected step escalates activations over the next steps, after collection
+    stopped: their gauges came back on the page (collecting 0 beside step-5 layer stats) and no later
+    collected step would take them off. They are counted (last_step, non-finite) and left off the page."""
+    from tests.sinks.test_prometheus_reopen import _derived_batch, _sink
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    sink = _sink(tmp_path, "run1", 0, "a")
+    try:
+        url = f"http://127.0.0.1:{sink.port}/metrics"
+        sink.write(_derived_batch(4, families=("grad_reduced", "actv"), global_grad_norm=2.0))
+        sink.collection_stopped()
+        sink.write(_derived_batch(5, families=("actv",), scheduled=False))  # escalation after the stop
+        s = scrape(url)
+        assert value(s, "trainermon_collecting") == 0 and value(s, "trainermon_last_step") == 5
+        assert not {"trainermon_layer_stat", "trainermon_monitor_step_seconds"} & names(s), names(s)
+        sink.write(_derived_batch(6, families=("grad_reduced",), global_grad_norm=1.0))  # collecting again
+        s = scrape(url)
+        assert value(s, "trainermon_collecting") == 1
+        assert {"trainermon_layer_stat", "trainermon_monitor_step_seconds"} <= names(s)
+    finally:
+        sink.close()
