@@ -248,11 +248,14 @@ def test_a_state_loaded_before_set_monitor_is_kept_as_checked(tmp_path, out_dir)
 
 def test_a_start_iteration_other_than_the_states_step_is_said(tmp_path, out_dir, dynamic_mode, caplog):
     """The state's step numbers the run; a `start_iteration` that disagrees (a state from another
-    checkpoint than the model's) used to pass silently. The same step, or none given, says nothing."""
+    checkpoint than the model's) used to pass silently. The same step, or none given (also after a few
+    steps ran: the review found those steps taken for a start_iteration), says nothing."""
     path, model, opt, first, state = _dynamic_first_run(tmp_path)
-    for start, said in ((CUT + 2, True), (CUT, False), (0, False)):
+    for start, said in ((CUT + 2, True), (CUT, False), (0, False), (None, False)):
         second = TrainerMon(str(path))
-        second.set_monitor(model, optimizer=opt, start_iteration=start)
+        second.set_monitor(model, optimizer=opt, **({} if start is None else {"start_iteration": start}))
+        if start is None:
+            _run(second, model, opt, range(3))
         caplog.clear()
         with caplog.at_level("WARNING", logger="trainermon"):
             second.load_state_dict(state)

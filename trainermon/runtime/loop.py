@@ -114,7 +114,7 @@ class StepLoop(ConfigChanges):
         from .skips import SkippedStepProbe
 
         self.adapter = adapter
-        self.step = self.first_step = start_iteration
+        self.step = self.first_step = self.start_iteration = start_iteration
         self.outputs.coords = adapter.coordinates()
         self.outputs.unreduced_kind = adapter.msprobe_unreduced_kind
         self.xrank.attach()  # collective: a CPU group (the summaries' layout check, the run id)

@@ -33,7 +33,7 @@ def saved_state(loop: Any) -> dict:
 
 def restore_state(loop: Any, state: dict) -> None:
     """Apply `state` (checked by `check_state`) to an attached `StepLoop`, whose config is final."""
-    given = loop.step
+    given = getattr(loop, "start_iteration", 0)  # what set_monitor was given (0: none)
     loop.step = loop.first_step = int(state["step"])  # a resumed run counts its steps from here
     if given not in (0, loop.step):  # start_iteration given, and another step than the state's
         logger.warning(
