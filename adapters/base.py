@@ -270,6 +270,9 @@ class Adapter(ABC):
             if module is not None:
                 pending.setdefault(id(module), (module, []))[1].append(mp)
         group = Handles()
+        # what is still untapped: read at the step's end (`GradientProbe`), to say rows that were lost
+        group.waiting = [waiting for _, waiting in pending.values()]  # type: ignore[attr-defined]
+        group.waiting.append([mp for mp in frozen if owners.get(id(mp.param)) is None])
         for module, waiting in pending.values():
 
             def pre_hook(_module: Any, _args: Any, waiting: list[MonitoredParam] = waiting) -> None:

@@ -168,3 +168,33 @@ def test_taps_an_adapter_left_behind_when_failing_report_nothing_later(
     assert seen["steps"] == [1, 2, 3, 4]
     assert dict(monitor.faults.counts) == {"begin step": 5}  # the 4 boundaries and attach's
     _assert_rows(monitor.run_dir, seen)
+
+
+def test_a_compiled_model_that_skips_the_late_tap_says_so(tmp_path, out_dir, static_mode, caplog):
+    """torch.compile ignores forward hooks added after compiling (dynamo's default
+    skip_nnmodule_hook_guards): a parameter unfrozen before its forward (steps 3 and 6) lost its micro-batch
+    rows without a word. Now the loss is said once, naming it; a torch that runs the late hook writes the
+    rows instead, and then nothing is said."""
+    model = _model()
+    compiled = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(_config(tmp_path))
+    monitor.set_monitor(compiled, grad_acc_steps=MICRO, optimizer=opt)
+    gen = torch.Generator().manual_seed(1)
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        for freeze in FROZEN:
+            model[2].requires_grad_(not freeze)
+            for _ in range(MICRO):
+                compiled(torch.randn(5, 4, generator=gen)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        monitor.close()
+    got = {(s, m) for s, m, n in _norms(monitor.run_dir, "grad_unreduced") if n == "2.weight"}
+    want = {(s, m) for s, f in enumerate(FROZEN) if not f for m in range(MICRO)}
+    said = [r for r in caplog.records if "no forward of their module ran trainermon's hook" in r.getMessage()]
+    assert monitor.faults.total == 0
+    if got == want:
+        assert not said
+    else:
+        assert got == want - {(s, m) for s in (3, 6) for m in range(MICRO)}, sorted(got)
+        assert len(said) == 1 and "2.weight" in said[0].getMessage()

@@ -11,6 +11,7 @@ computed once.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +24,8 @@ from ..clip_watch import Watch, watch
 from ..plan import StepPlan
 from ..side_passes import SIDE_PASSES
 from .base import Probe
+
+logger = logging.getLogger("trainermon")
 
 _UNSET = object()  # no clipping read the gradients yet this step
 
@@ -50,6 +53,7 @@ class GradientProbe(Probe):
         self.taps = GradTaps(self._on_unreduced, self._on_microbatch)
         self._step_handles: list[Any] = []
         self._step_taps = GradTaps(self._on_unreduced, self._on_microbatch)  # this step's micro-batch taps
+        self._said_untapped = False
         self._microbatch: dict[int, int] = {}  # parameter index -> micro-batches seen this step
         self._clipping: Watch | None = None  # the clipping functions, watched while a step reads gradients
         self._stamp: Any = _UNSET  # a gradient's (id, version) after this step's last clipping
@@ -163,6 +167,8 @@ class GradientProbe(Probe):
             return
         if plan.microbatch_grads or adapter.taps_report_unreduced:
             loop.record_params("grad_reduced", GRAD_REDUCED)  # grad_unreduced: reported by taps
+            if plan.microbatch_grads:
+                self._say_untapped()
             return
         reduced = adapter.read(GRAD_REDUCED, sel.params)
         unreduced = adapter.read(GRAD_UNREDUCED, sel.params)
@@ -171,6 +177,30 @@ class GradientProbe(Probe):
             return
         loop.record("grad_unreduced", sel.entries(unreduced))
         loop.record("grad_reduced", sel.entries(reduced))
+
+    def _say_untapped(self) -> None:
+        """Once: parameters frozen at the step boundary, trainable and with a gradient now, whose tap
+        never went in (their module's forward ran no hook: a compiled model ignores hooks added after it
+        was compiled; or they are used outside their module): their micro-batch rows are missing."""
+        if self._said_untapped:
+            return
+        missed = [
+            mp.name
+            for handle in self._step_handles
+            for waiting in getattr(handle, "waiting", ())
+            for mp in waiting
+            if mp.param.requires_grad and mp.param.grad is not None
+        ]
+        if missed:
+            self._said_untapped = True
+            logger.warning(
+                "trainermon: step %d: %s were frozen when the step began and trained in it, but no forward "
+                "of their module ran trainermon's hook (a compiled model ignores hooks added after it was "
+                "compiled, or they are used outside their module): their micro-batch grad_unreduced rows "
+                "are missing at such steps (said once)",
+                self.loop.step,
+                ", ".join(missed[:8]) + (f" and {len(missed) - 8} more" if len(missed) > 8 else ""),
+            )
 
     def close(self) -> None:
         self._watch_clipping(False)
