@@ -26,6 +26,11 @@ class Escalation:
             self.until = max(self.until, step + self._requests.popleft() - 1)
         return step <= self.until
 
+    def clear(self) -> None:
+        """A new config from the watched file: an escalation of the old one (running or queued) ends."""
+        self._requests.clear()
+        self.until = -1
+
     def state_dict(self) -> dict:
         # Requests the worker left since the last boundary: the resumed run applies them where this one
         # would have, at the boundary after the saved step

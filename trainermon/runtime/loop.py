@@ -295,7 +295,8 @@ class StepLoop(ConfigChanges):
             self._poll_control()
         config = self.config
         scheduled = (self.control is None or config.dynamic_on) and self.schedule.wants(self.step)
-        self.plan = plan_step(config, self.step, scheduled, self.escalation.active_at(self.step))
+        escalating = not self.off_by_file and self.escalation.active_at(self.step)
+        self.plan = plan_step(config, self.step, scheduled, escalating)
         self._step_mark = self.clock.now()
         self._grads_read = False
         if self.adapter is not None:

@@ -32,6 +32,7 @@ class ConfigChanges:
     config: MonitorConfig
     control: Any
     xy_override: bool | None  # `reload_xy` called before set_monitor
+    off_by_file: bool = False  # the watched file's last reload switched collection off
 
     def _agree_config(self) -> None:
         """At attach, before the sinks open: rank 0's config on every rank (collective over the job)."""
@@ -109,6 +110,10 @@ class ConfigChanges:
         self.schedule = Schedule(config, anchored=config.dynamic_on)  # restarts the count, from this step
         self.detector.rules = parse_rules(config.alert.rules)
         self.detector.dump = config.alert.dump
+        # switched off in the file: no escalation either (one in progress ends; requests the worker makes
+        # meanwhile wait, and the next reload drops them), as `dynamic_on: false` stops a collection
+        self.escalation.clear()
+        self.off_by_file = not config.dynamic_on
         self._publish(config)
         if self.worker is not None:
             self.worker.set_interval(config.write_interval_s)
