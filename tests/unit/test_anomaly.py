@@ -112,6 +112,10 @@ RULE0 = r"alert.rules\[0\]"
         (_rule("AnomalySpike", window=0), RULE0 + ".args.window", "never fires"),
         (_rule("AnomalyUpdateRatio", warmup=60), RULE0 + ".args.window", r"\(60\)"),
         (_rule("AnomalySpike", warmup=2.5), RULE0 + ".args.warmup", "whole number"),
+        # an anomaly audit: z 0 fired on every value above the median (32 records on a healthy run), and a
+        # warmup of 0 or 1 ran as 2 without a word
+        (_rule("AnomalySpike", z=0), RULE0 + ".args.z", "positive number"),
+        (_rule("AnomalyUpdateRatio", warmup=1), RULE0 + ".args.warmup", "at least 2"),
     ],
 )
 def test_unknown_alert_keys_and_a_window_that_never_fills_are_refused(alert, key, allowed):

@@ -20,7 +20,7 @@ RULE_ARGS: dict[str, tuple[str, ...]] = {
     "AnomalyLogitGrowth": ("threshold", "growth"),
 }
 RULE_NAMES = tuple(RULE_ARGS)
-#: The rolling windows' defaults (`AnomalySpike`, `AnomalyUpdateRatio`); a warmup below 2 counts as 2.
+#: The rolling windows' defaults (`AnomalySpike`, `AnomalyUpdateRatio`); a warmup is at least 2.
 WINDOW, WARMUP = 50, 10
 
 
@@ -77,6 +77,18 @@ def _check_range(where: str, args: dict) -> None:
         raise ValueError(
             f"config key '{where}.args.dead': got {dead!r}; allowed: a fraction of the experts, at least 0 "
             "and below 1 (the rule fires when more than that fraction got no token)"
+        )
+    z = args.get("z")
+    if z is not None and z <= 0:
+        raise ValueError(
+            f"config key '{where}.args.z': got {z!r}; allowed: a positive number of robust deviations "
+            "(default 6; 0 would fire on every value above the window's median)"
+        )
+    warmup = args.get("warmup")
+    if warmup is not None and warmup < 2:
+        raise ValueError(
+            f"config key '{where}.args.warmup': got {warmup!r}; allowed: a whole number of at least 2 "
+            "(default 10; a median and its spread need two values)"
         )
     growth = args.get("growth")
     if growth is not None and growth < 1:
