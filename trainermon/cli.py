@@ -201,14 +201,16 @@ def _cmd_anomalies(args: argparse.Namespace) -> int:
     if len(runs) > 1:  # restarts sharing the output directory: run by run (--run-id picks one)
         print(f"{len(runs)} runs, in the order they wrote: {', '.join(runs)} (--run-id RUN: one of them)")
     run_col = f"{'run':<9}" if len(runs) > 1 else ""
+    shown = records[: args.top]
+    width = max([17, *(len(str(r["rule"])) for r in shown)])  # AnomalyExpertCollapse: 21
     print(f"{'#':>3} {run_col}{'step':>6} {'micro':>5} {'stage':<9} {'rank':>4} {'pp':>3} ", end="")
-    print(f"{'rule':<17} {'family':<14} stat  value  name")
-    for i, r in enumerate(records[: args.top]):
+    print(f"{'rule':<{width}} {'family':<14} stat  value  name")
+    for i, r in enumerate(shown):
         micro = "-" if r.get("micro_step") is None else r["micro_step"]
         run = f"{str(r.get('run_id', '?')):<9}" if run_col else ""
         print(
             f"{i:>3} {run}{r['step']:>6} {micro:>5} {r['stage']:<9} {r['rank']:>4} {r['pp_stage']:>3} "
-            f"{r['rule']:<17} {r['family']:<14} {r['stat']}  {r['value']:.6g}  {r['name']}"
+            f"{r['rule']:<{width}} {r['family']:<14} {r['stat']}  {r['value']:.6g}  {r['name']}"
         )
     print(f"written: {out}")
     return 0

@@ -379,3 +379,23 @@ def test_two_rules_of_one_name_keep_their_own_histories(tmp_path):
     # 3.5 is above 1.5 and above 3.0: both rules fire, each against the average 1.0
     assert [(a.rule, a.stat, a.baseline) for a in found] == [("AnomalyTurbulence", "norm", 1.0)] * 2
     assert det.totals() == {"AnomalyTurbulence": 2}
+
+
+def test_the_listing_keeps_its_columns_for_long_rule_names(tmp_path, capsys):
+    """`AnomalyExpertCollapse` (21 characters) overflowed the rule column and shifted the rest of its row."""
+    folder = tmp_path / "anomaly_detected"
+    folder.mkdir()
+    base = {"micro_step": None, "stage": "optimizer", "call_order": 0, "rank": 0, "pp_stage": 0, "value": 2.0}
+    rows = [
+        {**base, "step": 1, "rule": "AnomalyNan", "family": "grad_reduced", "stat": "norm", "name": "a.w"},
+        {**base, "step": 2, "rule": "AnomalyExpertCollapse", "family": "moe_load", "stat": "cv", "name": "b"},
+    ]
+    common = {"baseline": None, "time": 0.0, "run_id": "r1"}
+    (folder / "anomaly_rank0.jsonl").write_text("".join(json.dumps({**r, **common}) + "\n" for r in rows))
+    assert cli_main(["anomalies", str(tmp_path), "--json", str(tmp_path / "a.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if "family" in line)
+    listed = [line for line in lines if line.rstrip().endswith((" a.w", " b"))]
+    assert len(listed) == 2
+    starts = {line.index(fam) for line, fam in zip(listed, ("grad_reduced", "moe_load"))}
+    assert starts == {header.index("family")}, (header, listed)
