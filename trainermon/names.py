@@ -98,3 +98,18 @@ def msprobe_tag(
     key = f"{vpp_stage}:{name}" if micro_step is None else f"{vpp_stage}:{name}:{micro_step}"
     kind = unreduced if family == "grad_unreduced" else MSPROBE_KIND.get(family, family)
     return f"{key}/rank{rank}/{kind}"
+
+
+def rename_prefixes(name: str, renames: dict[str, str]) -> str:
+    """`name` with each dotted prefix found in `renames` given a new last segment: an adapter's local
+    expert numbers made global (`experts.1` -> `experts.5` on expert-parallel rank 2 of 4 local experts
+    each), for every parameter and module under that prefix."""
+    if not renames:
+        return name
+    parts = name.split(".")
+    out = list(parts)
+    for k in range(1, len(parts) + 1):
+        new = renames.get(".".join(parts[:k]))
+        if new is not None:
+            out[k - 1] = new
+    return ".".join(out)

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from trainermon.names import rename_prefixes
+
 logger = logging.getLogger("trainermon")
 
 
@@ -78,15 +80,7 @@ def expert_renames(root: torch.nn.Module) -> dict[str, str]:
 
 def rename(name: str, renames: dict[str, str]) -> str:
     """Apply `expert_renames` to a module or parameter name."""
-    if not renames:
-        return name
-    parts = name.split(".")
-    out = list(parts)
-    for k in range(1, len(parts) + 1):
-        new = renames.get(".".join(parts[:k]))
-        if new is not None:
-            out[k - 1] = new
-    return ".".join(out)
+    return rename_prefixes(name, renames)
 
 
 def expert_data_group(p: torch.Tensor) -> Any:

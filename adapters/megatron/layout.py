@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from trainermon.collect.placement import Placement, Replicated, Sharded
+from trainermon.names import rename_prefixes
 
 
 @dataclass(frozen=True)
@@ -226,12 +227,4 @@ def global_renames(root: torch.nn.Module) -> dict[str, str]:
 
 def rename(name: str, renames: dict[str, str]) -> str:
     """Apply `global_renames` to a module or parameter name (each prefix matched against the local name)."""
-    if not renames:
-        return name
-    parts = name.split(".")
-    out = list(parts)
-    for k in range(1, len(parts) + 1):
-        new = renames.get(".".join(parts[:k]))
-        if new is not None:
-            out[k - 1] = new
-    return ".".join(out)
+    return rename_prefixes(name, renames)

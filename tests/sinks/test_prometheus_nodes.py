@@ -7,22 +7,14 @@ from __future__ import annotations
 import glob
 import json
 import logging
-import socket
 
 import torch
 
 from tests.sinks.prometheus_common import scrape, train_step, url_of, value
 from tests.sinks.test_prometheus import start
+from tests.sinks.test_prometheus_reopen import _free_port
 from trainermon.config.env import LOCAL_RANK_VARS
 from trainermon.exporters.prometheus import address
-
-
-def _free_port() -> int:
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
-    return port
 
 
 def _targets(tmp_path) -> list[str]:
