@@ -77,9 +77,9 @@ def find_spikes(
     series: pd.Series, window: int = 50, warmup: int = 10, z: float = 6.0, min_rel: float = 0.1
 ) -> pd.DataFrame:
     """Steps whose value is a spike: log(value) more than `z` robust deviations (1.4826 x the median
-    absolute deviation, at least log(1 + min_rel)) above the median of the last `window` values, once
-    `warmup` values are there: the online `AnomalySpike` rule's own test (`SpikeWindow`). Non-finite and
-    non-positive values are skipped."""
+    absolute deviation, at least log(1 + min_rel)) above the trend of the last `window` values, once
+    `warmup` values are there: the online `AnomalySpike` rule's own test (`SpikeWindow`, which says how
+    the trend is taken out). Non-finite and non-positive values are skipped."""
     history = SpikeWindow(window)
     rows = []
     for step, value in series.items():
