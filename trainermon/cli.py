@@ -183,12 +183,14 @@ def _cmd_anomalies(args: argparse.Namespace) -> int:
         print(f"error: --run-id {args.run_id!r}: not in {args.dir!r} (its run ids: {runs})", file=sys.stderr)
         return 2
     out = args.json or os.path.join(args.dir, "anomaly_analysis.json")
-    try:
-        with open(out, "w", encoding="utf-8") as fh:
-            json.dump(records, fh, indent=1)
-    except OSError as exc:
-        print(f"error: --json {out!r}: cannot write: {exc.strerror}", file=sys.stderr)
-        return 2
+    # A filter that leaves nothing does not replace the directory's analysis with [] (--json: as asked)
+    if records or args.json or not filtered:
+        try:
+            with open(out, "w", encoding="utf-8") as fh:
+                json.dump(records, fh, indent=1)
+        except OSError as exc:
+            print(f"error: --json {out!r}: cannot write: {exc.strerror}", file=sys.stderr)
+            return 2
     if not records:
         scope = (f" for run {args.run_id!r}" if args.run_id is not None else "") + (
             f" in steps {args.steps}" if steps is not None else ""

@@ -247,7 +247,10 @@ def test_first_anomaly_names_layer_rank_and_step(tmp_path, capsys):
     assert "fc2.output" in printed.splitlines()[2]  # the table's first row
     # Nothing went wrong before the injection, on either rank.
     assert min(r["step"] for r in load_anomalies(out)) == NAN_STEP
+    written = (Path(out) / "anomaly_analysis.json").read_text()
     assert cli_main(["anomalies", out, "--steps", "0-2"]) == 0
+    # ... and leaves the analysis written before in place (it was replaced by [])
+    assert (Path(out) / "anomaly_analysis.json").read_text() == written
     total = len(load_anomalies(out))
     runs = sorted({r["run_id"] for r in load_anomalies(out)})
     # a filter that leaves nothing says so, and what lies outside it (a typo is no "nothing recorded")
