@@ -28,6 +28,12 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
         print(f"invalid: {exc}", file=sys.stderr)
         return 2
     print(f"ok: {args.config}: ops={list(cfg.ops)} format={list(cfg.format)}")
+    from .runtime.targets import idle_switches
+
+    # What set_monitor would also say without a model: switches that select nothing (the job's size and
+    # DYNAMIC_MONITOR are the launch's, unknown here: not judged)
+    for message in idle_switches(cfg, world_size=sys.maxsize, dynamic=True):
+        print(f"note: {message}")
     return 0
 
 

@@ -402,3 +402,20 @@ def test_the_listing_keeps_its_columns_for_long_rule_names(tmp_path, capsys):
     assert len(listed) == 2
     starts = {line.index(fam) for line, fam in zip(listed, ("grad_reduced", "moe_load"))}
     assert starts == {header.index("family")}, (header, listed)
+
+
+def test_check_config_says_what_set_monitor_would_say_without_a_model(tmp_path, capsys):
+    """An anomaly audit: `check-config` printed "ok" alone for alert settings that can never act, which
+    set_monitor then warns about (escalate_steps without rules, a rule whose family is off)."""
+    cfg = tmp_path / "c.json"
+    alert = {"rules": [{"rule_name": "AnomalyUpdateRatio"}]}
+    cfg.write_text(json.dumps({"wg_distribution": True, "alert": alert}))
+    assert cli_main(["check-config", str(cfg)]) == 0
+    printed = capsys.readouterr().out
+    assert "note: alert.rules[0] AnomalyUpdateRatio can never fire" in printed, printed
+    cfg.write_text(json.dumps({"wg_distribution": True, "alert": {"rules": [], "escalate_steps": 3}}))
+    assert cli_main(["check-config", str(cfg)]) == 0
+    assert "note: alert.escalate_steps 3 has no effect" in capsys.readouterr().out
+    cfg.write_text(json.dumps({"wg_distribution": True, "module_ranks": [7], "dynamic_on": True}))
+    assert cli_main(["check-config", str(cfg)]) == 0
+    assert "note:" not in capsys.readouterr().out  # the launch's world size and environment: not judged
