@@ -16,7 +16,9 @@ What is hooked
   a collected step with gradient accumulation runs). The PipelineEngine (`layout.py`) has no accumulation
   boundary in backward: the local sum is taken at the start of its `ReduceGrads` instruction.
 - Pipeline stages and expert parallelism split the model over ranks (`splits_model`): the global norm
-  sums every rank's written rows. Experts are named by their global index.
+  sums every rank's written rows. Experts are named by their global index. A layer tied across stages
+  (`TiedLayerSpec`) is a copy over its stages' group: its rows are written by the group's first stage,
+  once, as DeepSpeed's norm counts it; its grad_unreduced is each stage's own, read before the tied sum.
 
 Where the optimizer-side tensors live (all local reads, no communication; merged by the core's one
 packed reduction per step)
@@ -40,7 +42,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,32 +53,9 @@ from trainermon.names import clean_name
 from ..base import GRAD_REDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
 from ..common import Restore, guarded
 from . import layout
-from .engine import find_engine, is_deepspeed_object
+from .engine import classify_optimizer, find_engine, is_deepspeed_object
 
 logger = logging.getLogger("trainermon")
-
-
-# ==== per-kind access to the optimizer-side tensors ==============================================
-@dataclass(frozen=True)
-class _Kind:
-    name: str  # "torch", "fp16_wrapper", "zero12", "zero3"
-    grad_keeps_sum: bool  # .grad holds the sum over the step's micro-batches at the boundary
-
-
-def _classify(optimizer: Any) -> _Kind:
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return _Kind("torch", True)
-    if hasattr(optimizer, "fp32_partitioned_groups_flat") and hasattr(optimizer, "grad_position"):
-        return _Kind("zero3", False)
-    if hasattr(optimizer, "bit16_groups") and hasattr(optimizer, "single_partition_of_fp32_groups"):
-        # ZeRO-1 reduces once at the boundary, from the .grad that autograd accumulated; ZeRO-2 reduces
-        # (and frees .grad) every micro-batch.
-        return _Kind("zero12", not getattr(optimizer, "partition_gradients", True))
-    if hasattr(optimizer, "bf16_groups") and hasattr(optimizer, "fp32_groups_flat_partition"):
-        return _Kind("zero12", False)  # BF16_Optimizer moves .grad into its fp32 buffer every micro-batch
-    if hasattr(optimizer, "fp16_groups") and isinstance(getattr(optimizer, "fp32_groups", None), list):
-        return _Kind("fp16_wrapper", True)
-    raise TypeError(f"trainermon: unsupported DeepSpeed optimizer {type(optimizer).__name__}")
 
 
 class DeepSpeedAdapter(Adapter):
@@ -93,7 +71,7 @@ class DeepSpeedAdapter(Adapter):
         ds_optimizer = engine.optimizer
         super().__init__([engine.module], ds_optimizer, context)
         dp_group = context.dp_group
-        self.kind = _classify(ds_optimizer)
+        self.kind = classify_optimizer(ds_optimizer)
         self._dp_group = getattr(engine, "seq_data_parallel_group", None) or getattr(
             engine, "data_parallel_group", None
         )
@@ -108,7 +86,7 @@ class DeepSpeedAdapter(Adapter):
         self._pipe = layout.is_pipeline(engine)
         self._renames = layout.expert_renames(engine.module)
         self._splits = layout.num_stages(engine) > 1 or layout.expert_parallel_size(engine.module) > 1
-        layout.warn_tied(engine)
+        self._tied = layout.tied_groups(engine)  # id(param) -> its tied layer's stages (a copy over them)
         self._index_maps()
         self._acc: dict[int, torch.Tensor] = {}  # float32 sums of earlier micro-batches (collected steps)
         self._grad_scale: float | None = None
@@ -151,6 +129,9 @@ class DeepSpeedAdapter(Adapter):
 
     def global_name(self, vpp_stage: int, name: str) -> str:
         return layout.rename(name, self._renames)
+
+    def coordinates(self) -> dict[str, list[int]]:
+        return layout.coordinates(self.engine, self._dp_group)
 
     @property
     def splits_model(self) -> bool:
@@ -295,7 +276,10 @@ class DeepSpeedAdapter(Adapter):
         return grad.to(torch.float32) / scale  # fp16 only: the recorded gradient is the unscaled one
 
     def _replicated_piece(self, p: torch.nn.Parameter, what: str) -> TensorPiece | None:
-        placement: Placement = Replicated(layout.expert_data_group(p) or self._dp_group)
+        tied = self._tied.get(id(p))
+        placement: Placement = Replicated(
+            layout.expert_data_group(p) or self._dp_group, *([tied] if tied is not None else [])
+        )
         if what == "grad":
             return None if p.grad is None else self._whole(self._unscale(p.grad), placement)
         master = self._fp32_master.get(id(p), p) if self.kind.name == "fp16_wrapper" else p
@@ -320,7 +304,8 @@ class DeepSpeedAdapter(Adapter):
         group = self._zero12_group.get(id(p))
         if group is None:
             return None
-        placement = Sharded(opt.real_dp_process_group[group])
+        tied = self._tied.get(id(p))
+        placement = Sharded(opt.real_dp_process_group[group], replicated=(tied,) if tied is not None else ())
         flat = self._zero12_partition(group)
         frag = getattr(p, "_hp_mapping", None)
         if what == "grad":

@@ -5,7 +5,10 @@ from __future__ import annotations
 import gc
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 
 def _deepspeed_loaded() -> bool:
@@ -75,3 +78,27 @@ def find_engine(chunks: Sequence[Any], optimizer: Any) -> Any | None:
             if id(obj.module) in wanted_modules or any(o is not None and id(o) in wanted_opts for o in opts):
                 return obj
     return None
+
+
+# ==== per-kind access to the optimizer-side tensors ==============================================
+@dataclass(frozen=True)
+class OptimizerKind:
+    name: str  # "torch", "fp16_wrapper", "zero12", "zero3"
+    grad_keeps_sum: bool  # .grad holds the sum over the step's micro-batches at the boundary
+
+
+def classify_optimizer(optimizer: Any) -> OptimizerKind:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return OptimizerKind("torch", True)
+    if hasattr(optimizer, "fp32_partitioned_groups_flat") and hasattr(optimizer, "grad_position"):
+        return OptimizerKind("zero3", False)
+    if hasattr(optimizer, "bit16_groups") and hasattr(optimizer, "single_partition_of_fp32_groups"):
+        # ZeRO-1 reduces once at the boundary, from the .grad that autograd accumulated; ZeRO-2 reduces
+        # (and frees .grad) every micro-batch.
+        return OptimizerKind("zero12", not getattr(optimizer, "partition_gradients", True))
+    if hasattr(optimizer, "bf16_groups") and hasattr(optimizer, "fp32_groups_flat_partition"):
+        # BF16_Optimizer moves .grad into its fp32 buffer every micro-batch
+        return OptimizerKind("zero12", False)
+    if hasattr(optimizer, "fp16_groups") and isinstance(getattr(optimizer, "fp32_groups", None), list):
+        return OptimizerKind("fp16_wrapper", True)
+    raise TypeError(f"trainermon: unsupported DeepSpeed optimizer {type(optimizer).__name__}")

@@ -9,7 +9,12 @@ Facts relied on:
   the local sum of the micro-batch gradients (ZeRO-0 and ZeRO-1; ZeRO-2/3 are refused with pipelines).
   `is_gradient_accumulation_boundary()` is True only inside it, so hooks in backward never see one.
 - `PipelineModule` names its layers by their global index (`{i}.weight`) on every stage; tied layers
-  (`TiedLayerSpec`) are `tied_modules.{key}...` on each stage that holds them.
+  (`TiedLayerSpec`) are `tied_modules.{key}...` on each stage that holds them. `module.tied_comms[key]`
+  holds the layer's `group` (the stages holding it, at one data-parallel (and model-parallel) coordinate)
+  and `weight_attr`, the tied attributes: only those are broadcast at start and have their gradients
+  summed over the group, by the `ReduceTiedGrads` instruction that every schedule runs just before
+  `ReduceGrads`. All parameters of the layer are marked `ds_pipe_replicated` except on the group's first
+  rank, and DeepSpeed's gradient norm skips the marked ones: each tied parameter counts once.
 - `MoE.deepspeed_moe` (a `MOELayer`) holds `num_local_experts` experts as `experts.deepspeed_experts.{i}`
   and, once the engine is built, its expert-parallel group as `ep_group`: local expert i of expert-
   parallel rank r is global expert r * num_local_experts + i. Expert parameters carry `allreduce=False`
@@ -64,6 +69,32 @@ def expert_parallel_size(root: torch.nn.Module) -> int:
     return max((_group_rank_size(layer.ep_group)[1] for _, layer in _moe_layers(root)), default=1)
 
 
+def coordinates(engine: Any, dp_group: Any) -> dict[str, list[int]]:
+    """This rank's [rank, size] along "pp" (the pipeline stage), "dp" (the engine's data-parallel group),
+    "ep" (with expert parallelism) and "tp" (where the engine has a model-parallel unit: Megatron's, the
+    pipeline grid's model dimension, AutoTP's groups)."""
+    import torch.distributed as dist
+
+    pipe = is_pipeline(engine)
+    coords = {"pp": [int(engine.stage_id), num_stages(engine)] if pipe else [0, 1]}
+    if dp_group is None and dist.is_initialized():
+        coords["dp"] = [dist.get_rank(), dist.get_world_size()]
+    else:
+        coords["dp"] = list(_group_rank_size(dp_group))
+    ep = [_group_rank_size(layer.ep_group) for _, layer in _moe_layers(engine.module)]
+    if ep and max(size for _, size in ep) > 1:
+        coords["ep"] = list(max(ep, key=lambda rank_size: rank_size[1]))
+    mpu = getattr(engine, "mpu", None)
+    if mpu is not None:
+        from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank, bwc_tensor_model_parallel_world_size
+
+        coords["tp"] = [
+            int(bwc_tensor_model_parallel_rank(mpu)),
+            int(bwc_tensor_model_parallel_world_size(mpu)),
+        ]
+    return coords
+
+
 def expert_renames(root: torch.nn.Module) -> dict[str, str]:
     """Module-name prefix -> its last segment in the single-process model: `...deepspeed_experts.{i}`
     -> the global expert index."""
@@ -95,23 +126,34 @@ def expert_data_group(p: torch.Tensor) -> Any:
         return None
 
 
-def warn_tied(engine: Any) -> None:
-    """Tied layers on several stages: each such stage writes them under the same name."""
-    tied = getattr(engine.module, "tied_modules", None)
-    if num_stages(engine) > 1 and tied is not None and len(tied) > 0:
+def tied_groups(engine: Any) -> dict[int, Any]:
+    """id(parameter) -> the group of the pipeline stages holding its tied layer. The layer is a copy over
+    that group: written once, by the group's first rank (the stage DeepSpeed's gradient norm counts)."""
+    comms = getattr(engine.module, "tied_comms", None) if num_stages(engine) > 1 else None
+    out: dict[int, Any] = {}
+    untied: list[str] = []
+    for key, comm in sorted((comms or {}).items()):
+        tied = {str(a) for a in comm.get("weight_attr", ())}
+        for name, p in comm["module"].named_parameters():
+            out[id(p)] = comm["group"]
+            if name not in tied and p.requires_grad:
+                untied.append(f"tied_modules.{key}.{name}")
+    if untied:
         logger.warning(
-            "trainermon: the pipeline ties layers across stages (%s): each stage holding them writes their "
-            "rows under the same name, and the global gradient norm counts them once per such stage (it "
-            "differs from DeepSpeed's)",
-            ", ".join(sorted(tied.keys())),
+            "trainermon: %s belong to layers tied across pipeline stages but are not tied themselves "
+            "(TiedLayerSpec's tied_weight_attr): each stage trains its own copy; only the first stage's is "
+            "written (the one DeepSpeed's gradient norm counts)",
+            ", ".join(untied),
         )
+    return out
 
 
 def unreduced_at_reduce(
     params: Any, keeps_sum: bool, acc: dict[int, torch.Tensor], taps: Any
 ) -> Callable[[], None]:
-    """What runs at the start of ReduceGrads: reports each parameter's local sum over the micro-batches,
-    `.grad` where it keeps the sum, else the float32 sum the adapter's tensor hooks kept in `acc`."""
+    """What runs before the step's first reduction (`ReduceTap`): reports each parameter's local sum over
+    the micro-batches, `.grad` where it keeps the sum, else the float32 sum the adapter's tensor hooks kept
+    in `acc`."""
 
     def before_reduce() -> None:
         if not taps.active:
@@ -127,21 +169,31 @@ def unreduced_at_reduce(
 
 
 class ReduceTap:
-    """Calls `before()` at the start of the PipelineEngine's `ReduceGrads` instruction, through an
-    instance-level copy of `_INSTRUCTION_MAP`. `remove()` drops the copy."""
+    """Calls `before()` once per step, at the start of the PipelineEngine's `ReduceTiedGrads` instruction
+    (before the tied layers' gradients are summed over their stages) or of `ReduceGrads` where the
+    schedule has no `ReduceTiedGrads`, through an instance-level copy of `_INSTRUCTION_MAP`. `remove()`
+    drops the copy."""
 
     def __init__(self, engine: Any, before: Callable[[], None]) -> None:
         from deepspeed.runtime.pipe import schedule
 
         self.engine = engine
         table = dict(type(engine)._INSTRUCTION_MAP)
-        original = table[schedule.ReduceGrads]
+        done = [False]  # ReduceTiedGrads ran this step
 
-        def reduce_grads(self_: Any, *args: Any, **kwargs: Any) -> Any:
-            before()
-            return original(self_, *args, **kwargs)
+        def wrap(instruction: type, tied: bool) -> None:
+            original = table[instruction]
 
-        table[schedule.ReduceGrads] = reduce_grads
+            def run(self_: Any, *args: Any, **kwargs: Any) -> Any:
+                if not done[0]:
+                    before()
+                done[0] = tied
+                return original(self_, *args, **kwargs)
+
+            table[instruction] = run
+
+        wrap(schedule.ReduceGrads, False)
+        wrap(schedule.ReduceTiedGrads, True)
         self.table = table
         engine.__dict__["_INSTRUCTION_MAP"] = table
 

@@ -9,7 +9,8 @@ references taken in the test:
 - the global gradient norm: `engine.get_global_grad_norm()` and the full model's norm from the reference
   gradients (each pipeline stage once; the dense parameters once and every rank's experts);
 - writers: a pipeline stage's rows by its first data-parallel rank; dense MoE rows by rank 0, expert rows
-  by every rank (expert-data-parallel groups of one rank) under the global expert number.
+  by every rank (expert-data-parallel groups of one rank) under the global expert number;
+- coordinates: each rank's layout.json ("pp", "dp", "tp" with a pipeline; "pp", "dp", "ep" with MoE).
 (`safe_get_full_optimizer_state` raises for MoE parameter groups after the first step: not used.)
 Each problem is collected, so that one run names every broken family.
 """
@@ -149,7 +150,19 @@ def _pipe_case(rank: int, world: int, out_root: str, tag: str, stages: int, bf16
         problems.append(f"{tag}: faults {dict(monitor.faults.counts)}")
     _compare(tag, monitor.run_dir, "grad_unreduced", expected, lambda n: True, problems)
     _compare(tag, monitor.run_dir, "grad_reduced", expected, lambda n: writer, problems)
+    # the grid's model dimension (size 1) is the tensor-parallel one; no experts
+    want = {"pp": [engine.stage_id, stages], "dp": [engine.grid.get_data_parallel_rank(), dp], "tp": [0, 1]}
+    _coordinates(tag, monitor.run_dir, want, problems)
     return problems
+
+
+def _coordinates(tag: str, run_dir: str, want: dict, problems: list[str]) -> None:
+    """The rank's layout.json states `want` as its coordinates, and no other parallel dimension."""
+    path = os.path.join(run_dir, "layout.json")
+    coords = json.load(open(path)) if os.path.isfile(path) else {}
+    got = {k: coords[k] for k in ("pp", "dp", "tp", "ep", "cp", "etp") if k in coords}
+    if got != want:
+        problems.append(f"{tag}: layout.json coordinates {got}, want {want}")
 
 
 class _MoENet(nn.Module):
@@ -230,6 +243,8 @@ def _moe_case(rank: int, world: int, out_root: str, stage: int) -> list:
     _compare(tag, monitor.run_dir, "grad_unreduced", expected, lambda n: True, problems)
     # dense rows once (rank 0), expert rows by every rank: its experts, by their global number
     _compare(tag, monitor.run_dir, "grad_reduced", expected, lambda n: rank == 0 or prefix in n, problems)
+    # no pipeline, no model-parallel unit: the stage, the data-parallel and the expert-parallel rank
+    _coordinates(tag, monitor.run_dir, {"pp": [0, 1], "dp": [rank, world], "ep": [rank, world]}, problems)
     return problems
 
 
