@@ -382,13 +382,15 @@ class CsvExporter(Exporter):
         if lost and not current[1].gone():  # one fstat per family and step, on the worker thread
             return current[1]
         if lost or not os.path.isdir(self.run_dir):  # a new bucket's file: its directory may be gone
+            # Made first: where it cannot be (a file took its place) the error disables this sink, and a
+            # promise of a new file would be false.
+            os.makedirs(self.run_dir, exist_ok=True)
             logger.warning(
                 "trainermon: %s was deleted while open; rows from step %d on go to a new file there "
                 "(the rows written before it was deleted are gone with it)",
                 path if lost else self.run_dir,
                 step,
             )
-            os.makedirs(self.run_dir, exist_ok=True)
         if current is not None:
             current[1].close()
         new = not os.path.exists(path)

@@ -300,6 +300,30 @@ def test_run_directory_deleted_mid_run_is_said_and_later_rows_are_kept(tmp_path,
     assert not csv_problems(mon.run_dir)
 
 
+def test_run_directory_replaced_by_a_file_promises_no_new_file(tmp_path, out_dir, caplog):
+    """The run directory replaced by a regular file mid-run: CSV cannot make it again. It said first that
+    the later rows "go to a new file there", then switched itself off: the promise was false. Now only
+    the sink's one error is said, and training goes on."""
+    import shutil
+
+    cfg = write_config(tmp_path / "cfg.json", wg_distribution=True, ops=["norm"], write_interval_s=0)
+    model, opt = _small_model()
+    mon = TrainerMon(cfg)
+    mon.set_monitor(model, optimizer=opt)
+    _steps(model, opt, 2)
+    mon.flush()
+    shutil.rmtree(mon.run_dir)
+    with open(mon.run_dir, "w") as fh:
+        fh.write("x")
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        _steps(model, opt, 3)
+        mon.close()
+    said = [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "go to a new file" in m], said
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR and "csv" in r.getMessage().lower()]
+    assert len(errors) == 1, said
+
+
 def test_a_module_name_utf8_cannot_hold_reaches_every_sink(tmp_path, out_dir):
     """A module named from undecodable bytes (`os.fsdecode(b"l\\xff")` is 'l\\udcff', a lone surrogate)
     once made every sink fail on its first write (UnicodeEncodeError): CSV, Parquet, TensorBoard and
