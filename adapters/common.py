@@ -54,6 +54,12 @@ def unwrap(module: torch.nn.Module, extra: tuple[type, ...] = ()) -> torch.nn.Mo
 
     ddp_like = (DistributedDataParallel, *extra)
     while True:
+        if isinstance(module, torch.jit.ScriptModule):  # hooks and module lookups fail on it
+            raise TypeError(
+                f"trainermon: cannot monitor a TorchScript module ({type(module).__name__}, a "
+                "torch.jit.ScriptModule from torch.jit.script or torch.jit.trace): monitor the eager "
+                "nn.Module (call set_monitor on the model before scripting it, or train the eager model)"
+            )
         inner = next((module._modules[a] for a in WRAPPED_ATTRS if module._modules.get(a) is not None), None)
         if inner is None and ddp_like and isinstance(module, ddp_like):
             inner = getattr(module, "module", None)

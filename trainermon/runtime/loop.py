@@ -148,7 +148,10 @@ class StepLoop(ConfigChanges):
             self.subscribe(probe.configure)
         self._publish(self.config)
         for probe in self.probes:
-            self._handles += probe.attach()
+            try:  # a probe that cannot attach (an odd model) leaves the others working
+                self._handles += probe.attach()
+            except Exception as exc:  # noqa: BLE001
+                self.faults.record(f"attaching {type(probe).__name__}", exc)
         step_handles = adapter.attach_step(StepEvents(self.on_pre_optim, self.on_post_optim))
         self.hooked = bool(step_handles)
         self._handles += step_handles

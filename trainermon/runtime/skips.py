@@ -14,6 +14,19 @@ call, whether or not it updated. The skipped step's activations, `actv_grad`, `g
 in backward: multiplied by the loss scale, like `actv_grad`) and `grad_reduced` (read at the boundary:
 unscaled by `scaler.step`, with its Inf/NaN) are written; its parameters are unchanged.
 
+A `zero_grad()` after a backward with no step is not always a skipped step: a GAN's generator loss is
+backpropagated through the monitored discriminator and cleared, FGSM adversarial training clears the
+attack's gradient, SAM's `first_step` clears the first gradient (inside `step()` for its closure form).
+So the probe closes a skipped step only on evidence: a loss scaler's (below), or a non-finite gradient
+among the optimizer's (a loop skipping its own step on NaN: `own_skip`), read then and only then (one
+norm per gradient and one host read per device, at such a `zero_grad()` only: a loop that steps never
+pays it). Otherwise those gradients were part of no step: nothing is closed, and that backward's
+`actv_grad` and per-micro-batch `grad_unreduced` rows stay among the next step's micro-steps. A
+`zero_grad()` inside this optimizer's `step()` (a closure's, LBFGS; SAM's `first_step`) is part of the
+step. A `step()` that began (a global step pre-hook saw it) but whose post-hooks never came (it, or a hook
+of it, raised) is still its step, closed at the next `zero_grad()`: flagged skipped unless its update
+returned (torch's step wrapper then calls `_optimizer_step_code`, watched on the instance).
+
 A framework that sees every optimizer step call, updated or skipped (Lightning's `on_before_optimizer_step`,
 which its precision plugins call before `scaler.step`), can say so (`report_step_calls`): then only a
 `zero_grad()` after such a call closes a skipped step. A `zero_grad()` in the middle of an accumulation is
@@ -41,12 +54,15 @@ overflow of their loss scaler: never `own_skip`); this probe is for torch optimi
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
+from torch.nn.parameter import is_lazy
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from trainermon.adapters.common import Restore, with_wrapped_closure
-from trainermon.adapters.wrapped import hookable, nested_step
+from trainermon.adapters.common import Handles, Restore, with_wrapped_closure
+from trainermon.adapters.wrapped import _STEP_WRAPPER, hookable, nested_step
 from trainermon.collect.records import StepScalars
 from trainermon.copies import CopySafe
 
@@ -66,6 +82,11 @@ class SkippedStepProbe(Probe):
         self.called = False  # ... and did since the last boundary
         self.wired = False  # attached to a torch optimizer
         self.in_step = False  # a step()'s closure is running: its zero_grad() is no skip (LBFGS)
+        self.attempted = False  # the optimizer's step() began since the last boundary (global pre-hook)
+        self.updated = False  # ... and its update returned (before its post-hooks)
+        self.proxy: Any = None  # an optimizer sharing its param_groups, stepping them now (see _began)
+        self.lazy: list[Any] = []  # parameters to hook once materialized (nn.LazyLinear)
+        self.hooks = Handles()
         self.scaled = False  # a loss scaler's step() was called on the optimizer since the last boundary
         self.found_inf: list[Any] = []  # ... or its unscale_(): the scaler's found_inf tensors
 
@@ -76,11 +97,10 @@ class SkippedStepProbe(Probe):
             return []  # framework optimizers report skips themselves; no optimizer: TrainerMon.step()
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         # Two parameters, in case one is unused in some iteration: one flag per backward, the whole
-        # cost on steps that are not collected.
-        handles = [
-            p.register_post_accumulate_grad_hook(self._backward)
-            for p in {id(q): q for q in (params[:1] + params[-1:])}.values()
-        ]
+        # cost on steps that are not collected. A lazy one (uninitialized) is hooked once it exists.
+        self.lazy = list({id(q): q for q in (params[:1] + params[-1:])}.values())
+        self._hook_materialized()
+        handles: list[Any] = [self.hooks]
         # The user may clear gradients through the wrapper (DDP, FSDP) or the model inside it.
         modules = {id(m): m for m in (*adapter.chunks, *adapter.roots())}
         handles += [self._patch(m) for m in modules.values()]
@@ -88,6 +108,12 @@ class SkippedStepProbe(Probe):
         if hookable(optimizer):  # marks the closure's run, not step(): a step that raises has no post hook
             mark = torch.compiler.disable(self._mark_closure)  # never traced: see hook_optimizer_step
             handles.append(optimizer.register_step_pre_hook(CopySafe(mark)))
+            # Global pre-hooks run before any instance's: a step() whose own hooks raise still began
+            began = torch.compiler.disable(self._began)
+            handles.append(register_optimizer_step_pre_hook(began))
+            handles.append(register_optimizer_step_post_hook(torch.compiler.disable(self._ended)))
+            if callable(getattr(optimizer, "_optimizer_step_code", None)):
+                handles.append(self._patch_updated(optimizer))
         handles.append(ScalerWatch(self))
         self.wired = True
         return handles
@@ -98,8 +124,21 @@ class SkippedStepProbe(Probe):
         return self._patch(obj)
 
     def begin(self, plan: StepPlan) -> None:
-        self.trained = self.called = self.in_step = self.scaled = False
+        self.trained = self.called = self.in_step = self.scaled = self.attempted = self.updated = False
+        self.proxy = None
         self.found_inf = []
+        if self.lazy:  # an empty-list check a step once all are hooked
+            self._hook_materialized()
+
+    def _hook_materialized(self) -> None:
+        """Hook the pending parameters that are no longer lazy (a lazy module's first forward made them)."""
+        try:
+            ready = [p for p in self.lazy if not is_lazy(p)]
+            self.lazy = [p for p in self.lazy if is_lazy(p)]
+            self.hooks.items += [p.register_post_accumulate_grad_hook(self._backward) for p in ready]
+        except Exception as exc:  # noqa: BLE001 - skips are then not seen; training goes on
+            self.lazy = []
+            self.loop.faults.record("skipped-step hooks", exc)
 
     def step_called(self, optimizer: Any) -> None:
         """The framework is about to step `optimizer` (or a wrapper of it): the scaler may skip it."""
@@ -156,6 +195,49 @@ class SkippedStepProbe(Probe):
 
         return with_wrapped_closure(args, kwargs, marked)
 
+    def _began(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        """Global step pre-hook (every optimizer's step, one Python call): ours began. Or an optimizer
+        that shares its very `param_groups` list (SAM's `base_optimizer`, stepped by `second_step()`
+        without the monitored SAM's `step()`) steps them outside ours: that is this optimizer's step."""
+        target = getattr(self.loop.adapter, "optimizer", None)
+        if optimizer is target:
+            self.attempted = True
+        elif (
+            getattr(optimizer, "param_groups", None) is getattr(target, "param_groups", False)
+            and not self.attempted
+            and not self.calls_reported
+            and self.loop.hooked
+            and not self.loop.closed
+            and not nested_step(optimizer)
+        ):
+            self.attempted = True  # a raise in it: closed at the next zero_grad(), as ours
+            self.proxy = optimizer
+            try:
+                self.loop.on_pre_optim()
+            except Exception as exc:  # noqa: BLE001 - never into the training loop
+                self.loop.faults.record("optimizer pre-step", exc)
+
+    def _ended(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        """Global step post-hook: the end of a step `_began` took as ours."""
+        if optimizer is self.proxy and not nested_step(optimizer):
+            self.proxy = None
+            try:
+                self.loop.on_post_optim(StepScalars())
+            except Exception as exc:  # noqa: BLE001 - never into the training loop
+                self.loop.faults.record("optimizer post-step", exc)
+
+    def _patch_updated(self, optimizer: Any) -> Restore:
+        """torch's step wrapper calls `_optimizer_step_code()` (a no-op for profilers) once the update
+        returned, before the post-hooks: one Python call a step says the update ran."""
+        original = optimizer._optimizer_step_code
+
+        def step_code() -> Any:
+            self.updated = True
+            return original()
+
+        optimizer._optimizer_step_code = patched = CopySafe(step_code, original)
+        return Restore(optimizer, "_optimizer_step_code", patched)
+
     def _backward(self, param: Any) -> None:
         self.trained = True
 
@@ -163,24 +245,89 @@ class SkippedStepProbe(Probe):
         original = obj.zero_grad
 
         def zero_grad(*args: Any, **kwargs: Any) -> Any:
-            skipped = self.trained and (self.called or not self.calls_reported) and not self.in_step
-            if skipped and self.loop.hooked and not self.loop.closed:
-                self._close_skipped()
+            if self.trained and not self.in_step and self.loop.hooked and not self.loop.closed:
+                self._cleared()
             return original(*args, **kwargs)
 
         obj.zero_grad = patched = CopySafe(zero_grad, original)  # a copy of `obj` clears its own
         return Restore(obj, "zero_grad", patched)
 
-    def _close_skipped(self) -> None:
-        self.trained = False
+    def _cleared(self) -> None:
+        """A `zero_grad()` after a backward reached the optimizer's parameters, no step since the boundary:
+        a skipped step (closed), a step that raised (closed), or gradients no step used (see above)."""
         try:
-            self.loop.on_pre_optim()
-            # Neither a scaler's step since the boundary nor an overflow its unscale_ found: the loop
-            # skipped the step itself (`own_skip`)
-            own = not self.scaled and not self._overflowed()
-            self.loop.on_post_optim(StepScalars(update_skipped=True, own_skip=own))
+            if self.calls_reported:  # the framework says whether a step call came
+                if self.called:
+                    self._close(StepScalars(update_skipped=True, own_skip=not self._by_scaler()))
+                return
+            if self.attempted:
+                if not self._inside_step():  # else: SAM's first_step, inside step()
+                    if self.updated:  # a post-hook raised: the update ran
+                        self._close(StepScalars())
+                    else:  # it raised before its update: a skipped step
+                        self._close(StepScalars(update_skipped=True, own_skip=not self._by_scaler()))
+                return
+            scaler = self._by_scaler()
+            if scaler or not self._alike_everywhere() or self._nonfinite():
+                self._close(StepScalars(update_skipped=True, own_skip=not scaler))
+            else:
+                self.trained = False  # its gradients are cleared unused: no step (a GAN, FGSM)
         except Exception as exc:  # noqa: BLE001 - never into the training loop
             self.loop.faults.record("skipped step", exc)
+
+    def _by_scaler(self) -> bool:
+        """A scaler's step since the boundary, or an overflow its unscale_ found."""
+        return self.scaled or self._overflowed()
+
+    def _inside_step(self) -> bool:
+        """This optimizer's `step()` is on the stack (~3 us at 40 frames; only after it began and before
+        its boundary: a zero_grad() inside it, or after it raised)."""
+        if _STEP_WRAPPER is None:
+            return True  # a torch without the wrapper: as before, no close
+        optimizer = self.loop.adapter.optimizer
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code is _STEP_WRAPPER and frame.f_locals.get("self") is optimizer:
+                return True
+            frame = frame.f_back
+        return False
+
+    def _alike_everywhere(self) -> bool:
+        """Every rank holds the same gradients (one process; DDP's, all-reduced), so a check of them
+        decides alike on every rank. Sharded ones (FSDP's) may differ by rank, and a decision that
+        differed would split the ranks' step counters (their collectives then mismatch): there the step
+        is closed without looking, as a skipped one."""
+        return self.loop.world_size == 1 or self.loop.adapter.name == "torch"
+
+    def _nonfinite(self) -> bool:
+        """Any of the optimizer's gradients holds Inf/NaN: a norm each, one host read per device. A
+        DTensor's (tensor parallel: pieces by rank) in a job of several ranks counts as one, as above."""
+        grads = []
+        for group in self.loop.adapter.optimizer.param_groups:
+            for p in group["params"]:
+                grad = None if is_lazy(p) else p.grad
+                if callable(getattr(grad, "to_local", None)):
+                    if self.loop.world_size > 1:
+                        return True
+                    grad = grad.to_local()
+                if grad is not None:
+                    grads.append(grad._values() if grad.is_sparse else grad)
+        by_device: dict[Any, list] = {}
+        for grad in grads:
+            by_device.setdefault(grad.device, []).append(grad)
+        for same in by_device.values():
+            try:
+                norms = torch._foreach_norm(same)
+            except Exception:  # noqa: BLE001 - a dtype foreach lacks: one at a time
+                norms = [g.abs().max() if g.numel() else g.new_zeros(()) for g in same]
+            if not bool(torch.isfinite(torch.stack([n.float() for n in norms])).all()):
+                return True
+        return False
+
+    def _close(self, scalars: StepScalars) -> None:
+        self.trained = False
+        self.loop.on_pre_optim()
+        self.loop.on_post_optim(scalars)
 
 
 def report_step_calls(loop: Any) -> SkippedStepProbe | None:
