@@ -130,7 +130,8 @@ def _statistics(table: torch.Tensor, numel: torch.Tensor, stats: Sequence[str]) 
     has = finite > 0
     nan = torch.full_like(finite, math.nan)
     columns = {
-        "norm": torch.sqrt(torch.clamp(table[:, SUMSQ], min=0.0)),
+        # no finite value in a non-empty tensor: NaN, as finalize says (not a healthy-looking 0)
+        "norm": torch.where(has | (numel == 0), torch.sqrt(torch.clamp(table[:, SUMSQ], min=0.0)), nan),
         "mean": torch.where(has, table[:, SUM] / torch.where(has, finite, 1.0), nan),
         "min": torch.where(has, table[:, MIN], nan),
         "max": torch.where(has, table[:, MAX], nan),

@@ -179,14 +179,20 @@ def grad_sumsq(rows: Any) -> Any:
 
 
 def finalize(partials: np.ndarray, numel: np.ndarray) -> dict[str, np.ndarray]:
-    """Turn host partials [N, NUM_PARTIALS] and element counts [N] into the user-facing statistics."""
+    """Turn host partials [N, NUM_PARTIALS] and element counts [N] into the user-facing statistics.
+
+    With `nans`/`infs` counted, norm/mean/min/max are of the finite elements, and NaN where a non-empty
+    tensor has none (decided here, from the merged counts, so every engine and every shard merge agrees):
+    its partials are the merge's identities, and a norm of 0 would read as a healthy zero gradient. An empty
+    tensor keeps norm 0. A few numpy passes over N rows, on the worker."""
     p = partials.astype(np.float64, copy=False)
     numel = numel.astype(np.float64, copy=False)
     finite = numel - p[:, NANS] - p[:, INFS]
     with np.errstate(divide="ignore", invalid="ignore"):
         has = finite > 0
+        norm = np.sqrt(np.maximum(p[:, SUMSQ], 0.0))
         return {
-            "norm": np.sqrt(np.maximum(p[:, SUMSQ], 0.0)),
+            "norm": np.where(has | (numel == 0), norm, np.nan),
             "mean": np.where(has, p[:, SUM] / np.where(has, finite, 1.0), np.nan),
             "min": np.where(has, p[:, MIN], np.nan),
             "max": np.where(has, p[:, MAX], np.nan),

@@ -82,18 +82,26 @@ def combine(groups: np.ndarray, count: int, values: dict[str, np.ndarray], stats
     """Combine rows into `count` groups (row i belongs to group `groups[i]`) by each statistic's rule.
 
     `values` holds the rows' finalised statistics plus `numel`; NaN/Inf counts weight the mean when present.
-    A statistic whose rows are all NaN is NaN for the group (min/max/mean ignore NaN rows otherwise)."""
+    A statistic whose rows are all NaN is NaN for the group (min/max/mean ignore NaN rows otherwise); with
+    counts, the norm covers the finite values, NaN where the group has none."""
     numel = np.asarray(values["numel"], dtype=np.float64)
     nans = np.asarray(values.get("nans", np.zeros_like(numel)), dtype=np.float64)
     infs = np.asarray(values.get("infs", np.zeros_like(numel)), dtype=np.float64)
     finite = np.maximum(numel - nans - infs, 0.0)
+    counted = "nans" in values or "infs" in values
+    none_finite = (np.bincount(groups, finite, minlength=count) == 0) & (
+        np.bincount(groups, numel, minlength=count) > 0
+    )
     out: dict[str, np.ndarray] = {}
     with np.errstate(invalid="ignore", divide="ignore"):
         for name in stats:
             rule = BY_NAME[name].combine
             v = np.asarray(values[name], dtype=np.float64)
             if rule is Combine.L2:
-                out[name] = np.sqrt(np.bincount(groups, v * v, minlength=count))
+                if counted:  # finite-only: a row with no finite value (norm NaN) adds nothing to its group,
+                    v = np.where((finite == 0) & (numel > 0), 0.0, v)  # whose own norm is NaN if none has one
+                norm = np.sqrt(np.bincount(groups, v * v, minlength=count))
+                out[name] = np.where(none_finite, np.nan, norm) if counted else norm
             elif rule in (Combine.MEAN_BY_FINITE, Combine.MEAN_BY_NUMEL):
                 weight = finite if rule is Combine.MEAN_BY_FINITE else numel
                 ok = np.isfinite(v) & (weight > 0)
