@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from trainermon.pipeline.anomaly import SpikeWindow
+from trainermon.pipeline.spike_window import SpikeWindow
 
 from .scan import RunSummary
 from .source import family_order

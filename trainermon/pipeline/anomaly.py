@@ -2,8 +2,9 @@
 
 Rules (msprobe's config: `"alert": {"rules": [{"rule_name": ..., "args": {...}}], "dump": true}`):
 
-- `AnomalyTurbulence` (msprobe): a norm or mean above (1 + threshold) x the average of its earlier values
-  (below, for a negative average).
+- `AnomalyTurbulence` (msprobe's rule): |norm| or |mean| (those in `ops`) above (1 + threshold) x the
+  average of its earlier |values| that weights the past by 0.99 and is seeded by the first. Non-finite
+  values are `AnomalyNan`'s: they neither fire nor enter the average (in msprobe a NaN poisons it for good).
 - `AnomalyNan` (msprobe, fixed): NaN or Inf anywhere in the tensor (from the `nans`/`infs` counts when
   they are collected, else from a non-finite statistic), or |value| above `threshold` when one is given.
   Counts are never compared with the magnitude threshold.
@@ -30,8 +31,8 @@ import math
 import os
 import time
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from itertools import islice
 from typing import Any
 
 from trainermon.collect.records import StatBatch
@@ -39,6 +40,7 @@ from trainermon.collect.records import StatBatch
 from . import health_rules
 from .anomaly_files import in_order, load_anomalies, sort_key  # noqa: F401 - where callers looked first
 from .rule_specs import WARMUP, WINDOW, RuleSpec, parse_rules
+from .spike_window import SpikeWindow
 
 logger = logging.getLogger("trainermon")
 
@@ -72,74 +74,6 @@ class Anomaly:
     ranks: tuple[int, ...] = ()  # AnomalyComm: the ranks whose collective output broke its invariant
 
 
-#: SpikeWindow removes the window's trend once it holds this many values (fewer: the plain median/MAD test).
-DETREND_MIN = 16
-
-
-class SpikeWindow:
-    """Rolling window of log values with a robust, trend-aware (median / MAD) spike test: the online
-    `AnomalySpike` rule and the offline analysis' spikes (`analysis.trends.find_spikes`).
-
-    With n >= DETREND_MIN values: slope = (median of the newest n//2 - median of the oldest n//2) /
-    (n - n//2); residual_i = log value_i - slope * i; expected = median(residuals) + slope * n, but no
-    lower than the median of the last three values; deviation = 1.4826 * MAD(residuals) *
-    sqrt(1 + DETREND_MIN / n). With fewer: slope 0, expected = median, deviation = 1.4826 * MAD. A
-    spike: log(value) - expected > z * max(deviation, log1p(min_rel)); its baseline is exp(expected)."""
-
-    __slots__ = ("values",)
-
-    def __init__(self, window: int) -> None:
-        self.values: deque[float] = deque(maxlen=window)
-
-    def check_then_add(self, value: float, warmup: int, z: float, min_rel: float) -> float | None:
-        """Return the baseline (the expected value) if `value` is a spike, else None. Non-finite and
-        non-positive values are skipped."""
-        if not (value > 0 and math.isfinite(value)):
-            return None
-        logv = math.log(value)
-        baseline = None
-        n = len(self.values)
-        if n >= warmup:
-            # Plain sorts: np.median on a 50-value window cost ~100 us a row (21 ms a step of 212 rows,
-            # on the worker), more than the step it judged.
-            values = self.values
-            slope, inflate = 0.0, 1.0
-            if n >= DETREND_MIN:
-                # A falling (or rising) norm, early in training: the window's trend (the difference of its
-                # halves' medians over the distance of their centres) is taken out, else it inflates the
-                # MAD (a 25x fall over 50 values made z=6 demand a ~400x spike) and the median lags.
-                half = n // 2
-                recent, early = sorted(islice(values, n - half, n)), sorted(islice(values, half))
-                slope = (_median(recent) - _median(early)) / (n - half)
-                # the slope's own error, extrapolated to the new value, widens the deviation
-                inflate = math.sqrt(1 + DETREND_MIN / n)
-            residuals = sorted([v - slope * i for i, v in enumerate(values)])
-            level = _median(residuals)
-            mad = _median(sorted([abs(r - level) for r in residuals])) * 1.4826 * inflate
-            expected = level + slope * n  # the trend extrapolated to the new value's position
-            if n >= DETREND_MIN:
-                # ... but no lower than the last three values' median: a trend that turns (a bias's norm
-                # falling to 0 and rising again) is no spike, nor is one that steepens.
-                expected = max(expected, sorted((values[-1], values[-2], values[-3]))[1])
-            # A floor on the deviation: a perfectly steady series must not make tiny wiggles spikes.
-            if logv - expected > z * max(mad, math.log1p(min_rel)):
-                baseline = math.exp(expected)
-        # Every value enters the window, spikes too: the median and MAD ignore a minority of outliers, so
-        # an isolated spike does not move the baseline, while a lasting change of level (Adam's moments
-        # after a gradient spike, a run resumed after dynamic_on was off) fires on at most its first 2
-        # collections once the window holds DETREND_MIN values (the last three values' median is then at
-        # the new level; before that, until it fills half the window) instead of firing (and escalating)
-        # on every collected step forever.
-        self.values.append(logv)
-        return baseline
-
-
-def _median(ordered: list[float]) -> float:
-    n = len(ordered)
-    half = n // 2
-    return ordered[half] if n % 2 else 0.5 * (ordered[half - 1] + ordered[half])
-
-
 class AnomalyDetector:
     """Applies the configured rules to each StatBatch. Runs on the worker thread only."""
 
@@ -161,7 +95,9 @@ class AnomalyDetector:
         self.path = os.path.join(out_dir, "anomaly_detected", f"anomaly_rank{rank}.jsonl")
         self.counts: Counter[str] = Counter()
         self.log_limit = log_limit_per_step
-        self._avg: dict[tuple, tuple[float, int]] = {}
+        self._avg: dict[tuple, tuple[float, int]] = {}  # Turbulence: (average of |values|, count)
+        #: The statistics the user's `ops` holds: Turbulence checks those of norm and mean (None: both).
+        self.ops: tuple[str, ...] | None = None
         self._rolling: dict[tuple, SpikeWindow] = {}
         self._repeat = 0  # the rule being applied is the n-th of that name (its history is its own)
         self._fh: Any = None
@@ -171,17 +107,25 @@ class AnomalyDetector:
 
     @classmethod
     def for_job(
-        cls, alert: Any, out_dir: str, rank: int, process_group: Any = None, run_id: str = ""
+        cls,
+        alert: Any,
+        out_dir: str,
+        rank: int,
+        process_group: Any = None,
+        run_id: str = "",
+        ops: Iterable[str] | None = None,
     ) -> AnomalyDetector:
-        """The detector of a monitor with the config's `alert` section. `process_group`: msprobe's
-        pipeline group, whose rank numbers this rank's stage in the records (one local query, no
+        """The detector of a monitor with the config's `alert` section and `ops`. `process_group`:
+        msprobe's pipeline group, whose rank numbers this rank's stage in the records (one local query, no
         collective). Built even without rules (it finds nothing): a reload may add them."""
         stage = 0
         if process_group is not None:
             import torch.distributed as dist
 
             stage = dist.get_group_rank(process_group, rank)
-        return cls(parse_rules(alert.rules), out_dir, rank, stage, alert.dump, run_id=run_id)
+        detector = cls(parse_rules(alert.rules), out_dir, rank, stage, alert.dump, run_id=run_id)
+        detector.ops = None if ops is None else tuple(ops)
+        return detector
 
     # ---- per step ------------------------------------------------------------------------------
     def totals(self) -> dict[str, int]:
@@ -236,7 +180,8 @@ class AnomalyDetector:
 
     def load_state_dict(self, state: dict) -> None:
         self.counts = Counter(state.get("counts", {}))
-        self._avg = dict(state.get("avg", {}))
+        # abs: a state saved before the average was of |values| (then a plain mean) may hold a negative one
+        self._avg = {key: (abs(avg), n) for key, (avg, n) in state.get("avg", {}).items()}
         self._rolling = {}
         for key, (maxlen, values) in state.get("rolling", {}).items():
             roll = self._rolling[key] = SpikeWindow(maxlen)
@@ -300,11 +245,13 @@ class AnomalyDetector:
 
     # ---- rules -----------------------------------------------------------------------------------
     def _AnomalyTurbulence(self, batch: StatBatch, args: dict, now: float) -> list[Anomaly]:
+        """msprobe's rule (`BaseWriterWithAD._update_tag2scalars`, beta 0.99): |value| against the average
+        before it. O(1) per row and statistic, on the worker."""
         threshold = float(args.get("threshold", 0.5))
         out = []
         for stat in ("norm", "mean"):
             column = batch.values.get(stat)
-            if column is None:
+            if column is None or (self.ops is not None and stat not in self.ops):
                 continue
             for i, value in enumerate(column):
                 value = float(value)
@@ -312,12 +259,11 @@ class AnomalyDetector:
                     continue
                 row = batch.rows[i]
                 key = self.key(row.family, row.vpp_stage, row.name, row.micro_step, stat)
-                avg, n = self._avg.get(key, (0.0, 0))
-                if n:
-                    limit = avg * (1 + threshold)  # for a negative average: more negative than that
-                    if (avg > 0 and value > limit) or (avg < 0 and value < limit):
-                        out.append(self._make(batch, i, stat, value, avg, "AnomalyTurbulence", now))
-                self._avg[key] = ((avg * n + value) / (n + 1), n + 1)
+                size = abs(value)
+                avg, n = self._avg.get(key, (size, 0))  # seeded by the first: it never fires
+                if size > avg * (1 + threshold):
+                    out.append(self._make(batch, i, stat, value, avg, "AnomalyTurbulence", now))
+                self._avg[key] = (0.99 * avg + 0.01 * size, n + 1)
         return out
 
     def _AnomalyNan(self, batch: StatBatch, args: dict, now: float) -> list[Anomaly]:

@@ -178,7 +178,9 @@ class StepLoop(ConfigChanges):
         from trainermon.pipeline.anomaly import AnomalyDetector
 
         alert, group = self.config.alert, self.process_group
-        detector = AnomalyDetector.for_job(alert, self.outputs.root, self.rank, group, self.outputs.run_id)
+        detector = AnomalyDetector.for_job(
+            alert, self.outputs.root, self.rank, group, self.outputs.run_id, ops=self.config.ops
+        )
         detector.on_anomaly.append(self._escalate)
         return detector
 

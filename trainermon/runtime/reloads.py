@@ -110,6 +110,7 @@ class ConfigChanges:
         self.schedule = Schedule(config, anchored=config.dynamic_on)  # restarts the count, from this step
         self.detector.rules = parse_rules(config.alert.rules)
         self.detector.dump = config.alert.dump
+        self.detector.ops = config.ops
         # switched off in the file: no escalation either (one in progress ends; requests the worker makes
         # meanwhile wait, and the next reload drops them), as `dynamic_on: false` stops a collection
         self.escalation.clear()
