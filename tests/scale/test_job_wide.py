@@ -91,7 +91,7 @@ def _uneven(rank: int, out: str) -> dict:
     os.makedirs(out, exist_ok=True)
     cfg = os.path.join(out, f"config-rank{rank}.json")
     with open(cfg, "w") as fh:
-        json.dump({"xy_distribution": True, "wg_distribution": True, "module_ranks": [0, 2], "ops": OPS,
+        json.dump({"xy_distribution": True, "wg_distribution": True, "module_ranks": [0, 1, 2], "ops": OPS,
                    "ndigits": 17, "write_interval_s": 0}, fh)  # fmt: skip
     torch.manual_seed(rank)
     layers = [nn.Linear(4, 4), nn.Tanh()] + ([nn.Linear(4, 4)] if rank % 2 == 0 else [])
@@ -201,8 +201,11 @@ def test_four_rank_job(tmp_path):
     ranks_of = {(k[0], k[1]): v["ranks"] for k, v in got.items()}
     # the even ranks' head is "3": only they hold it (the odd ranks' head is "2")
     assert ranks_of[("grad_unreduced", "3.weight")] == 2
-    assert {v for (fam, _), v in ranks_of.items() if fam == "actv"} == {2}  # module_ranks [0, 2]
-    assert ranks_of[("grad_unreduced", "0.weight")] == WORLD
+    # module_ranks [0, 1, 2]: rank 3 writes no per-rank rows (actv, actv_grad, grad_unreduced)
+    actv = {name: v for (fam, name), v in ranks_of.items() if fam == "actv"}
+    assert {v for name, v in actv.items() if name.startswith("3.")} == {2}  # ranks 0 and 2 hold "3"
+    assert {v for name, v in actv.items() if not name.startswith("3.")} == {3}
+    assert ranks_of[("grad_unreduced", "0.weight")] == 3
 
 
 STATS = ("norm", "mean", "min", "max")

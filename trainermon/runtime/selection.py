@@ -2,7 +2,11 @@
 
 A tied parameter (GPT-2's `lm_head.weight` is `transformer.wte.weight`) or a module registered under
 two names is selected by a target naming any of its names, and written once, under the name
-`named_parameters()` / `named_modules()` give it first."""
+`named_parameters()` / `named_modules()` give it first.
+
+Names are the unwrapped model's (`model.layers.0`, under every wrapper and framework). msprobe names the
+modules of the object it was given, so under DDP its configs say `module.model.layers.0`: a target that
+selects nothing as written is read without the wrapper path msprobe saw (`resolve_targets`)."""
 
 from __future__ import annotations
 
@@ -88,10 +92,67 @@ def cuts_a_name(params: list[tuple[int, list[str]]], target: str, squash: bool =
     return None
 
 
+def wrapper_paths(adapter) -> dict[int, list[str]]:
+    """vpp_stage -> the paths msprobe would put before the unwrapped model's names, longest first
+    (`["module.module.", "module."]` for DDP around Float16Module): the segments from each chunk the user
+    passed down to its unwrapped root (`adapter.chunks` -> `adapter.roots()`). A path whose first segment
+    names a real module of the unwrapped model is left out (stripping it would change what a target
+    means). Costs a walk down the wrappers, at attach."""
+    out: dict[int, list[str]] = {}
+    for vpp_stage, (chunk, root) in enumerate(zip(getattr(adapter, "chunks", ()), adapter.roots())):
+        if chunk is root:
+            continue
+        # pre-order: the root comes right after its wrappers, before any module of the model
+        path = next((n for n, m in chunk.named_modules(remove_duplicate=False) if m is root), None)
+        if not path:
+            continue
+        segments = path.split(".")
+        if segments[0] in root._modules:
+            continue
+        out[vpp_stage] = [".".join(segments[:k]) + "." for k in range(len(segments), 0, -1)]
+    return out
+
+
+def _selects(target: str, params: list, modules: list, squash: bool) -> bool:
+    return any(param_matches(v, names, target, squash) for v, names in params) or any(
+        module_matches(v, names, (target,)) for v, names in modules
+    )
+
+
+def resolve_targets(adapter, config: MonitorConfig) -> dict[str, str]:
+    """Each target (as written: `name` or `vpp:name`) -> the target selections use: itself, or, when it
+    selects nothing as written but does without a wrapper path msprobe saw (`wrapper_paths`), that
+    shorter form (`module.model.layers.0` -> `model.layers.0` under DDP). Attach-time work: one pass over
+    the parameters and modules per target, only with wrappers and targets."""
+    targets = config.targets
+    paths = wrapper_paths(adapter) if targets else {}
+    if not paths:
+        return {t: t for t in targets}
+    aliases = param_aliases(adapter)
+    params = [(mp.vpp_stage, [mp.name, *aliases.get(id(mp.param), ())]) for mp in adapter.parameters()]
+    modules = [(vpp, names) for vpp, names, _ in named_modules(adapter)]
+    out = {}
+    for target in targets:
+        out[target] = target
+        if _selects(target, params, modules, config.squash_name):
+            continue
+        stage, sep, name = target.partition(":")
+        if not sep or not stage.isdigit():  # a plain name: any stage's wrappers
+            stage, sep, name = "", "", target
+        candidates = paths.get(int(stage), []) if stage else [p for ps in paths.values() for p in ps]
+        for path in candidates:
+            if name.startswith(path) and len(name) > len(path):
+                shorter = f"{stage}{sep}{name[len(path) :]}"
+                if _selects(shorter, params, modules, config.squash_name):
+                    out[target] = shorter
+                    break
+    return out
+
+
 def select_params(adapter, config: MonitorConfig) -> ParamSelection:
     """Parameters whose name (or a tied alias) starts with a target; all without targets. Names are
     squashed with `squash_name`, falling back to full names where they would collide."""
-    targets = config.targets
+    targets = tuple(resolve_targets(adapter, config).values())
     aliases = param_aliases(adapter) if targets else {}
     chosen = []
     for mp in adapter.parameters():
@@ -132,8 +193,9 @@ def select_modules(adapter, config: MonitorConfig, every: bool) -> list[tuple[in
     (`every`), or those named in `targets` (any of their names, plainly or as `vpp:name`). Wrapper
     modules are skipped."""
     out = []
+    targets = () if every else frozenset(resolve_targets(adapter, config).values())
     for vpp_stage, names, module in named_modules(adapter):
-        if every or module_matches(vpp_stage, names, config.targets):
+        if every or module_matches(vpp_stage, names, targets):
             name = names[0]
             out.append((vpp_stage, squash_name(name) if config.squash_name else name, module))
     return out

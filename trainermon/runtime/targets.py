@@ -7,6 +7,8 @@ the closest names that exist (difflib), at `set_monitor` and at each config relo
 - a target that names only parameters while activations are collected (no module has that name);
 - a family switched on (activations; gradients, optimizer state or parameters) that the targets leave
   with nothing at all;
+- (at INFO) a msprobe-style target written with the wrapper path msprobe saw (`module.` of DDP), which
+  selects nothing as written and is read without it (`selection.resolve_targets`);
 - a target that selects parameters by a prefix ending inside a dotted part of their name (`layers.1`
   selects `layers.10.weight` too: prefixes are plain string prefixes, as in msprobe);
 - switches that select nothing (`idle_switches`): no family on at all, `forward_only`/`backward_only`
@@ -24,7 +26,14 @@ import logging
 from trainermon.collect.records import FAMILY_SWITCH
 from trainermon.config import MonitorConfig
 
-from .selection import cuts_a_name, module_matches, named_modules, param_aliases, param_matches
+from .selection import (
+    cuts_a_name,
+    module_matches,
+    named_modules,
+    param_aliases,
+    param_matches,
+    resolve_targets,
+)
 
 logger = logging.getLogger("trainermon")
 
@@ -68,7 +77,15 @@ class TargetCheck:
         weights = config.collects_optimizer_side
         any_param = any_module = False
         unmatched = 0
-        for target in config.targets:
+        resolved = resolve_targets(adapter, config)
+        for written in config.targets:
+            target = resolved[written]
+            if target != written:
+                self._say(
+                    f"target {written!r} names the model as msprobe sees it inside its wrappers; it selects "
+                    f"{target!r} (trainermon's rows leave the wrapper path out)",
+                    logging.INFO,
+                )
             by_param = any(param_matches(vpp, names, target, config.squash_name) for vpp, names in params)
             by_module = any(module_matches(vpp, names, (target,)) for vpp, names in modules)
             any_param, any_module = any_param or by_param, any_module or by_module
@@ -114,10 +131,10 @@ class TargetCheck:
         for message in idle_switches(config, world_size, dynamic):
             self._say(message)
 
-    def _say(self, message: str) -> None:
+    def _say(self, message: str, level: int = logging.WARNING) -> None:
         if message not in self.said:
             self.said.add(message)
-            logger.warning("trainermon: %s", message)
+            logger.log(level, "trainermon: %s", message)
 
 
 #: The switches of output families (besides the statistics: `print_struct`, `stack_info`).
@@ -171,11 +188,11 @@ def idle_switches(config: MonitorConfig, world_size: int, dynamic: bool) -> list
     if config.monitor_mbs_grad and not config.wg_distribution:
         out.append("monitor_mbs_grad has no effect: wg_distribution is false")
     missing = [r for r in config.module_ranks if r >= world_size]
-    if missing and activations:
+    if missing and (activations or config.wg_distribution):
         alone = len(missing) == len(config.module_ranks)
         out.append(
             f"module_ranks {missing}: no such rank in this job of {world_size}"
-            + (", so no rank collects actv/actv_grad" if alone else "")
+            + (", so no rank collects actv/actv_grad/grad_unreduced" if alone else "")
         )
     for i, rule in enumerate(config.alert.rules):
         family = RULE_FAMILIES.get(rule.get("rule_name"))

@@ -7,6 +7,10 @@ when the reduced gradients are final (`grads_final`): before the user's gradient
 the adapter names its framework's clipping (`Adapter.clip_entries`, watched on collected steps only), else
 at the optimizer's pre-step. Where no data-parallel reduction exists the two are the same tensors,
 computed once.
+
+`module_ranks` (msprobe's "ranks to monitor") gates grad_unreduced, a per-rank family: a rank not listed
+arms no tap and writes no grad_unreduced row, and still reads grad_reduced (the job's one-writer rows,
+whose merges every rank takes part in).
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from typing import Any
 import torch
 
 from trainermon.adapters.base import GRAD_REDUCED, GRAD_UNREDUCED, GradTaps
-from trainermon.collect.placement import LOCAL, TensorPiece
+from trainermon.collect.placement import LOCAL, Local, TensorPiece
+from trainermon.config import MonitorConfig
 
 from ..clip_watch import Watch, watch
 from ..plan import StepPlan
@@ -58,6 +63,11 @@ class GradientProbe(Probe):
         self._clipping: Watch | None = None  # the clipping functions, watched while a step reads gradients
         self._stamp: Any = _UNSET  # a gradient's (id, version) after this step's last clipping
         self._model_ids: tuple[Any, frozenset[int]] = (None, frozenset())  # (selection, its models' params)
+        self._rows = True  # this rank writes grad_unreduced rows (`module_ranks`)
+
+    def configure(self, config: MonitorConfig) -> None:
+        """At attach and each reload: whether this rank is one `module_ranks` monitors (no per-step cost)."""
+        self._rows = not config.module_ranks or self.loop.rank in config.module_ranks
 
     def attach(self) -> list[Any]:
         loop = self.loop
@@ -69,10 +79,11 @@ class GradientProbe(Probe):
         self._remove_step_taps()
         self._microbatch.clear()
         self._stamp = _UNSET
-        self.taps.active = plan.grads and not plan.microbatch_grads
+        # a rank outside module_ranks arms no tap: no per-parameter hook runs in its backward
+        self.taps.active = plan.grads and not plan.microbatch_grads and self._rows
         self.loop.adapter.arm_grad_taps(self.taps.active)
         self._watch_clipping(plan.grads)
-        if plan.microbatch_grads:
+        if plan.microbatch_grads and self._rows:
             # This step's own taps object: a hook the adapter registered before failing (its handle lost
             # with the exception) reports to it, and it is switched off at the next boundary.
             self._step_taps = self._new_step_taps()
@@ -163,7 +174,10 @@ class GradientProbe(Probe):
         loop, adapter, sel = self.loop, self.loop.adapter, self.loop.selection
         if not plan.microbatch_grads and adapter.single_replica():
             # No data-parallel reduction exists (plain PyTorch): one computation gives both families.
-            loop.record_params("grad_unreduced", GRAD_REDUCED, also_as="grad_reduced")
+            if self._rows:
+                loop.record_params("grad_unreduced", GRAD_REDUCED, also_as="grad_reduced")
+            else:
+                loop.record_params("grad_reduced", GRAD_REDUCED)
             return
         if plan.microbatch_grads or adapter.taps_report_unreduced:
             loop.record_params("grad_reduced", GRAD_REDUCED)  # grad_unreduced: reported by taps
@@ -172,7 +186,13 @@ class GradientProbe(Probe):
             return
         reduced = adapter.read(GRAD_REDUCED, sel.params)
         unreduced = adapter.read(GRAD_UNREDUCED, sel.params)
-        if _same_pieces(unreduced, reduced):  # no reduction happened: one computation, both families
+        if not self._rows:
+            # pieces merged over ranks (a sharded placement) stay: every rank takes part in their merge
+            unreduced = [None if p is None or type(p.placement) is Local else p for p in unreduced]
+            if not any(p is not None for p in unreduced):
+                loop.record("grad_reduced", sel.entries(reduced))
+                return
+        elif _same_pieces(unreduced, reduced):  # no reduction happened: one computation, both families
             loop.record("grad_unreduced", sel.entries(unreduced), also_as="grad_reduced")
             return
         loop.record("grad_unreduced", sel.entries(unreduced))
