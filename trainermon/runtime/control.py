@@ -90,7 +90,12 @@ def _broadcast_bytes(data: bytes, length: int, src: int, group: Any) -> bytes:
 
 
 class ConfigWatcher:
-    """Sets `dirty` when the file at `path` may have changed. Never reads the file itself."""
+    """Sets `dirty` when the file at `path` may have changed. Never reads the file on the training thread.
+
+    Symlinks are followed: the folder of the resolved target is watched too, and a swap of any link on the
+    way (a k8s ConfigMap's `..data`) sets `dirty` and moves that watch to the new target's folder. The
+    pollers compare the file's content (a hash, read on their own thread), not only its stat: an edit
+    of the same size within a coarse mtime (NFS) is seen. Cost: events and poll intervals only."""
 
     def __init__(self, path: str, polling: bool = False, poll_interval: float = 1.0) -> None:
         self.path = os.path.abspath(path)
@@ -99,6 +104,9 @@ class ConfigWatcher:
         self._observer: Any = None
         self._poller: threading.Thread | None = None
         self._stop = threading.Event()
+        self._target = os.path.realpath(self.path)
+        self._target_watch: Any = None  # the observer's watch of the target's folder, when another folder
+        self._handler: Any = None
         self._start(polling, poll_interval)
 
     def _start(self, polling: bool, poll_interval: float) -> None:
@@ -108,6 +116,7 @@ class ConfigWatcher:
             from watchdog.observers.polling import PollingObserver
         except Exception:  # noqa: BLE001 - watchdog missing or broken: use the built-in poller
             self._start_stat_poller(poll_interval)
+            self.backend = "stat-polling"
             return
         watcher = self
 
@@ -116,23 +125,55 @@ class ConfigWatcher:
                 # Opening or reading the file (our own reload included) is not a change.
                 if event.event_type in ("opened", "closed_no_write"):
                     return
-                paths = {getattr(event, "src_path", ""), getattr(event, "dest_path", "")}
-                if any(p and os.path.abspath(os.fsdecode(p)) == watcher.path for p in paths):
-                    watcher.dirty = True
+                watcher._on_event({getattr(event, "src_path", ""), getattr(event, "dest_path", "")})
 
         observer = PollingObserver(timeout=poll_interval) if polling else Observer()
+        self._handler = Handler()
         # Watch the directory, not the file: atomic replaces and re-creations give the file a new inode.
-        observer.schedule(Handler(), os.path.dirname(self.path), recursive=False)
+        observer.schedule(self._handler, os.path.dirname(self.path), recursive=False)
+        self._observer = observer
+        self._watch_target_folder()
         observer.daemon = True
         observer.start()
-        self._observer = observer
+        if polling:
+            # Watchdog's poller compares stat only: the content poller catches same-size, same-mtime edits.
+            self._start_stat_poller(poll_interval)
         self.backend = "watchdog-polling" if polling else "watchdog"
+
+    def _on_event(self, raw_paths: set) -> None:
+        """Observer thread: dirty when the event is for the file (by either name), or when the path now
+        resolves elsewhere (a symlink on the way was swapped); the read compares content anyway."""
+        paths = {os.path.abspath(os.fsdecode(p)) for p in raw_paths if p}
+        if self.path in paths or self._target in paths:
+            self.dirty = True
+        target = os.path.realpath(self.path)
+        if target != self._target:
+            self._target = target
+            self.dirty = True
+            self._watch_target_folder()
+
+    def _watch_target_folder(self) -> None:
+        """(Re)watch the folder of the resolved target when it is not the config's own folder."""
+        folder = os.path.dirname(self._target)
+        try:
+            if self._target_watch is not None:
+                if self._target_watch.path == folder:
+                    return
+                self._observer.unschedule(self._target_watch)
+                self._target_watch = None
+            if folder != os.path.dirname(self.path) and os.path.isdir(folder):
+                self._target_watch = self._observer.schedule(self._handler, folder, recursive=False)
+        except Exception as exc:  # noqa: BLE001 - the config's own folder stays watched
+            logger.debug("trainermon: could not watch %s: %s", folder, exc)
 
     def _start_stat_poller(self, interval: float) -> None:
         def signature() -> tuple | None:
+            # Stat and a hash of the content (the file is small), read here, on the poller's thread.
             try:
                 st = os.stat(self.path)
-                return (st.st_mtime_ns, st.st_size, st.st_ino)
+                with open(self.path, "rb") as fh:
+                    digest = hashlib.sha256(fh.read()).digest()
+                return (os.path.realpath(self.path), st.st_mtime_ns, st.st_size, st.st_ino, digest)
             except OSError:
                 return None
 
@@ -148,7 +189,6 @@ class ConfigWatcher:
 
         self._poller = threading.Thread(target=run, name="trainermon-config-poller", daemon=True)
         self._poller.start()
-        self.backend = "stat-polling"
 
     def stop(self) -> None:
         self._stop.set()
