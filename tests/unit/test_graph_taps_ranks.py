@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -79,8 +80,43 @@ def _rows_on_ranks(rank: int, world_size: int, out: str) -> dict:
                 block.compile(backend="aot_eager")
         return model, model, 8
 
+    def tp_sp_local(compiled: bool) -> tuple:
+        # torchtitan's exact layout: the blocks take and return this rank's piece as a plain tensor (the
+        # embedding's and w2's use_local_output), which SequenceParallel wraps into a DTensor inside the
+        # compiled frame. The first block's input is what the embedding returns, an AsyncCollectiveTensor
+        # that requires gradient: a hook on the norm's input then failed the compile (aot_autograd)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            SequenceParallel,
+            parallelize_module,
+        )
+
+        model = nn.Sequential(SequenceBlock(), SequenceBlock())
+        # no weight: the first norm's output stems from that input alone (its output hook failed too)
+        model[0].norm = nn.LayerNorm(8, elementwise_affine=False)
+        mesh = init_device_mesh("cpu", (world_size,))
+        for block in model:
+            parallel = {
+                "norm": SequenceParallel(),
+                "w1": ColwiseParallel(input_layouts=Shard(1)),
+                "w2": RowwiseParallel(output_layouts=Shard(1)),
+            }
+            parallelize_module(block, mesh, parallel)
+            if compiled:
+                block.compile(backend="aot_eager", fullgraph=True)
+        return model, model, 8
+
+    import logging
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("trainermon").addHandler(handler)
     found = {}
-    for setup in (ddp, fsdp, tp, tp_sp):
+    for setup in (ddp, fsdp, tp, tp_sp, tp_sp_local):
         for compiled in (False, True):
             torch._dynamo.reset()
             counters.clear()
@@ -92,6 +128,8 @@ def _rows_on_ranks(rank: int, world_size: int, out: str) -> dict:
             monitor.set_monitor(model, optimizer=opt)
             gen = torch.Generator().manual_seed(1 + (0 if setup in (tp, tp_sp) else rank))  # TP: one batch
             refs: dict = {}
+            said.clear()
+            losses = []
             for step in range(2):
                 x = torch.randn(4, width, generator=gen)
                 if setup is tp:
@@ -102,6 +140,13 @@ def _rows_on_ranks(rank: int, world_size: int, out: str) -> dict:
                     x = torch.randn(2, 4, width, generator=gen).chunk(world_size, dim=1)[rank]
                     x = DTensor.from_local(x, model[0].norm.weight.device_mesh, [Shard(1)])
                     run(x).to_local().square().mean().backward()
+                elif setup is tp_sp_local:
+                    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+                    x = torch.randn(2, 4, width, generator=gen).chunk(world_size, dim=1)[rank].contiguous()
+                    loss = run(AsyncCollectiveTensor(x).requires_grad_()).square().mean()
+                    loss.backward()
+                    losses.append(float(loss))
                 else:
                     run(x).square().mean().backward()
                 opt.step()
@@ -115,6 +160,8 @@ def _rows_on_ranks(rank: int, world_size: int, out: str) -> dict:
                 sum(counters["graph_break"].values()),
                 refs,
             )
+            found[setup.__name__, compiled, "said"] = (losses, list(said))
+    logging.getLogger("trainermon").removeHandler(handler)
     # a DTensor that the operators' rule cannot read: counted, the step runs (never a failed compile)
     from trainermon.runtime.probes import tap_ops
 
@@ -242,6 +289,35 @@ def test_ddp_and_fsdp2_on_two_ranks(tmp_path):
                 _same_grad_rows(compiled[1], want, outside=outside)
             else:
                 _same_rows(compiled[1], want)
+        # torchtitan's layout (plain tensors between the blocks, the first block's input an
+        # AsyncCollectiveTensor): it trains with the monitor on, losses as in eager mode (to float32
+        # rounding), no break under fullgraph; the first block's DTensor inputs and outputs get no gradient
+        # row, said once naming a module, and the first block's own input none either: torch's compiled block
+        # gives no gradient to such an input at all (with or without the monitor). Every other row
+        # equals eager mode's
+        (eager_losses, _), (compiled_losses, messages) = (
+            found["tp_sp_local", False, "said"],
+            found["tp_sp_local", True, "said"],
+        )
+        assert compiled_losses == pytest.approx(eager_losses, rel=1e-6) and len(compiled_losses) == 2
+        collective = [m for m in messages if "AsyncCollectiveTensor" in m]
+        assert len(collective) == 1 and "module 0." in collective[0], messages
+        assert found["tp_sp_local", True][4] == 0
+        eager_grads, compiled_grads = found["tp_sp_local", False][1], found["tp_sp_local", True][1]
+        lost = {key for key in eager_grads if key[0].startswith("0.") and key[0].endswith(".input")}
+        lost |= {key for key in eager_grads if key[0] == "0.norm.output"}  # a DTensor (SequenceParallel)
+        if HOOKS_IN_GRAPH:
+            assert {name for name, _, _ in lost} == {
+                "0.input",
+                "0.norm.input",
+                "0.norm.output",
+                "0.w1.input",
+                "0.w2.input",
+            }
+            assert {name for name, _, _ in compiled_grads} >= {"1.norm.input", "1.norm.output", "0.w1.output"}
+        want = {key: row for key, row in eager_grads.items() if key not in lost}
+        _same_grad_rows(compiled_grads, want, outside=lambda key: key[0].count(".") == 1)
+        _same_rows(found["tp_sp_local", True][0], found["tp_sp_local", False][0])
         assert found["fsdp", True][4] == 0  # the blocks' graphs: no break
         assert found["tp", True][4] == 0  # DTensor activations stay in the graph
         # no break in the blocks compiled one by one; two graphs, as without the monitor: the first block's

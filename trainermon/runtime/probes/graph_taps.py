@@ -131,6 +131,7 @@ def traced_pre_hook(probe: Any, module_key: int) -> Any:
         lambda: probe._taps.say_no_gradients()  # a plain function: the marker takes no methods
     )
     say_in_place = torch.compiler.assume_constant_result(lambda view: probe._taps.say_in_place(view))
+    say_collective = torch.compiler.assume_constant_result(lambda: probe._taps.say_collective(module_key))
 
     def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         if not probe._actv_grad or not torch.is_grad_enabled():
@@ -142,6 +143,11 @@ def traced_pre_hook(probe: Any, module_key: int) -> Any:
         kinds = tuple(_kind(v, True) for v in slots)
         if GRADED not in kinds:
             return None
+        if any(k == GRADED and is_dtensor(v) for k, v in zip(kinds, slots)) and collective_inputs():
+            # a hook there may fail the compile (`collective_inputs`): these inputs get no row, said once
+            kinds = tuple(ACTIVATION if k == GRADED and is_dtensor(v) else k for k, v in zip(kinds, slots))
+            if say_collective() and GRADED not in kinds:  # run by dynamo once, at trace time
+                return None
         if not HOOKS_IN_GRAPH:
             say_no_gradients()  # run by dynamo once, at trace time
             return None
@@ -165,6 +171,27 @@ def traced_pre_hook(probe: Any, module_key: int) -> Any:
         return tuple(slots[: len(args)]), new_kwargs
 
     return pre_hook
+
+
+@torch.compiler.assume_constant_result  # run as plain Python while dynamo traces: a constant in the graph
+def collective_inputs() -> bool:
+    """Whether the frame dynamo is tracing takes a grad-requiring AsyncCollectiveTensor (what a
+    tensor-parallel module with `use_local_output` returns: torchtitan's embedding hands one to the first
+    block). aot_autograd rebuilds such an input without `requires_grad` in its metadata pass (torch 2.13:
+    the wrapper takes its inner tensor's flag), so a DTensor made from it in the graph (SequenceParallel's
+    input) does not require gradient there and a hook on it fails the compile ("cannot register a hook on
+    a tensor that doesn't require gradient"), while dynamo sees it require gradient. Which DTensor descends
+    from it is not known while tracing: no DTensor of the frame gets a gradient hook (inputs of pre-hooks,
+    outputs of forward hooks; their actv rows stay). Run at trace time only, never per step (a private
+    dynamo API; False where it is missing: taps as before)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+        examples = [arg.example for arg in InstructionTranslator.current_tx().output.graphargs]
+    except Exception:  # noqa: BLE001 - another torch: taps as before
+        return False
+    return any(isinstance(t, AsyncCollectiveTensor) and t.requires_grad for t in examples)
 
 
 def _grad_hook(number: int, owner: torch.Tensor, p: int, n: int, micro: torch.Tensor) -> Any:
@@ -198,6 +225,7 @@ def traced_forward_hook(probe: Any, name: str, module_key: int) -> Any:
 
     evaluation_pass = torch.compiler.assume_constant_result(say_evaluation_pass)
     say_no_gradients = torch.compiler.assume_constant_result(lambda: probe._taps.say_no_gradients())
+    say_collective = torch.compiler.assume_constant_result(lambda: probe._taps.say_collective(module_key))
 
     def forward_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if not module.training and not torch.is_grad_enabled():
@@ -213,6 +241,12 @@ def traced_forward_hook(probe: Any, name: str, module_key: int) -> Any:
             return UNTAPPED
         in_kinds = tuple(_kind(t, False) for t in inputs)
         out_kinds = tuple(_kind(t, grad) for t in outputs)
+        if any(k == GRADED and is_dtensor(t) for k, t in zip(out_kinds, outputs)) and collective_inputs():
+            # as in the pre-hook: a DTensor output may stem from that input alone (a norm without weight)
+            out_kinds = tuple(
+                ACTIVATION if k == GRADED and is_dtensor(t) else k for k, t in zip(out_kinds, outputs)
+            )
+            say_collective()  # run by dynamo once, at trace time
         graded = [i for i, kind in enumerate(out_kinds) if kind == GRADED]
         tensors = [outputs[i] for i in graded]
         if actv:

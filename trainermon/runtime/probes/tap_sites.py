@@ -140,6 +140,7 @@ class TapSites:
         self._by_key: dict[tuple, int] = {}
         self.replaying: list[TapSite] = []  # sites holding micro-steps for recomputation (`begin_step`)
         self._said_no_gradients = self._said_in_place = self._said_view_write = False
+        self._said_collective = False
         self._lost_checks = 3  # collected steps on which `begin_step` looks for lost gradients
         self._said_lost: set[str] = set()  # "input", "output": each said once
         # plain functions (dynamo's constant-result marker does not take bound methods)
@@ -161,6 +162,20 @@ class TapSites:
                 "a reshaped, flattened or sliced tensor): the actv_grad rows of tensors that share that "
                 "memory and were hooked before the write can miss part of their gradient; eager mode "
                 "writes them exactly"
+            )
+        return True
+
+    def say_collective(self, module_key: int) -> bool:
+        if not self._said_collective:
+            self._said_collective = True
+            hooked = self.probe._hooked.get(module_key)
+            logger.warning(
+                "trainermon: inside torch.compile'd code, module %s (and any other module in a compiled "
+                "frame that takes a grad-requiring AsyncCollectiveTensor, a tensor-parallel output with "
+                "use_local_output) gets no actv_grad row for its DTensor inputs and outputs: torch's "
+                "compiler fails on a gradient hook on a DTensor made from such a tensor; their actv rows and "
+                "other rows are written",
+                hooked.name if hooked is not None else module_key,
             )
         return True
 
