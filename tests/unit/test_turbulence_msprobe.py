@@ -130,7 +130,8 @@ def test_the_monitor_hands_its_ops_to_the_detector(tmp_path, monkeypatch):
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     alert = {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.0}}], "dump": True}
-    cfg = write_config(tmp_path / "c.json", targets={}, wg_distribution=True, ops=["norm", "max"], alert=alert)
+    ops = ["norm", "max"]
+    cfg = write_config(tmp_path / "c.json", targets={}, wg_distribution=True, ops=ops, alert=alert)
     monitor = TrainerMon(cfg)
     monitor.set_monitor(model, optimizer=opt)
     gen = torch.Generator().manual_seed(2)
