@@ -1,5 +1,5 @@
 """`module_ranks` with msprobe's meaning, the ranks to monitor: a rank not listed writes no per-rank rows
-(actv, actv_grad, grad_unreduced and its per-micro-batch rows) and still takes part in every collective
+(actv, actv_grad, grad_unreduced and its per-micro-batch rows, comm) and still takes part in every collective
 (the cross-rank summaries, the merges of the job's rows); the job's one-writer rows (grad_reduced) stay
 where they are (README `module_ranks`)."""
 
@@ -14,7 +14,7 @@ from torch import nn
 from tests.helpers import keyed, read_family, ref_stats, write_config
 
 OPS = ("norm", "mean", "min", "max")
-PER_RANK = ("actv", "actv_grad", "grad_unreduced")
+PER_RANK = ("actv", "actv_grad", "grad_unreduced", "comm")
 
 
 def _model() -> nn.Module:
@@ -43,6 +43,7 @@ def _run(tmp: str, rank: int, micro_batches: int) -> dict:
         module_ranks=[1],
         xrank_summary=True,
         ops=list(OPS),
+        cc_distribution={"enable": True},
     )
     model = DistributedDataParallel(_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -54,7 +55,7 @@ def _run(tmp: str, rank: int, micro_batches: int) -> dict:
         opt.step()
         opt.zero_grad()
     monitor.close()
-    families = (*PER_RANK, "grad_reduced", "xrank")
+    families = (*PER_RANK, "comm", "grad_reduced", "xrank")
     return {f: read_family(monitor.run_dir, f) for f in families}
 
 

@@ -55,6 +55,7 @@ class CommProbe(Probe):
         self._attached = False
         self._warned: set[str] = set()
         self._pending: Any = None  # a check table still on its way to the host (accelerators)
+        self._rows = True  # this rank writes comm rows (`module_ranks`; its checks run all the same)
 
     def _compute(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
         with self.loop._lock:
@@ -63,6 +64,7 @@ class CommProbe(Probe):
     # ==== lifecycle ==============================================================================
     def configure(self, config: MonitorConfig) -> None:
         cc = config.cc_distribution
+        self._rows = not config.module_ranks or self.loop.rank in config.module_ranks
         self._off()
         self.patches.forget_aliases()
         self.enabled = cc.enable
@@ -124,8 +126,9 @@ class CommProbe(Probe):
         try:
             rows, parts, entries = recorder.take()
             checks = entries if recorder.config.check else []
-            with self.loop._lock:
-                self.loop.collector.add_computed(rows, parts)
+            if self._rows:
+                with self.loop._lock:
+                    self.loop.collector.add_computed(rows, parts)
         except Exception as exc:  # noqa: BLE001 - the check below must still run: other ranks wait in it
             self.loop.faults.record("comm rows", exc, "this step's comm rows are dropped")
         finally:
