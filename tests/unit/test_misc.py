@@ -29,12 +29,15 @@ def test_print_struct_writes_structure_then_stops(tmp_path, out_dir):
         opt.step()
     path = tmp_path / "out" / "module_struct" / "rank0" / "module_struct.json"
     struct = json.loads(path.read_text())
-    assert struct["0"] == {
+    # msprobe's layout (tests/unit/test_struct_stack_msprobe.py compares it with msprobe's own file)
+    assert struct["0:0"] == {
+        "input": {"config": "list[1]", "0": "size=(2, 3), dtype=torch.float32"},
+        "output": {"config": "tensor", "tensor": "size=(2, 5), dtype=torch.float32"},
+        "input_grad": {"config": "tuple[1]", "0": "<class 'NoneType'>"},
+        "output_grad": {"config": "tuple[1]", "0": "size=(2, 5), dtype=torch.float32"},
         "class": "Linear",
-        "input": [{"shape": [2, 3], "dtype": "torch.float32"}],
-        "output": [{"shape": [2, 5], "dtype": "torch.float32"}],
     }
-    assert set(struct) == {"0", "1"}
+    assert list(struct) == ["0:0", "0:1", "0:"]
 
 
 def test_stack_info_written_once_per_module(tmp_path, out_dir):
@@ -51,8 +54,8 @@ def test_stack_info_written_once_per_module(tmp_path, out_dir):
 
     with open(os.path.join(monitor.run_dir, "stack_info.csv"), newline="") as fh:
         rows = list(csv.DictReader(fh))
-    assert [r["name"] for r in rows] == ["0"]
-    assert "test_stack_info_written_once_per_module" in rows[0]["stack"]
+    assert [r["module_name"] for r in rows] == ["0:0", "0:"]  # every module, the root too, as msprobe
+    assert "test_stack_info_written_once_per_module" in rows[0]["stack_info"]
 
 
 def test_names():

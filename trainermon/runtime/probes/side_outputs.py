@@ -1,45 +1,129 @@
-"""Outputs besides the statistics: `stack_info` (each module's call stack, once, to stack_info.csv) and
-`print_struct` (the module structure after the first step, then the run stops, as msprobe does). Both use
-forward hooks of their own, installed only when the key is on."""
+"""Outputs besides the statistics, in msprobe's layouts: `stack_info` (each module's call stack, once, to
+stack_info.csv) and `print_struct` (the module structure with its gradients after the first step, then the
+run stops, as msprobe does). Both use hooks of their own on every module, installed only when the key is on;
+the stack hooks are removed once the file is written."""
 
 from __future__ import annotations
 
 import csv
 import json
+import linecache
 import logging
 import os
-import traceback
+import sys
 from typing import Any
 
 import torch
+from torch.utils.hooks import BackwardHook
 
+import trainermon
 from trainermon.config import MonitorConfig
 from trainermon.copies import CopySafe
+from trainermon.names import squash_name
 
 from ..plan import StepPlan
-from ..selection import select_modules
+from ..selection import named_modules
 from .base import Probe
 from .module_hooks import in_backward
-from .slots import activations_in
 
 logger = logging.getLogger("trainermon")
+
+#: trainermon's own frames (the hook, its wrappers) head the stack of a hook call: not the user's stack
+_OWN_DIR = os.path.dirname(os.path.abspath(trainermon.__file__)) + os.sep
+_NO_STACK = "The call stack retrieval failed."  # msprobe's text when there is no frame to show
 
 
 class PrintStructDone(SystemExit):
     """Raised after the first step when `print_struct` is on: the structure is written, the run stops."""
 
 
-def _shapes(tensors: list[torch.Tensor]) -> list[dict[str, Any]]:
-    return [{"shape": list(t.shape), "dtype": str(t.dtype)} for t in tensors]
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"size={tuple(value.shape)}, dtype={value.dtype}"
+    return str(type(value))
+
+
+def param_struct(value: Any) -> dict[str, str]:
+    """msprobe's description of a module's inputs, outputs or gradients: `config` (`tensor`, `tuple[2]`, or
+    the type of anything else) and, for a tuple/list, one entry per element (`"0"`: `size=(2, 3), dtype=...`;
+    a non-tensor element, nested containers included, as its type)."""
+    if isinstance(value, (tuple, list)):
+        out = {"config": f"{type(value).__name__}[{len(value)}]"}
+        out.update({str(i): _describe(x) for i, x in enumerate(value)})
+        return out
+    if isinstance(value, torch.Tensor):
+        return {"config": "tensor", "tensor": _describe(value)}
+    return {"config": str(type(value))}
+
+
+def call_stack() -> str:
+    """The caller's stack as msprobe writes it: innermost frame first, `File P, line N, in F, \\n CODE \\n`
+    each, frames without source left out, trainermon's own leading frames dropped. Reads one source line
+    per frame (linecache): meant to run once per module."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_OWN_DIR):
+        frame = frame.f_back
+    parts = []
+    while frame is not None:
+        code, line = frame.f_code, frame.f_lineno
+        text = linecache.getline(code.co_filename, line) if line else ""
+        if text:
+            parts.append(f"File {code.co_filename}, line {line}, in {code.co_name}, \n {text.strip()} \n")
+        frame = frame.f_back
+    return "".join(parts) or _NO_STACK
+
+
+def module_names(adapter: Any, squash: bool) -> list[tuple[str, torch.nn.Module]]:
+    """(`{vpp_stage}:{name}`, module) of every module msprobe names, each chunk's root (`0:`) included."""
+    out, seen = [], set()
+    for vpp_stage, root in enumerate(adapter.roots()):
+        if not adapter.is_wrapper_module(root):
+            seen.add(id(root))
+            out.append((f"{vpp_stage}:", root))
+    for vpp_stage, names, module in named_modules(adapter):
+        if id(module) in seen or type(module).__name__ == "FullyShardedDataParallel":
+            continue
+        seen.add(id(module))
+        out.append((f"{vpp_stage}:{squash_name(names[0]) if squash else names[0]}", module))
+    return out
+
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return tuple(_clone(v) for v in value)
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _cloning(setup: Any) -> Any:
+    def setup_and_clone(*args: Any, **kwargs: Any) -> Any:
+        return _clone(setup(*args, **kwargs))  # with autograd on: the gradients pass through the clone
+
+    setup_and_clone.trainermon_original = setup  # type: ignore[attr-defined]
+    return setup_and_clone
+
+
+def clone_backward_hook_tensors(on: bool) -> None:
+    """A full backward hook hands on its module's inputs and outputs as views of a custom Function, which an
+    in-place op after it (`nn.ReLU(inplace=True)`, `h += x`) may not modify: as msprobe does, they are cloned
+    while print_struct's hooks are on (one step: the run stops after it), and `on=False` puts torch's back."""
+    for attr in ("setup_input_hook", "setup_output_hook"):
+        current = getattr(BackwardHook, attr)
+        original = getattr(current, "trainermon_original", None)
+        if on and original is None:
+            setattr(BackwardHook, attr, _cloning(current))
+        elif not on and original is not None:
+            setattr(BackwardHook, attr, original)
 
 
 class SideOutputsProbe(Probe):
     def __init__(self, loop: Any) -> None:
         super().__init__(loop)
         self._handles: list[Any] = []
-        self.struct: dict[str, dict] = {}
+        self._stack_handles: list[Any] = []
+        self.struct: dict[str, dict] = {}  # msprobe's key order: forward (input, output), then the gradients
+        self._classes: dict[str, str] = {}
         self._stacks: dict[str, str] = {}  # recorded, not yet written
-        self._written: set[str] = set()
+        self._stacks_done = False  # written once (msprobe writes the file once, then unhooks)
 
     def configure(self, config: MonitorConfig) -> None:
         self.close()
@@ -47,26 +131,61 @@ class SideOutputsProbe(Probe):
             return
         if config.module_ranks and self.loop.rank not in config.module_ranks:
             return
-        every = config.print_struct or config.all_xy or not config.targets
-        for _vpp, name, module in select_modules(self.loop.adapter, config, every=every):
-            self._handles.append(module.register_forward_hook(CopySafe(self._hook(name))))
+        stacks = config.stack_info and not self._stacks_done
+        for name, module in module_names(self.loop.adapter, config.squash_name):
+            if config.print_struct:
+                self._handles.append(
+                    module.register_forward_hook(CopySafe(self._struct_hook(name)), with_kwargs=True)
+                )
+                # msprobe leaves out modules with old-style backward hooks (torch refuses both kinds)
+                if not (module._backward_hooks and module._is_full_backward_hook is False):
+                    self._handles.append(module.register_full_backward_hook(CopySafe(self._grad_hook(name))))
+            if stacks:
+                self._stack_handles.append(
+                    module.register_forward_hook(CopySafe(self._stack_hook(name)), with_kwargs=True)
+                )
+        if config.print_struct and self._handles:
+            clone_backward_hook_tensors(True)
 
-    def _hook(self, name: str):
+    def _struct_hook(self, name: str):
         loop = self.loop
 
-        def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             try:
-                if in_backward() or not loop.plan.collecting:
+                if name in self.struct or not module.training or in_backward() or not loop.plan.collecting:
                     return
-                config = loop.config
-                if config.print_struct and name not in self.struct:
-                    self.struct[name] = {
-                        "class": type(module).__name__,
-                        "input": _shapes(activations_in(args)),
-                        "output": _shapes(activations_in(output)),
-                    }
-                if config.stack_info and name not in self._stacks and name not in self._written:
-                    self._stacks[name] = "".join(traceback.format_stack(limit=32)[:-2])
+                inputs = [a for a in args if isinstance(a, torch.Tensor)]
+                inputs += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+                self.struct[name] = {"input": param_struct(inputs), "output": param_struct(output)}
+                self._classes[name] = type(module).__name__
+            except Exception as exc:  # noqa: BLE001
+                loop.faults.record("forward hook", exc)
+
+        return hook
+
+    def _grad_hook(self, name: str):
+        loop = self.loop
+
+        def hook(module: torch.nn.Module, grad_input: tuple, grad_output: tuple) -> None:
+            try:
+                entry = self.struct.setdefault(name, {})
+                if "input_grad" in entry or not loop.plan.collecting:
+                    return
+                entry["input_grad"] = param_struct(grad_input)
+                entry["output_grad"] = param_struct(grad_output)
+                self._classes.setdefault(name, type(module).__name__)
+            except Exception as exc:  # noqa: BLE001
+                loop.faults.record("backward hook", exc)
+
+        return hook
+
+    def _stack_hook(self, name: str):
+        loop = self.loop
+
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            try:
+                if name not in self._stacks and loop.plan.collecting:
+                    self._stacks[name] = call_stack()
             except Exception as exc:  # noqa: BLE001
                 loop.faults.record("forward hook", exc)
 
@@ -74,40 +193,49 @@ class SideOutputsProbe(Probe):
 
     def end(self, plan: StepPlan) -> None:
         config = self.loop.config
-        if self._stacks and config.stack_info:
+        if self._stacks and config.stack_info and not self._stacks_done:
             self._write_stacks()
         if config.print_struct:
             self._write_struct_and_stop()
 
     def close(self) -> None:
-        for handle in self._handles:
+        if self._handles:
+            clone_backward_hook_tensors(False)
+        for handle in self._handles + self._stack_handles:
             handle.remove()
         self._handles.clear()
+        self._stack_handles.clear()
 
     def _write_stacks(self) -> None:
+        """msprobe's stack_info.csv: header `module_name,stack_info`, one row per module run by the first
+        collected step, written once (an existing file is kept); the stack hooks go then."""
         try:
             run_dir = self.loop.outputs.run_dir
             os.makedirs(run_dir, exist_ok=True)
             path = os.path.join(run_dir, "stack_info.csv")
-            new = not os.path.exists(path)
-            with open(path, "a", encoding="utf-8", newline="") as fh:
-                writer = csv.writer(fh)
-                if new:
-                    writer.writerow(["name", "stack"])
-                for name, stack in self._stacks.items():
-                    writer.writerow([name, stack])
-            self._written.update(self._stacks)
-            self._stacks = {}
+            if not os.path.exists(path):
+                with open(path, "w", encoding="utf-8", newline="") as fh:
+                    writer = csv.writer(fh, lineterminator="\n")  # pandas' line ends, as msprobe's file
+                    writer.writerow(["module_name", "stack_info"])
+                    writer.writerows(self._stacks.items())
         except Exception as exc:  # noqa: BLE001
             self.loop.faults.record("stack_info", exc)
+        self._stacks = {}
+        self._stacks_done = True
+        for handle in self._stack_handles:
+            handle.remove()
+        self._stack_handles.clear()
 
     def _write_struct_and_stop(self) -> None:
         loop = self.loop
         out_dir = os.path.join(loop.outputs.root, "module_struct", f"rank{loop.rank}")
         os.makedirs(out_dir, exist_ok=True)
         path = os.path.join(out_dir, "module_struct.json")
+        # `class` is trainermon's extra key, last: msprobe's own keys keep their places
+        classes = self._classes
+        struct = {name: {**entry, "class": classes.get(name, "")} for name, entry in self.struct.items()}
         with open(path, "w", encoding="utf-8") as fh:
-            json.dump(self.struct, fh, indent=2)
+            json.dump(struct, fh, indent=2)
         loop.close()
         message = f"trainermon: print_struct is on: module structure written to {path}; stopping the run"
         logger.warning(message)
