@@ -69,6 +69,8 @@ def unwrap(module: torch.nn.Module, extra: tuple[type, ...] = ()) -> torch.nn.Mo
 
 
 def is_wrapper(module: torch.nn.Module, extra: tuple[type, ...] = ()) -> bool:
+    if isinstance(module, torch.jit.ScriptModule):  # a scripted submodule of an eager model: no wrapper
+        return False
     return unwrap(module, extra) is not module
 
 

@@ -110,6 +110,12 @@ class TorchAdapter(Adapter):
         # pipeline stages hold different parameters: the global norm sums every stage's rows
         return self._tensor_parallel or (self._stages is not None and self._stages.splits())
 
+    @property
+    def grads_alike_on_every_rank(self) -> bool:
+        """Every rank holds the same gradients after backward (DDP all-reduced them, and no rank holds
+        another part of the model): a decision taken from them is the same on every rank."""
+        return bool(self._ddps) and not self.splits_model
+
     def is_wrapper_module(self, module: torch.nn.Module) -> bool:
         return is_wrapper(module)
 

@@ -97,3 +97,24 @@ def test_a_probe_that_cannot_attach_is_one_fault(tmp_path, monkeypatch):
         if r["name"] == "2.weight"
     }
     assert rows == pytest.approx(dict(enumerate(ref)), rel=1e-6)
+
+
+def test_an_eager_model_with_a_scripted_submodule_is_monitored(tmp_path, monkeypatch):
+    """Only a scripted model handed to set_monitor is refused: a scripted submodule of an eager model is
+    no wrapper (the wrapper check once unwrapped it, and raised), and the rest is monitored."""
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), torch.jit.script(nn.Sequential(nn.Tanh())), nn.Linear(3, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = write_config(tmp_path / "cfg.json", wg_distribution=True, xy_distribution=True, ops=["norm"])
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(model, optimizer=opt)
+    model(torch.randn(2, 4, generator=torch.Generator().manual_seed(1))).pow(2).mean().backward()
+    want = {n: p.grad.double().norm().item() for n, p in model.named_parameters()}
+    opt.step()
+    monitor.close()
+    rows = {r["name"]: float(r["norm"]) for r in read_family(monitor.run_dir, "grad_reduced")}
+    assert set(rows) == set(want), rows
+    for name, norm in want.items():
+        assert rows[name] == pytest.approx(norm, rel=1e-6), name
+    assert read_family(monitor.run_dir, "actv"), "activations of the eager modules"

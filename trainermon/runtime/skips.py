@@ -18,9 +18,10 @@ A `zero_grad()` after a backward with no step is not always a skipped step: a GA
 backpropagated through the monitored discriminator and cleared, FGSM adversarial training clears the
 attack's gradient, SAM's `first_step` clears the first gradient (inside `step()` for its closure form).
 So the probe closes a skipped step only on evidence: a loss scaler's (below), or a non-finite gradient
-among the optimizer's (a loop skipping its own step on NaN: `own_skip`), read then and only then (one
-norm per gradient and one host read per device, at such a `zero_grad()` only: a loop that steps never
-pays it). Otherwise those gradients were part of no step: nothing is closed, and that backward's
+of the optimizer's first or last parameter (a loop skipping its own step on NaN: `own_skip`), read then
+and only then (two norms and one host read, a device sync on an accelerator, at such a `zero_grad()`:
+a loop whose every backward has its step never pays it; a GAN's or FGSM's pays it each iteration).
+Otherwise those gradients were part of no step: nothing is closed, and that backward's
 `actv_grad` and per-micro-batch `grad_unreduced` rows stay among the next step's micro-steps. A
 `zero_grad()` inside this optimizer's `step()` (a closure's, LBFGS; SAM's `first_step`) is part of the
 step. A `step()` that began (a global step pre-hook saw it) but whose post-hooks never came (it, or a hook
@@ -86,6 +87,7 @@ class SkippedStepProbe(Probe):
         self.updated = False  # ... and its update returned (before its post-hooks)
         self.proxy: Any = None  # an optimizer sharing its param_groups, stepping them now (see _began)
         self.lazy: list[Any] = []  # parameters to hook once materialized (nn.LazyLinear)
+        self.watched: list[Any] = []  # ... and those hooked: the ones whose gradients `_nonfinite` reads
         self.hooks = Handles()
         self.scaled = False  # a loss scaler's step() was called on the optimizer since the last boundary
         self.found_inf: list[Any] = []  # ... or its unscale_(): the scaler's found_inf tensors
@@ -136,6 +138,7 @@ class SkippedStepProbe(Probe):
             ready = [p for p in self.lazy if not is_lazy(p)]
             self.lazy = [p for p in self.lazy if is_lazy(p)]
             self.hooks.items += [p.register_post_accumulate_grad_hook(self._backward) for p in ready]
+            self.watched += ready
         except Exception as exc:  # noqa: BLE001 - skips are then not seen; training goes on
             self.lazy = []
             self.loop.faults.record("skipped-step hooks", exc)
@@ -293,25 +296,29 @@ class SkippedStepProbe(Probe):
         return False
 
     def _alike_everywhere(self) -> bool:
-        """Every rank holds the same gradients (one process; DDP's, all-reduced), so a check of them
-        decides alike on every rank. Sharded ones (FSDP's) may differ by rank, and a decision that
-        differed would split the ranks' step counters (their collectives then mismatch): there the step
-        is closed without looking, as a skipped one."""
-        return self.loop.world_size == 1 or self.loop.adapter.name == "torch"
+        """Every rank holds the same gradients (one process; DDP's, all-reduced, the model not split), so
+        a check of them decides alike on every rank. Others (FSDP's shards, pipeline stages, tensor-
+        parallel pieces, ranks that do not reduce) may differ by rank, and a decision that differed would
+        split the ranks' step counters (their collectives then mismatch): there the step is closed without
+        looking, as a skipped one."""
+        adapter = self.loop.adapter
+        return self.loop.world_size == 1 or bool(getattr(adapter, "grads_alike_on_every_rank", False))
 
     def _nonfinite(self) -> bool:
-        """Any of the optimizer's gradients holds Inf/NaN: a norm each, one host read per device. A
-        DTensor's (tensor parallel: pieces by rank) in a job of several ranks counts as one, as above."""
+        """The gradient of the first or the last of the optimizer's parameters (those hooked: a NaN loss,
+        or a NaN reaching the first layer through backward, shows there) holds Inf/NaN: two norms and one
+        host read (a device sync on an accelerator), at each zero_grad() after a backward with no step
+        (a GAN's or FGSM's every iteration). A DTensor's (tensor-parallel pieces by rank) in a job of
+        several ranks counts as one, as above."""
         grads = []
-        for group in self.loop.adapter.optimizer.param_groups:
-            for p in group["params"]:
-                grad = None if is_lazy(p) else p.grad
-                if callable(getattr(grad, "to_local", None)):
-                    if self.loop.world_size > 1:
-                        return True
-                    grad = grad.to_local()
-                if grad is not None:
-                    grads.append(grad._values() if grad.is_sparse else grad)
+        for p in self.watched:
+            grad = None if is_lazy(p) else p.grad
+            if callable(getattr(grad, "to_local", None)):
+                if self.loop.world_size > 1:
+                    return True
+                grad = grad.to_local()
+            if grad is not None:
+                grads.append(grad._values() if grad.is_sparse else grad)
         by_device: dict[Any, list] = {}
         for grad in grads:
             by_device.setdefault(grad.device, []).append(grad)
