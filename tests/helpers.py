@@ -109,3 +109,23 @@ class LayeredNet(nn.Module):
         for layer in self.layers:
             x = torch.tanh(layer(x))
         return self.head(x)
+
+
+def compare_rows(
+    tag: str,
+    rows: dict,
+    want: dict,
+    problems: list[str],
+    ops: tuple[str, ...] = ("norm", "mean", "min", "max"),
+) -> None:
+    """CSV rows (key -> row) against reference tensors (key -> tensor): the same keys, and each of `ops`
+    within 1e-5 relative (+1e-9); each difference (the first op per key) is appended to `problems`."""
+    if set(rows) != set(want):
+        problems.append(f"{tag}: rows differ {sorted(set(rows) ^ set(want))[:4]}")
+    for key in sorted(set(rows) & set(want)):
+        ref = ref_stats(want[key])
+        for op in ops:
+            got, w = float(rows[key][op]), ref[op]
+            if abs(got - w) > 1e-5 * abs(w) + 1e-9:
+                problems.append(f"{tag} {key} {op}: got {got}, want {w}")
+                break

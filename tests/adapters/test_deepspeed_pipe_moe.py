@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.distributed import run_ranks
-from tests.helpers import keyed, read_family, ref_stats
+from tests.helpers import compare_rows, keyed, read_family
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None,
@@ -65,15 +65,7 @@ def _compare(tag: str, run_dir: str, family: str, expected: dict, writes: Any, p
     """The rows of `family` are exactly the expected ones whose name `writes` accepts, with their values."""
     rows = keyed(read_family(run_dir, family))
     want = {k[1:]: v for k, v in expected.items() if k[0] == family and writes(k[1])}
-    if set(rows) != set(want):
-        problems.append(f"{tag} {family}: rows differ {sorted(set(rows) ^ set(want))[:4]}")
-    for key in sorted(set(rows) & set(want)):
-        ref = ref_stats(want[key])
-        for op in OPS:
-            got, w = float(rows[key][op]), ref[op]
-            if abs(got - w) > 1e-5 * abs(w) + 1e-9:
-                problems.append(f"{tag} {family} {key} {op}: got {got}, want {w}")
-                break
+    compare_rows(f"{tag} {family}", rows, want, problems, OPS)
 
 
 def _norm_check(tag: str, step: int, batch: Any, ds_norm: Any, ref: float, problems: list[str]) -> None:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.distributed import run_ranks
-from tests.helpers import keyed, read_family, ref_stats
+from tests.helpers import compare_rows, keyed, read_family
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None,
@@ -49,15 +49,7 @@ def _head(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _compare(tag: str, rows: dict, want: dict, problems: list[str]) -> None:
-    if set(rows) != set(want):
-        problems.append(f"{tag}: rows differ {sorted(set(rows) ^ set(want))[:4]}")
-    for key in sorted(set(rows) & set(want)):
-        ref = ref_stats(want[key])
-        for op in OPS:
-            got, w = float(rows[key][op]), ref[op]
-            if abs(got - w) > 1e-5 * abs(w) + 1e-9:
-                problems.append(f"{tag} {key} {op}: got {got}, want {w}")
-                break
+    compare_rows(tag, rows, want, problems, OPS)
 
 
 def _case(rank: int, out_root: str, tag: str, stage: int, bf16: bool) -> list[str]:
