@@ -54,7 +54,7 @@ class _Call:
     group: str
     ranks: tuple[int, ...]
     site: str
-    micro: int
+    micro: int | PendingMicro
     outputs: list[torch.Tensor]
     check: CheckKey | None
     generation: int
@@ -76,6 +76,7 @@ class CommRecorder:
         self.on = False
         self.busy: Callable[[], bool] = lambda: False  # the monitor's own collectives are not watched
         self.micro: Callable[[], int] = lambda: 0
+        self.recv_micro: Callable[[], int | PendingMicro] = lambda: self.micro()  # a receive's micro-step
         self.generation = 0
         self._patterns: list[re.Pattern] = []
         self._matches: dict[str, bool] = {}
@@ -125,7 +126,7 @@ class CommRecorder:
         if self.config.cc_log_only:
             self.sites[(spec.name, group, site)] += 1
             return None
-        micro = self.micro()
+        micro = self.recv_micro() if spec.name in _RECV else self.micro()
         if spec.count_only:
             self._add((spec.name, group, site, "calls", micro), None)
             return None
@@ -168,6 +169,7 @@ class CommRecorder:
             return []
         calls: list[_Call | None] = []
         micro = self.micro()
+        recv_micro: int | PendingMicro | None = None  # asked once: the batch's receives share it
         for op in ops:
             name = "isend" if getattr(op.op, "__name__", "") == "isend" else "irecv"
             group, ranks = describe(op.group)
@@ -180,8 +182,10 @@ class CommRecorder:
                     self._add((f"batch_{name}", group, site, "input", micro), stats)
                 calls.append(None)
             else:
+                if recv_micro is None:
+                    recv_micro = self.recv_micro()
                 spec = _BATCH_RECV
-                calls.append(_Call(spec, group, ranks, site, micro, [op.tensor], None, self.generation))
+                calls.append(_Call(spec, group, ranks, site, recv_micro, [op.tensor], None, self.generation))
         return calls
 
     def after_batch(self, calls: list[_Call | None], works: Any) -> None:
@@ -313,12 +317,42 @@ class CommRecorder:
             sums, checks = self.sums, list(self.check_entries.items())
             self.sums, self.check_entries = {}, {}
             self.generation += 1
+        if any(type(key[4]) is PendingMicro for key in sums):
+            sums = _settle_micro(sums)
         metas, parts = [], []
         for (op, group, site, io, micro), s in sums.items():
             name = f"{op}/{group}/{io}@{short(site)}"
             metas.append(RowMeta(FAMILY, 0, name, micro, s.shape, s.dtype, s.numel, "", s.calls, s.nbytes))
             parts.append(s.row)
         return metas, parts, checks
+
+
+class PendingMicro:
+    """The micro-step of a receive made between passes, set when the next pass starts (a pipeline stage
+    receives a micro-batch's input or gradient before the pass that uses it); `value` until then: the
+    micro-step of the pass that ran last. Hashed by identity: a key of the sums until `take`."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def _settle_micro(sums: dict[tuple, _Sum]) -> dict[tuple, _Sum]:
+    """The sums with every pending micro-step replaced by its value, sums of one key merged."""
+    out: dict[tuple, _Sum] = {}
+    for key, s in sums.items():
+        if type(key[4]) is PendingMicro:
+            key = (*key[:4], key[4].value)
+        old = out.get(key)
+        if old is None:
+            out[key] = s
+            continue
+        _merge_into(old.row, s.row)
+        old.calls += s.calls
+        old.numel += s.numel
+        old.nbytes += s.nbytes
+    return out
 
 
 def _coalescing() -> bool:
@@ -336,4 +370,5 @@ def _merge_into(row: torch.Tensor, other: torch.Tensor) -> None:
     torch.maximum(row[:, MAX], other[:, MAX], out=row[:, MAX])
 
 
+_RECV = ("recv", "irecv")
 _BATCH_RECV = OpSpec("batch_irecv", "dist", "batch_isend_irecv", "batch_isend_irecv", list, list, list)

@@ -25,7 +25,7 @@ import torch
 from trainermon.comm.checks import MAX_CHECKS, Violation, evaluate, pack
 from trainermon.comm.ddp_slot import share_slot
 from trainermon.comm.patch import Patches
-from trainermon.comm.recorder import CommRecorder
+from trainermon.comm.recorder import CommRecorder, PendingMicro
 from trainermon.comm.sites import short
 from trainermon.comm.spec import BATCH_P2P, all_specs
 from trainermon.config import MonitorConfig
@@ -33,6 +33,7 @@ from trainermon.copies import CopySafe
 
 from ..plan import StepPlan
 from .base import Probe
+from .module_hooks import in_backward
 
 logger = logging.getLogger("trainermon")
 
@@ -42,7 +43,8 @@ class CommProbe(Probe):
         super().__init__(loop)
         self.recorder = CommRecorder(self._compute, loop.faults.record, loop.rank, loop._lock)
         self.recorder.busy = lambda: loop.clock.busy  # the monitor's own collectives
-        self.recorder.micro = lambda: max(self._forwards - 1, 0)
+        self.recorder.micro = self._micro
+        self.recorder.recv_micro = self._recv_micro
         self.patches = Patches()
         self.enabled = False
         self.specs: list = []
@@ -50,6 +52,9 @@ class CommProbe(Probe):
         self.violations: list[tuple[int, Violation]] = []  # (step, violation), for tools and tests
         self.unchecked = 0
         self._forwards = 0
+        self._in_forward = self._pipeline = False
+        self._backward: int | None = None  # the micro-step of the backward that ran last, if it is newer
+        self._waiting: list[PendingMicro] = []  # receives made between passes: labelled by the next pass
         self._forward_handles: list[Any] = []
         self._ddp_done: set[int] = set()
         self._attached = False
@@ -99,16 +104,59 @@ class CommProbe(Probe):
             )
             return
         self.recorder.reset()
-        self._forwards = 0
+        self._forwards, self._in_forward, self._backward = 0, False, None
+        self._waiting.clear()
         if not self.patches.installed:
+            self._pipeline = _pipeline_stages(self.loop.adapter) > 1
             self.patches.install(self.specs, self.batch, self.recorder)
             for root in self.loop.adapter.roots()[:1]:
                 hook = root.register_forward_pre_hook(CopySafe(self._count), prepend=True)
                 self._forward_handles.append(hook)
+                if self._pipeline:  # elsewhere backward k follows forward k: the forward count says it
+                    self._forward_handles.append(root.register_forward_hook(CopySafe(self._forward_done)))
         self.recorder.on = True
 
+    # ==== micro_step ================================================================================
+    # A pipeline schedule interleaves passes (1F1B: backward k after forward k+pp-s-1) and moves data
+    # between them: a collective belongs to the pass it is made in (a backward's all-reduces) or the one
+    # that just ran (an output or gradient sent after it); under a pipeline schedule, a receive made between
+    # passes belongs to the next pass, whichever kind it is (the next forward's input, the next backward's
+    # gradient). Without one, every call takes the latest forward (backward k follows forward k), and no
+    # hook beyond the forward pre-hook is installed.
     def _count(self, module: Any, args: Any) -> None:
         self._forwards += 1
+        self._in_forward, self._backward = True, None
+        self._label_waiting(self._forwards - 1)
+
+    def _forward_done(self, module: Any, args: Any, output: Any) -> None:
+        self._in_forward = False
+        if torch.compiler.is_compiling():  # a traced root: no node to hook (reading grad_fn breaks the graph)
+            return
+        node = _grad_node(output)
+        if node is not None:  # its pre-hook runs first in this forward's backward: that backward's start
+            node.register_prehook(_BackwardStart(self, self._forwards - 1))
+
+    def _backward_start(self, micro: int) -> None:
+        self._backward = micro
+        self._label_waiting(micro)
+
+    def _label_waiting(self, micro: int) -> None:
+        if self._waiting:
+            for pending in self._waiting:
+                pending.value = micro
+            self._waiting.clear()
+
+    def _micro(self) -> int:
+        """The micro-step of the pass running or that ran last: two attribute reads per collective."""
+        return self._backward if self._backward is not None else max(self._forwards - 1, 0)
+
+    def _recv_micro(self) -> int | PendingMicro:
+        """A receive between passes: a label the next pass sets (one small object per such receive)."""
+        if not self._pipeline or self._in_forward or in_backward():
+            return self._micro()
+        pending = PendingMicro(self._micro())  # kept if no pass follows in the step
+        self._waiting.append(pending)
+        return pending
 
     def post_optim(self, plan: StepPlan) -> None:
         if not self.recorder.on:
@@ -270,3 +318,37 @@ class CommProbe(Probe):
         if what not in self._warned:
             self._warned.add(what)
             logger.warning(message, *args)
+
+
+class _BackwardStart:
+    """The pre-hook of a forward's output node: its backward has started (one per forward, collected
+    steps only; slots, no closure cells, as `GradRows`)."""
+
+    __slots__ = ("probe", "micro")
+
+    def __init__(self, probe: CommProbe, micro: int) -> None:
+        self.probe, self.micro = probe, micro
+
+    def __call__(self, grad_outputs: tuple) -> None:
+        self.probe._backward_start(self.micro)
+
+
+def _grad_node(output: Any) -> Any:
+    """The autograd node of the forward's first output tensor that has one (None: no backward will run)."""
+    if isinstance(output, torch.Tensor):
+        return output.grad_fn
+    if isinstance(output, (tuple, list)):
+        for item in output:
+            if isinstance(item, torch.Tensor) and item.grad_fn is not None:
+                return item.grad_fn
+    if isinstance(output, dict):
+        return _grad_node(list(output.values()))
+    return None
+
+
+def _pipeline_stages(adapter: Any) -> int:
+    """The pipeline's stage count as the adapter knows it (1: none, or not known)."""
+    try:
+        return int(adapter.coordinates().get("pp", (0, 1))[1])
+    except Exception:  # noqa: BLE001 - a layout read wrongly costs the receives' labels only
+        return 1
