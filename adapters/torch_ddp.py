@@ -146,6 +146,8 @@ class TorchAdapter(Adapter):
         slots: list[tuple[dict, str, Any]] = []
         for root in self._roots:
             for module in root.modules():
+                if isinstance(module, torch.jit.ScriptModule):  # its slots are fixed (and hold no `get`)
+                    continue
                 slots.extend((module._modules, k, c) for k, c in module._modules.items())
                 slots.extend((module._parameters, k, q) for k, q in module._parameters.items())
         return slots

@@ -118,3 +118,4 @@ def test_an_eager_model_with_a_scripted_submodule_is_monitored(tmp_path, monkeyp
     for name, norm in want.items():
         assert rows[name] == pytest.approx(norm, rel=1e-6), name
     assert read_family(monitor.run_dir, "actv"), "activations of the eager modules"
+    assert monitor.faults.total == 0, dict(monitor.faults.counts)

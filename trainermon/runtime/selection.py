@@ -166,13 +166,16 @@ def select_params(adapter, config: MonitorConfig) -> ParamSelection:
 
 
 def named_modules(adapter) -> list[tuple[int, list[str], torch.nn.Module]]:
-    """(vpp_stage, [output name, other names...], module) of every module that is not a wrapper, in
-    model order; each name in both its single-process and its chunk-local form."""
+    """(vpp_stage, [output name, other names...], module) of every module that is not a wrapper (nor
+    scripted: torch.jit modules take no Python hooks), in model order; each name in both its
+    single-process and its chunk-local form."""
     out = []
     seen: dict[int, list[str]] = {}
     for vpp_stage, root in enumerate(adapter.roots()):
         for name, module in root.named_modules(remove_duplicate=False):
             if not name or adapter.is_wrapper_module(module):
+                continue
+            if isinstance(module, torch.jit.ScriptModule):  # a scripted part takes no Python hooks
                 continue
             local = clean_name(name)
             forms = [adapter.global_name(vpp_stage, local), local]

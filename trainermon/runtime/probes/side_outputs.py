@@ -124,6 +124,7 @@ class SideOutputsProbe(Probe):
         self._classes: dict[str, str] = {}
         self._stacks: dict[str, str] = {}  # recorded, not yet written
         self._stacks_done = False  # written once (msprobe writes the file once, then unhooks)
+        self._flagged: list[torch.nn.Module] = []  # modules our full backward hook marked as such
 
     def configure(self, config: MonitorConfig) -> None:
         self.close()
@@ -133,19 +134,28 @@ class SideOutputsProbe(Probe):
             return
         stacks = config.stack_info and not self._stacks_done
         for name, module in module_names(self.loop.adapter, config.squash_name):
-            if config.print_struct:
-                self._handles.append(
-                    module.register_forward_hook(CopySafe(self._struct_hook(name)), with_kwargs=True)
-                )
-                # msprobe leaves out modules with old-style backward hooks (torch refuses both kinds)
-                if not (module._backward_hooks and module._is_full_backward_hook is False):
-                    self._handles.append(module.register_full_backward_hook(CopySafe(self._grad_hook(name))))
-            if stacks:
-                self._stack_handles.append(
-                    module.register_forward_hook(CopySafe(self._stack_hook(name)), with_kwargs=True)
-                )
+            try:  # a module that refuses a hook loses its entry, never the set-up
+                self._hook(name, module, config.print_struct, stacks)
+            except Exception as exc:  # noqa: BLE001
+                self.loop.faults.record(f"print_struct/stack_info hooks of {name}", exc)
         if config.print_struct and self._handles:
             clone_backward_hook_tensors(True)
+
+    def _hook(self, name: str, module: torch.nn.Module, struct: bool, stacks: bool) -> None:
+        if struct:
+            self._handles.append(
+                module.register_forward_hook(CopySafe(self._struct_hook(name)), with_kwargs=True)
+            )
+            # msprobe leaves out modules with old-style backward hooks: torch refuses both kinds on a module
+            # that ever had one (the flag outlives the hook)
+            if module._is_full_backward_hook is not False:
+                if module._is_full_backward_hook is None:
+                    self._flagged.append(module)  # put back at close(): the user's old-style hooks work again
+                self._handles.append(module.register_full_backward_hook(CopySafe(self._grad_hook(name))))
+        if stacks:
+            self._stack_handles.append(
+                module.register_forward_hook(CopySafe(self._stack_hook(name)), with_kwargs=True)
+            )
 
     def _struct_hook(self, name: str):
         loop = self.loop
@@ -168,8 +178,10 @@ class SideOutputsProbe(Probe):
 
         def hook(module: torch.nn.Module, grad_input: tuple, grad_output: tuple) -> None:
             try:
+                if not loop.plan.collecting:  # before the entry: the collected step's forward fills it
+                    return
                 entry = self.struct.setdefault(name, {})
-                if "input_grad" in entry or not loop.plan.collecting:
+                if "input_grad" in entry:
                     return
                 entry["input_grad"] = param_struct(grad_input)
                 entry["output_grad"] = param_struct(grad_output)
@@ -203,6 +215,10 @@ class SideOutputsProbe(Probe):
             clone_backward_hook_tensors(False)
         for handle in self._handles + self._stack_handles:
             handle.remove()
+        for module in self._flagged:
+            if not module._backward_hooks:
+                module._is_full_backward_hook = None
+        self._flagged.clear()
         self._handles.clear()
         self._stack_handles.clear()
 
