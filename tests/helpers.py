@@ -129,3 +129,19 @@ def compare_rows(
             if abs(got - w) > 1e-5 * abs(w) + 1e-9:
                 problems.append(f"{tag} {key} {op}: got {got}, want {w}")
                 break
+
+
+def spy_reduced_grads(engine: Any, names: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A DeepSpeed engine's full reduced gradients (float64 copies, by name), refreshed at each update
+    just before it is applied (`engine._take_model_step` wrapped on the instance)."""
+    from deepspeed.utils import safe_get_full_grad
+
+    reduced: dict[str, torch.Tensor] = {}
+    take_step = engine._take_model_step
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        reduced.update({n: safe_get_full_grad(p).detach().double().clone() for n, p in names.items()})
+        return take_step(*args, **kwargs)
+
+    object.__setattr__(engine, "_take_model_step", spy)
+    return reduced

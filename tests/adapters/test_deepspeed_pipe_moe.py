@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.distributed import run_ranks
-from tests.helpers import compare_rows, keyed, read_family
+from tests.helpers import compare_rows, keyed, read_family, spy_reduced_grads
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None,
@@ -81,7 +81,6 @@ def _norm_check(tag: str, step: int, batch: Any, ds_norm: Any, ref: float, probl
 def _pipe_case(rank: int, world: int, out_root: str, tag: str, stages: int, bf16: bool, mbs: bool) -> list:
     import deepspeed
     from deepspeed.pipe import PipelineModule
-    from deepspeed.utils import safe_get_full_grad
 
     from trainermon import TrainerMon
 
@@ -99,14 +98,7 @@ def _pipe_case(rank: int, world: int, out_root: str, tag: str, stages: int, bf16
     assert type(engine.optimizer).__name__ == ("BF16_Optimizer" if bf16 else "DeepSpeedZeroOptimizer")
     writer = engine.grid.get_data_parallel_rank() == 0
     names = dict(engine.module.named_parameters())
-    reduced: dict[str, torch.Tensor] = {}
-    take_step = engine._take_model_step
-
-    def spy(*args: Any, **kwargs: Any) -> Any:  # the reduced gradients, before the update
-        reduced.update({n: safe_get_full_grad(p).detach().double().clone() for n, p in names.items()})
-        return take_step(*args, **kwargs)
-
-    object.__setattr__(engine, "_take_model_step", spy)
+    reduced = spy_reduced_grads(engine, names)
     monitor = TrainerMon(cfg)
     monitor.set_monitor(engine, optimizer=engine.optimizer)
     micro: dict[str, list[torch.Tensor]] = {n: [] for n in names}

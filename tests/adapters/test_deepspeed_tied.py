@@ -25,7 +25,6 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -33,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.distributed import run_ranks
-from tests.helpers import compare_rows, keyed, read_family
+from tests.helpers import compare_rows, keyed, read_family, spy_reduced_grads
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None,
@@ -55,7 +54,6 @@ def _compare(tag: str, rows: dict, want: dict, problems: list[str]) -> None:
 def _case(rank: int, out_root: str, tag: str, stage: int, bf16: bool) -> list[str]:
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
-    from deepspeed.utils import safe_get_full_grad
 
     from trainermon import TrainerMon
 
@@ -97,14 +95,7 @@ def _case(rank: int, out_root: str, tag: str, stage: int, bf16: bool) -> list[st
     counted = {n for n, p in names.items() if not getattr(p, "ds_pipe_replicated", False)}
     if stage_id == STAGES - 1 and counted & {"tied_modules.emb.weight", "tied_modules.emb.bias"}:
         return [f"{tag}: the last stage counts the tied layer"]
-    reduced: dict[str, torch.Tensor] = {}
-    take_step = engine._take_model_step
-
-    def spy(*args: Any, **kwargs: Any) -> Any:  # the reduced gradients, before the update
-        reduced.update({n: safe_get_full_grad(p).detach().double().clone() for n, p in names.items()})
-        return take_step(*args, **kwargs)
-
-    object.__setattr__(engine, "_take_model_step", spy)
+    reduced = spy_reduced_grads(engine, names)
     warnings: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
