@@ -38,13 +38,21 @@ from typing import Any
 import torch
 
 from trainermon.collect.key_union import digest_of
+from trainermon.comm.pipe_passes import PIPE
 from trainermon.names import clean_name
 from trainermon.runtime.side_passes import replay, side_pass
 
 logger = logging.getLogger("trainermon")
 
-#: PipelineStage's methods that run the stage's module for its own needs, by torch version
-_METADATA_PASSES = ("_shape_inference", "_forward_metadata_inference", "_backward_metadata_inference")
+#: PipelineStage's methods that run the stage's module, or exchange p2p messages, for its own needs (no
+#: micro-batch's data), by torch version (2.13's warm-up vote on static or dynamic shapes)
+_METADATA_PASSES = (
+    "_shape_inference",
+    "_forward_metadata_inference",
+    "_backward_metadata_inference",
+    "_warmup_forward_vote",
+    "_warmup_backward_result",
+)
 
 
 def in_use() -> bool:
@@ -80,8 +88,9 @@ def on_stage_reduce(kind: str, module: torch.nn.Module, callback: Callable[[], N
 def watch_stages() -> None:
     """Wrap PipelineStage's shape/metadata inference in `side_pass`, a zero-bubble weight pass in `replay`,
     its reduce points to call the `on_stage_reduce` listeners, and its constructor to say when a stage
-    that `stage_map` needed is built after it (`_say_late_stage`); once per process. Cost per step: a dict
-    lookup per backward of a stage."""
+    that `stage_map` needed is built after it (`_say_late_stage`), and its passes and p2p ops to say their
+    micro-batch (`trainermon.comm.pipe_passes`); once per process. Cost per step: a dict lookup and three
+    attribute stores per pass of a stage; on steps the comm probe collects, a dict store per p2p op."""
     stage = sys.modules.get("torch.distributed.pipelining.stage")
     if stage is None:
         return
@@ -148,8 +157,46 @@ def _after_init(method: Any) -> Any:
     return wrapped
 
 
+#: PipelineStage's methods that build a micro-batch's p2p ops, taking its index first
+_P2P_OPS = ("get_fwd_recv_ops", "get_bwd_recv_ops", "get_fwd_send_ops", "get_bwd_send_ops")
+
+
+def _forward_of(method: Any) -> Any:
+    def wrapped(self: Any, chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        PIPE.micro = chunk_id
+        return method(self, chunk_id, *args, **kwargs)
+
+    return wrapped
+
+
+def _backward_of(method: Any) -> Any:
+    def wrapped(self: Any, chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        # gradients computed inside are micro-batch `chunk_id`'s (LoopedBFS runs backwards in reverse)
+        PIPE.micro, outer, PIPE.backward = chunk_id, PIPE.backward, chunk_id
+        try:
+            return method(self, chunk_id, *args, **kwargs)
+        finally:
+            PIPE.backward = outer
+
+    return wrapped
+
+
+def _ops_of(method: Any) -> Any:
+    def wrapped(self: Any, chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        ops = method(self, chunk_id, *args, **kwargs)
+        if PIPE.tagging:  # collected steps only: the schedule may batch one micro's sends with another's
+            for op in ops:
+                PIPE.tensors[id(op.tensor)] = chunk_id
+        return ops
+
+    return wrapped
+
+
 _WRAPPERS: dict[str, Callable[[Any], Any]] = {
     **dict.fromkeys(_METADATA_PASSES, _as_side_pass),
+    "forward_one_chunk": _forward_of,
+    **dict.fromkeys(("backward_one_chunk", "backward_weight_one_chunk"), _backward_of),
+    **dict.fromkeys(_P2P_OPS, _ops_of),
     "backward_maybe_with_nosync": _before_last_backward,
     "perform_reduce_grad": _before_reduce,
 }

@@ -25,10 +25,12 @@ import torch
 
 from trainermon.collect.records import RowMeta
 from trainermon.config.schema import CommConfig
+from trainermon.runtime.side_passes import SIDE_PASSES
 from trainermon.stats.partials import ADDITIVE, MAX, MIN, empty_partials
 
 from .checks import CheckEntry, CheckKey
 from .groups import describe
+from .pipe_passes import PIPE
 from .sites import call_site, short
 from .spec import OpSpec, redop_name
 
@@ -103,7 +105,8 @@ class CommRecorder:
 
     # ==== the wrappers' side ====================================================================
     def active(self) -> bool:
-        return self.on and not self.busy()
+        # a framework's own pass (pipelining's shape inference) moves no training data
+        return self.on and not SIDE_PASSES.depth and not self.busy()
 
     def fault(self, where: str, exc: BaseException) -> None:
         self._fault(where, exc)
@@ -126,7 +129,9 @@ class CommRecorder:
         if self.config.cc_log_only:
             self.sites[(spec.name, group, site)] += 1
             return None
-        micro = self.recv_micro() if spec.name in _RECV else self.micro()
+        micro = _tagged(args, kwargs) if spec.name in _P2P and PIPE.tensors else None
+        if micro is None:
+            micro = self.recv_micro() if spec.name in _RECV else self.micro()
         if spec.count_only:
             self._add((spec.name, group, site, "calls", micro), None)
             return None
@@ -138,9 +143,11 @@ class CommRecorder:
         if self.config.check and spec.check is not None:
             redop = redop_name(spec.redop(args, kwargs))
             check = CheckKey(spec.check, spec.name, redop, group, ranks, site, src)
-        sent = spec.name in ("send", "isend")
+        sent = spec.name in _SEND
         if inputs and (self.config.cc_pre_hook or sent or check is not None):
             stats = self._stats(inputs)
+            if stats is None and sent:  # nothing to measure (an empty tensor): the call is still counted
+                self._add((spec.name, group, site, "calls", micro), None)
             if stats is not None:
                 if self.config.cc_pre_hook or sent:
                     self._add((spec.name, group, site, "input", micro), stats)
@@ -170,22 +177,25 @@ class CommRecorder:
         calls: list[_Call | None] = []
         micro = self.micro()
         recv_micro: int | PendingMicro | None = None  # asked once: the batch's receives share it
+        tags = PIPE.tensors  # a pipeline stage's ops say their micro-batch (one batch may mix several)
         for op in ops:
             name = "isend" if getattr(op.op, "__name__", "") == "isend" else "irecv"
             group, ranks = describe(op.group)
             if self.config.cc_log_only:
                 self.sites[(f"batch_{name}", group, site)] += 1
                 continue
+            tagged = tags.get(id(op.tensor)) if tags else None
             if name == "isend":
                 stats = self._stats([op.tensor])
-                if stats is not None:
-                    self._add((f"batch_{name}", group, site, "input", micro), stats)
+                key = (f"batch_{name}", group, site, "input" if stats is not None else "calls")
+                self._add((*key, micro if tagged is None else tagged), stats)
                 calls.append(None)
             else:
-                if recv_micro is None:
+                if tagged is None and recv_micro is None:
                     recv_micro = self.recv_micro()
+                label = recv_micro if tagged is None else tagged
                 spec = _BATCH_RECV
-                calls.append(_Call(spec, group, ranks, site, recv_micro, [op.tensor], None, self.generation))
+                calls.append(_Call(spec, group, ranks, site, label, [op.tensor], None, self.generation))
         return calls
 
     def after_batch(self, calls: list[_Call | None], works: Any) -> None:
@@ -253,6 +263,8 @@ class CommRecorder:
     def _finish(self, call: _Call) -> None:
         if call.generation != self.generation:
             return  # completed after its step was written
+        if call.spec.name in _SEND:
+            return  # no output: its input row (or "calls" row) counts the call
         stats = self._stats(call.outputs) if call.outputs else None
         if call.check is not None and stats is not None:
             self._add_check(call.check, stats, "out", call.generation)
@@ -371,4 +383,14 @@ def _merge_into(row: torch.Tensor, other: torch.Tensor) -> None:
 
 
 _RECV = ("recv", "irecv")
+_SEND = ("send", "isend")
+_P2P = (*_SEND, *_RECV)
+
+
+def _tagged(args: tuple, kwargs: dict) -> int | None:
+    """The micro-batch a pipeline stage gave this p2p call's tensor (`pipe_passes`), if any."""
+    tensor = args[0] if args else kwargs.get("tensor")
+    return PIPE.tensors.get(id(tensor))
+
+
 _BATCH_RECV = OpSpec("batch_irecv", "dist", "batch_isend_irecv", "batch_isend_irecv", list, list, list)

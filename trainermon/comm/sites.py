@@ -1,12 +1,14 @@
 """Call sites of collectives, resolved once per code location.
 
-A call site is the first frame outside torch and trainermon (the user's or the framework's line that
-asked for the collective); where every frame is inside torch (a hook run by the autograd engine), the
-outermost torch frame. The walk stops at that first frame, and its text is cached by (code object, line),
-so a call costs a few attribute reads and one dict lookup."""
+A call site is the first frame outside torch and trainermon, its adapters and exporters included wherever
+an editable install keeps them (the user's or the framework's line that asked for the collective); where
+every frame is inside torch (a hook run by the autograd engine), the outermost torch frame. The walk stops
+at that first frame, and its text is cached by (code object, line), so a call costs
+a few attribute reads and one dict lookup."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from types import CodeType, FrameType
@@ -15,7 +17,24 @@ import torch
 
 import trainermon
 
-_INSIDE = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(trainermon.__file__) + os.sep)
+
+def _own_dirs() -> tuple[str, ...]:
+    """trainermon's folders, with `trainermon.adapters` and `trainermon.exporters`, which an editable
+    install maps to the repository's adapters/ and exporters/ (found without importing them)."""
+    dirs = [os.path.dirname(trainermon.__file__)]
+    for name in ("trainermon.adapters", "trainermon.exporters"):
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        dirs += list(spec.submodule_search_locations or []) if spec is not None else []
+    found = {os.path.join(d, "") for d in dirs} | {os.path.join(os.path.realpath(d), "") for d in dirs}
+    return tuple(sorted(found))
+
+
+_OWN = _own_dirs()
+#: torch's folder first: `call_site` keeps the outermost torch frame where no frame is outside both
+_INSIDE = (os.path.join(os.path.dirname(torch.__file__), ""), *_OWN)
 _CACHE: dict[tuple[CodeType, int], str] = {}
 _MAX_CACHE = 100_000
 
@@ -38,7 +57,7 @@ def call_site(depth: int = 2) -> str:
     while frame is not None:
         if not frame.f_code.co_filename.startswith(_INSIDE):
             return _text(frame)
-        if not frame.f_code.co_filename.startswith(_INSIDE[1]):
+        if not frame.f_code.co_filename.startswith(_OWN):
             last = frame  # outermost torch frame so far
         frame = frame.f_back
     return _text(last) if last is not None else "<unknown>"

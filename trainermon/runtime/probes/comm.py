@@ -15,6 +15,7 @@ With DDP, the gradient all-reduces run inside the C++ reducer, out of reach of a
 from __future__ import annotations
 
 import csv
+import functools
 import logging
 import os
 import time
@@ -25,6 +26,7 @@ import torch
 from trainermon.comm.checks import MAX_CHECKS, Violation, evaluate, pack
 from trainermon.comm.ddp_slot import share_slot
 from trainermon.comm.patch import Patches
+from trainermon.comm.pipe_passes import PIPE
 from trainermon.comm.recorder import CommRecorder, PendingMicro
 from trainermon.comm.sites import short
 from trainermon.comm.spec import BATCH_P2P, all_specs
@@ -32,6 +34,7 @@ from trainermon.config import MonitorConfig
 from trainermon.copies import CopySafe
 
 from ..plan import StepPlan
+from ..side_passes import SIDE_PASSES
 from .base import Probe
 from .module_hooks import in_backward
 
@@ -51,7 +54,8 @@ class CommProbe(Probe):
         self.batch = False
         self.violations: list[tuple[int, Violation]] = []  # (step, violation), for tools and tests
         self.unchecked = 0
-        self._forwards = 0
+        self._counts: list[int] = []  # forwards this step per hooked root (a virtual pipeline's chunks)
+        self._current = 0  # the micro-step of the forward that ran last
         self._in_forward = self._pipeline = False
         self._backward: int | None = None  # the micro-step of the backward that ran last, if it is newer
         self._waiting: list[PendingMicro] = []  # receives made between passes: labelled by the next pass
@@ -104,16 +108,25 @@ class CommProbe(Probe):
             )
             return
         self.recorder.reset()
-        self._forwards, self._in_forward, self._backward = 0, False, None
+        self._current, self._in_forward, self._backward = 0, False, None
         self._waiting.clear()
+        PIPE.reset(True)
         if not self.patches.installed:
             self._pipeline = _pipeline_stages(self.loop.adapter) > 1
             self.patches.install(self.specs, self.batch, self.recorder)
-            for root in self.loop.adapter.roots()[:1]:
-                hook = root.register_forward_pre_hook(CopySafe(self._count), prepend=True)
+            # every chunk of a virtual pipeline, each counting its own micro-batches; elsewhere the first
+            # root's forwards say the micro-step (and backward k follows forward k)
+            roots = self.loop.adapter.roots()
+            self._counts = [0] * len(roots if self._pipeline else roots[:1])
+            for chunk, root in enumerate(roots[: len(self._counts)]):
+                hook = root.register_forward_pre_hook(
+                    CopySafe(functools.partial(self._count, chunk)), prepend=True
+                )
                 self._forward_handles.append(hook)
-                if self._pipeline:  # elsewhere backward k follows forward k: the forward count says it
-                    self._forward_handles.append(root.register_forward_hook(CopySafe(self._forward_done)))
+                if self._pipeline:
+                    done = CopySafe(functools.partial(self._forward_done, chunk))
+                    self._forward_handles.append(root.register_forward_hook(done))
+        self._counts = [0] * len(self._counts)
         self.recorder.on = True
 
     # ==== micro_step ================================================================================
@@ -123,18 +136,23 @@ class CommProbe(Probe):
     # passes belongs to the next pass, whichever kind it is (the next forward's input, the next backward's
     # gradient). Without one, every call takes the latest forward (backward k follows forward k), and no
     # hook beyond the forward pre-hook is installed.
-    def _count(self, module: Any, args: Any) -> None:
-        self._forwards += 1
+    def _count(self, chunk: int, module: Any, args: Any) -> None:
+        if SIDE_PASSES.depth:  # a framework's own pass (pipelining's shape inference): no micro-batch
+            return
+        self._counts[chunk] += 1
+        self._current = self._counts[chunk] - 1
         self._in_forward, self._backward = True, None
-        self._label_waiting(self._forwards - 1)
+        self._label_waiting(self._current)
 
-    def _forward_done(self, module: Any, args: Any, output: Any) -> None:
+    def _forward_done(self, chunk: int, module: Any, args: Any, output: Any) -> None:
         self._in_forward = False
-        if torch.compiler.is_compiling():  # a traced root: no node to hook (reading grad_fn breaks the graph)
+        # a side pass runs no micro-batch's backward; a traced root has no node to hook (reading grad_fn
+        # breaks the graph)
+        if SIDE_PASSES.depth or torch.compiler.is_compiling():
             return
         node = _grad_node(output)
         if node is not None:  # its pre-hook runs first in this forward's backward: that backward's start
-            node.register_prehook(_BackwardStart(self, self._forwards - 1))
+            node.register_prehook(_BackwardStart(self, self._counts[chunk] - 1))
 
     def _backward_start(self, micro: int) -> None:
         self._backward = micro
@@ -147,12 +165,14 @@ class CommProbe(Probe):
             self._waiting.clear()
 
     def _micro(self) -> int:
-        """The micro-step of the pass running or that ran last: two attribute reads per collective."""
-        return self._backward if self._backward is not None else max(self._forwards - 1, 0)
+        """The micro-step of the pass running or that ran last: a few attribute reads per collective."""
+        if PIPE.micro is not None:  # a torch.distributed.pipelining stage's pass: its schedule says which
+            return PIPE.micro
+        return self._backward if self._backward is not None else self._current
 
     def _recv_micro(self) -> int | PendingMicro:
         """A receive between passes: a label the next pass sets (one small object per such receive)."""
-        if not self._pipeline or self._in_forward or in_backward():
+        if not self._pipeline or self._in_forward or PIPE.micro is not None or in_backward():
             return self._micro()
         pending = PendingMicro(self._micro())  # kept if no pass follows in the step
         self._waiting.append(pending)
@@ -181,6 +201,7 @@ class CommProbe(Probe):
             self.loop.faults.record("comm rows", exc, "this step's comm rows are dropped")
         finally:
             recorder.reset()
+            PIPE.reset(False)  # no p2p tagging on the steps that follow until the next collected one
         if recorder.config.check and self.loop.world_size > 1 and not self.loop.joined:
             self._check(plan.step, checks)
 
@@ -190,6 +211,7 @@ class CommProbe(Probe):
 
     def _off(self) -> None:
         self.recorder.on = False
+        PIPE.reset(False)
         self.patches.uninstall()
         for handle in self._forward_handles:
             handle.remove()

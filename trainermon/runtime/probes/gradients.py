@@ -2,11 +2,12 @@
 
 grad_unreduced comes from the adapter's pre-reduce taps during backward (always installed when weight
 gradients may be collected, inert on other steps), or is read at the step where no tap exists; with
-`monitor_mbs_grad`, per micro-batch from taps armed for the collected step only. grad_reduced is read
-when the reduced gradients are final (`grads_final`): before the user's gradient clipping scales them where
-the adapter names its framework's clipping (`Adapter.clip_entries`, watched on collected steps only), else
-at the optimizer's pre-step. Where no data-parallel reduction exists the two are the same tensors,
-computed once.
+`monitor_mbs_grad`, per micro-batch from taps armed for the collected step only (numbered by the taps'
+calls per parameter, or, inside a torch.distributed.pipelining stage's backward, by its schedule).
+grad_reduced is read when the reduced gradients are final (`grads_final`): before the user's gradient
+clipping scales them where the adapter names its framework's clipping (`Adapter.clip_entries`, watched on
+collected steps only), else at the optimizer's pre-step. Where no data-parallel reduction exists the two
+are the same tensors, computed once.
 
 `module_ranks` (msprobe's "ranks to monitor") gates grad_unreduced, a per-rank family: a rank not listed
 arms no tap and writes no grad_unreduced row, and still reads grad_reduced (the job's one-writer rows,
@@ -23,6 +24,7 @@ import torch
 
 from trainermon.adapters.base import GRAD_REDUCED, GRAD_UNREDUCED, GradTaps
 from trainermon.collect.placement import LOCAL, Local, TensorPiece
+from trainermon.comm.pipe_passes import PIPE
 from trainermon.config import MonitorConfig
 
 from ..clip_watch import Watch, watch
@@ -251,6 +253,8 @@ class GradientProbe(Probe):
                 return
             micro = self._microbatch.get(index, 0)
             self._microbatch[index] = micro + 1
+            if PIPE.backward is not None:  # a pipeline stage's backward: its schedule numbers it (LoopedBFS
+                micro = PIPE.backward  # runs them in reverse, where hooks' order would number them wrongly)
             mp = sel.params[pos]
             loop.record("grad_unreduced", [(mp.vpp_stage, sel.names[pos], micro, _own(grad, mp.local_shard))])
         except Exception as exc:  # noqa: BLE001
