@@ -36,6 +36,7 @@ from trainermon.runtime.side_passes import SIDE_PASSES
 
 from .base import GRAD_REDUCED, GRAD_UNREDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
 from .common import OncePerStep, guarded, hook_optimizer_step, is_wrapper, state_values, unwrap
+from .ddp_find import ddp_among_wrappers, ddps_wrapping, say_post_reduce
 from .dtensor import (
     copies_among,
     dtensor_piece,
@@ -56,14 +57,15 @@ class TorchAdapter(Adapter):
 
     def __init__(self, chunks: Sequence[torch.nn.Module], optimizer: Any, context: AdapterContext) -> None:
         super().__init__(chunks, optimizer, context)
-        from torch.nn.parallel import DistributedDataParallel
-
-        self._ddps = [c for c in self.chunks if isinstance(c, DistributedDataParallel)]
+        # the DDP may sit under other wrappers (torch.compile(DDP(m)): the compiled wrapper's _orig_mod)
+        self._ddps = [d for d in map(ddp_among_wrappers, self.chunks) if d is not None]
         self._roots = [unwrap(c) for c in self.chunks]
-        dp_group = context.dp_group
-        if self._ddps and dp_group is None:
-            dp_group = self._ddps[0].process_group
-        self._replica = Replicated(dp_group) if (self._ddps or context.dp_group is not None) else LOCAL
+        # or around the module passed (set_monitor(m) while DDP(m) trains): found among live objects, once
+        if not self._ddps:
+            self._find_ddps()
+        self._looked_late = False
+        self._late_handles: list[Any] = []
+        self._replica = self._replica_of(context.dp_group)
         self._params: list[MonitoredParam] | None = None
         self._mark: tuple[int, int] = (0, 0)
         self._slots: list[tuple[dict, str, Any]] = []
@@ -78,6 +80,26 @@ class TorchAdapter(Adapter):
         self._report_tap: Any = None
         self._syncing: list[tuple[Any, list]] = []  # (DDP, [reduces the latest forward's backward])
         self._armed: list[Any] = []  # this step's post-accumulate-grad hooks
+
+    def _replica_of(self, dp_group: Any) -> Placement:
+        if self._ddps and dp_group is None:
+            dp_group = self._ddps[0].process_group
+        return Replicated(dp_group) if (self._ddps or dp_group is not None) else LOCAL
+
+    def _find_ddps(self) -> bool:
+        """Looks among live objects for DDPs around the monitored modules (one pass over the garbage
+        collector's objects, ~0.1-0.4 s; never per step). Whether it looked (a process group exists)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return False
+        self._ddps = ddps_wrapping(self._roots)
+        if self._ddps:
+            logger.info(
+                "trainermon: found the DistributedDataParallel around the monitored model among live "
+                "objects: grad_unreduced is each rank's gradient before DDP's all-reduce"
+            )
+        return True
 
     @classmethod
     def detect(cls, chunks: Sequence[torch.nn.Module], optimizer: Any) -> bool:
@@ -238,10 +260,11 @@ class TorchAdapter(Adapter):
 
     # ---- pre-reduce taps ---------------------------------------------------------------------
     def install_grad_taps(self, taps: GradTaps) -> list[Any]:
-        if not self._ddps:
-            return []
         self._taps = taps
         self._report_tap = guarded(self.context.faults, "DDP gradient tap", self._report)
+        return self._watch_ddps()
+
+    def _watch_ddps(self) -> list[Any]:
         handles: list[Any] = []
         for ddp in self._ddps:
             syncing = [True]  # whether DDP reduces the backward of the latest forward
@@ -258,7 +281,7 @@ class TorchAdapter(Adapter):
             # a pipeline stage runs every forward under no_sync() and reduces in its last backward
             handles.append(on_stage_reduce("last_backward", ddp, reduces_next))
             self._syncing.append((ddp, syncing))
-        self._tapped = True
+        self._tapped = bool(self._ddps)
         return handles
 
     def arm_grad_taps(self, active: bool) -> None:
@@ -268,6 +291,8 @@ class TorchAdapter(Adapter):
             self._disarm()
             return
         if self._armed:
+            return
+        if not self._syncing:  # no DDP: nothing to arm (no per-step work)
             return
         by_id = {id(mp.param): mp for mp in self.parameters()}
         taps, report = self._taps, self._report_tap
@@ -283,6 +308,21 @@ class TorchAdapter(Adapter):
 
                 self._armed.append(p.register_post_accumulate_grad_hook(tap))
 
+    def _late_ddps(self) -> None:
+        """At the end of the first collected step that reads gradients, with no DDP found at set_monitor:
+        a DDP made since around the monitored model is looked for once (one pass over live objects). If
+        found, this step writes no grad_unreduced (its gradients are reduced already; the taps arm from
+        the next collected step on); none found in a job of several ranks is said once (grad_unreduced is
+        then `.grad` at the step: after any all-reduce done outside DDP)."""
+        self._looked_late = True
+        looked = self._find_ddps()
+        if self._ddps:
+            if not self._plain_copies:
+                self._replica = self._replica_of(self.context.dp_group)
+            self._late_handles = self._watch_ddps()
+        elif looked and not self.splits_model:
+            say_post_reduce(loud=self.context.dp_group is not None)
+
     def _disarm(self) -> None:
         for handle in self._armed:
             handle.remove()
@@ -290,6 +330,9 @@ class TorchAdapter(Adapter):
 
     def close(self) -> None:
         self._disarm()
+        for handle in self._late_handles:
+            handle.remove()
+        self._late_handles.clear()
 
     @property
     def taps_report_unreduced(self) -> bool:
@@ -300,6 +343,8 @@ class TorchAdapter(Adapter):
             taps.on_unreduced((index,), (grad,))
 
     def single_replica(self) -> bool:
+        if not self._looked_late and self._taps is not None and not self._ddps:
+            self._late_ddps()  # once: a DDP made after set_monitor (a flag test on later steps)
         return self._replica is LOCAL and not self._tapped and not self._tensor_parallel
 
     # ---- reads --------------------------------------------------------------------------------

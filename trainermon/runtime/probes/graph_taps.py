@@ -197,12 +197,16 @@ def collective_inputs() -> bool:
 def _grad_hook(number: int, owner: torch.Tensor, p: int, n: int, micro: torch.Tensor) -> Any:
     """The hook on graded tensor `p` of `n` of a call whose micro-step is `micro`: dynamo puts its body in
     the backward graph, where it gets the tensor's accumulated gradient (eager mode's hook on the tensor's
-    autograd node sees the same)."""
+    autograd node sees the same). It returns the gradient unchanged: under compiled autograd
+    (`compiled_autograd = True` with backward inside the compiled step) the traced hook's result is what
+    flows on, and None there failed the compile (a hook returning None means "unchanged" only in eager
+    autograd)."""
 
-    def hook(grad: torch.Tensor) -> None:
+    def hook(grad: torch.Tensor) -> torch.Tensor:
         grads: list[torch.Tensor | None] = [None] * n
         grads[p] = grad
         torch.ops.trainermon.tap_grad(grads, number, owner, micro, [])
+        return grad
 
     return hook
 
