@@ -2,8 +2,10 @@
 
 Endpoint: `http://{host}:{port}/metrics`, host 127.0.0.1 by default. Port: `prometheus.port` plus
 LOCAL_RANK when the port is set, or a free port chosen by the OS when it is 0 (the default). The
-address is logged and written to `{run_dir}/prometheus.json`, and a file_sd target file is written to
-`{MONITOR_OUTPUT_DIR}/{sd_dir}/rank{R}-{run_id}.json` (removed again on close).
+address is written to `{run_dir}/prometheus.json` and said on stderr by local rank 0 (`discovery.announce`),
+and a file_sd target file is written to `{MONITOR_OUTPUT_DIR}/{sd_dir}/rank{R}-{run_id}.json` with the
+writer's pid and host; it is removed on close or SIGTERM, and a dead run's file of the same rank when the
+next sink of that rank opens (`discovery`).
 
 Series (every one labelled with `rank`):
 
@@ -47,7 +49,7 @@ from trainermon.collect.records import StatBatch
 from trainermon.stats.table import VALUE_STATS
 
 from ..base import Exporter, RunInfo
-from . import layers, xrank
+from . import discovery, layers, xrank
 from . import server as http
 from .address import advertised_host
 from .layers import aggregate
@@ -121,6 +123,7 @@ class PrometheusExporter(Exporter):
             ) from exc
         self.host = host
         self.port = self.server.server_address[1]
+        self.url = f"http://{host}:{self.port}/metrics"  # the advertised one once the files are written
         self.discovery_error: OSError | None = None
         try:
             self._write_discovery(run, host)
@@ -140,21 +143,27 @@ class PrometheusExporter(Exporter):
         except Exception:
             self._stop_server()
             raise
-        logger.info(
-            "trainermon: Prometheus metrics of rank %d at http://%s:%d/metrics", run.rank, host, self.port
-        )
+        if run.local_rank == 0:  # one line per node: the others are in prometheus.json
+            sd_dir = os.path.dirname(self.sd_path) if self.sd_path else None
+            discovery.announce(self.url, run.rank, sd_dir, run.run_dir)
+        else:
+            logger.info("trainermon: Prometheus metrics of rank %d at %s", run.rank, self.url)
 
     def _write_discovery(self, run: RunInfo, host: str) -> None:
         section = run.config.prometheus
         advertise = advertised_host(host, section.advertise_host, run.advertise_host)
         target = f"{advertise}:{self.port}"
+        self.url = f"http://{target}/metrics"
         os.makedirs(run.run_dir, exist_ok=True)
+        writer = discovery.writer_labels()
         info = {
-            "url": f"http://{target}/metrics",
+            "url": self.url,
             "host": host,
             "port": self.port,
             "rank": run.rank,
             "run_id": run.run_id,
+            "pid": os.getpid(),
+            "node": writer[discovery.HOST_LABEL],
         }
         http.atomic_json(os.path.join(run.run_dir, "prometheus.json"), info)
         if section.sd_dir:
@@ -165,8 +174,17 @@ class PrometheusExporter(Exporter):
                     f"prometheus.sd_dir {section.sd_dir!r} is outside MONITOR_OUTPUT_DIR {top!r}"
                 )
             os.makedirs(directory, exist_ok=True)
-            self.sd_path = os.path.join(directory, f"rank{run.rank}-{run.run_id}.json")
-            http.write_target(self.sd_path, [{"targets": [target], "labels": {"run_id": run.run_id}}], self)
+            path = os.path.join(directory, f"rank{run.rank}-{run.run_id}.json")
+            # an earlier run's file of this rank (its process killed) would keep a dead or reused address
+            discovery.remove_stale(directory, run.rank, path, target)
+            self.sd_path = path
+            # The writer (pid, host) in a second group without targets: Prometheus makes no target of it,
+            # and the rank's group keeps the one label every series gets.
+            groups = [
+                {"targets": [target], "labels": {"run_id": run.run_id}},
+                {"targets": [], "labels": writer},
+            ]
+            http.write_target(path, groups, self)
 
     def attach_error_counts(self, errors: Any, formats: list[str]) -> None:
         """Called by build_exporters: the shared per-sink failure counts to export."""

@@ -163,16 +163,18 @@ def write_target(path: str, body: Any, owner: object) -> None:
         SD_OWNERS[path] = owner
 
 
-def remove_target(path: str, owner: object) -> None:
-    """Remove a target file, unless a newer sink wrote it since (the same run reopened its sinks)."""
+def remove_target(path: str, owner: object) -> bool:
+    """Remove a target file, unless a newer sink wrote it since (the same run reopened its sinks); True
+    when this owner's file is gone."""
     with LIVE_LOCK:
         if SD_OWNERS.get(path) is not owner:
-            return
+            return False
         del SD_OWNERS[path]
     try:
         os.unlink(path)  # the target is gone: Prometheus stops scraping it
     except FileNotFoundError:
         pass
+    return True
 
 
 def atomic_json(path: str, body: Any) -> None:

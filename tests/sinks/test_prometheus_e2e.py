@@ -84,7 +84,9 @@ def dashboard_queries() -> list[tuple[str, str]]:
     for panel in dash["panels"]:
         for target in panel.get("targets", []):
             # Grafana's variables as Grafana would substitute them for "All ranks".
-            expr = target["expr"].replace("$rank", ".*").replace("$__rate_interval", "20s")
+            expr = target["expr"].replace("$__rate_interval", "20s")
+            for variable in ("$rank", "$run_id", "$job"):
+                expr = expr.replace(variable, ".*")
             out.append((panel["title"], expr))
     return out
 
