@@ -241,7 +241,52 @@ def state_values(optimizer: Any, params: Sequence[torch.Tensor], key: str) -> li
     return out
 
 
-def optimizer_has_key(optimizer: Any, params: Sequence[torch.Tensor], key: str) -> bool:
-    """Whether any parameter has state `key`: decided the same way on every rank (each holds state for
-    some piece of the model), so that sharded rows line up for the packed reduction."""
-    return any(state_value(optimizer, p, key) is not None for p in params)
+def any_over_ranks(flags: Sequence[bool], groups: Sequence[Any], device: torch.device) -> list[bool]:
+    """Each flag OR-ed over the ranks of every group in `groups` (in that order, the same on every rank).
+    Costs one MAX all-reduce of len(flags) int32 per group, and one read back (a device sync)."""
+    import torch.distributed as dist
+
+    if not flags or not (dist.is_available() and dist.is_initialized()):
+        return list(flags)
+    t = torch.tensor(list(flags), dtype=torch.int32).to(device)
+    for group in groups:
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [bool(v) for v in t.tolist()]
+
+
+class AgreedRows:
+    """Which sharded parameters have a row of a family, decided the same way on every rank.
+
+    The packed reduction of sharded rows needs the same rows on every rank, but whether a parameter has
+    a gradient or optimizer state is known only where its elements are: under FSDP1 a rank holding no
+    element of a parameter (a LoRA adapter inside a layer's flat parameter, all on rank 0) has neither
+    its gradient nor its optimizer state. Each rank's flags are OR-ed over the shard groups. State that
+    exists stays, so a parameter found with state `key` is not asked about again: the all-reduce runs
+    only while some parameter has no state yet (normally the first collected step), never after.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[str, set[int]] = {}  # state key -> indices of parameters found with it
+
+    def state(
+        self, key: str, indices: Sequence[int], local: Sequence[bool], groups: Sequence[Any], device: Any
+    ) -> list[bool]:
+        """Whether parameter `indices[i]` holds state `key` on some rank (`local[i]`: on this one).
+        `indices` must be the same on every rank of `groups`; costs `any_over_ranks` while some
+        parameter of `indices` was never found with state, nothing after."""
+        held = self._held.setdefault(key, set())
+        ask = [i for i, index in enumerate(indices) if index not in held]
+        if ask:
+            found = any_over_ranks([local[i] for i in ask], groups, device)
+            held.update(indices[i] for i, f in zip(ask, found) if f)
+        return [index in held for index in indices]
+
+
+def shard_groups(placements: Iterable[Any]) -> list[Any]:
+    """The distinct `over` groups of sharded placements, in the order they first appear."""
+    out: dict[int, Any] = {}
+    for placement in placements:
+        for group in getattr(placement, "over", ()):
+            out.setdefault(id(group), group)
+    return list(out.values())

@@ -25,11 +25,13 @@ from trainermon.runtime.clip_watch import ClipEntry, torch_clip_entries
 
 from ..base import GRAD_REDUCED, GRAD_UNREDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
 from ..common import (
+    AgreedRows,
     OncePerStep,
+    any_over_ranks,
     guarded,
     hook_optimizer_step,
-    optimizer_has_key,
-    state_value,
+    shard_groups,
+    state_values,
     unwrap,
     wrapper_types,
 )
@@ -160,6 +162,8 @@ class Fsdp1Adapter(Adapter):
         self._placement_of: dict[int, Placement] = {}
         self._tapped = False
         self._seen = OncePerStep("FSDP")
+        self._agreed = AgreedRows()  # which sharded rows of optimizer state exist on some rank
+        self._grad_rows: dict[tuple[int, ...], list[bool]] = {}  # this step's agreed gradient rows
 
     @classmethod
     def detect(cls, chunks: Sequence[torch.nn.Module], optimizer: Any) -> bool:
@@ -272,6 +276,7 @@ class Fsdp1Adapter(Adapter):
 
     def new_step(self) -> None:
         self._seen.clear()
+        self._grad_rows.clear()
 
     def _unreduced_at_step(self, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
         # No taps installed (wg_distribution off at attach): only unwrapped parameters can be read here.
@@ -333,32 +338,66 @@ class Fsdp1Adapter(Adapter):
             return self._param_values(params)
         return self._optimizer_state(params, kind)
 
+    def _agreement(self, params: Sequence[MonitoredParam], positions: list[int]) -> tuple[list, Any]:
+        """The shard groups and the device (a flat parameter's) of the rows at `positions` of `params`."""
+        groups = shard_groups(self._placement_of[params[i].index] for i in positions)
+        return groups, self._slot_of[params[positions[0]].index].flat.device  # type: ignore[union-attr]
+
     def _reduced_grads(self, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
+        slots = [self._slot_of[mp.index] for mp in params]
+        has = [
+            mp.param.grad is not None
+            if s is None
+            else s.flat.grad is not None or (s.orig is not None and s.orig.grad is not None)
+            for mp, s in zip(params, slots)
+        ]
+        # With use_orig_params FSDP1 drops a unit's flat gradient on a rank whose original parameters all
+        # lack one (root pre-forward, summon_full_params, state_dict): a rank holding none of a parameter
+        # cannot tell whether it has a gradient, so those rows are OR-ed over the shard group.
+        sharded = [isinstance(self._placement_of[mp.index], Sharded) for mp in params]
+        ask = [i for i, s in enumerate(slots) if s is not None and s.orig is not None and sharded[i]]
+        if ask:
+            # Once a step: a second read (gradients changed after a clipping) happens on some ranks only.
+            key = tuple(params[i].index for i in ask)
+            found = self._grad_rows.get(key)
+            if found is None:
+                found = any_over_ranks([has[i] for i in ask], *self._agreement(params, ask))
+                self._grad_rows[key] = found
+            for i, on in zip(ask, found):
+                has[i] = on
         out: list[TensorPiece | None] = []
-        for mp in params:
-            slot = self._slot_of[mp.index]
-            if slot is None:
-                out.append(None if mp.param.grad is None else TensorPiece.whole(mp.param.grad, LOCAL))
-            elif slot.flat.grad is None and (slot.orig is None or slot.orig.grad is None):
-                out.append(None)  # no gradient in this unit on any rank this step
+        for mp, s, on in zip(params, slots, has):
+            if not on:
+                out.append(None)  # no gradient on any rank this step
+            elif s is None:
+                out.append(TensorPiece.whole(mp.param.grad, LOCAL))
             else:
-                orig_grad = slot.orig.grad if slot.orig is not None else None
-                out.append(self._piece(mp, slot.flat.grad, orig_grad))
+                out.append(self._piece(mp, s.flat.grad, s.orig.grad if s.orig is not None else None))
         return out
 
     def _optimizer_state(self, params: Sequence[MonitoredParam], key: str) -> list[TensorPiece | None]:
-        if not optimizer_has_key(self.optimizer, [mp.param for mp in self.parameters()], key):
-            return [None] * len(params)
+        values = state_values(self.optimizer, [mp.param for mp in params], key)
+        # A rank holding none of a sharded parameter has no gradient, so no state, for it: whether its
+        # row exists is agreed over the ranks.
+        ask = [i for i, mp in enumerate(params) if isinstance(self._placement_of[mp.index], Sharded)]
+        held = set()
+        if ask:
+            local = [values[i] is not None for i in ask]
+            found = self._agreed.state(
+                key, [params[i].index for i in ask], local, *self._agreement(params, ask)
+            )
+            held = {i for i, on in zip(ask, found) if on}
         out: list[TensorPiece | None] = []
-        for mp in params:
+        for i, (mp, value) in enumerate(zip(params, values)):
             slot = self._slot_of[mp.index]
-            value = state_value(self.optimizer, mp.param, key)
-            if slot is None:
-                out.append(None if value is None else TensorPiece.whole(value, LOCAL))
-            elif slot.orig is not None:
-                out.append(self._piece(mp, None, value))
+            if value is None and i not in held:
+                out.append(None)
+            elif slot is None:
+                out.append(TensorPiece.whole(value, LOCAL))
             else:
-                out.append(self._piece(mp, value, None))
+                out.append(
+                    self._piece(mp, None, value) if slot.orig is not None else self._piece(mp, value, None)
+                )
         return out
 
     def _param_values(self, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:

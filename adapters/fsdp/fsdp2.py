@@ -28,12 +28,13 @@ from trainermon.runtime.side_passes import SIDE_PASSES
 
 from ..base import GRAD_REDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
 from ..common import (
+    AgreedRows,
     Handles,
     OncePerStep,
     guarded,
     hook_optimizer_step,
-    optimizer_has_key,
-    state_value,
+    shard_groups,
+    state_values,
     unwrap,
     wrapper_types,
 )
@@ -130,6 +131,7 @@ class Fsdp2Adapter(Adapter):
         self._managed: list[tuple[torch.nn.Module, list[tuple[int, torch.nn.Module, str]]]] = []
         self._hooked: dict[int, Any] = {}  # id(unsharded param) -> (param, handle)
         self._seen = OncePerStep("FSDP2")
+        self._agreed = AgreedRows()  # which sharded rows of optimizer state exist on some rank
 
     @classmethod
     def detect(cls, chunks: Sequence[torch.nn.Module], optimizer: Any) -> bool:
@@ -291,15 +293,23 @@ class Fsdp2Adapter(Adapter):
         return self._optimizer_state(params, kind)
 
     def _optimizer_state(self, params: Sequence[MonitoredParam], key: str) -> list[TensorPiece | None]:
-        if not optimizer_has_key(self.optimizer, [mp.param for mp in self.parameters()], key):
-            return [None] * len(params)
+        values = state_values(self.optimizer, [mp.param for mp in params], key)
+        # A sharded row exists where some rank holds the state (agreed over the ranks: a parameter that
+        # never had a gradient has none anywhere, and a row of no elements is no statistic).
+        ask = [i for i, mp in enumerate(params) if isinstance(self._placement_of[mp.index], Sharded)]
+        held = [False] * len(params)
+        if ask:
+            groups = shard_groups(self._placement_of[params[i].index] for i in ask)
+            local = [values[i] is not None for i in ask]
+            found = self._agreed.state(
+                key, [params[i].index for i in ask], local, groups, params[ask[0]].param.device
+            )
+            for i, on in zip(ask, found):
+                held[i] = on
         out: list[TensorPiece | None] = []
-        for mp in params:
-            value = state_value(self.optimizer, mp.param, key)
+        for mp, value, on in zip(params, values, held):
             piece = self._piece(mp, value)
-            if piece is None and not isinstance(self._placement_of[mp.index], Sharded):
-                out.append(None)
-            elif piece is None:
+            if piece is None and on:
                 # Keep the row on every rank so the packed reduction lines up.
                 out.append(
                     TensorPiece(None, self._placement_of[mp.index], tuple(mp.param.shape), mp.param.dtype)
