@@ -27,7 +27,10 @@ def ddp_among_wrappers(module: torch.nn.Module) -> Any:
     while isinstance(module, torch.nn.Module) and seen < 32:  # a guard against wrappers in a circle
         if isinstance(module, DistributedDataParallel):
             return module
-        inner = next((module._modules[a] for a in WRAPPED_ATTRS if module._modules.get(a) is not None), None)
+        if isinstance(module, torch.jit.ScriptModule):  # no wrapper; its _modules has no .get
+            return None
+        children = module._modules
+        inner = next((children[a] for a in WRAPPED_ATTRS if a in children and children[a] is not None), None)
         if inner is None:
             return None
         module, seen = inner, seen + 1
