@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
 import os
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +14,7 @@ from .collect.records import StatBatch
 from .config import ConfigError, MonitorConfig, parse_config, read_config_json, read_env
 from .failsafe import FaultLog
 from .inmemory import metric_dict
+from .runtime.lifecycle import same_target
 from .runtime.loop import StepLoop
 from .runtime.plan import plan_step
 from .runtime.probes.activations import ActivationProbe
@@ -54,10 +53,8 @@ class TrainerMon:
         self.grad_acc_steps = 1
         self._said_off: set[str] = set()  # in-memory calls whose family is off, warned once each
         self._said: set[str] = set()  # other one-time warnings (ignored arguments, deprecated calls)
-        # The loop, not this object: a monitor made in a helper and not kept lives on in its hooks (which
-        # hold the loop), and its steps must still be flushed at exit.
-        ref = weakref.ref(self.loop)
-        atexit.register(lambda: (loop := ref()) is not None and loop.close())
+        # A monitor made in a helper and not kept lives on in its model's hooks (which hold the loop); the
+        # loop is flushed at exit, or once its model and optimizer are garbage (`runtime.lifecycle`).
 
     def set_monitor(
         self, model: torch.nn.Module | Sequence[torch.nn.Module], *args: Any, **kwargs: Any
@@ -98,6 +95,7 @@ class TrainerMon:
         )
         adapter = select_adapter(chunks, optimizer, context)
         self.grad_acc_steps = context.grad_acc_steps  # the framework's own count where it has one
+        self._replace_older(adapter)
         self.loop.attach(adapter, start_iteration)
         hooked = (
             describe_chain([o for o in adapter.optimizer_chain if o is not None], adapter.optimizer)
@@ -111,6 +109,18 @@ class TrainerMon:
             hooked,
             self.run_dir,
         )
+
+    def _replace_older(self, adapter: Any) -> None:
+        """An unclosed monitor of this process on the same model (a chunk of it) or optimizer is closed,
+        with a warning: a re-run notebook cell would otherwise stack monitors that all hook and write."""
+        for older in same_target(self.loop, adapter):
+            logger.warning(
+                "trainermon: another monitor is still attached to this model or optimizer (output %s), "
+                "never closed (a re-run notebook cell?): closing it now; call monitor.close() when done "
+                "with a monitor",
+                older.outputs.run_dir,
+            )
+            older.close()
 
     def set_wrapped_optimizer(self, optimizer: Any) -> None:
         """msprobe's older interface: the optimizer that a later `monitor_gnorm_with_ad` attaches to."""
@@ -270,7 +280,9 @@ class TrainerMon:
             self.loop.worker.reached(60.0)
 
     def close(self) -> None:
-        """Flush every collected step to the exporters and stop the worker. Idempotent."""
+        """Flush every collected step to the exporters and stop the worker. Idempotent. In a forked child
+        (os.fork) it does nothing: the parent writes the steps and owns the sinks. Without it, the monitor
+        is closed at exit, or once its model and optimizer are garbage."""
         self.loop.close()
 
     def state_dict(self) -> dict:

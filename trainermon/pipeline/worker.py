@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +36,7 @@ from trainermon.failsafe import FaultLog
 logger = logging.getLogger("trainermon")
 _STOP = object()
 _COLLECTION_STOPPED = object()  # `collection_stopped()`: each sink's optional hook of that name
+_STOP_CLOSE = object()  # `close()` called on the worker thread itself: it writes, closes the sinks, stops
 
 WRITE_INTERVAL_S = MonitorConfig.write_interval_s  # the config default
 #: Seconds one exporter call may take before its sink counts as hung and is switched off.
@@ -94,6 +96,7 @@ class BackgroundWorker:
         self._call: tuple[str, StatBatch | None, object] = ("write", None, None)
         self._generation = 0
         self._hung_lock = threading.Lock()
+        self.pid = os.getpid()  # a forked child has no worker thread: close() there touches nothing
         self._thread = self._start(None)
 
     def _start(self, resume: _Resume | None) -> threading.Thread:
@@ -179,10 +182,18 @@ class BackgroundWorker:
         its own. The wait for the writing is at most `timeout` seconds; by default HUNG_S + 10, renewed
         each time a sink is switched off (a dead mount hangs every file sink: each costs HUNG_S, and the
         sinks after it still write). A sink still stuck then is left to its daemon thread, and the caller
-        (often the interpreter's exit) is not held."""
-        if self._closed:
+        (often the interpreter's exit) is not held.
+
+        In a forked child it does nothing (the parent writes the queued steps and owns the sinks). Called on
+        the worker thread itself (a finalizer the garbage collector ran there) it only asks the thread to
+        write, close the sinks and stop (`stopping`, `wait_stopped`)."""
+        if self._closed or os.getpid() != self.pid:
             return
         self._closed = True
+        if threading.current_thread() is self._thread:
+            self._pending.append(_STOP_CLOSE)
+            self._wake.set()
+            return
         renew = timeout is None
         timeout = HUNG_S + 10 if timeout is None else timeout
         if self._thread.is_alive():
@@ -202,6 +213,17 @@ class BackgroundWorker:
                 )
                 return
         self._close_each_bounded()
+
+    def stopping(self) -> bool:
+        """The worker thread was asked by itself to stop (see `close`) and is still running."""
+        return self._closed and self._thread.is_alive()
+
+    def wait_stopped(self, timeout: float = HUNG_S + 10) -> None:
+        """Wait (at most `timeout` s; a hung sink is switched off meanwhile) until the thread stopped."""
+        deadline = time.monotonic() + timeout
+        while self._thread.is_alive() and (left := deadline - time.monotonic()) > 0:
+            self._thread.join(min(HUNG_S / 4, left))
+            self._check_hung()
 
     def _close_each_bounded(self) -> None:
         """Close the exporters that are on, each on a daemon thread for at most HUNG_S: one stuck in its
@@ -296,6 +318,10 @@ class BackgroundWorker:
         """Process one queue item; False when this thread is to stop (the worker's end, or replaced)."""
         if item is _STOP:
             self._each(generation, "flush", None, 0, item)
+            return False
+        if item is _STOP_CLOSE:
+            if self._each(generation, "flush", None, 0, _STOP):
+                self._close_exporters()
             return False
         if isinstance(item, threading.Event):
             if not self._each(generation, "flush", None, 0, item):

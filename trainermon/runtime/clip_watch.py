@@ -17,6 +17,8 @@ torch.nn.utils import clip_grad_value_`) keeps the original: the rows are then r
 The wrappers exist only while some monitor's collected step reads gradients (`watch` / `Watch.remove`),
 like the collective wrappers of `trainermon.comm.patch`: steps that collect nothing call torch's own
 functions. A wrapper costs one Python call and, with its listeners, a set lookup per clipped parameter.
+Listeners are held weakly: a monitor dropped without `close()` is not kept alive by the wrappers; once
+collected, its watch is removed as by `Watch.remove`.
 A clipping that torch.compile traces calls the original (no graph break, so `fullgraph=True` stays
 valid, and no recompilation after the monitor is gone): its gradients are read at the pre-step.
 """
@@ -24,6 +26,7 @@ valid, and no recompilation after the monitor is gone): its gradients are read a
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -69,7 +72,7 @@ class _Installed:
         self.entry, self.original, self.wrapper = entry, original, wrapper
 
 
-_listeners: list[Listener] = []
+_listeners: list[weakref.ref] = []  # weak references to the listeners
 _installed: dict[tuple[int, str], _Installed] = {}
 _users: dict[tuple[int, str], int] = {}
 
@@ -79,11 +82,11 @@ class Watch:
     other listener holds it (unless something else has replaced the wrapper since)."""
 
     def __init__(self, listener: Listener, keys: list[tuple[int, str]]) -> None:
-        self.listener, self.keys = listener, keys
+        # The callback removes this watch once the listener is collected unremoved.
+        self.listener, self.keys = weakref.ref(listener, lambda _ref: self.remove()), keys
 
     def remove(self) -> None:
-        if self.listener in _listeners:
-            _listeners.remove(self.listener)
+        _listeners[:] = [ref for ref in _listeners if ref is not self.listener]  # identity, not ==
         for key in self.keys:
             _users[key] -= 1
             if _users[key] == 0:
@@ -112,8 +115,9 @@ def watch(listener: Listener, entries: tuple[ClipEntry, ...]) -> Watch:
             _installed[key] = _Installed(entry, original, wrapper)
         _users[key] = _users.get(key, 0) + 1
         keys.append(key)
-    _listeners.append(listener)
-    return Watch(listener, keys)
+    handle = Watch(listener, keys)
+    _listeners.append(handle.listener)
+    return handle
 
 
 def _wrap(original: Any, entry: ClipEntry) -> Any:
@@ -126,7 +130,7 @@ def _wrap(original: Any, entry: ClipEntry) -> Any:
         else:
             args, kwargs, params = _listed(args, kwargs)
             owner = None
-        listeners = list(_listeners)
+        listeners = [x for ref in _listeners if (x := ref()) is not None]
         for listener in listeners:
             listener.before_clipping(params, owner)
         try:

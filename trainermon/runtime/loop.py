@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,6 +43,7 @@ from trainermon.stats.engine import StatsEngine, check_not_capturing
 
 from .control import DynamicControl
 from .escalation import Escalation
+from .lifecycle import track, weak_method
 from .outputs import Outputs
 from .owntime import OwnTime
 from .plan import Schedule, StepPlan, plan_step
@@ -102,6 +104,8 @@ class StepLoop(ConfigChanges):
         self._grads_read = False  # this step's gradients were read (at clipping or at the pre-step)
         self._grads_rows: tuple = ((), ())  # the collector's marks around that read
         self.closed = False
+        self.pid = os.getpid()  # a forked child's close() touches nothing (`lifecycle`)
+        self._untrack: Callable[[], None] | None = None
         self.xy_override: bool | None = None  # `reload_xy` before set_monitor (kept when rank 0's applies)
         self.joined = False  # a Join context (uneven inputs): no collectives of the monitor's own
         self._joinables: list | None = None  # what a Join context may be over (`uneven.joinables`)
@@ -128,10 +132,12 @@ class StepLoop(ConfigChanges):
             self.faults,
             deriver,
             self.config.queue_size,
-            observers=(self._observe,),
+            observers=(weak_method(self._observe),),  # the worker thread must not keep the loop alive
             interval_s=self.config.write_interval_s,
         )
-        deriver.dropped = lambda: self.worker.dropped_rows
+        worker = self.worker
+        deriver.dropped = lambda: worker.dropped_rows
+        self._untrack = track(self)  # flushed at exit, or once the model and optimizer are garbage
         self.probes = [
             NewParamsProbe(self),
             p.ActivationProbe(self),
@@ -181,7 +187,7 @@ class StepLoop(ConfigChanges):
         detector = AnomalyDetector.for_job(
             alert, self.outputs.root, self.rank, group, self.outputs.run_id, ops=self.config.ops
         )
-        detector.on_anomaly.append(self._escalate)
+        detector.on_anomaly.append(weak_method(self._escalate))  # run by the worker: weakly
         return detector
 
     def _escalate(self, step: int, anomalies: list) -> None:
@@ -353,9 +359,13 @@ class StepLoop(ConfigChanges):
 
     # ==== shutdown =====================================================================================
     def close(self) -> None:
-        if self.closed:
+        """Detach, write every queued step and close the sinks. In a forked child (another pid) nothing:
+        the parent writes the inherited rows and owns the sinks."""
+        if self.closed or os.getpid() != self.pid:
             return
         self.closed = True
+        if self._untrack is not None:
+            self._untrack()
         if self.adapter is not None and self.control is None:  # static mode: say a start never reached
             unreached = self.schedule.start_not_reached(self.first_step, self.step)
             if unreached:

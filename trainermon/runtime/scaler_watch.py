@@ -14,12 +14,15 @@ A subclass loaded later (FSDP's `sharded_grad_scaler` is imported by the user, o
 which every subclass reaches through `super().__init__`, is watched too.
 
 Cost: one Python call more per scaler call, nothing while no probe is attached. The wrappers never
-raise into the training loop: a failing probe is passed over.
+raise into the training loop: a failing probe is passed over. The listeners are held weakly (a monitor
+dropped without `close()` is not kept alive by the class-level wrappers; once collected, its watch is
+removed as by `remove()`).
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Protocol
 
 import torch
@@ -33,7 +36,7 @@ class ScalerListener(Protocol):
     def scaler_unscaled(self, scaler: Any, optimizer: Any) -> None: ...
 
 
-_LISTENERS: list[ScalerListener] = []  # the attached probes
+_LISTENERS: list[weakref.ref] = []  # the attached probes (weakly: see the module docstring)
 #: (class, method name) -> (that class's own method before wrapping, the wrapper put in its place)
 _WRAPPED: dict[tuple[type, str], tuple[Any, Any]] = {}
 
@@ -51,17 +54,19 @@ def _scaler_classes(name: str) -> list[type]:
 
 
 def _tell_step(scaler: Any, optimizer: Any) -> None:
-    for listener in tuple(_LISTENERS):
+    for ref in tuple(_LISTENERS):
         try:
-            listener.scaler_step(optimizer)
+            if (listener := ref()) is not None:
+                listener.scaler_step(optimizer)
         except Exception:  # noqa: BLE001, S110 - never into the training loop; the skip is then reported
             pass
 
 
 def _tell_unscaled(scaler: Any, optimizer: Any) -> None:
-    for listener in tuple(_LISTENERS):
+    for ref in tuple(_LISTENERS):
         try:
-            listener.scaler_unscaled(scaler, optimizer)
+            if (listener := ref()) is not None:
+                listener.scaler_unscaled(scaler, optimizer)
         except Exception:  # noqa: BLE001, S110 - never into the training loop; the skip is then reported
             pass
 
@@ -121,7 +126,8 @@ class ScalerWatch:
     under it would drop that tool's wrapper."""
 
     def __init__(self, listener: ScalerListener) -> None:
-        self.listener: ScalerListener | None = listener
+        # The weak reference's callback removes this watch once the listener is collected unremoved.
+        self.listener: weakref.ref | None = weakref.ref(listener, lambda _ref: self.remove())
         if not _LISTENERS:
             for cls in {c: None for name in WATCHED for c in _scaler_classes(name)}:
                 _watch_class(cls)
@@ -130,7 +136,7 @@ class ScalerWatch:
             wrapper = _wrap_init(init)
             _WRAPPED[(base, "__init__")] = (init, wrapper)
             base.__init__ = wrapper
-        _LISTENERS.append(listener)
+        _LISTENERS.append(self.listener)
 
     def remove(self) -> None:
         listener, self.listener = self.listener, None

@@ -67,6 +67,7 @@ from trainermon.adapters.wrapped import _STEP_WRAPPER, hookable, nested_step
 from trainermon.collect.records import StepScalars
 from trainermon.copies import CopySafe
 
+from .lifecycle import weak_global_hook, weak_method
 from .plan import StepPlan
 from .probes.base import Probe
 from .scaler_watch import ScalerWatch
@@ -111,9 +112,10 @@ class SkippedStepProbe(Probe):
             mark = torch.compiler.disable(self._mark_closure)  # never traced: see hook_optimizer_step
             handles.append(optimizer.register_step_pre_hook(CopySafe(mark)))
             # Global pre-hooks run before any instance's: a step() whose own hooks raise still began
-            began = torch.compiler.disable(self._began)
-            handles.append(register_optimizer_step_pre_hook(began))
-            handles.append(register_optimizer_step_post_hook(torch.compiler.disable(self._ended)))
+            # Weakly: torch's global registry must not keep a monitor dropped without close() alive
+            disable = torch.compiler.disable
+            handles.append(weak_global_hook(register_optimizer_step_pre_hook, self._began, disable))
+            handles.append(weak_global_hook(register_optimizer_step_post_hook, self._ended, disable))
             if callable(getattr(optimizer, "_optimizer_step_code", None)):
                 handles.append(self._patch_updated(optimizer))
         handles.append(ScalerWatch(self))
@@ -137,7 +139,10 @@ class SkippedStepProbe(Probe):
         try:
             ready = [p for p in self.lazy if not is_lazy(p)]
             self.lazy = [p for p in self.lazy if is_lazy(p)]
-            self.hooks.items += [p.register_post_accumulate_grad_hook(self._backward) for p in ready]
+            # Weakly: torch keeps a parameter's hooks in C++ too, a reference the garbage collector cannot
+            # see, so a strong one would keep the model and this monitor alive forever once dropped.
+            backward = weak_method(self._backward)
+            self.hooks.items += [p.register_post_accumulate_grad_hook(backward) for p in ready]
             self.watched += ready
         except Exception as exc:  # noqa: BLE001 - skips are then not seen; training goes on
             self.lazy = []
