@@ -91,7 +91,8 @@ class StepCollector(HookRows):
             if kind is Sharded:
                 # A rank off coordinate 0 of a replicated group still adds the (empty) row: every rank
                 # then sees the groups in the same order, which the merge relies on (see `merge_sharded`).
-                index = sharded.append(meta, seq, placement.over, writes, device_hint(entries))
+                device = device_hint(entries, placement.over[0])
+                index = sharded.append(meta, seq, placement.over, writes, device)
                 if takes and tensor is not None and tensor.numel() > 0:
                     pending.append((index, tensor))
                 continue

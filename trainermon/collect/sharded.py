@@ -101,7 +101,7 @@ def local_grad_sumsq(rows: list[RowMeta], parts: list[torch.Tensor], sharded: Sh
     """This rank's share of the job-wide gradient sum of squares, before any merge: its written local
     `grad_reduced` rows plus its pieces of the sharded ones (a sharded row holds pieces only on the
     ranks that take part, one replica per copy, so the job's sum counts every element once)."""
-    device = parts[0].device if parts else (sharded.parts[0].device if sharded.parts else None)
+    device = parts[0].device if parts else (sharded.parts[0].device if sharded.parts else group_device())
     total = torch.zeros((), dtype=torch.float64, device=device)
     for metas, tables in ((rows, parts), (sharded.rows, sharded.parts)):
         mine = [i for i, r in enumerate(metas) if r.family == "grad_reduced"]
@@ -125,11 +125,26 @@ def job_sumsq_row(local: torch.Tensor, summed: torch.Tensor | None) -> torch.Ten
     return out
 
 
-def device_hint(entries: Sequence[tuple[int, str, int | None, TensorPiece]]) -> torch.device:
+def device_hint(
+    entries: Sequence[tuple[int, str, int | None, TensorPiece]], group: Any = None
+) -> torch.device:
+    """Where this rank builds a sharded row's partials: its piece's device, else (it holds no element,
+    e.g. an FSDP rank without a LoRA adapter's shard) the device `group`'s backend needs, so that an
+    all-empty rank never hands a CPU tensor to NCCL."""
     for *_, piece in entries:
         if piece.tensor is not None:
             return piece.tensor.device
-    return torch.device("cpu")
+    return group_device(group)
+
+
+def group_device(group: Any = None) -> torch.device:
+    """The device `group`'s (default: the default group's) backend communicates on; CPU without one."""
+    try:
+        from torch.distributed.distributed_c10d import _get_pg_default_device
+
+        return _get_pg_default_device(group)
+    except Exception:  # noqa: BLE001 - no process group, or a torch without it: CPU (gloo)
+        return torch.device("cpu")
 
 
 def by_device(rows: list, tensors: list[torch.Tensor]) -> list[tuple[list, list[torch.Tensor]]]:
