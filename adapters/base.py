@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.compiler import is_compiling  # imported with torch itself
 
 from trainermon.collect.placement import Local, Placement, Sharded, TensorPiece
 from trainermon.collect.records import StepScalars
@@ -79,10 +80,22 @@ class GradTaps:
 
 
 def _microbatch_hook(taps: GradTaps, index: int) -> Callable[[torch.Tensor], None]:
+    """A parameter's micro-batch hook. Eager: one `is_compiling()` call beyond the report. Under compiled
+    autograd dynamo traces a parameter's hooks: the report runs outside the trace (a graph break), since
+    traced, the collector's bookkeeping guarded the graph and recompiled at every row it added."""
+
     def hook(grad: torch.Tensor) -> None:
-        taps.on_microbatch(index, grad)
+        if is_compiling():
+            _report_outside(taps, index, grad)
+        else:
+            taps.on_microbatch(index, grad)
 
     return hook
+
+
+@torch.compiler.disable
+def _report_outside(taps: GradTaps, index: int, grad: torch.Tensor) -> None:
+    taps.on_microbatch(index, grad)
 
 
 class Adapter(ABC):
@@ -117,6 +130,14 @@ class Adapter(ABC):
     @abstractmethod
     def roots(self) -> list[torch.nn.Module]:
         """The unwrapped model chunks; module names are relative to these (vpp_stage = index)."""
+
+    def torch_ddps(self) -> list[Any]:
+        """The torch DistributedDataParallel objects that reduce the monitored model's gradients, as found
+        so far (a DDP found after set_monitor joins later): by default the chunks that are one. A list
+        built from what the adapter holds: cheap, read at collected steps only (`cc_distribution`)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        return [c for c in self.chunks if isinstance(c, DistributedDataParallel)]
 
     def global_name(self, vpp_stage: int, name: str) -> str:
         """The name a single-process model gives the module `name` of chunk `vpp_stage` (pipeline stages

@@ -108,6 +108,10 @@ class TorchAdapter(Adapter):
     def roots(self) -> list[torch.nn.Module]:
         return self._roots
 
+    def torch_ddps(self) -> list[Any]:
+        # also those under other wrappers or around the given module, and one found late (_late_ddps)
+        return list(self._ddps)
+
     def agree(self, group: Any, failed: bool = False) -> None:
         import torch.distributed as dist
 

@@ -107,6 +107,8 @@ class CommProbe(Probe):
                 "to watch, so no comm rows (the check runs again at each collected step)",
             )
             return
+        if not self.recorder.config.cc_log_only:
+            self._hook_ddp()  # a DDP the adapter found since (after the first collected step)
         self.recorder.reset()
         self._current, self._in_forward, self._backward = 0, False, None
         self._waiting.clear()
@@ -299,14 +301,16 @@ class CommProbe(Probe):
 
     # ==== DDP, log-only, warnings =================================================================
     def _hook_ddp(self) -> None:
-        from torch.nn.parallel import DistributedDataParallel
-
-        for chunk in getattr(self.loop.adapter, "chunks", []):
-            if not isinstance(chunk, DistributedDataParallel) or id(chunk) in self._ddp_done:
+        """Shares the comm-hook slot of each DDP the adapter has found and this probe has not hooked: the
+        DDP may sit under torch.compile or around the module set_monitor got, or be found after the first
+        collected step (then hooked at the next one's `begin`). A short list walk per collected step."""
+        finder = getattr(self.loop.adapter, "torch_ddps", None)
+        for ddp in finder() if finder is not None else []:
+            if id(ddp) in self._ddp_done:
                 continue
-            self._ddp_done.add(id(chunk))
+            self._ddp_done.add(id(ddp))
             try:
-                share_slot(chunk)
+                share_slot(ddp)
             except Exception as exc:  # noqa: BLE001 - DDP refused: its own path stays
                 logger.warning(
                     "trainermon: cc_distribution cannot see DDP's gradient all-reduces (%s); "
