@@ -4,8 +4,8 @@ Endpoint: `http://{host}:{port}/metrics`, host 127.0.0.1 by default. Port: `prom
 LOCAL_RANK when the port is set, or a free port chosen by the OS when it is 0 (the default). The
 address is written to `{run_dir}/prometheus.json` and said on stderr by local rank 0 (`discovery.announce`),
 and a file_sd target file is written to `{MONITOR_OUTPUT_DIR}/{sd_dir}/rank{R}-{run_id}.json` with the
-writer's pid and host; it is removed on close or SIGTERM, and a dead run's file of the same rank when the
-next sink of that rank opens (`discovery`).
+writer's pid and host; it is removed on close (and at interpreter exit), and a dead run's file of the
+same rank (SIGKILL, SIGTERM: no handler is installed) when the next sink of that rank opens (`discovery`).
 
 Series (every one labelled with `rank`):
 

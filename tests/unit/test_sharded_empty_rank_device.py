@@ -1,34 +1,64 @@
 """A rank holding no element of any sharded row (an FSDP rank without a LoRA adapter's shard) builds its
-partials on the device its group's backend needs, not on the CPU: NCCL cannot all-gather a CPU tensor.
-No GPU here: the backend's answer (`_get_pg_default_device`) is replaced by a stand-in that returns the
-`meta` device and records the group it was asked about; the real gloo answer (CPU) is checked too."""
+partials on the device its group's collectives run on, not on the CPU: NCCL cannot all-gather a CPU
+tensor. Real gloo groups in a child process; the backend strings of NCCL/HCCL groups (which cannot be
+made here) are given to the function that reads them."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
+import pytest
 import torch
-import torch.distributed.distributed_c10d as c10d
 
+from tests.distributed import free_port
 from trainermon.collect.placement import Sharded, TensorPiece
-from trainermon.collect.sharded import ShardedRows, device_hint, group_device, local_grad_sumsq
+from trainermon.collect.sharded import accelerator_of, device_hint, group_device
+
+CHILD = textwrap.dedent(
+    """
+    import os, sys, torch, torch.distributed as dist
+    from trainermon.collect.placement import Sharded, TensorPiece
+    from trainermon.collect.sharded import device_hint, group_device
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+    dist.init_process_group(sys.argv[1], rank=0, world_size=1)
+    group = dist.new_group([0])
+    empty = [(0, "grad_reduced", None, TensorPiece(None, Sharded(group), (4, 4), torch.float32))]
+    print(device_hint(empty, group).type, group_device().type)  # no tensor made: no CUDA here
+    dist.destroy_process_group()
+    """
+)
 
 
-def _empty(group: object) -> list:
-    return [(0, "grad_reduced", None, TensorPiece(None, Sharded(group), (4, 4), torch.float32))]
+def _devices(backend: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, backend, str(free_port())], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.split()
 
 
-def test_an_empty_rank_asks_its_groups_backend(monkeypatch):
-    asked = []
+def test_a_gloo_group_stays_on_cpu():
+    assert _devices("gloo") == ["cpu", "cpu"]  # a sharded row, the default group
+    assert _devices("cpu:gloo,cuda:gloo") == ["cpu", "cpu"]  # gloo serves CUDA too: CPU tensors stay
 
-    def stand_in(group=None):  # what NCCL would answer: its CUDA device
-        asked.append(group)
-        return torch.device("meta")
 
-    monkeypatch.setattr(c10d, "_get_pg_default_device", stand_in)
-    group = object()
-    assert device_hint(_empty(group), group) == torch.device("meta")
-    assert asked == [group]
-    total = local_grad_sumsq([], [], ShardedRows())  # no rows at all: the default group's device
-    assert total.device == torch.device("meta") and asked[-1] is None
+@pytest.mark.parametrize(
+    "backend, types, want",
+    [
+        ("cpu:gloo,cuda:nccl", ["cuda", "cpu"], "cuda"),  # torchtitan's group: merged on NCCL
+        ("cuda:nccl,cpu:gloo", ["cuda", "cpu"], "cuda"),
+        ("nccl", ["cuda"], "cuda"),
+        ("hccl", ["npu"], "npu"),
+        ("gloo", ["cpu", "cuda"], None),
+        ("cpu:gloo,cuda:gloo", ["cuda", "cpu"], None),
+    ],
+)
+def test_the_accelerator_a_groups_backend_needs(backend, types, want):
+    # No GPU here: the backend string a NCCL group reports is given, since it cannot be created.
+    assert accelerator_of(backend, types) == want
 
 
 def test_a_piece_keeps_its_own_device_and_no_group_means_cpu():

@@ -138,13 +138,36 @@ def device_hint(
 
 
 def group_device(group: Any = None) -> torch.device:
-    """The device `group`'s (default: the default group's) backend communicates on; CPU without one."""
+    """The device `group`'s (default: the default group's) collectives run on when a rank has no tensor
+    to tell: the accelerator of a non-gloo backend (a `cpu:gloo,cuda:nccl` group merges on NCCL, where
+    the ranks holding pieces have them; torch's `_get_pg_default_device` answers CPU for it), else CPU."""
     try:
-        from torch.distributed.distributed_c10d import _get_pg_default_device
+        import torch.distributed as dist
 
-        return _get_pg_default_device(group)
-    except Exception:  # noqa: BLE001 - no process group, or a torch without it: CPU (gloo)
-        return torch.device("cpu")
+        if not (dist.is_available() and dist.is_initialized()):
+            return torch.device("cpu")
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        kind = accelerator_of(str(dist.get_backend(pg)), [torch.device(t).type for t in pg._device_types])
+        module = getattr(torch, kind, None) if kind else None
+        if module is not None and module.is_available():
+            return torch.device(kind, module.current_device())
+    except Exception:  # noqa: BLE001 - no group, or a torch without these calls: CPU (gloo)
+        pass
+    return torch.device("cpu")
+
+
+def accelerator_of(backend: str, device_types: list[str]) -> str | None:
+    """The device type a group's collectives need, from its backend string ("gloo", "nccl",
+    "cpu:gloo,cuda:nccl") and device types; None where gloo serves (CPU tensors)."""
+    if ":" in backend:
+        for pair in backend.split(","):
+            device, _, name = pair.partition(":")
+            if device.strip() != "cpu" and name.strip() != "gloo":
+                return device.strip()
+        return None
+    if backend == "gloo":
+        return None
+    return next((t for t in device_types if t != "cpu"), None)
 
 
 def by_device(rows: list, tensors: list[torch.Tensor]) -> list[tuple[list, list[torch.Tensor]]]:
