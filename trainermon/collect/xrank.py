@@ -352,10 +352,7 @@ def _keys(rows: Sequence[RowMeta]) -> list[Key]:
 
 
 def _default_device() -> torch.device:
-    """Where a rank with no rows builds its table: the device the default group's backend needs."""
-    try:
-        from torch.distributed.distributed_c10d import _get_pg_default_device
+    """Where a rank with no rows builds its table: the device the default group's collectives run on."""
+    from .sharded import group_device
 
-        return _get_pg_default_device()
-    except Exception:  # noqa: BLE001 - a torch without it: CPU (gloo)
-        return torch.device("cpu")
+    return group_device()
