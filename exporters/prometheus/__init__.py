@@ -176,7 +176,7 @@ class PrometheusExporter(Exporter):
             os.makedirs(directory, exist_ok=True)
             path = os.path.join(directory, f"rank{run.rank}-{run.run_id}.json")
             # an earlier run's file of this rank (its process killed) would keep a dead or reused address
-            discovery.remove_stale(directory, run.rank, path, target)
+            discovery.remove_stale(directory, run.rank, path, target, run.world_size, run.local_rank)
             self.sd_path = path
             # The writer (pid, host) in a second group without targets: Prometheus makes no target of it,
             # and the rank's group keeps the one label every series gets.

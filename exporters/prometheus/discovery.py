@@ -46,29 +46,50 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _is_stale(body: Any, target: str, host: str) -> bool:
+    """Whether a target file belongs to an ended run: written on this host by a dead process, or (same
+    host, or a file without writer labels) naming the address this sink now holds."""
     if not isinstance(body, list):
         return False
+    addressed, writer = False, None
     for group in body:
         if not isinstance(group, dict):
             continue
-        if target in (group.get("targets") or []):
-            return True  # our address: whoever wrote it is gone (the port is ours now)
+        addressed = addressed or target in (group.get("targets") or [])
         labels = group.get("labels") or {}
         pid = labels.get(PID_LABEL)
-        if labels.get(HOST_LABEL) == host and isinstance(pid, str) and pid.isdigit():
-            if int(pid) != os.getpid() and not _pid_alive(int(pid)):
-                return True
-    return False
+        if isinstance(pid, str) and pid.isdigit():
+            writer = (labels.get(HOST_LABEL), int(pid))
+    if writer is None:
+        return addressed  # an older file: the address alone tells (the port is ours now)
+    if writer[0] != host:
+        return False  # another host's file: its pid means nothing here, nor does 127.0.0.1
+    return addressed or (writer[1] != os.getpid() and not _pid_alive(writer[1]))
 
 
-def remove_stale(directory: str, rank: int, own_path: str, target: str) -> list[str]:
-    """Remove the target files of this rank (`rank{R}-*.json`, other than `own_path`) whose writer is a
-    dead process of this host, or whose target is `target` (the address this sink now holds). Files of a
-    live job (another run of the same rank on this host, or another host's) stay. Costs a directory
-    listing and a read of each of the rank's files, once when the sink opens."""
+def _rank_of(path: str) -> int | None:
+    name = os.path.basename(path)
+    head = name.split("-", 1)[0][len("rank") :]
+    return int(head) if head.isdigit() else None
+
+
+def remove_stale(
+    directory: str, rank: int, own_path: str, target: str, world_size: int = 0, local_rank: int = -1
+) -> list[str]:
+    """Remove target files of ended runs: this rank's (`rank{R}-*.json`, other than `own_path`) whose
+    writer is a dead process of this host or that name `target` (the address this sink now holds); and,
+    on local rank 0, those of ranks this job does not have (`rank >= world_size`: a relaunch with fewer
+    ranks) written on this host by a dead process. Files of a live job or another host stay. Costs a
+    directory listing and a read of the files named, once when the sink opens (no rank reads every
+    rank's files: at thousands of ranks on a shared file system that would be millions of reads)."""
     host = socket.gethostname()
     removed = []
-    for path in glob.glob(os.path.join(glob.escape(directory), f"rank{rank}-*.json")):
+    paths = glob.glob(os.path.join(glob.escape(directory), f"rank{rank}-*.json"))
+    if local_rank == 0 and world_size > 0:
+        for path in glob.glob(os.path.join(glob.escape(directory), "rank*-*.json")):
+            other = _rank_of(path)
+            if other is not None and other >= world_size:
+                paths.append(path)
+    for path in paths:
         if os.path.abspath(path) == os.path.abspath(own_path):
             continue
         try:

@@ -172,3 +172,38 @@ def test_local_rank_0_says_where_it_listens_once_and_the_others_do_not(tmp_path)
     assert "Prometheus metrics" not in stderr, stderr
     with open(os.path.join(run_dir, "prometheus.json")) as fh:
         assert json.load(fh)["url"].startswith("http://127.0.0.1:")
+
+
+def _target_file(path, target: str, pid: int, host: str) -> None:
+    from trainermon.exporters.prometheus.discovery import HOST_LABEL, PID_LABEL
+
+    body = [
+        {"targets": [target], "labels": {"run_id": "r"}},
+        {"targets": [], "labels": {PID_LABEL: str(pid), HOST_LABEL: host}},
+    ]
+    path.write_text(json.dumps(body))
+
+
+def test_a_relaunch_with_fewer_ranks_removes_the_dead_ranks_files_on_local_rank_0(tmp_path):
+    from trainermon.exporters.prometheus.discovery import remove_stale
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(30)  # a pid of this host that no longer runs
+    here = socket.gethostname()
+    _target_file(tmp_path / "rank3-old.json", "127.0.0.1:1", dead.pid, here)  # scaled away, writer dead
+    _target_file(tmp_path / "rank4-live.json", "127.0.0.1:2", os.getpid(), here)  # a live job's
+    _target_file(tmp_path / "rank5-far.json", "127.0.0.1:3", dead.pid, here + "-other")  # another host's
+    _target_file(tmp_path / "rank1-old.json", "127.0.0.1:4", dead.pid, here)  # a rank this job has
+    own = str(tmp_path / "rank0-new.json")
+    assert remove_stale(str(tmp_path), 0, own, "127.0.0.1:9", world_size=2, local_rank=1) == []
+    removed = remove_stale(str(tmp_path), 0, own, "127.0.0.1:9", world_size=2, local_rank=0)
+    assert [os.path.basename(p) for p in removed] == ["rank3-old.json"]
+    left = sorted(os.path.basename(p) for p in glob.glob(str(tmp_path / "*.json")))
+    assert left == ["rank1-old.json", "rank4-live.json", "rank5-far.json"]  # rank 1 removes its own
+
+
+def test_an_address_named_by_another_hosts_file_is_not_ours(tmp_path):
+    from trainermon.exporters.prometheus.discovery import remove_stale
+
+    _target_file(tmp_path / "rank0-far.json", "127.0.0.1:9", os.getpid(), socket.gethostname() + "-other")
+    assert remove_stale(str(tmp_path), 0, str(tmp_path / "rank0-new.json"), "127.0.0.1:9") == []
