@@ -255,6 +255,24 @@ def any_over_ranks(flags: Sequence[bool], groups: Sequence[Any], device: torch.d
     return [bool(v) for v in t.tolist()]
 
 
+#: The longest gap, in reads of one state key (collected steps), between two agreements on parameters
+#: that had no state on any rank at the last one.
+AGREE_EVERY_MAX = 64
+
+
+class _KeyRows:
+    """What `AgreedRows` knows of one state key; the same on every rank (filled from agreed results)."""
+
+    __slots__ = ("held", "asked", "reads", "due", "gap")
+
+    def __init__(self) -> None:
+        self.held: set[int] = set()  # parameters found with state on some rank (state that exists stays)
+        self.asked: set[int] = set()  # parameters asked about at least once
+        self.reads = 0  # reads of this key so far: every rank counts them alike (each could agree)
+        self.due = 0  # the read at which parameters without state are asked about again
+        self.gap = 1
+
+
 class AgreedRows:
     """Which sharded parameters have a row of a family, decided the same way on every rank.
 
@@ -262,24 +280,40 @@ class AgreedRows:
     a gradient or optimizer state is known only where its elements are: under FSDP1 a rank holding no
     element of a parameter (a LoRA adapter inside a layer's flat parameter, all on rank 0) has neither
     its gradient nor its optimizer state. Each rank's flags are OR-ed over the shard groups. State that
-    exists stays, so a parameter found with state `key` is not asked about again: the all-reduce runs
-    only while some parameter has no state yet (normally the first collected step), never after.
+    exists stays, so a parameter found with state `key` is not asked about again. One without state on
+    any rank (a never-used head, an unrouted expert) is asked about again on a schedule every rank
+    follows alike: after 1, 2, 4, ... reads of the key, at most every `AGREE_EVERY_MAX`; at once for a
+    parameter never asked about (one the adapter added after `add_param_group`), and the back-off starts
+    over after an agreement that found new state or asked about a new parameter. Between agreements the
+    answer for such a parameter stays False on every rank even where this rank now holds state: a row
+    written from local state then must exist on every rank alike (FSDP2's DTensor state), else wait.
     """
 
     def __init__(self) -> None:
-        self._held: dict[str, set[int]] = {}  # state key -> indices of parameters found with it
+        self._keys: dict[str, _KeyRows] = {}
 
     def state(
         self, key: str, indices: Sequence[int], local: Sequence[bool], groups: Sequence[Any], device: Any
     ) -> list[bool]:
-        """Whether parameter `indices[i]` holds state `key` on some rank (`local[i]`: on this one).
-        `indices` must be the same on every rank of `groups`; costs `any_over_ranks` while some
-        parameter of `indices` was never found with state, nothing after."""
-        held = self._held.setdefault(key, set())
+        """Whether parameter `indices[i]` holds state `key` on some rank (`local[i]`: on this one, used
+        only when agreeing). `indices` and the calls for `key` must be the same on every rank of `groups`.
+        Costs `any_over_ranks` on the reads the schedule picks while some parameter of `indices` has no
+        state (about log2 of the reads up to 64, then one in 64), else a set lookup per parameter."""
+        rows = self._keys.get(key)
+        if rows is None:
+            rows = self._keys[key] = _KeyRows()
+        held, read = rows.held, rows.reads
+        rows.reads = read + 1
         ask = [i for i, index in enumerate(indices) if index not in held]
-        if ask:
+        fresh = any(indices[i] not in rows.asked for i in ask)
+        if ask and (read >= rows.due or fresh):
             found = any_over_ranks([local[i] for i in ask], groups, device)
-            held.update(indices[i] for i, f in zip(ask, found) if f)
+            new = [indices[i] for i, f in zip(ask, found) if f]
+            held.update(new)
+            rows.asked.update(indices[i] for i in ask)
+            # New state or a new parameter: others may follow soon (an expert routed, a group added).
+            rows.gap = 1 if new or fresh else min(2 * rows.gap, AGREE_EVERY_MAX)
+            rows.due = read + rows.gap
         return [index in held for index in indices]
 
 

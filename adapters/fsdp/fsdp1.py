@@ -387,10 +387,12 @@ class Fsdp1Adapter(Adapter):
                 key, [params[i].index for i in ask], local, *self._agreement(params, ask)
             )
             held = {i for i, on in zip(ask, found) if on}
+        asked = set(ask)
         out: list[TensorPiece | None] = []
         for i, (mp, value) in enumerate(zip(params, values)):
             slot = self._slot_of[mp.index]
-            if value is None and i not in held:
+            # A sharded row only where agreed: state gained between agreements may be on some ranks only.
+            if i not in held if i in asked else value is None:
                 out.append(None)
             elif slot is None:
                 out.append(TensorPiece.whole(value, LOCAL))
