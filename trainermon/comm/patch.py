@@ -7,7 +7,11 @@ Code that imported a collective by name (`from torch.distributed import all_redu
 `dist_all_gather_func = torch.distributed.all_gather_into_tensor`) holds the original in a module global:
 the first install scans the modules already imported (outside torch and trainermon) once for such
 aliases, and each install patches the ones that still hold the original. Modules imported after that
-scan, and aliases held elsewhere (a class attribute, a closure), keep the original and are not seen."""
+scan, and aliases held elsewhere (a class attribute, a closure), keep the original and are not seen.
+
+Each wrapper calls what it replaced through a one-item list, its link (`__trainermon_link__`): a wrapper
+left under another monitor's (a monitor dropped without `close()` while a newer one is patched over it)
+is spliced out of the chain when it is removed, instead of staying in it for the rest of the process."""
 
 from __future__ import annotations
 
@@ -39,8 +43,11 @@ class Recorder(Protocol):
 
 
 def _wrap(original: Any, spec: OpSpec, recorder: Recorder) -> Any:
+    link = [original]  # what this wrapper calls: changed when a wrapper under it is spliced out
+
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        original = link[0]
         if getattr(_inside, "depth", 0) or not recorder.active():
             return original(*args, **kwargs)
         _inside.depth = 1
@@ -61,7 +68,9 @@ def _wrap(original: Any, spec: OpSpec, recorder: Recorder) -> Any:
             _inside.depth = 0
 
     wrapper.__trainermon_comm__ = True  # type: ignore[attr-defined]
-    return _eager(wrapper)
+    eager = _eager(wrapper)
+    eager.__trainermon_link__ = link  # type: ignore[attr-defined]
+    return eager
 
 
 def _eager(wrapper: Any) -> Any:
@@ -80,8 +89,11 @@ def _eager(wrapper: Any) -> Any:
 
 
 def _wrap_batch(original: Any, recorder: Recorder) -> Any:
+    link = [original]
+
     @functools.wraps(original)
     def wrapper(p2p_op_list: list, *args: Any, **kwargs: Any) -> Any:
+        original = link[0]
         if getattr(_inside, "depth", 0) or not recorder.active():
             return original(p2p_op_list, *args, **kwargs)
         _inside.depth = 1
@@ -102,6 +114,7 @@ def _wrap_batch(original: Any, recorder: Recorder) -> Any:
             _inside.depth = 0
 
     wrapper.__trainermon_comm__ = True  # type: ignore[attr-defined]
+    wrapper.__trainermon_link__ = link  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -125,11 +138,12 @@ def find_aliases(originals: dict[int, Any]) -> list[tuple[Any, str, Any]]:
 def _wrap_coalescing(original: Any, recorder: Recorder) -> Any:
     """Inside `_coalescing_manager` a collective only queues its op; the data moves at the block's exit,
     so the outputs of the calls queued in it are read there (or when its work completes)."""
+    link = [original]
 
     @contextlib.contextmanager
     @functools.wraps(original)
     def wrapper(group: Any = None, device: Any = None, async_ops: bool = False):  # noqa: ANN202
-        with original(group, device, async_ops) as cm:
+        with link[0](group, device, async_ops) as cm:
             yield cm
         if recorder.active():
             try:
@@ -138,6 +152,7 @@ def _wrap_coalescing(original: Any, recorder: Recorder) -> Any:
                 recorder.fault("collective post-hook", exc)
 
     wrapper.__trainermon_comm__ = True  # type: ignore[attr-defined]
+    wrapper.__trainermon_link__ = link  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -197,13 +212,38 @@ class Patches:
         self._saved.append((module, attr, original, wrapper))
 
     def uninstall(self) -> None:
+        """Put back what each wrapper calls now; a wrapper another monitor's wrapper replaced is spliced out
+        of that one's link. Changes module attributes and links only (no dict grows or shrinks)."""
+        spliced: set[int] = set()  # one wrapper set in several modules (c10d, aliases): one chain
         for module, attr, original, wrapper in reversed(self._saved):
-            if getattr(module, attr, None) is wrapper:
-                setattr(module, attr, original)
-            else:  # someone replaced the wrapper since: theirs stays, ours is idle from here on
+            link = getattr(wrapper, "__trainermon_link__", None)
+            below = original if link is None else link[0]  # a wrapper under ours may be spliced out since
+            current = getattr(module, attr, None)
+            if current is wrapper:
+                setattr(module, attr, below)
+            elif id(wrapper) in spliced:
+                continue
+            elif _splice(current, wrapper, below):
+                spliced.add(id(wrapper))
+            else:  # another tool's wrapper: it stays, ours is idle from here on
                 logger.warning(
                     "trainermon: %s.%s was replaced while cc_distribution watched it; left as it is",
                     module.__name__,
                     attr,
                 )
         self._saved.clear()
+
+
+def _splice(top: Any, wrapper: Any, below: Any) -> bool:
+    """Make the trainermon wrapper that calls `wrapper` (in the chain of our wrappers from `top`) call
+    `below` instead. False when the chain reaches something else first."""
+    node = top
+    for _ in range(256):  # a chain is as long as the monitors patched over one another
+        link = getattr(node, "__trainermon_link__", None)
+        if link is None:
+            return False
+        if link[0] is wrapper:
+            link[0] = below
+            return True
+        node = link[0]
+    return False

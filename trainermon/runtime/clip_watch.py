@@ -18,7 +18,7 @@ The wrappers exist only while some monitor's collected step reads gradients (`wa
 like the collective wrappers of `trainermon.comm.patch`: steps that collect nothing call torch's own
 functions. A wrapper costs one Python call and, with its listeners, a set lookup per clipped parameter.
 Listeners are held weakly: a monitor dropped without `close()` is not kept alive by the wrappers; once
-collected, its watch is removed as by `Watch.remove`.
+collected, its watch is removed as by `Watch.remove` at the next set_monitor or close.
 A clipping that torch.compile traces calls the original (no graph break, so `fullgraph=True` stays
 valid, and no recompilation after the monitor is gone): its gradients are read at the pre-step.
 """
@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
+from .lifecycle import later
 
 
 class Listener(Protocol):
@@ -82,8 +84,9 @@ class Watch:
     other listener holds it (unless something else has replaced the wrapper since)."""
 
     def __init__(self, listener: Listener, keys: list[tuple[int, str]]) -> None:
-        # The callback removes this watch once the listener is collected unremoved.
-        self.listener, self.keys = weakref.ref(listener, lambda _ref: self.remove()), keys
+        # Once the listener is collected unremoved, this watch is removed at the next `settle` (never by the
+        # callback itself: it may run inside `watch` or a wrapper, between a check and its update).
+        self.listener, self.keys = weakref.ref(listener, lambda _ref: later(self.remove)), keys
 
     def remove(self) -> None:
         _listeners[:] = [ref for ref in _listeners if ref is not self.listener]  # identity, not ==

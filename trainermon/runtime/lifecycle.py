@@ -13,6 +13,12 @@ not its threads: in another process `close()` and the exit handler touch nothing
 those rows; a child flushing them again duplicates them, and a sink waiting for a thread the child lacks
 hangs its exit).
 
+A weakref callback or finalizer runs wherever the garbage collector runs: inside torch's iteration over
+its global optimizer hooks (a collection triggered by an allocation in another global hook, or on another
+thread), inside a wrapper of ours. It never removes anything from a process-wide registry itself: it
+queues the removal (`later`), run at the next safe point (`settle`: set_monitor and close, on the
+caller's thread). A collected monitor's hooks and wrappers are inert until then (they find it gone).
+
 Costs: nothing per step; at attach, one finalizer and a scan of the live monitors (`same_target`).
 """
 
@@ -47,15 +53,41 @@ def weak_global_hook(
     register: Callable[[Callable], Any], method: Callable, wrap: Callable = lambda f: f
 ) -> Any:
     """`register(wrap(weak_method(method)))` (a global registry, e.g. torch's optimizer step hooks), whose
-    handle is removed when `method`'s object is collected. Returns that handle."""
+    handle is removed at the first `settle()` after `method`'s object is collected (never by the weakref
+    callback: torch may be iterating the registry then). Returns that handle."""
     handles: list[Any] = []
 
     def unregister() -> None:
         for handle in handles:
             handle.remove()
 
-    handles.append(register(wrap(weak_method(method, unregister))))
+    handles.append(register(wrap(weak_method(method, lambda: later(unregister)))))
     return handles[0]
+
+
+#: removals asked for by weakref callbacks and finalizers, run by `settle` (appended atomically)
+_PENDING: list[Callable[[], None]] = []
+
+
+def later(removal: Callable[[], None]) -> None:
+    """Queue `removal` for the next `settle()`: what a weakref callback or finalizer does instead of
+    changing a process-wide registry (safe on any thread, at any point: one list append)."""
+    _PENDING.append(removal)
+
+
+def settle() -> None:
+    """Run the queued removals of collected monitors (their global hooks, watches, patched functions).
+    Called at set_monitor and close, on the caller's thread, outside any hook of torch's. Costs nothing
+    when none is queued."""
+    while _PENDING:
+        try:
+            removal = _PENDING.pop(0)
+        except IndexError:  # another thread took the last one
+            return
+        try:
+            removal()
+        except Exception as exc:  # noqa: BLE001 - a removal failing leaves an inert hook; never raises
+            logger.debug("trainermon: removing a collected monitor's hook failed: %s", exc)
 
 
 class _Ends:
@@ -66,6 +98,7 @@ class _Ends:
         self.pid = os.getpid()
         self.loop = weakref.ref(loop)
         self.worker, self.detector, self.control = loop.worker, loop.detector, loop.control
+        self.releases: list[Callable[[], None]] = []  # process-wide patches to undo (`on_drop`), queued
 
     def dropped(self) -> None:
         """The loop was collected unclosed (its model and optimizer are garbage): write what is queued and
@@ -82,6 +115,8 @@ class _Ends:
                 pass
         if self.worker is not None and self.worker.stopping():
             _STOPPING.append(self.worker)
+        for release in self.releases:  # a wrapper of ours may be running now: undone at `settle`
+            later(release)
 
 
 #: id(_Ends) -> the parts of each attached, unclosed loop of this process (strong: flushed at exit)
@@ -110,7 +145,14 @@ def track(loop: Any) -> Callable[[], None]:
         _ENDS.pop(id(ends), None)
         _LIVE.discard(loop)
 
+    untrack.ends = ends  # type: ignore[attr-defined]  # for `on_drop`
     return untrack
+
+
+def on_drop(untrack: Callable[[], None], release: Callable[[], None]) -> None:
+    """`release()` (which must not hold the loop) is queued for `settle` once the loop of `untrack` is
+    collected unclosed: process-wide patches a dropped monitor leaves (its collective wrappers)."""
+    untrack.ends.releases.append(release)  # type: ignore[attr-defined]
 
 
 def same_target(loop: Any, adapter: Any) -> list[Any]:
@@ -152,6 +194,7 @@ def _at_exit() -> None:
     for worker in _STOPPING:
         if worker.pid == pid:
             worker.wait_stopped()
+    settle()
 
 
 atexit.register(_at_exit)

@@ -43,7 +43,7 @@ from trainermon.stats.engine import StatsEngine, check_not_capturing
 
 from .control import DynamicControl
 from .escalation import Escalation
-from .lifecycle import track, weak_method
+from .lifecycle import on_drop, settle, track, weak_method
 from .outputs import Outputs
 from .owntime import OwnTime
 from .plan import Schedule, StepPlan, plan_step
@@ -117,6 +117,7 @@ class StepLoop(ConfigChanges):
         from .growth import NewParamsProbe
         from .skips import SkippedStepProbe
 
+        settle()  # what collected monitors left in torch's registries (never removed from a weakref callback)
         self.adapter = adapter
         self.step = self.first_step = self.start_iteration = start_iteration
         self.outputs.coords = adapter.coordinates()
@@ -148,6 +149,7 @@ class StepLoop(ConfigChanges):
             SkippedStepProbe(self),
             p.CommProbe(self),
         ]
+        on_drop(self._untrack, self.probes[-1].release())  # its collective wrappers, should it be dropped
         self.subscribe(self._reselect)
         self.subscribe(self._configure_collector)
         for probe in self.probes:
@@ -366,6 +368,7 @@ class StepLoop(ConfigChanges):
         self.closed = True
         if self._untrack is not None:
             self._untrack()
+        settle()
         if self.adapter is not None and self.control is None:  # static mode: say a start never reached
             unreached = self.schedule.start_not_reached(self.first_step, self.step)
             if unreached:

@@ -16,7 +16,7 @@ which every subclass reaches through `super().__init__`, is watched too.
 Cost: one Python call more per scaler call, nothing while no probe is attached. The wrappers never
 raise into the training loop: a failing probe is passed over. The listeners are held weakly (a monitor
 dropped without `close()` is not kept alive by the class-level wrappers; once collected, its watch is
-removed as by `remove()`).
+removed as by `remove()` at the next set_monitor or close).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import weakref
 from typing import Any, Protocol
 
 import torch
+
+from .lifecycle import later
 
 WATCHED = ("step", "unscale_")
 
@@ -126,8 +128,9 @@ class ScalerWatch:
     under it would drop that tool's wrapper."""
 
     def __init__(self, listener: ScalerListener) -> None:
-        # The weak reference's callback removes this watch once the listener is collected unremoved.
-        self.listener: weakref.ref | None = weakref.ref(listener, lambda _ref: self.remove())
+        # Once the listener is collected unremoved, this watch is removed at the next `settle` (never by the
+        # callback itself: it may run inside `__init__` or `remove` of another watch, on any thread).
+        self.listener: weakref.ref | None = weakref.ref(listener, lambda _ref: later(self.remove))
         if not _LISTENERS:
             for cls in {c: None for name in WATCHED for c in _scaler_classes(name)}:
                 _watch_class(cls)

@@ -19,6 +19,8 @@ import functools
 import logging
 import os
 import time
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,6 +35,7 @@ from trainermon.comm.spec import BATCH_P2P, all_specs
 from trainermon.config import MonitorConfig
 from trainermon.copies import CopySafe
 
+from ..lifecycle import weak_method
 from ..plan import StepPlan
 from ..side_passes import SIDE_PASSES
 from .base import Probe
@@ -44,10 +47,13 @@ logger = logging.getLogger("trainermon")
 class CommProbe(Probe):
     def __init__(self, loop: Any) -> None:
         super().__init__(loop)
-        self.recorder = CommRecorder(self._compute, loop.faults.record, loop.rank, loop._lock)
-        self.recorder.busy = lambda: loop.clock.busy  # the monitor's own collectives
-        self.recorder.micro = self._micro
-        self.recorder.recv_micro = self._recv_micro
+        # The wrappers (in torch.distributed, process-wide) hold the recorder: it reaches the loop and this
+        # probe weakly, so a monitor dropped without close() is freed (then its wrappers call through).
+        self.recorder = CommRecorder(weak_method(self._compute), loop.faults.record, loop.rank, loop._lock)
+        ref = weakref.ref(loop)
+        self.recorder.busy = lambda: (alive := ref()) is None or alive.clock.busy  # the monitor's own too
+        self.recorder.micro = weak_method(self._micro)
+        self.recorder.recv_micro = weak_method(self._recv_micro)
         self.patches = Patches()
         self.enabled = False
         self.specs: list = []
@@ -211,6 +217,11 @@ class CommProbe(Probe):
         self._off()
         self._settle_pending(wait=True)
 
+    def release(self) -> Callable[[], None]:
+        """What undoes this probe's process-wide patches without holding the probe or the loop: queued by
+        `lifecycle` if the monitor is dropped unclosed."""
+        return functools.partial(_release, self.patches)
+
     def _off(self) -> None:
         self.recorder.on = False
         PIPE.reset(False)
@@ -357,6 +368,12 @@ class _BackwardStart:
 
     def __call__(self, grad_outputs: tuple) -> None:
         self.probe._backward_start(self.micro)
+
+
+def _release(patches: Patches) -> None:
+    if patches.installed:
+        patches.uninstall()
+        PIPE.reset(False)  # a dropped monitor's collected step left the stages' tagging on
 
 
 def _grad_node(output: Any) -> Any:
