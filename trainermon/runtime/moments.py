@@ -191,6 +191,14 @@ class MomentKeys:
                 what = "no optimizer was given to set_monitor"
             elif not self.optimizers:
                 what = f"no torch optimizer found in {self.name}"
+            elif any(type(o).__name__ == "ZeroRedundancyOptimizer" for o in self.optimizers):
+                # Its own .state stays empty: each parameter's state lives whole on its owning rank, in
+                # the wrapped optimizer (.optim); reading it there is not implemented yet.
+                what = (
+                    "torch's ZeroRedundancyOptimizer keeps each parameter's state on its owning rank only "
+                    "(in its .optim), which trainermon does not read yet; grad_* and param_* rows are not "
+                    "affected"
+                )
             else:
                 what = f"{self.name} with these hyperparameters keeps no state to write"
             logger.warning(
