@@ -327,6 +327,10 @@ class Fsdp1Adapter(Adapter):
             if local is not None and not isinstance(placement, Sharded):
                 local = local.view(slot.shape)
         dtype = local.dtype if local is not None else slot.flat.dtype
+        if local is None and isinstance(placement, Sharded):
+            # No element here: an empty piece on the flat parameter's device, the device the other ranks
+            # merge on (CUDA, or CPU under CPU offload), which the process group cannot tell.
+            local = slot.flat.detach().new_empty(0)
         return TensorPiece(local, placement, tuple(slot.shape), dtype)
 
     def read(self, kind: str, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:

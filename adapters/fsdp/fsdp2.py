@@ -311,8 +311,10 @@ class Fsdp2Adapter(Adapter):
             piece = self._piece(mp, value)
             if piece is None and on:
                 # Keep the row on every rank so the packed reduction lines up.
+                # empty, on the parameter's device: where the other ranks' pieces are (CPU under offload)
+                empty = torch.empty(0, dtype=mp.param.dtype, device=mp.param.device)
                 out.append(
-                    TensorPiece(None, self._placement_of[mp.index], tuple(mp.param.shape), mp.param.dtype)
+                    TensorPiece(empty, self._placement_of[mp.index], tuple(mp.param.shape), mp.param.dtype)
                 )
             else:
                 out.append(piece)

@@ -200,9 +200,10 @@ def _run_case(case: dict[str, Any], rank: int, world: int, out_dir: str) -> dict
     os.environ["MONITOR_OUTPUT_DIR"] = out_dir
     monitor = TrainerMon(cfg_path)
     monitor.set_monitor(fsdp_model, grad_acc_steps=acc, optimizer=opt)
-    # Parameters of which this rank holds no elements (the adapter's `tensor=None` path).
+    # Parameters of which this rank holds no elements (the adapter's empty-piece path: a 0-element tensor
+    # on the flat parameter's device).
     pieces = monitor.loop.adapter.read("param", monitor.loop.adapter.parameters())
-    empty_here = sum(1 for piece in pieces if piece is not None and piece.tensor is None)
+    empty_here = sum(1 for p in pieces if p is not None and (p.tensor is None or p.tensor.numel() == 0))
 
     refs: dict = {}
     clip_norms: list[float] = []

@@ -1,7 +1,8 @@
-"""A rank holding no element of any sharded row (an FSDP rank without a LoRA adapter's shard) builds its
-partials on the device its group's collectives run on, not on the CPU: NCCL cannot all-gather a CPU
-tensor. Real gloo groups in a child process; the backend strings of NCCL/HCCL groups (which cannot be
-made here) are given to the function that reads them."""
+"""Where a rank holding no element of a sharded row (an FSDP rank without a LoRA adapter's shard) builds
+its partials, which must be where the other ranks merge: an adapter's empty piece carries its parameter's
+device; with no tensor at all, the group's device: CPU for a group with a CPU backend (gloo, and
+`cpu:gloo,cuda:nccl`, which CPU offload uses), the accelerator for NCCL/HCCL. Real gloo groups in a child
+process; the backend strings of NCCL/HCCL groups (which cannot be made here) are given to the function."""
 
 from __future__ import annotations
 
@@ -48,10 +49,12 @@ def test_a_gloo_group_stays_on_cpu():
 @pytest.mark.parametrize(
     "backend, types, want",
     [
-        ("cpu:gloo,cuda:nccl", ["cuda", "cpu"], "cuda"),  # torchtitan's group: merged on NCCL
-        ("cuda:nccl,cpu:gloo", ["cuda", "cpu"], "cuda"),
+        ("cpu:gloo,cuda:nccl", ["cuda", "cpu"], None),  # CPU offload's group: the tensors are on CPU
+        ("cuda:nccl,cpu:gloo", ["cuda", "cpu"], None),
+        ("undefined", ["cuda", "cpu"], None),  # init_process_group() without a backend
         ("nccl", ["cuda"], "cuda"),
         ("hccl", ["npu"], "npu"),
+        ("cuda:nccl", ["cuda"], "cuda"),
         ("gloo", ["cpu", "cuda"], None),
         ("cpu:gloo,cuda:gloo", ["cuda", "cpu"], None),
     ],
@@ -64,4 +67,7 @@ def test_the_accelerator_a_groups_backend_needs(backend, types, want):
 def test_a_piece_keeps_its_own_device_and_no_group_means_cpu():
     piece = TensorPiece(torch.ones(2), Sharded(None), (4,), torch.float32)
     assert device_hint([(0, "grad_reduced", None, piece)], None) == torch.device("cpu")
+    # an adapter's empty piece says where its parameter lives (the meta device stands for CUDA here)
+    empty = TensorPiece(torch.empty(0, device="meta"), Sharded(None), (4,), torch.float32)
+    assert device_hint([(0, "exp_avg", None, empty)], None) == torch.device("meta")
     assert group_device(None) == torch.device("cpu")  # no process group in this test process

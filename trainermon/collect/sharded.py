@@ -138,9 +138,11 @@ def device_hint(
 
 
 def group_device(group: Any = None) -> torch.device:
-    """The device `group`'s (default: the default group's) collectives run on when a rank has no tensor
-    to tell: the accelerator of a non-gloo backend (a `cpu:gloo,cuda:nccl` group merges on NCCL, where
-    the ranks holding pieces have them; torch's `_get_pg_default_device` answers CPU for it), else CPU."""
+    """The device `group`'s (default: the default group's) collectives run on, for a rank with no tensor
+    to tell (adapters give an empty piece on its parameter's device where they can): CPU for a group with
+    a CPU backend (gloo, also `cpu:gloo,cuda:nccl`, which CPU offload uses), else its accelerator (NCCL,
+    HCCL). Read from the backend string, without torch's deprecated `_get_pg_default_device`; never a
+    device this machine lacks."""
     try:
         import torch.distributed as dist
 
@@ -157,15 +159,14 @@ def group_device(group: Any = None) -> torch.device:
 
 
 def accelerator_of(backend: str, device_types: list[str]) -> str | None:
-    """The device type a group's collectives need, from its backend string ("gloo", "nccl",
-    "cpu:gloo,cuda:nccl") and device types; None where gloo serves (CPU tensors)."""
+    """The accelerator a group's collectives need, from its backend string ("gloo", "nccl",
+    "cpu:gloo,cuda:nccl", "undefined") and device types; None where a CPU backend serves."""
     if ":" in backend:
-        for pair in backend.split(","):
-            device, _, name = pair.partition(":")
-            if device.strip() != "cpu" and name.strip() != "gloo":
-                return device.strip()
-        return None
-    if backend == "gloo":
+        pairs = [pair.partition(":") for pair in backend.split(",")]
+        if any(device.strip() == "cpu" for device, _, _ in pairs):
+            return None
+        return next((device.strip() for device, _, _ in pairs), None)
+    if backend == "gloo" or "cpu" in device_types:
         return None
     return next((t for t in device_types if t != "cpu"), None)
 
