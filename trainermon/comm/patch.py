@@ -197,7 +197,9 @@ class Patches:
             wrappers[id(original)] = _wrap_coalescing(original, recorder)
             self._set(dist, COALESCING, original, wrappers[id(original)])
         originals = {id(orig): orig for _, _, orig, _ in self._saved}
-        if self._aliases is None:
+        if self._aliases is None or any(id(orig) not in originals for _, _, orig in self._aliases):
+            # Scanned when something else was installed (another monitor's wrapper, since spliced out and
+            # put back as torch's own): those aliases now hold other objects, so scan again.
             self._aliases = find_aliases(originals)
         for module, attr, original in self._aliases:
             if id(original) in wrappers and getattr(module, attr, None) is original:
