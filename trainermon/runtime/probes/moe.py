@@ -9,17 +9,22 @@ integer or bool tensor of it, a routing map when its last dimension is the exper
 experts]` bool, Megatron, after token dropping; the one-hot `[batch, seq, experts]` integers of
 transformers' Switch router), else top-k expert indices (`[tokens, k]` integers, Mixtral). Floating
 tensors (logits, probabilities, weights) are never read as indices. Counts stay on the device (sum /
-scatter_add, no host sync) and are summed over the step's micro-batches. Recomputed forwards (activation
-checkpointing) are counted again: their tokens were routed twice. A router whose output holds no routing
-tensor, or whose hook failed, is said once and gets NaN counts for the step: its `moe_load` row is left
-out rather than written as zeros.
+scatter_add, no host sync) and are summed over the step's micro-batches. A forward recomputed inside
+backward (activation checkpointing) is not counted: its tokens were counted by the first forward. A router
+whose output holds no routing tensor, or whose hook failed, is said once and gets NaN counts for the step:
+its `moe_load` row is left out rather than written as zeros. Routers whose output would give wrong counts
+(`UNSUPPORTED`: NLLB-MoE's top-2 router returns only its top-1 mask; DeepSpeed's `TopKGate` returns
+pre-capacity counts and a dispatch mask) are named once as not supported and get no rows.
 
 At the post-step hook each router adds hidden rows (`HIDDEN`): one per expert, whose value is this rank's
 count, placed as the adapter says tokens are spread (`adapter.token_placement()`), so the collector sums
 them over those ranks in its one packed reduction per group; then one row for the dropped tokens and one
-for the aux loss (this rank's micro-batch mean divided by the group size, so that the sum is the mean
-over ranks) where the router reports them. The worker turns each router's rows into one `moe_load` row
-(`pipeline/health.py`). Counts travel as float32 values: exact up to 2^24 tokens per expert, rank and step.
+for the aux loss where the router reports them: Megatron's first load-balancing loss of
+`moe_router_load_balancing_type` (`aux_loss` -> its tracker's `load_balancing_loss`), this rank's
+micro-batch mean scaled by (its reduce group's size / the placement's size), so that the collector's sum
+is what Megatron logs (summed over the reduce group, tp x cp, averaged over data-parallel ranks). The
+worker turns each router's rows into one `moe_load` row (`pipeline/health.py`). Counts travel as float32
+values: exact up to 2^24 tokens per expert, rank and step.
 """
 
 from __future__ import annotations
@@ -36,9 +41,21 @@ from trainermon.pipeline.health import MOE_AUX, MOE_DROPPED, MOE_HIDDEN
 
 from ..plan import StepPlan
 from .base import Probe
-from .module_hooks import not_a_micro_batch
+from .module_hooks import in_backward, not_a_micro_batch
 
 logger = logging.getLogger("trainermon")
+
+# class name -> why moe_load cannot count its tokens from its output (never write wrong counts)
+UNSUPPORTED = {
+    "NllbMoeTop2Router": "a top-2 router whose output holds only its top-1 mask",
+    "TopKGate": "DeepSpeed's gate, whose output holds counts before capacity dropping",
+}
+# Megatron's load-balancing types and the names their losses are logged under (attach_and_log_...)
+AUX_NAMES = {
+    "aux_loss": "load_balancing_loss",
+    "seq_aux_loss": "seq_load_balancing_loss",
+    "global_aux_loss": "global_load_balancing_loss",
+}
 
 
 def router_experts(module: torch.nn.Module) -> int | None:
@@ -62,7 +79,8 @@ class _Router:
         "aux",
         "calls",
         "drops",
-        "has_aux",
+        "aux_name",
+        "aux_share",
         "failed",
         "said",
     )
@@ -72,11 +90,14 @@ class _Router:
         config = getattr(module, "config", None)
         # what the router reports, decided from its config alike on every rank (rows must match)
         self.drops = getattr(config, "moe_expert_capacity_factor", None) is not None
-        self.has_aux = bool(getattr(config, "moe_aux_loss_coeff", 0.0)) and hasattr(
-            module, "attach_and_log_load_balancing_loss"
-        )
+        self.aux_name = aux_name(module)  # the one load-balancing loss written as aux_loss
+        self.aux_share: int | None = None  # size of Megatron's reduce_group for the loss, read once
         self.said = False  # an output without a routing tensor, said once
         self.reset()
+
+    @property
+    def has_aux(self) -> bool:
+        return self.aux_name is not None
 
     def reset(self) -> None:
         self.counts: torch.Tensor | None = None
@@ -94,11 +115,17 @@ class MoEProbe(Probe):
         self.enabled = False
         self._warned = False
         self._attached = False
+        self.unsupported: list[str] = []  # "name (class)" of routers moe_load cannot count
 
     def attach(self) -> list[Any]:
         adapter, handles = self.loop.adapter, []
         for vpp, root in enumerate(adapter.roots()):
             for name, module in root.named_modules():
+                if type(module).__name__ in UNSUPPORTED:
+                    self.unsupported.append(
+                        f"{adapter.global_name(vpp, clean_name(name))} ({type(module).__name__})"
+                    )
+                    continue
                 experts = router_experts(module)
                 if experts is None:
                     continue
@@ -116,7 +143,19 @@ class MoEProbe(Probe):
         self._warn()
 
     def _warn(self) -> None:
-        if self.enabled and self._attached and not self.routers and not self._warned:
+        if not self.enabled or not self._attached or self._warned:
+            return
+        if self.unsupported:
+            self._warned = True
+            kinds = sorted({u.rsplit(" (", 1)[1][:-1] for u in self.unsupported})
+            logger.warning(
+                "trainermon: moe_distribution: router %s not supported by moe_load (%s): no moe_load rows "
+                "for %s",
+                ", ".join(kinds),
+                "; ".join(f"{k}: {UNSUPPORTED[k]}" for k in kinds),
+                ", ".join(self.unsupported[:4]) + (", ..." if len(self.unsupported) > 4 else ""),
+            )
+        elif not self.routers:
             self._warned = True
             logger.warning(
                 "trainermon: moe_distribution is on but the model has no top-k router (a module whose class "
@@ -130,7 +169,8 @@ class MoEProbe(Probe):
 
     def _hook(self, router: _Router):
         def hook(module: torch.nn.Module, inputs: Any, output: Any) -> None:
-            if not self.armed or not_a_micro_batch():  # a framework's own pass: no tokens routed
+            # a framework's own pass routes no tokens; a recompute in backward routes them again
+            if not self.armed or not_a_micro_batch() or in_backward():
                 return
             try:
                 self._count(router, output)
@@ -188,7 +228,9 @@ class MoEProbe(Probe):
                 piece = TensorPiece(dropped.float().reshape(1), placement, (1,), torch.int64)
                 entries.append((r.vpp, r.name, MOE_DROPPED, piece))
             if r.has_aux:
-                aux = torch.zeros((), device=device) if r.aux is None else r.aux / max(r.calls, 1) / size
+                # the collector sums over the placement; Megatron sums over reduce_group, averages the rest
+                share = (r.aux_share or 1) / size
+                aux = torch.zeros((), device=device) if r.aux is None else r.aux * (share / max(r.calls, 1))
                 piece = TensorPiece(aux.float().reshape(1), placement, (1,), torch.float32)
                 entries.append((r.vpp, r.name, MOE_AUX, piece))
         self.loop.record(MOE_HIDDEN, entries)
@@ -244,20 +286,49 @@ class _Restore:
         self.module.__dict__.pop("attach_and_log_load_balancing_loss", None)
 
 
+def aux_name(module: torch.nn.Module) -> str | None:
+    """The name Megatron logs the router's first load-balancing loss under (its first type of
+    `moe_router_load_balancing_type` with a nonzero coefficient), None when it has none. Read once."""
+    config = getattr(module, "config", None)
+    if config is None or not hasattr(module, "attach_and_log_load_balancing_loss"):
+        return None
+    kinds = getattr(config, "moe_router_load_balancing_type", "aux_loss")
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds or ())
+    coeffs = getattr(config, "moe_aux_loss_coeff", 0.0)
+    for i, kind in enumerate(kinds):
+        if kind not in AUX_NAMES:  # sinkhorn, none: no loss handed to attach_and_log_...
+            continue
+        get = getattr(module, "get_aux_loss_coeff", None)  # a list of coefficients, one per type
+        if callable(get):
+            coeff = get(kind)
+        else:
+            coeff = coeffs[i] if isinstance(coeffs, (list, tuple)) and i < len(coeffs) else coeffs
+        if coeff:
+            return AUX_NAMES[kind]
+    return None
+
+
 def _wrap_aux(module: torch.nn.Module, router: _Router, probe: MoEProbe) -> _Restore:
-    """Megatron's router hands its load-balancing loss to `attach_and_log_load_balancing_loss` (0.16.1:
-    (activation, coeff, aux_loss, name, ...)): read it there on collected steps (a device tensor)."""
+    """Megatron's router hands its load-balancing losses to `attach_and_log_load_balancing_loss` (0.16.1:
+    (activation, coeff, aux_loss, name, reduce_group, reduce_group_has_dp, ...)): read the one named
+    `router.aux_name` there on collected steps (a device tensor; the group size is read once)."""
     original = module.attach_and_log_load_balancing_loss
 
     def attach(*args: Any, **kwargs: Any) -> Any:
-        if probe.armed:
+        if probe.armed and not in_backward():  # a recompute hands the same loss again
             try:
+                name = kwargs.get("aux_loss_name", args[3] if len(args) > 3 else None)
                 aux = kwargs.get("aux_loss", args[2] if len(args) > 2 else None)
                 coeff = kwargs.get("aux_loss_coeff", args[1] if len(args) > 1 else 1.0)
-                if isinstance(aux, torch.Tensor) and coeff:
+                # the one loss written as aux_loss (a call without a name: the router's only one)
+                if name in (None, router.aux_name) and isinstance(aux, torch.Tensor) and coeff:
                     value = aux.detach().float() / float(coeff)  # as Megatron logs it: before its coeff
                     router.aux = value if router.aux is None else router.aux + value
                     router.calls += 1
+                    if router.aux_share is None:
+                        group = kwargs.get("reduce_group", args[4] if len(args) > 4 else None)
+                        # under sequence / context parallelism each rank's loss is a partial sum
+                        router.aux_share = _group_size((group,)) if group is not None else 1
             except Exception as exc:  # noqa: BLE001
                 probe.loop.faults.record("moe aux loss", exc)
         return original(*args, **kwargs)
