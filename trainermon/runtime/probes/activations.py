@@ -30,18 +30,23 @@ from typing import Any
 import torch
 
 from trainermon.config import MonitorConfig
+from trainermon.copies import CopySafe
 
 from ..plan import StepPlan
 from ..selection import select_modules
 from .base import Probe
 from .grad_rows import GradRowsCache
 from .hooked_module import HookedModule, never_frames_of_their_own, outside_graph
-from .module_hooks import ModuleHooks, in_backward
+from .module_hooks import ModuleHooks, ModuleTree, in_backward
 from .recompute import Recomputes
 from .slots import input_slots, is_activation, output_slots, padded, replace_tensors
 from .written import mark_view, release, settle_input_views
 
 logger = logging.getLogger("trainermon")
+
+
+def _names(names: list[str]) -> str:
+    return (", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")) or "none"
 
 
 class ActivationProbe(Probe):
@@ -63,21 +68,79 @@ class ActivationProbe(Probe):
         self._taps: Any = None  # graph_taps.TapSites once the hooks are pinned where the tap operators exist
         self._hooked: dict[int, HookedModule] = {}  # module id -> its hooks' state, once hooked
         self._said_eval = False
+        self._first: list[Any] = []  # the one-shot root hooks of a collected step (`_first_forward`)
+        self._tree = ModuleTree()  # the module tree the selection was made on (model surgery: `_reselect`)
 
     def configure(self, config: MonitorConfig) -> None:
-        modules: list[tuple[int, str, torch.nn.Module]] = []
+        self._use(self._select(config))
+
+    def _select(self, config: MonitorConfig) -> list[tuple[int, str, torch.nn.Module]]:
         if (config.collects_actv or config.collects_actv_grad) and (
             not config.module_ranks or self.loop.rank in config.module_ranks
         ):
-            modules = select_modules(self.loop.adapter, config, every=config.all_xy or not config.targets)
-        if [(v, n, id(m)) for v, n, m in modules] == [(v, n, id(m)) for v, n, m in self.modules]:
-            return  # a reload that selects the same modules keeps the hooks as they are (no churn)
+            return select_modules(self.loop.adapter, config, every=config.all_xy or not config.targets)
+        return []
+
+    def _use(self, modules: list[tuple[int, str, torch.nn.Module]], force: bool = False) -> bool:
+        """Hook `modules` from now on; False when they are the ones hooked already (no churn) unless `force`
+        (the escalation's modules may have changed). Costs a walk of the module tree (`ModuleTree.take`)
+        and, when they differ, re-hooking every module."""
+        if modules:
+            self._tree.take(self.loop.adapter.roots())
+        else:
+            self._tree.clear()
+        if not force and [(v, n, id(m)) for v, n, m in modules] == [
+            (v, n, id(m)) for v, n, m in self.modules
+        ]:
+            return False  # a reload that selects the same modules keeps the hooks as they are
         self._every = None
+        # keep the state of modules that stay under the same name; a gone module's id may be reused by a
+        # new one once freed, and a reload may rename a module (`squash_name`)
+        same = {(v, n, id(m)) for v, n, m in modules} & {(v, n, id(m)) for v, n, m in self.modules}
+        kept = {key for _, _, key in same}
+        self._hooked = {k: h for k, h in self._hooked.items() if k in kept}
         self.modules = modules
-        self._hooked.clear()
-        self.hooks.reset(modules, self.loop.adapter.roots())
+        self.hooks.reset(modules, self.loop.adapter.roots())  # removes the hooks on gone modules too
+        return True
+
+    def _reselect(self, step: int) -> None:
+        """The model's module tree changed (a module replaced, added or removed: model surgery): the
+        modules are selected again, as at configure, and re-hooked; the hooks on modules that left the
+        model are removed (a detached module still called gives no rows). Runs on collected steps only."""
+        old = self.modules
+        try:
+            # the escalation's list may hold a gone module: rebuilt (a rare re-hook of every module)
+            self._use(self._select(self.loop.config), force=self._every is not None)
+        except Exception as exc:  # noqa: BLE001 - the hooks stay as they were
+            self._tree.take(self.loop.adapter.roots())  # said once, not at every collected step
+            self.loop.faults.record("activation modules re-selected", exc, "actv rows follow the old modules")
+            return
+        now = {id(m) for _, _, m in self.modules}
+        before = {id(m) for _, _, m in old}
+        gone = [n for _, n, m in old if id(m) not in now]
+        new = [n for _, n, m in self.modules if id(m) not in before]
+        if not gone and not new:
+            return
+        logger.warning(
+            "trainermon: step %d: the model's modules changed; actv/actv_grad modules selected again: no "
+            "longer monitored %s; newly monitored %s",
+            step,
+            _names(gone),
+            _names(new),
+        )
 
     def begin(self, plan: StepPlan) -> None:
+        if self._first:
+            self._drop_first()
+        if (plan.actv or plan.actv_grad) and self.modules:
+            if self.hooks.pinned:  # compiled code may not call a root hook added now: checked here
+                if self._tree.changed():
+                    self._reselect(plan.step)
+            else:  # model surgery happens between steps, after this boundary: checked at the first forward
+                self._first = [
+                    root.register_forward_pre_hook(CopySafe(self._first_forward), prepend=True)
+                    for root in self.loop.adapter.roots()
+                ]
         release(self._two_paths)
         self._calls.clear()
         self._recomputes.clear()
@@ -85,7 +148,30 @@ class ActivationProbe(Probe):
         if self._taps:
             self._taps.begin_step()
         self._actv, self._actv_grad = plan.actv, plan.actv_grad
-        self._wide = plan.escalating and (plan.actv or plan.actv_grad)
+        self._arm(plan.escalating)
+
+    def _first_forward(self, module: torch.nn.Module, args: Any) -> None:
+        """A root's first forward in a collected step (eager), a one-shot hook: re-selects the modules if
+        the module tree changed since they were selected (`ModuleTree.changed`), before any of them runs.
+        Prepended: the roots' other hooks of this call still run (PyTorch iterates over a copy)."""
+        try:
+            if torch.compiler.is_compiling():
+                return
+            self._drop_first()
+            with self.loop.clock:
+                if self._tree.changed():
+                    self._reselect(self.loop.step)
+                    self._arm(self._wide)
+        except Exception as exc:  # noqa: BLE001
+            self.loop.faults.record("module tree check", exc)
+
+    def _drop_first(self) -> None:
+        for handle in self._first:
+            handle.remove()
+        self._first = []
+
+    def _arm(self, escalating: bool) -> None:
+        self._wide = escalating and (self._actv or self._actv_grad)
         self.hooks.arm(self._actv or self._actv_grad)
         if self._wide:
             if self._every is None:
@@ -131,6 +217,7 @@ class ActivationProbe(Probe):
             hooked.traced_forward = traced_forward_hook(self, hooked.name, key)
 
     def close(self) -> None:
+        self._drop_first()
         release(self._two_paths)
         self.hooks.close()
         if self._taps:

@@ -3,7 +3,11 @@
 grad_unreduced comes from the adapter's pre-reduce taps during backward (always installed when weight
 gradients may be collected, inert on other steps), or is read at the step where no tap exists; with
 `monitor_mbs_grad`, per micro-batch from taps armed for the collected step only (numbered by the taps'
-calls per parameter, or, inside a torch.distributed.pipelining stage's backward, by its schedule).
+calls per parameter, or, inside a torch.distributed.pipelining stage's backward, by its schedule). Those
+per-micro-batch rows are the gradients backward computes: under a loss scaler they carry its scale, as
+actv_grad does (in plain PyTorch too, where the step rows are read after `scaler.step` unscaled them). Not
+unscaled here: the scaler is first seen at its `step`/`unscale_`, after the first collected backward, and
+keeping each micro-batch's gradient until then would cost a copy of the gradients per micro-batch.
 grad_reduced is read when the reduced gradients are final (`grads_final`): before the user's gradient
 clipping scales them where the adapter names its framework's clipping (`Adapter.clip_entries`, watched on
 collected steps only), else at the optimizer's pre-step. Where no data-parallel reduction exists the two

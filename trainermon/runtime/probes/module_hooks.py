@@ -186,6 +186,35 @@ class ModuleHooks:
         self.grad_forward = False
 
 
+class ModuleTree:
+    """What the model's module tree looked like when the activation modules were selected: each module's
+    child slots (dict, key, child) and their count, so that a module replaced, added or removed anywhere
+    under the roots (`model.head = nn.Linear(...)`) is seen. `changed` costs one dict read per module
+    (~90 us for 800 modules, measured on a shared CPU), and runs on collected steps only."""
+
+    def __init__(self) -> None:
+        self._slots: list[tuple[dict, str, Any]] = []
+        self._sizes: list[tuple[dict, int]] = []
+
+    def take(self, roots: Sequence[torch.nn.Module]) -> None:
+        self._slots, self._sizes = [], []
+        for root in roots:
+            for module in root.modules():
+                if isinstance(module, torch.jit.ScriptModule):  # its slots are fixed (and hold no `get`)
+                    continue
+                children = module._modules
+                self._sizes.append((children, len(children)))
+                self._slots.extend((children, k, c) for k, c in children.items())
+
+    def clear(self) -> None:
+        self._slots, self._sizes = [], []
+
+    def changed(self) -> bool:
+        return not (
+            all(len(d) == n for d, n in self._sizes) and all(d.get(k) is c for d, k, c in self._slots)
+        )
+
+
 def not_a_micro_batch() -> bool:
     """A call inside a torch.func transform (vmap, grad, functionalize: per-sample gradients): its tensors
     are wrappers without addressable values, and the call is not one of the step's micro-batches; or a
