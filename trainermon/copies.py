@@ -12,12 +12,44 @@ monitor wrapped one. A second TrainerMon can monitor the copy.
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def drop_copied_hooks(module: Any, is_copied: Callable[[Any], bool]) -> None:
+    """Removes a copied hook from its module's hook dicts at the hook's first call: a module with any hook
+    left leaves torch's fast call path for good (an EMA copy kept 8 inert hooks after close). Safe inside
+    the call: torch iterates a tuple made of the dicts' items, except for the hooks it calls after forward
+    raised (`always_call`, the dict iterated in place): while an exception is being handled, those stay
+    for a later call. Anything that is not a module is left alone."""
+    if not isinstance(module, torch.nn.Module):
+        return
+    always = getattr(module, "_forward_hooks_always_called", {}) if sys.exc_info()[0] is not None else {}
+    for attr in _HOOK_DICTS:
+        hooks = getattr(module, attr, None)
+        if not hooks:
+            continue
+        for key in [k for k, h in hooks.items() if is_copied(h) and k not in always]:
+            del hooks[key]
+            for flags in _HOOK_FLAGS:
+                getattr(module, flags, {}).pop(key, None)
+
+
+def _is_inert(hook: Any) -> bool:
+    return hook is inert_hook
+
 
 def inert_hook(*args: Any, **kwargs: Any) -> None:
-    """A copied model's hook: returns None (changes nothing) and records nothing."""
+    """A copied model's hook: returns None (changes nothing), records nothing, and removes itself from the
+    module it was called for."""
+    if args:
+        drop_copied_hooks(args[0], _is_inert)
     return None
 
 

@@ -101,6 +101,16 @@ def test_copies_are_not_monitored(tmp_path, monkeypatch):
         assert all(p.grad is None for p in ref.parameters())
         opt.step()
         opt.zero_grad()
+    # a copy's hooks remove themselves at their first call: a module with any hook left is off torch's fast
+    # call path for good (an EMA copy kept 8 inert hooks); the users' own hooks (`_Outputs`) stay
+    for other in (ref, loaded, ema):
+        for name, mod in other.named_modules():
+            if name.endswith("attn.out_proj"):
+                continue  # never called (attention reads its weight): its hooks never run, cost nothing
+            for attr in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"):
+                left = [h for h in getattr(mod, attr).values() if not isinstance(h, _Outputs)]
+                assert not left, (type(other).__name__, type(mod).__name__, attr, left)
+    assert len(model.out._forward_hooks) > 1  # the monitored model keeps the monitor's hooks and the user's
     mon.close()
 
     assert mon.faults.total == 0, mon.faults.counts

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.compiler import is_compiling  # imported with torch itself
 
+from ...copies import drop_copied_hooks
 from .module_hooks import not_a_micro_batch
 from .slots import UNTAPPED, Names
 
@@ -111,9 +112,14 @@ class HookedModule:
     def __reduce__(self) -> tuple:
         return (_copied, ())
 
+    def _mine(self, hook: Any) -> bool:
+        return getattr(hook, "__self__", None) is self
+
     def pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         probe = self.probe
         if not (probe._actv or probe._actv_grad) or (self.extra and not probe._wide):
+            if probe is _UNMONITORED:  # a copy's hook: gone after this call
+                drop_copied_hooks(module, self._mine)
             return None
         if is_compiling() or probe.hooks.pinned:  # `pinned` is read only when dynamo is not tracing
             return self._not_eager("traced_pre", probe._pre_body, module, args, kwargs)
@@ -125,6 +131,8 @@ class HookedModule:
     def forward(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         probe = self.probe
         if not (probe._actv or probe._actv_grad) or (self.extra and not probe._wide):
+            if probe is _UNMONITORED:
+                drop_copied_hooks(module, self._mine)
             return None
         if is_compiling() or probe.hooks.pinned:
             return self._not_eager("traced_forward", probe._forward_body, module, args, kwargs, output)
