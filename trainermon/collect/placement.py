@@ -99,10 +99,29 @@ def group_rank(group: Any) -> int:
     return dist.get_rank(group=group)
 
 
+#: ids of the groups (`None`: the default group) in which this rank is the only one still stepping (a Join
+#: context whose other ranks ran out of inputs): it computes and writes their `Replicated` rows itself
+_SOLE: set[int] = set()
+
+
+def stepping_alone(*groups: Any) -> None:
+    """This rank alone still steps in each of `groups` (`None` for the default group): it writes their
+    `Replicated` rows from now on. The collector caches roles per placement: clear that cache after."""
+    _SOLE.update(id(g) for g in groups)
+
+
+def stepping_with_others() -> None:
+    """Forget `stepping_alone` (a monitor's close)."""
+    _SOLE.clear()
+
+
 def takes_part(placement: Placement) -> bool:
     """This rank computes the placement's rows: every rank for `Local`; for the others, the ranks at
-    coordinate 0 of every replicated group (each replica would merge and write the same values)."""
+    coordinate 0 of every replicated group (each replica would merge and write the same values), or, for
+    `Replicated`, the rank alone still stepping in each of its groups (`stepping_alone`)."""
     if isinstance(placement, Local):
+        return True
+    if _SOLE and isinstance(placement, Replicated) and all(id(g) in _SOLE for g in placement.groups):
         return True
     return all(group_rank(g) == 0 for g in placement.replicated)
 

@@ -2,9 +2,14 @@
 
 A call site is the first frame outside torch and trainermon, its adapters and exporters included wherever
 an editable install keeps them (the user's or the framework's line that asked for the collective); where
-every frame is inside torch (a hook run by the autograd engine), the outermost torch frame. The walk stops
-at that first frame, and its text is cached by (code object, line), so a call costs
-a few attribute reads and one dict lookup."""
+every frame is inside torch (a hook run by the autograd engine), the outermost torch frame. A function
+nested in one of DDP's communication hooks (torch/distributed/algorithms/ddp_comm_hooks/: PowerSGD's
+compute_qs, chained with `fut.then`) ends the walk too, as the site: such a callback runs inline on the
+thread that chained it when the future is done already (the walk would reach the user's backward line),
+else on the backend's thread (it would stop at the callback), so only its own frame names it the same on
+every rank and step. The hooks' own bodies (fp16 compression, DDP's default all-reduce) keep the user's
+line. The walk stops at that first frame, and its text is cached by (code object, line), so a call costs
+a few attribute reads and a dict lookup per frame."""
 
 from __future__ import annotations
 
@@ -35,8 +40,22 @@ def _own_dirs() -> tuple[str, ...]:
 _OWN = _own_dirs()
 #: torch's folder first: `call_site` keeps the outermost torch frame where no frame is outside both
 _INSIDE = (os.path.join(os.path.dirname(torch.__file__), ""), *_OWN)
-_CACHE: dict[tuple[CodeType, int], str] = {}
+_HOOKS = os.path.join(os.path.dirname(torch.__file__), "distributed", "algorithms", "ddp_comm_hooks", "")
 _MAX_CACHE = 100_000
+_CALLBACK: dict[CodeType, bool] = {}  # code object -> a function nested in a DDP communication hook
+
+
+def _hook_callback(code: CodeType) -> bool:
+    found = _CALLBACK.get(code)
+    if found is None:
+        if len(_CALLBACK) > _MAX_CACHE:
+            _CALLBACK.clear()  # bounded, as `_CACHE`
+        nested = "<locals>" in code.co_qualname if hasattr(code, "co_qualname") else code.co_flags & 0x10
+        found = _CALLBACK[code] = bool(nested) and code.co_filename.startswith(_HOOKS)  # 0x10: CO_NESTED
+    return found
+
+
+_CACHE: dict[tuple[CodeType, int], str] = {}
 
 
 def _text(frame: FrameType) -> str:
@@ -59,6 +78,8 @@ def call_site(depth: int = 2) -> str:
             return _text(frame)
         if not frame.f_code.co_filename.startswith(_OWN):
             last = frame  # outermost torch frame so far
+            if _hook_callback(frame.f_code):
+                return _text(frame)  # the same on whichever thread the callback runs
         frame = frame.f_back
     return _text(last) if last is not None else "<unknown>"
 

@@ -50,7 +50,7 @@ from .plan import Schedule, StepPlan, plan_step
 from .reloads import ConfigChanges, engine_options
 from .resume_state import check_state, restore_state, saved_state
 from .selection import ParamSelection, select_params
-from .uneven import joinables, joining, say_paused
+from .uneven import check_stepping, joinables, joining, say_paused, watch_notices
 
 logger = logging.getLogger("trainermon")
 
@@ -109,6 +109,7 @@ class StepLoop(ConfigChanges):
         self.xy_override: bool | None = None  # `reload_xy` before set_monitor (kept when rank 0's applies)
         self.joined = False  # a Join context (uneven inputs): no collectives of the monitor's own
         self._joinables: list | None = None  # what a Join context may be over (`uneven.joinables`)
+        self._stepping = 0  # under Join: how many ranks stepped at the last look (0: not looked / all)
 
     # ==== attaching ================================================================================
     def attach(self, adapter: Any, start_iteration: int) -> None:
@@ -248,6 +249,7 @@ class StepLoop(ConfigChanges):
         if not self.plan.scheduled or (self._grads_read and not again):
             return
         with self.clock:
+            check_stepping(self)  # under Join: the writer of replicated rows may have run out of inputs
             with self._lock:
                 start = self.collector.restart(self._grads_rows if self._grads_read else None)
             self._grads_read = True
@@ -301,6 +303,7 @@ class StepLoop(ConfigChanges):
         if joining(self._joinables):
             self.joined = True
             say_paused()
+            self._handles.append(watch_notices())  # who still steps, from DDP's own per-forward all-reduce
 
     def _begin(self) -> None:
         self._check_join()
