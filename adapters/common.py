@@ -114,7 +114,8 @@ class OncePerStep:
             self._warned = True
             logger.warning(
                 "trainermon: %s reduced gradients more than once in one step (gradient accumulation "
-                "without its no-sync mode); grad_unreduced records the first reduce only",
+                "without its no-sync mode, or two backwards before one optimizer step); grad_unreduced "
+                "records the first reduce only",
                 self.what,
             )
         self.seen.update(new)
@@ -122,6 +123,40 @@ class OncePerStep:
 
     def clear(self) -> None:
         self.seen.clear()
+
+
+class RowSpans:
+    """Where a tap's rows lie among the collector's step rows (`StepCollector.mark` pairs), so that rows
+    of gradients the loop then cleared unused (a GAN's generator loss through the monitored model, FGSM)
+    can be taken out. `mark` is set by whoever owns the collector (the skip probe); None: not kept."""
+
+    def __init__(self) -> None:
+        self.mark: Callable[[], tuple] | None = None
+        self.spans: list[list] = []
+
+    def around(self, report: Callable[[], None]) -> None:
+        """`report()`, its rows' span kept: two marks (three list lengths under the loop's lock) a call,
+        on collected steps only; adjacent spans merge (one per backward)."""
+        mark = self.mark
+        if mark is None:
+            report()
+            return
+        start = mark()
+        report()
+        end = mark()
+        if end != start:
+            if self.spans and self.spans[-1][1] == start:
+                self.spans[-1][1] = end
+            else:
+                self.spans.append([start, end])
+
+    def take(self) -> list[list]:
+        """The spans kept since the last `take` or `clear` (and forget them)."""
+        spans, self.spans = self.spans, []
+        return spans
+
+    def clear(self) -> None:
+        self.spans = []
 
 
 def guarded(faults: FaultLog, where: str, fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -35,7 +35,7 @@ from trainermon.runtime.clip_watch import torch_clip_entries
 from trainermon.runtime.side_passes import SIDE_PASSES
 
 from .base import GRAD_REDUCED, GRAD_UNREDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
-from .common import OncePerStep, guarded, hook_optimizer_step, is_wrapper, state_values, unwrap
+from .common import OncePerStep, RowSpans, guarded, hook_optimizer_step, is_wrapper, state_values, unwrap
 from .ddp_find import ddp_among_wrappers, ddps_wrapping, say_post_reduce
 from .dtensor import (
     copies_among,
@@ -76,6 +76,9 @@ class TorchAdapter(Adapter):
             self._replica = Replicated(None)  # plain parameters beside DTensor ones: copies on every rank
         self._tapped = False
         self._seen = OncePerStep("DDP")
+        self.row_spans = RowSpans()  # where the taps' rows lie: taken out when the loop clears them unused
+        self._held = self._reducer_held()  # what DDP's reducer holds (see _reducer_held)
+        self._unreduced: set[int] = set()  # parameters trainable later, which DDP does not reduce
         self._taps: GradTaps | None = None
         self._report_tap: Any = None
         self._syncing: list[tuple[Any, list]] = []  # (DDP, [reduces the latest forward's backward])
@@ -85,6 +88,17 @@ class TorchAdapter(Adapter):
         if self._ddps and dp_group is None:
             dp_group = self._ddps[0].process_group
         return Replicated(dp_group) if (self._ddps or dp_group is not None) else LOCAL
+
+    def _reducer_held(self) -> set[int]:
+        """The ids of the parameters DDP's reducer holds: those trainable (and not ignored) when it was
+        built. DDP keeps no public list: they are taken as those trainable now (set_monitor, or when a
+        DDP made later is found), so one frozen between DDP's build and then counts as held."""
+        return {
+            id(p)
+            for d in self._ddps
+            for p in getattr(d, "_module_parameters", None) or d.module.parameters()
+            if p.requires_grad
+        }
 
     def _find_ddps(self) -> bool:
         """Looks among live objects for DDPs around the monitored modules (one pass over the garbage
@@ -250,8 +264,28 @@ class TorchAdapter(Adapter):
             )
             self._disarm()  # the pre-reduce taps sit on the old tensors, keyed by the old indices
         known[:] = kept + new
+        if new and self._ddps and not self._tensor_parallel:
+            self._say_unreduced([mp for mp in new if id(mp.param) not in self._held])
         # what is returned makes the caller rebuild the selection (indices shift when one is dropped)
         return remapped + new or kept[:1] if dropped else remapped + new
+
+    def _say_unreduced(self, params: list[MonitoredParam]) -> None:
+        """Parameters that became trainable after DDP was built: its reducer never all-reduces them (each
+        rank steps its own copy with its own gradient). Their rows are this rank's (every rank writes
+        them), and a tap on them writes their `.grad` as grad_unreduced (re-armed at the next step)."""
+        if not params:
+            return
+        self._unreduced.update(id(mp.param) for mp in params)
+        names = [mp.name for mp in params]
+        logger.warning(
+            "trainermon: %s became trainable after DistributedDataParallel was built: DDP does not "
+            "all-reduce them (each rank updates its own copy with its own gradient, so the replicas "
+            "diverge; build the DDP again with them trainable to have them reduced). Their grad_reduced, "
+            "param and optimizer-state rows are written by every rank (this rank's values), and their "
+            "gradient as grad_unreduced",
+            ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else ""),
+        )
+        self._disarm()  # armed again at the next collected step, with a tap on them
 
     def attach_step(self, events: Any) -> list[Any]:
         return [] if self.optimizer is None else hook_optimizer_step(self.optimizer, events)
@@ -261,6 +295,14 @@ class TorchAdapter(Adapter):
 
     def new_step(self) -> None:
         self._seen.clear()
+        self.row_spans.clear()
+
+    def gradients_unused(self) -> list[list]:
+        """The loop cleared the gradients of a backward no optimizer step used (a GAN's generator loss
+        through the monitored model, FGSM): the next reduce of this step is recorded afresh. Returns the
+        collector spans of the rows the taps took from them, to be taken out (no tensor work)."""
+        self._seen.clear()
+        return self.row_spans.take()
 
     # ---- pre-reduce taps ---------------------------------------------------------------------
     def install_grad_taps(self, taps: GradTaps) -> list[Any]:
@@ -324,6 +366,7 @@ class TorchAdapter(Adapter):
             if not self._plain_copies:
                 self._replica = self._replica_of(self.context.dp_group)
             self._late_handles = self._watch_ddps()
+            self._held = self._reducer_held()
         elif looked and not self.splits_model:
             say_post_reduce(loud=self.context.dp_group is not None)
 
@@ -344,7 +387,7 @@ class TorchAdapter(Adapter):
 
     def _report(self, index: int, grad: torch.Tensor | None, taps: GradTaps) -> None:
         if grad is not None and self._seen.fresh((index,)):
-            taps.on_unreduced((index,), (grad,))
+            self.row_spans.around(lambda: taps.on_unreduced((index,), (grad,)))
 
     def single_replica(self) -> bool:
         if not self._looked_late and self._taps is not None and not self._ddps:
@@ -358,7 +401,13 @@ class TorchAdapter(Adapter):
         tensors = self._tensors(kind, params)
         if self._tensor_parallel:  # Partial tensors (sequence parallelism's norm grads) reduced together
             return [self._piece(t) for t in reduce_partials(tensors)]
-        replica = self._replica
+        replica, own = self._replica, self._unreduced
+        if own:  # parameters DDP does not reduce: this rank's own (see _say_unreduced)
+            places = [LOCAL if id(mp.param) in own else replica for mp in params]
+            return [
+                None if t is None else TensorPiece(t, w, tuple(t.shape), t.dtype)
+                for t, w in zip(tensors, places)
+            ]
         return [None if t is None else TensorPiece(t, replica, tuple(t.shape), t.dtype) for t in tensors]
 
     def read_whole(
@@ -367,6 +416,8 @@ class TorchAdapter(Adapter):
         # No DTensor anywhere: every tensor is whole, with the model's one placement (never sharded)
         if self._tensor_parallel or kind == GRAD_UNREDUCED:
             return None
+        if self._unreduced and any(id(mp.param) in self._unreduced for mp in params):
+            return None  # mixed placements: per tensor through `read`
         return self._replica, self._tensors(kind, params)
 
     def _tensors(self, kind: str, params: Sequence[MonitoredParam]) -> list[torch.Tensor | None]:

@@ -22,7 +22,12 @@ of the optimizer's first or last parameter (a loop skipping its own step on NaN:
 and only then (two norms and one host read, a device sync on an accelerator, at such a `zero_grad()`:
 a loop whose every backward has its step never pays it; a GAN's or FGSM's pays it each iteration).
 Otherwise those gradients were part of no step: nothing is closed, and that backward's
-`actv_grad` and per-micro-batch `grad_unreduced` rows stay among the next step's micro-steps. A
+`actv_grad` and per-micro-batch `grad_unreduced` rows stay among the next step's micro-steps; the rows
+DDP's taps took from it are taken out (`_unused`), so the step's own reduce is its `grad_unreduced`.
+Non-finite gradients are no step either when a scaler's `unscale_` of another optimizer found Inf/NaN
+after that backward and ours was not unscaled since (one scaler for a GAN's two optimizers: G's overflow
+reaches D's gradients through G's loss). Another optimizer stepping the monitored parameters twice with
+no step of ours between (ours replaced mid-run) is warned about once (`_foreign`). A
 `zero_grad()` inside this optimizer's `step()` (a closure's, LBFGS; SAM's `first_step`) is part of the
 step. A `step()` that began (a global step pre-hook saw it) but whose post-hooks never came (it, or a hook
 of it, raised) is still its step, closed at the next `zero_grad()`: flagged skipped unless its update
@@ -55,7 +60,9 @@ overflow of their loss scaler: never `own_skip`); this probe is for torch optimi
 
 from __future__ import annotations
 
+import logging
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -71,6 +78,8 @@ from .lifecycle import weak_global_hook, weak_method
 from .plan import StepPlan
 from .probes.base import Probe
 from .scaler_watch import ScalerWatch
+
+logger = logging.getLogger("trainermon")
 
 #: Adapters whose step is a torch optimizer's, which GradScaler / ShardedGradScaler may skip.
 SCALER_ADAPTERS = ("torch", "fsdp1", "fsdp2")
@@ -92,6 +101,12 @@ class SkippedStepProbe(Probe):
         self.hooks = Handles()
         self.scaled = False  # a loss scaler's step() was called on the optimizer since the last boundary
         self.found_inf: list[Any] = []  # ... or its unscale_(): the scaler's found_inf tensors
+        self.others_inf: list[
+            Any
+        ] = []  # found_inf of a scaler's unscale_ of another optimizer since backward
+        self.foreign = 0  # steps of another optimizer holding monitored parameters since the boundary
+        self.said_foreign = False
+        self.holders: Any = weakref.WeakKeyDictionary()  # optimizer -> (its group count, holds ours)
 
     def attach(self) -> list[Any]:
         adapter = self.loop.adapter
@@ -119,6 +134,10 @@ class SkippedStepProbe(Probe):
             if callable(getattr(optimizer, "_optimizer_step_code", None)):
                 handles.append(self._patch_updated(optimizer))
         handles.append(ScalerWatch(self))
+        spans = getattr(adapter, "row_spans", None)
+        if spans is not None:  # DDP's taps: rows of gradients cleared unused are taken out (`_unused`)
+            spans.mark = self._rows_mark
+            handles.append(_Unset(spans, "mark"))
         self.wired = True
         return handles
 
@@ -131,6 +150,8 @@ class SkippedStepProbe(Probe):
         self.trained = self.called = self.in_step = self.scaled = self.attempted = self.updated = False
         self.proxy = None
         self.found_inf = []
+        self.others_inf = []
+        self.foreign = 0
         if self.lazy:  # an empty-list check a step once all are hooked
             self._hook_materialized()
 
@@ -164,14 +185,19 @@ class SkippedStepProbe(Probe):
         here: no host sync), so that a skip the loop then makes on a non-finite clip norm is known as an
         overflow. Copies (0-d, one small device op each): `update()` adds the other optimizers' found_inf
         into the first tensor in place."""
-        if self._ours(optimizer):
+        ours = self._ours(optimizer)
+        if ours or self.trained:  # another's only after a backward reached ours (one scaler, a GAN)
             state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
-            self.found_inf = [t.clone() for t in (state or {}).get("found_inf_per_device", {}).values()]
+            found = [t.clone() for t in (state or {}).get("found_inf_per_device", {}).values()]
+            if ours:
+                self.found_inf = found
+            else:
+                self.others_inf += found
 
-    def _overflowed(self) -> bool:
+    def _overflowed(self, found_inf: list | None = None) -> bool:
         """The last `unscale_` found Inf/NaN (a host read, on a skipped step only)."""
         try:
-            return any(float(t.sum()) != 0 for t in self.found_inf)
+            return any(float(t.sum()) != 0 for t in (self.found_inf if found_inf is None else found_inf))
         except Exception as exc:  # noqa: BLE001 - the skip is still closed, as the loop's own
             self.loop.faults.record("scaler found_inf", exc)
             return False
@@ -224,6 +250,40 @@ class SkippedStepProbe(Probe):
                 self.loop.on_pre_optim()
             except Exception as exc:  # noqa: BLE001 - never into the training loop
                 self.loop.faults.record("optimizer pre-step", exc)
+        elif not self.said_foreign and not self.attempted and self.loop.hooked and not self.loop.closed:
+            self._foreign(optimizer)
+
+    def _foreign(self, optimizer: Any) -> None:
+        """Another optimizer steps. One holding monitored parameters, twice with no step of ours between,
+        is most likely ours replaced (`opt = Adam(model.parameters())` mid-run): the monitor follows the
+        optimizer given to set_monitor and would stay silent. Said once. Costs a weak-dict lookup per
+        step of another optimizer; a scan of its parameters once per optimizer (and group count)."""
+        try:
+            groups = optimizer.param_groups
+            known = self.holders.get(optimizer)
+            if known is None or known[0] != len(groups):
+                ids = {id(mp.param) for mp in self.loop.adapter.parameters()}
+                held = sum(id(p) in ids for g in groups for p in g["params"])
+                self.holders[optimizer] = known = (len(groups), held)
+            if not known[1] or nested_step(optimizer):
+                return
+            self.foreign += 1
+            if self.foreign >= 2:
+                self.said_foreign = True
+                logger.warning(
+                    "trainermon: optimizer %s (not the one given to set_monitor) steps %d monitored "
+                    "parameters, and the monitored optimizer has not stepped since step %d: the monitor "
+                    "follows only the optimizer given to set_monitor (no rows while it does not step). If "
+                    "the optimizer was replaced, call TrainerMon(config).set_monitor(model, "
+                    "optimizer=<the new one>, start_iteration=%d) (it closes this monitor)",
+                    type(optimizer).__name__,
+                    known[1],
+                    self.loop.step,
+                    self.loop.step,
+                )
+        except Exception as exc:  # noqa: BLE001 - a diagnostic never reaches the training loop
+            self.said_foreign = True
+            self.loop.faults.record("foreign optimizer check", exc)
 
     def _ended(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
         """Global step post-hook: the end of a step `_began` took as ours."""
@@ -248,6 +308,8 @@ class SkippedStepProbe(Probe):
 
     def _backward(self, param: Any) -> None:
         self.trained = True
+        if self.others_inf:  # another optimizer's overflow before this backward explains none of it
+            self.others_inf = []
 
     def _patch(self, obj: Any) -> Restore:
         original = obj.zero_grad
@@ -276,12 +338,44 @@ class SkippedStepProbe(Probe):
                         self._close(StepScalars(update_skipped=True, own_skip=not self._by_scaler()))
                 return
             scaler = self._by_scaler()
-            if scaler or not self._alike_everywhere() or self._nonfinite():
+            if (
+                scaler
+                or not self._alike_everywhere()
+                or (self._nonfinite() and not self._others_overflowed())
+            ):
                 self._close(StepScalars(update_skipped=True, own_skip=not scaler))
             else:
-                self.trained = False  # its gradients are cleared unused: no step (a GAN, FGSM)
+                self._unused()
         except Exception as exc:  # noqa: BLE001 - never into the training loop
             self.loop.faults.record("skipped step", exc)
+
+    def _others_overflowed(self) -> bool:
+        """A scaler's unscale_ of another optimizer, after a backward reached ours, found Inf/NaN: one
+        scaler for a GAN's two optimizers, whose generator overflow flowed into the discriminator's
+        gradients. Those gradients were no step of ours (a host read, on such a zero_grad() only)."""
+        found, self.others_inf = self.others_inf, []
+        # ours unscaled since the boundary and finite (else the scaler's skip): its non-finite came later
+        return bool(found) and not self.found_inf and self._overflowed(found)
+
+    def _unused(self) -> None:
+        """The gradients are cleared unused: no step (a GAN, FGSM). Rows DDP's taps took from them are
+        taken out, so that the step's own reduce is recorded (`gradients_unused`; no tensor work)."""
+        self.trained = False
+        forget = getattr(self.loop.adapter, "gradients_unused", None)
+        spans = forget() if forget is not None else []
+        if not spans:
+            return
+        loop = self.loop
+        with loop._lock:
+            if loop._grads_read:  # read after them (a clipping): the rows of cleared gradients, read again
+                spans.append(list(loop._grads_rows))
+                loop._grads_read = False
+            for start, end in sorted(spans, reverse=True):
+                loop.collector.take_out(start, end)
+
+    def _rows_mark(self) -> tuple:
+        with self.loop._lock:
+            return self.loop.collector.mark()
 
     def _by_scaler(self) -> bool:
         """A scaler's step since the boundary, or an overflow its unscale_ found."""
@@ -340,6 +434,16 @@ class SkippedStepProbe(Probe):
         self.trained = False
         self.loop.on_pre_optim()
         self.loop.on_post_optim(scalars)
+
+
+class _Unset:
+    """A handle that sets `obj.<name>` back to None."""
+
+    def __init__(self, obj: Any, name: str) -> None:
+        self.obj, self.name = obj, name
+
+    def remove(self) -> None:
+        setattr(self.obj, self.name, None)
 
 
 def report_step_calls(loop: Any) -> SkippedStepProbe | None:
