@@ -47,6 +47,7 @@ from .dtensor import (
     stage_lines,
 )
 from .pipelining import StageMap, on_stage_reduce
+from .zero_redundancy import zero_state
 
 logger = logging.getLogger("trainermon")
 
@@ -83,6 +84,7 @@ class TorchAdapter(Adapter):
         self._report_tap: Any = None
         self._syncing: list[tuple[Any, list]] = []  # (DDP, [reduces the latest forward's backward])
         self._armed: list[Any] = []  # this step's post-accumulate-grad hooks
+        self._zero = zero_state(optimizer)  # ZeroRedundancyOptimizer: state whole on each owning rank
 
     def _replica_of(self, dp_group: Any) -> Placement:
         if self._ddps and dp_group is None:
@@ -398,6 +400,8 @@ class TorchAdapter(Adapter):
     def read(self, kind: str, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
         if kind == GRAD_UNREDUCED:
             return [None if mp.param.grad is None else self._own(mp.param.grad) for mp in params]
+        if self._zero is not None and kind not in (GRAD_REDUCED, PARAM):
+            return self._zero.read(params, kind)
         tensors = self._tensors(kind, params)
         if self._tensor_parallel:  # Partial tensors (sequence parallelism's norm grads) reduced together
             return [self._piece(t) for t in reduce_partials(tensors)]
@@ -415,6 +419,8 @@ class TorchAdapter(Adapter):
     ) -> tuple[Placement, list[torch.Tensor | None]] | None:
         # No DTensor anywhere: every tensor is whole, with the model's one placement (never sharded)
         if self._tensor_parallel or kind == GRAD_UNREDUCED:
+            return None
+        if self._zero is not None and kind not in (GRAD_REDUCED, PARAM):  # state: owners' pieces
             return None
         if self._unreduced and any(id(mp.param) in self._unreduced for mp in params):
             return None  # mixed placements: per tensor through `read`

@@ -26,6 +26,8 @@ some (at `set_monitor` or after its first update).
 When nothing matches, one warning names the optimizer and this list. The keys are decided from the
 optimizer's class and hyperparameters, the same on every rank (sharded rows must line up for the packed
 reduction), except for unknown optimizers found from their state.
+torch's ZeroRedundancyOptimizer: the keys of its local optimizer (`.optim`), from its class only (its
+state is on each parameter's owning rank alone); read by `adapters/zero_redundancy.py`.
 """
 
 from __future__ import annotations
@@ -36,6 +38,19 @@ from typing import Any
 import torch
 
 logger = logging.getLogger("trainermon")
+
+
+def is_zero_redundancy(optimizer: Any) -> bool:
+    """torch's ZeroRedundancyOptimizer (or a subclass), matched by class name along the MRO: no import
+    of torch.distributed.optim (a look at a few class names, at set_monitor)."""
+    return any(cls.__name__ == "ZeroRedundancyOptimizer" for cls in type(optimizer).__mro__)
+
+
+def overlapped(optimizer: Any) -> bool:
+    """ZeroRedundancyOptimizer's `overlap_with_ddp=True`: its local optimizer runs from DDP's
+    communication hook (its state is not read)."""
+    return bool(getattr(optimizer, "_overlap_with_ddp", False))
+
 
 _ADAM = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 STATE_KEYS: dict[str, tuple[str, ...]] = {
@@ -82,6 +97,9 @@ def state_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     wrapper (DeepSpeed's ZeRO, Megatron's), each of Megatron's `chained_optimizers`."""
     if optimizer is None:
         return []
+    if is_zero_redundancy(optimizer):  # its own .state stays empty: the state is in its local optimizer
+        local = getattr(optimizer, "optim", None)
+        return [local] if isinstance(local, torch.optim.Optimizer) and not overlapped(optimizer) else []
     if isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "param_groups"):
         if "_optimizer_step_pre_hooks" in vars(optimizer):  # initialised as a torch optimizer
             return [optimizer]
@@ -130,6 +148,11 @@ class MomentKeys:
         self.name = " + ".join(dict.fromkeys(type(o).__name__ for o in self.optimizers)) or (
             type(optimizer).__name__ if optimizer is not None else "none"
         )
+        # ZeroRedundancyOptimizer: state only on each parameter's owner, so its keys must come from the
+        # local optimizer's class (the same on every rank), never from a rank's own state
+        self.zero = optimizer is not None and is_zero_redundancy(optimizer)
+        if self.zero:
+            self.name = f"ZeroRedundancyOptimizer({self.name})" if self.optimizers else self.name
         self.keys: tuple[str, ...] | None = None
         self.warned = False
         self._unchecked: list[torch.optim.Optimizer] = []  # documented: are its keys in its state?
@@ -143,11 +166,13 @@ class MomentKeys:
         self._unchecked = []
         for opt in self.optimizers:
             documented = _documented(opt)
-            if documented is None:
+            if documented is None and self.zero:
+                documented = ()  # an undocumented local optimizer: said by warn_if_none
+            elif documented is None:
                 if not opt.state and not after_update:
                     return  # unknown, no state yet: decided after its first update
                 documented = _from_state(opt)
-            elif documented:
+            elif documented and not self.zero:  # (under ZeRO a rank-local fallback would split the ranks)
                 self._unchecked.append(opt)
             self._of[id(opt)] = documented
         self._join()
@@ -189,16 +214,20 @@ class MomentKeys:
             self.warned = True
             if self.name == "none":
                 what = "no optimizer was given to set_monitor"
+            elif self.zero and not self.optimizers:
+                what = (
+                    "torch's ZeroRedundancyOptimizer with overlap_with_ddp=True steps its local optimizer "
+                    "from DDP's communication hook, outside ZeroRedundancyOptimizer.step(), and its state "
+                    "is not read; grad_* and param_* rows are not affected"
+                )
+            elif self.zero and _documented(self.optimizers[0]) is None:
+                what = (
+                    f"{self.name} keeps each parameter's state on its owning rank only, and the state keys "
+                    "of that local optimizer class are not documented here (they must be known alike on "
+                    "every rank); grad_* and param_* rows are not affected"
+                )
             elif not self.optimizers:
                 what = f"no torch optimizer found in {self.name}"
-            elif any(type(o).__name__ == "ZeroRedundancyOptimizer" for o in self.optimizers):
-                # Its own .state stays empty: each parameter's state lives whole on its owning rank, in
-                # the wrapped optimizer (.optim); reading it there is not implemented yet.
-                what = (
-                    "torch's ZeroRedundancyOptimizer keeps each parameter's state on its owning rank only "
-                    "(in its .optim), which trainermon does not read yet; grad_* and param_* rows are not "
-                    "affected"
-                )
             else:
                 what = f"{self.name} with these hyperparameters keeps no state to write"
             logger.warning(
