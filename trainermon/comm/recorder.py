@@ -5,10 +5,16 @@ after the wait for a functional collective), and sum them per (op, group, call s
 micro-step). `rows()` turns a step's sums into `comm` rows; `checks()` gives what the invariant checks
 need. Completion callbacks may run on the backend's thread: every change of the sums takes `lock`.
 
-A completed future hands its callbacks to the backend's thread only after it has woken its waiters, and a
-callback added in that window runs at once on the adding thread: DDP's own `.then`, added after ours, can
-let the backward finish while our read still waits for the GIL on gloo's thread. So the step's end
-(`settle`) waits for every completion callback of a completed call before the sums are taken."""
+Torch's order (`ivalue::Future::markCompleted`): a future sets its value, wakes its `wait()`ers, then runs
+its callbacks in the order added, on the completing thread; one added to a done future runs at once on the
+adding thread. NCCL's future is done at enqueue (CUDA events): our callback runs at once, on a stream that
+waits for the collective, ahead of anything the caller enqueues later. Gloo's completes on its worker
+thread, `Work.wait()` / `is_completed()` return after the callbacks, but a waiter on the future
+(PowerSGD's `get_future().wait()`) resumes before them and may change the output in place first. So an
+async collective whose future is not done at return is waited for at the call (collected steps; not p2p:
+a wait could deadlock a send/receive pair) and read there, as the collective produced it. A callback that
+still runs on the backend's thread (a batch's receives) may wait for the GIL after DDP's own `.then` let
+the backward finish: the step's end (`settle`) waits for every completed call's callback."""
 
 from __future__ import annotations
 
@@ -166,7 +172,7 @@ class CommRecorder:
             call.outputs = [waited] if isinstance(waited, torch.Tensor) else []
             self._finish(call)
         elif call.outputs and hasattr(result, "get_future"):
-            self._when_done(result, lambda: self._finish(call))
+            self._when_done(result, lambda: self._finish(call), wait=call.spec.name not in _P2P)
         else:
             self._finish(call)
 
@@ -203,11 +209,19 @@ class CommRecorder:
             if call is not None:
                 self._when_done(work, lambda call=call: self._finish(call))
 
-    def _when_done(self, work: Any, fn: Callable[[], None]) -> None:
+    def _when_done(self, work: Any, fn: Callable[[], None], wait: bool = False) -> None:
+        """`fn` once `work` has completed: at once if its future is done (NCCL), at once after a wait if
+        `wait` (a collective on gloo: the caller is held until the collective completes, as with
+        `async_op=False`), else in a callback (on the backend's thread) or at the step's end (no future)."""
         try:
             future = work.get_future()
         except (RuntimeError, NotImplementedError, AttributeError):
             self.pending.append((work, fn))  # no future (gloo send/recv): read at the step's end
+            return
+        if wait and not future.done():
+            # a callback would run after a waiter on the future has resumed (see the module's docstring)
+            work.wait()
+            fn()
             return
 
         finished, key = threading.Event(), next(self._keys)

@@ -51,7 +51,9 @@ class CommProbe(Probe):
         # probe weakly, so a monitor dropped without close() is freed (then its wrappers call through).
         self.recorder = CommRecorder(weak_method(self._compute), loop.faults.record, loop.rank, loop._lock)
         ref = weakref.ref(loop)
-        self.recorder.busy = lambda: (alive := ref()) is None or alive.clock.busy  # the monitor's own too
+        # the monitor's own: calls made inside its code on the thread that is in it (not a hook's Future
+        # callback on gloo's thread meanwhile)
+        self.recorder.busy = lambda: (alive := ref()) is None or alive.clock.busy_here()
         self.recorder.micro = weak_method(self._micro)
         self.recorder.recv_micro = weak_method(self._recv_micro)
         self.patches = Patches()
