@@ -9,6 +9,7 @@
   communication-hook slot is left to the user: it takes one hook per model, and `fp16_compress_hook`,
   `bf16_compress_hook` or PowerSGD registered before or after `set_monitor` work as without the monitor.
   `.grad` read after backward cannot serve: by then DDP has reduced it (or scaled the bucket view).
+  These taps, and the set of parameters DDP reduces, are in `adapters/ddp_taps.py`.
 - Each micro-batch's own gradient: a tensor hook on the leaf parameter, which autograd calls with the
   incoming gradient before it is accumulated into `.grad` (and before DDP sees it).
 - Without DDP there is no reduction: the pre-reduce gradient is `.grad` at the optimizer step.
@@ -32,11 +33,11 @@ import torch
 from trainermon.collect.placement import LOCAL, Placement, Replicated, TensorPiece
 from trainermon.names import clean_name
 from trainermon.runtime.clip_watch import torch_clip_entries
-from trainermon.runtime.side_passes import SIDE_PASSES
 
-from .base import GRAD_REDUCED, GRAD_UNREDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
-from .common import OncePerStep, RowSpans, guarded, hook_optimizer_step, is_wrapper, state_values, unwrap
-from .ddp_find import ddp_among_wrappers, ddps_wrapping, say_post_reduce
+from .base import GRAD_REDUCED, GRAD_UNREDUCED, PARAM, Adapter, AdapterContext, MonitoredParam
+from .common import hook_optimizer_step, is_wrapper, state_values, unwrap
+from .ddp_find import ddp_among_wrappers
+from .ddp_taps import DdpReduceTaps
 from .dtensor import (
     copies_among,
     dtensor_piece,
@@ -46,13 +47,13 @@ from .dtensor import (
     splits_over_ranks,
     stage_lines,
 )
-from .pipelining import StageMap, on_stage_reduce
+from .pipelining import StageMap
 from .zero_redundancy import zero_state
 
 logger = logging.getLogger("trainermon")
 
 
-class TorchAdapter(Adapter):
+class TorchAdapter(DdpReduceTaps, Adapter):
     name = "torch"
     pipelined = True
 
@@ -64,8 +65,6 @@ class TorchAdapter(Adapter):
         # or around the module passed (set_monitor(m) while DDP(m) trains): found among live objects, once
         if not self._ddps:
             self._find_ddps()
-        self._looked_late = False
-        self._late_handles: list[Any] = []
         self._replica = self._replica_of(context.dp_group)
         self._params: list[MonitoredParam] | None = None
         self._mark: tuple[int, int] = (0, 0)
@@ -75,47 +74,13 @@ class TorchAdapter(Adapter):
         self._plain_copies = self._tensor_parallel and self._replica is LOCAL
         if self._plain_copies:
             self._replica = Replicated(None)  # plain parameters beside DTensor ones: copies on every rank
-        self._tapped = False
-        self._seen = OncePerStep("DDP")
-        self.row_spans = RowSpans()  # where the taps' rows lie: taken out when the loop clears them unused
-        self._held = self._reducer_held()  # what DDP's reducer holds (see _reducer_held)
-        self._unreduced: set[int] = set()  # parameters trainable later, which DDP does not reduce
-        self._taps: GradTaps | None = None
-        self._report_tap: Any = None
-        self._syncing: list[tuple[Any, list]] = []  # (DDP, [reduces the latest forward's backward])
-        self._armed: list[Any] = []  # this step's post-accumulate-grad hooks
+        self._init_taps()  # the DDP taps' state (ddp_taps)
         self._zero = zero_state(optimizer)  # ZeroRedundancyOptimizer: state whole on each owning rank
 
     def _replica_of(self, dp_group: Any) -> Placement:
         if self._ddps and dp_group is None:
             dp_group = self._ddps[0].process_group
         return Replicated(dp_group) if (self._ddps or dp_group is not None) else LOCAL
-
-    def _reducer_held(self) -> set[int]:
-        """The ids of the parameters DDP's reducer holds: those trainable (and not ignored) when it was
-        built. DDP keeps no public list: they are taken as those trainable now (set_monitor, or when a
-        DDP made later is found), so one frozen between DDP's build and then counts as held."""
-        return {
-            id(p)
-            for d in self._ddps
-            for p in getattr(d, "_module_parameters", None) or d.module.parameters()
-            if p.requires_grad
-        }
-
-    def _find_ddps(self) -> bool:
-        """Looks among live objects for DDPs around the monitored modules (one pass over the garbage
-        collector's objects, ~0.1-0.4 s; never per step). Whether it looked (a process group exists)."""
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-            return False
-        self._ddps = ddps_wrapping(self._roots)
-        if self._ddps:
-            logger.info(
-                "trainermon: found the DistributedDataParallel around the monitored model among live "
-                "objects: grad_unreduced is each rank's gradient before DDP's all-reduce"
-            )
-        return True
 
     @classmethod
     def detect(cls, chunks: Sequence[torch.nn.Module], optimizer: Any) -> bool:
@@ -271,125 +236,11 @@ class TorchAdapter(Adapter):
         # what is returned makes the caller rebuild the selection (indices shift when one is dropped)
         return remapped + new or kept[:1] if dropped else remapped + new
 
-    def _say_unreduced(self, params: list[MonitoredParam]) -> None:
-        """Parameters that became trainable after DDP was built: its reducer never all-reduces them (each
-        rank steps its own copy with its own gradient). Their rows are this rank's (every rank writes
-        them), and a tap on them writes their `.grad` as grad_unreduced (re-armed at the next step)."""
-        if not params:
-            return
-        self._unreduced.update(id(mp.param) for mp in params)
-        names = [mp.name for mp in params]
-        logger.warning(
-            "trainermon: %s became trainable after DistributedDataParallel was built: DDP does not "
-            "all-reduce them (each rank updates its own copy with its own gradient, so the replicas "
-            "diverge; build the DDP again with them trainable to have them reduced). Their grad_reduced, "
-            "param and optimizer-state rows are written by every rank (this rank's values), and their "
-            "gradient as grad_unreduced",
-            ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else ""),
-        )
-        self._disarm()  # armed again at the next collected step, with a tap on them
-
     def attach_step(self, events: Any) -> list[Any]:
         return [] if self.optimizer is None else hook_optimizer_step(self.optimizer, events)
 
     def clip_entries(self) -> Sequence[Any]:
         return torch_clip_entries()
-
-    def new_step(self) -> None:
-        self._seen.clear()
-        self.row_spans.clear()
-
-    def gradients_unused(self) -> list[list]:
-        """The loop cleared the gradients of a backward no optimizer step used (a GAN's generator loss
-        through the monitored model, FGSM): the next reduce of this step is recorded afresh. Returns the
-        collector spans of the rows the taps took from them, to be taken out (no tensor work)."""
-        self._seen.clear()
-        return self.row_spans.take()
-
-    # ---- pre-reduce taps ---------------------------------------------------------------------
-    def install_grad_taps(self, taps: GradTaps) -> list[Any]:
-        self._taps = taps
-        self._report_tap = guarded(self.context.faults, "DDP gradient tap", self._report)
-        return self._watch_ddps()
-
-    def _watch_ddps(self) -> list[Any]:
-        handles: list[Any] = []
-        for ddp in self._ddps:
-            syncing = [True]  # whether DDP reduces the backward of the latest forward
-
-            def remember(module: Any, args: Any, syncing: list = syncing) -> None:
-                # a pipeline stage's shape inference (a side pass) runs DDP outside no_sync(): no reduce
-                syncing[0] = torch.is_grad_enabled() and module.require_backward_grad_sync
-                syncing[0] = syncing[0] and SIDE_PASSES.depth == 0
-
-            def reduces_next(syncing: list = syncing) -> None:
-                syncing[0] = True
-
-            handles.append(ddp.register_forward_pre_hook(remember))
-            # a pipeline stage runs every forward under no_sync() and reduces in its last backward
-            handles.append(on_stage_reduce("last_backward", ddp, reduces_next))
-            self._syncing.append((ddp, syncing))
-        self._tapped = bool(self._ddps)
-        return handles
-
-    def arm_grad_taps(self, active: bool) -> None:
-        """The per-parameter hooks exist only on steps that collect them: a Python call per parameter
-        per backward is measurable on steps that collect nothing (docs/PERFORMANCE.md)."""
-        if not active or self._taps is None:
-            self._disarm()
-            return
-        if self._armed:
-            return
-        if not self._syncing:  # no DDP: nothing to arm (no per-step work)
-            return
-        by_id = {id(mp.param): mp for mp in self.parameters()}
-        taps, report = self._taps, self._report_tap
-        for ddp, syncing in self._syncing:
-            for p in ddp.module.parameters():
-                mp = by_id.get(id(p))
-                if mp is None:
-                    continue
-
-                def tap(param: torch.Tensor, index: int = mp.index, syncing: list = syncing) -> None:
-                    if taps.active and syncing[0]:
-                        report(index, param.grad, taps)
-
-                self._armed.append(p.register_post_accumulate_grad_hook(tap))
-
-    def _late_ddps(self) -> None:
-        """At the end of the first collected step that reads gradients, with no DDP found at set_monitor:
-        a DDP made since around the monitored model is looked for once (one pass over live objects). If
-        found, this step writes no grad_unreduced (its gradients are reduced already; the taps arm from
-        the next collected step on); none found in a job of several ranks is said once (grad_unreduced is
-        then `.grad` at the step: after any all-reduce done outside DDP)."""
-        self._looked_late = True
-        looked = self._find_ddps()
-        if self._ddps:
-            if not self._plain_copies:
-                self._replica = self._replica_of(self.context.dp_group)
-            self._late_handles = self._watch_ddps()
-            self._held = self._reducer_held()
-        elif looked and not self.splits_model:
-            say_post_reduce(loud=self.context.dp_group is not None)
-
-    def _disarm(self) -> None:
-        for handle in self._armed:
-            handle.remove()
-        self._armed.clear()
-
-    def close(self) -> None:
-        self._disarm()
-        for handle in self._late_handles:
-            handle.remove()
-        self._late_handles.clear()
-
-    @property
-    def taps_report_unreduced(self) -> bool:
-        return self._tapped
-
-    def _report(self, index: int, grad: torch.Tensor | None, taps: GradTaps) -> None:
-        if grad is not None and self._seen.fresh((index,)):
-            self.row_spans.around(lambda: taps.on_unreduced((index,), (grad,)))
 
     def single_replica(self) -> bool:
         if not self._looked_late and self._taps is not None and not self._ddps:

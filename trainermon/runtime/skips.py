@@ -17,11 +17,11 @@ unscaled by `scaler.step`, with its Inf/NaN) are written; its parameters are unc
 A `zero_grad()` after a backward with no step is not always a skipped step: a GAN's generator loss is
 backpropagated through the monitored discriminator and cleared, FGSM adversarial training clears the
 attack's gradient, SAM's `first_step` clears the first gradient (inside `step()` for its closure form).
-So the probe closes a skipped step only on evidence: a loss scaler's (below), or a non-finite gradient
-of the optimizer's first or last parameter (a loop skipping its own step on NaN: `own_skip`), read then
-and only then (two norms and one host read, a device sync on an accelerator, at such a `zero_grad()`:
-a loop whose every backward has its step never pays it; a GAN's or FGSM's pays it each iteration).
-Otherwise those gradients were part of no step: nothing is closed, and that backward's
+So the probe closes a skipped step only on evidence: a loss scaler's (`skip_evidence`), or a non-finite
+gradient of the optimizer's first or last parameter (a loop skipping its own step on NaN: `own_skip`),
+read then and only then (two norms and one host read, a device sync on an accelerator, at such a
+`zero_grad()`: a loop whose every backward has its step never pays it; a GAN's or FGSM's pays it each
+iteration). Otherwise those gradients were part of no step: nothing is closed, and that backward's
 `actv_grad` and per-micro-batch `grad_unreduced` rows stay among the next step's micro-steps; the rows
 DDP's taps took from it are taken out (`_unused`), so the step's own reduce is its `grad_unreduced`.
 Non-finite gradients are no step either when a scaler's `unscale_` of another optimizer found Inf/NaN
@@ -38,17 +38,8 @@ which its precision plugins call before `scaler.step`), can say so (`report_step
 `zero_grad()` after such a call closes a skipped step. A `zero_grad()` in the middle of an accumulation is
 not a skip: Lightning clears the gradients before validation even there under manual optimization.
 
-Only a skip a loss scaler explains is "the scaler at work": while a probe is attached, the scalers'
-`step` and `unscale_` are watched at class level (`scaler_watch`) and tell the probe when called on the
-monitored optimizer or a wrapper of it. A skipped step is the scaler's when its `step` was called since
-the last boundary, or when its `unscale_` found Inf/NaN (a loop that unscales, clips, and skips
-`scaler.step` on a non-finite norm: a routine overflow; the found_inf tensors are read on that skipped
-step only). Any other skipped step is the loop's own (it found NaN gradients, or any reason of its own,
-and did not call `optimizer.step()`): still closed and flagged `update_skipped`, but also `own_skip`, so
-that `AnomalyNan` reports its non-finite gradients. A framework's reported step call (`step_called`) is
-no explanation: Lightning calls `on_before_optimizer_step` under every precision plugin, scaler or not;
-its mixed-precision plugins step through `scaler.step`, which the watch sees. The watch's handle is
-among `attach()`'s: the last probe detached puts the original methods back.
+Which skips a loss scaler explains (the scaler at work) and which are the loop's own (`own_skip`): see
+`skip_evidence`, the mixin that holds that evidence.
 
 A fused optimizer (`fused=True`: `_step_supports_amp_scaling`) is always stepped by the scaler and skips
 the update inside its kernel; its step hooks fire, so no probe closes anything: the optimizer step
@@ -78,6 +69,7 @@ from .lifecycle import weak_global_hook, weak_method
 from .plan import StepPlan
 from .probes.base import Probe
 from .scaler_watch import ScalerWatch
+from .skip_evidence import SkipEvidence
 
 logger = logging.getLogger("trainermon")
 
@@ -85,7 +77,7 @@ logger = logging.getLogger("trainermon")
 SCALER_ADAPTERS = ("torch", "fsdp1", "fsdp2")
 
 
-class SkippedStepProbe(Probe):
+class SkippedStepProbe(SkipEvidence, Probe):
     def __init__(self, loop: Any) -> None:
         super().__init__(loop)
         self.trained = False  # a backward reached the optimizer's parameters since the last boundary
@@ -173,34 +165,6 @@ class SkippedStepProbe(Probe):
         """The framework is about to step `optimizer` (or a wrapper of it): the scaler may skip it."""
         if self._ours(optimizer):
             self.called = True
-
-    def scaler_step(self, optimizer: Any) -> None:
-        """A loss scaler's `step(optimizer)` is starting (before the optimizer's step, whose boundary
-        clears the mark again): a skip until the next boundary is the scaler's."""
-        if self._ours(optimizer):
-            self.scaled = True
-
-    def scaler_unscaled(self, scaler: Any, optimizer: Any) -> None:
-        """A loss scaler's `unscale_(optimizer)` returned: keep copies of its found_inf tensors (no read
-        here: no host sync), so that a skip the loop then makes on a non-finite clip norm is known as an
-        overflow. Copies (0-d, one small device op each): `update()` adds the other optimizers' found_inf
-        into the first tensor in place."""
-        ours = self._ours(optimizer)
-        if ours or self.trained:  # another's only after a backward reached ours (one scaler, a GAN)
-            state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
-            found = [t.clone() for t in (state or {}).get("found_inf_per_device", {}).values()]
-            if ours:
-                self.found_inf = found
-            else:
-                self.others_inf += found
-
-    def _overflowed(self, found_inf: list | None = None) -> bool:
-        """The last `unscale_` found Inf/NaN (a host read, on a skipped step only)."""
-        try:
-            return any(float(t.sum()) != 0 for t in (self.found_inf if found_inf is None else found_inf))
-        except Exception as exc:  # noqa: BLE001 - the skip is still closed, as the loop's own
-            self.loop.faults.record("scaler found_inf", exc)
-            return False
 
     def _ours(self, optimizer: Any) -> bool:
         """`optimizer` is the monitored optimizer or a short chain of wrappers around it."""
@@ -349,14 +313,6 @@ class SkippedStepProbe(Probe):
         except Exception as exc:  # noqa: BLE001 - never into the training loop
             self.loop.faults.record("skipped step", exc)
 
-    def _others_overflowed(self) -> bool:
-        """A scaler's unscale_ of another optimizer, after a backward reached ours, found Inf/NaN: one
-        scaler for a GAN's two optimizers, whose generator overflow flowed into the discriminator's
-        gradients. Those gradients were no step of ours (a host read, on such a zero_grad() only)."""
-        found, self.others_inf = self.others_inf, []
-        # ours unscaled since the boundary and finite (else the scaler's skip): its non-finite came later
-        return bool(found) and not self.found_inf and self._overflowed(found)
-
     def _unused(self) -> None:
         """The gradients are cleared unused: no step (a GAN, FGSM). Rows DDP's taps took from them are
         taken out, so that the step's own reduce is recorded (`gradients_unused`; no tensor work)."""
@@ -377,10 +333,6 @@ class SkippedStepProbe(Probe):
         with self.loop._lock:
             return self.loop.collector.mark()
 
-    def _by_scaler(self) -> bool:
-        """A scaler's step since the boundary, or an overflow its unscale_ found."""
-        return self.scaled or self._overflowed()
-
     def _inside_step(self) -> bool:
         """This optimizer's `step()` is on the stack (~3 us at 40 frames; only after it began and before
         its boundary: a zero_grad() inside it, or after it raised)."""
@@ -392,42 +344,6 @@ class SkippedStepProbe(Probe):
             if frame.f_code is _STEP_WRAPPER and frame.f_locals.get("self") is optimizer:
                 return True
             frame = frame.f_back
-        return False
-
-    def _alike_everywhere(self) -> bool:
-        """Every rank holds the same gradients (one process; DDP's, all-reduced, the model not split), so
-        a check of them decides alike on every rank. Others (FSDP's shards, pipeline stages, tensor-
-        parallel pieces, ranks that do not reduce) may differ by rank, and a decision that differed would
-        split the ranks' step counters (their collectives then mismatch): there the step is closed without
-        looking, as a skipped one."""
-        adapter = self.loop.adapter
-        return self.loop.world_size == 1 or bool(getattr(adapter, "grads_alike_on_every_rank", False))
-
-    def _nonfinite(self) -> bool:
-        """The gradient of the first or the last of the optimizer's parameters (those hooked: a NaN loss,
-        or a NaN reaching the first layer through backward, shows there) holds Inf/NaN: two norms and one
-        host read (a device sync on an accelerator), at each zero_grad() after a backward with no step
-        (a GAN's or FGSM's every iteration). A DTensor's (tensor-parallel pieces by rank) in a job of
-        several ranks counts as one, as above."""
-        grads = []
-        for p in self.watched:
-            grad = None if is_lazy(p) else p.grad
-            if callable(getattr(grad, "to_local", None)):
-                if self.loop.world_size > 1:
-                    return True
-                grad = grad.to_local()
-            if grad is not None:
-                grads.append(grad._values() if grad.is_sparse else grad)
-        by_device: dict[Any, list] = {}
-        for grad in grads:
-            by_device.setdefault(grad.device, []).append(grad)
-        for same in by_device.values():
-            try:
-                norms = torch._foreach_norm(same)
-            except Exception:  # noqa: BLE001 - a dtype foreach lacks: one at a time
-                norms = [g.abs().max() if g.numel() else g.new_zeros(()) for g in same]
-            if not bool(torch.isfinite(torch.stack([n.float() for n in norms])).all()):
-                return True
         return False
 
     def _close(self, scalars: StepScalars) -> None:

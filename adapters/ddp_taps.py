@@ -1,0 +1,188 @@
+"""DDP's reduce taps: each rank's gradient before DDP all-reduces it, and which parameters DDP reduces.
+
+`DdpReduceTaps` is a mixin of `torch_ddp.TorchAdapter`, which provides `chunks`, `context`, `optimizer`,
+`_roots`, `_ddps` (the DDPs around the model), `parameters()`, `splits_model`, `_replica_of`,
+`_plain_copies` and `_replica`.
+
+- Pre-reduce gradient: a post-accumulate-grad hook on each parameter, on the backward that DDP reduces
+  (its forward ran with gradient sync on, i.e. outside `no_sync()`; a forward pre-hook on each DDP
+  remembers it). Armed on collected steps only (`arm_grad_taps`): no per-parameter work otherwise.
+- The set DDP's reducer holds (`_reducer_held`): a parameter made trainable after DDP was built is never
+  all-reduced (`_say_unreduced`); its rows are this rank's own.
+- A DDP made after set_monitor around the monitored model is looked for once (`_late_ddps`).
+- The collector spans of the taps' rows (`row_spans`): taken out when the loop clears those gradients
+  unused (`gradients_unused`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from trainermon.runtime.side_passes import SIDE_PASSES
+
+from .base import GradTaps, MonitoredParam
+from .common import OncePerStep, RowSpans, guarded
+from .ddp_find import ddps_wrapping, say_post_reduce
+from .pipelining import on_stage_reduce
+
+logger = logging.getLogger("trainermon")
+
+
+class DdpReduceTaps:
+    """Mixin: DDP's pre-reduce taps and the parameters its reducer holds (state set by `_init_taps`)."""
+
+    def _init_taps(self) -> None:
+        """The taps' state; `_ddps` is known (the DDPs found at set_monitor). No hook is made here."""
+        self._looked_late = False
+        self._late_handles: list[Any] = []
+        self._tapped = False
+        self._seen = OncePerStep("DDP")
+        self.row_spans = RowSpans()  # where the taps' rows lie: taken out when the loop clears them unused
+        self._held = self._reducer_held()  # what DDP's reducer holds (see _reducer_held)
+        self._unreduced: set[int] = set()  # parameters trainable later, which DDP does not reduce
+        self._taps: GradTaps | None = None
+        self._report_tap: Any = None
+        self._syncing: list[tuple[Any, list]] = []  # (DDP, [reduces the latest forward's backward])
+        self._armed: list[Any] = []  # this step's post-accumulate-grad hooks
+
+    def _reducer_held(self) -> set[int]:
+        """The ids of the parameters DDP's reducer holds: those trainable (and not ignored) when it was
+        built. DDP keeps no public list: they are taken as those trainable now (set_monitor, or when a
+        DDP made later is found), so one frozen between DDP's build and then counts as held."""
+        return {
+            id(p)
+            for d in self._ddps
+            for p in getattr(d, "_module_parameters", None) or d.module.parameters()
+            if p.requires_grad
+        }
+
+    def _find_ddps(self) -> bool:
+        """Looks among live objects for DDPs around the monitored modules (one pass over the garbage
+        collector's objects, ~0.1-0.4 s; never per step). Whether it looked (a process group exists)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return False
+        self._ddps = ddps_wrapping(self._roots)
+        if self._ddps:
+            logger.info(
+                "trainermon: found the DistributedDataParallel around the monitored model among live "
+                "objects: grad_unreduced is each rank's gradient before DDP's all-reduce"
+            )
+        return True
+
+    def _say_unreduced(self, params: list[MonitoredParam]) -> None:
+        """Parameters that became trainable after DDP was built: its reducer never all-reduces them (each
+        rank steps its own copy with its own gradient). Their rows are this rank's (every rank writes
+        them), and a tap on them writes their `.grad` as grad_unreduced (re-armed at the next step)."""
+        if not params:
+            return
+        self._unreduced.update(id(mp.param) for mp in params)
+        names = [mp.name for mp in params]
+        logger.warning(
+            "trainermon: %s became trainable after DistributedDataParallel was built: DDP does not "
+            "all-reduce them (each rank updates its own copy with its own gradient, so the replicas "
+            "diverge; build the DDP again with them trainable to have them reduced). Their grad_reduced, "
+            "param and optimizer-state rows are written by every rank (this rank's values), and their "
+            "gradient as grad_unreduced",
+            ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else ""),
+        )
+        self._disarm()  # armed again at the next collected step, with a tap on them
+
+    def new_step(self) -> None:
+        self._seen.clear()
+        self.row_spans.clear()
+
+    def gradients_unused(self) -> list[list]:
+        """The loop cleared the gradients of a backward no optimizer step used (a GAN's generator loss
+        through the monitored model, FGSM): the next reduce of this step is recorded afresh. Returns the
+        collector spans of the rows the taps took from them, to be taken out (no tensor work)."""
+        self._seen.clear()
+        return self.row_spans.take()
+
+    def install_grad_taps(self, taps: GradTaps) -> list[Any]:
+        self._taps = taps
+        self._report_tap = guarded(self.context.faults, "DDP gradient tap", self._report)
+        return self._watch_ddps()
+
+    def _watch_ddps(self) -> list[Any]:
+        handles: list[Any] = []
+        for ddp in self._ddps:
+            syncing = [True]  # whether DDP reduces the backward of the latest forward
+
+            def remember(module: Any, args: Any, syncing: list = syncing) -> None:
+                # a pipeline stage's shape inference (a side pass) runs DDP outside no_sync(): no reduce
+                syncing[0] = torch.is_grad_enabled() and module.require_backward_grad_sync
+                syncing[0] = syncing[0] and SIDE_PASSES.depth == 0
+
+            def reduces_next(syncing: list = syncing) -> None:
+                syncing[0] = True
+
+            handles.append(ddp.register_forward_pre_hook(remember))
+            # a pipeline stage runs every forward under no_sync() and reduces in its last backward
+            handles.append(on_stage_reduce("last_backward", ddp, reduces_next))
+            self._syncing.append((ddp, syncing))
+        self._tapped = bool(self._ddps)
+        return handles
+
+    def arm_grad_taps(self, active: bool) -> None:
+        """The per-parameter hooks exist only on steps that collect them: a Python call per parameter
+        per backward is measurable on steps that collect nothing (docs/PERFORMANCE.md)."""
+        if not active or self._taps is None:
+            self._disarm()
+            return
+        if self._armed:
+            return
+        if not self._syncing:  # no DDP: nothing to arm (no per-step work)
+            return
+        by_id = {id(mp.param): mp for mp in self.parameters()}
+        taps, report = self._taps, self._report_tap
+        for ddp, syncing in self._syncing:
+            for p in ddp.module.parameters():
+                mp = by_id.get(id(p))
+                if mp is None:
+                    continue
+
+                def tap(param: torch.Tensor, index: int = mp.index, syncing: list = syncing) -> None:
+                    if taps.active and syncing[0]:
+                        report(index, param.grad, taps)
+
+                self._armed.append(p.register_post_accumulate_grad_hook(tap))
+
+    def _late_ddps(self) -> None:
+        """At the end of the first collected step that reads gradients, with no DDP found at set_monitor:
+        a DDP made since around the monitored model is looked for once (one pass over live objects). If
+        found, this step writes no grad_unreduced (its gradients are reduced already; the taps arm from
+        the next collected step on); none found in a job of several ranks is said once (grad_unreduced is
+        then `.grad` at the step: after any all-reduce done outside DDP)."""
+        self._looked_late = True
+        looked = self._find_ddps()
+        if self._ddps:
+            if not self._plain_copies:
+                self._replica = self._replica_of(self.context.dp_group)
+            self._late_handles = self._watch_ddps()
+            self._held = self._reducer_held()
+        elif looked and not self.splits_model:
+            say_post_reduce(loud=self.context.dp_group is not None)
+
+    def _disarm(self) -> None:
+        for handle in self._armed:
+            handle.remove()
+        self._armed.clear()
+
+    def close(self) -> None:
+        self._disarm()
+        for handle in self._late_handles:
+            handle.remove()
+        self._late_handles.clear()
+
+    @property
+    def taps_report_unreduced(self) -> bool:
+        return self._tapped
+
+    def _report(self, index: int, grad: torch.Tensor | None, taps: GradTaps) -> None:
+        if grad is not None and self._seen.fresh((index,)):
+            self.row_spans.around(lambda: taps.on_unreduced((index,), (grad,)))
