@@ -7,14 +7,13 @@
 - grad_reduced, exp_avg/exp_avg_sq, param: the local flat shard. `_shard_param_infos` says which slice of
   the shard belongs to which original parameter; with `use_orig_params=True` the original parameters
   (and their `.grad` and optimizer state) already are those 1-D slices.
-- Everything private FSDP1 exposes is read once, in `_fsdp1_unit`.
+- Everything private FSDP1 exposes is read once, in `fsdp1_layout.fsdp1_unit`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -36,93 +35,10 @@ from ..common import (
     wrapper_types,
 )
 from . import fsdp_imported
+from .fsdp1_layout import Fsdp1Unit, Slot, fsdp1_unit, module_order
+from .sums import ReduceSums, flushing
 
 logger = logging.getLogger("trainermon")
-
-
-def _module_order(chunks: Sequence[torch.nn.Module]) -> dict[int, int]:
-    order: dict[int, int] = {}
-    for chunk in chunks:
-        for m in chunk.modules():
-            order.setdefault(id(m), len(order))
-    return order
-
-
-@dataclass(frozen=True)
-class _Slot:
-    """One original parameter inside an FSDP1 FlatParameter."""
-
-    flat: torch.nn.Parameter
-    owner: torch.nn.Module  # the module the original parameter belongs to
-    fqn: str  # relative to the FSDP unit's wrapped module
-    shape: torch.Size
-    unsharded_offset: int  # in the unsharded flat gradient (alignment padding included)
-    numel: int
-    shard_offset: int | None  # in the local flat shard; None when this rank holds none of it
-    shard_numel: int
-    orig: torch.nn.Parameter | None  # the original Parameter (use_orig_params=True), else None
-
-
-@dataclass
-class _Fsdp1Unit:
-    fsdp: torch.nn.Module
-    flat: torch.nn.Parameter
-    slots: list[_Slot]
-    sharded: bool
-    use_orig_params: bool
-    syncs_gradients: Callable[[], bool]
-
-
-def _fsdp1_unit(fsdp: torch.nn.Module) -> _Fsdp1Unit | None:
-    """Everything the adapter reads from FSDP1's private state, in one place.
-
-    FSDP1 has no public API for where an original parameter lives in its FlatParameter; these attributes
-    are stable from torch 2.1 to 2.13. Returns None for a unit that manages no parameters.
-    """
-    handle = getattr(fsdp, "_handle", None)
-    if handle is None:
-        return None
-    flat = handle.flat_param
-    needed = ("_fqns", "_shapes", "_numels", "_numels_with_padding", "_is_padding_mask", "_shard_param_infos")
-    missing = [a for a in needed if not hasattr(flat, a)]
-    if missing or not hasattr(handle, "_use_orig_params") or not hasattr(fsdp, "_sync_gradients"):
-        raise RuntimeError(
-            f"trainermon: FSDP1 in torch {torch.__version__} lacks the FlatParameter layout attributes "
-            f"{missing or ['_use_orig_params/_sync_gradients']}; the FSDP adapter is tested with torch 2.13"
-        )
-    use_orig = bool(handle._use_orig_params)
-    origs = list(flat._params) if use_orig and flat._params is not None else [None] * len(flat._fqns)
-    owners = [info.module for info in flat._param_infos]
-    offsets: list[int] = []
-    position = 0
-    for numel, is_pad in zip(flat._numels_with_padding, flat._is_padding_mask):
-        if not is_pad:
-            offsets.append(position)
-        position += numel
-    slots = []
-    for i, fqn in enumerate(flat._fqns):
-        info = flat._shard_param_infos[i]
-        slots.append(
-            _Slot(
-                flat=flat,
-                owner=owners[i],
-                fqn=fqn,
-                shape=torch.Size(flat._shapes[i]),
-                unsharded_offset=offsets[i],
-                numel=int(flat._numels[i]),
-                shard_offset=int(info.offset_in_shard) if info.in_shard else None,
-                shard_numel=int(info.numel_in_shard) if info.in_shard else 0,
-                orig=origs[i],
-            )
-        )
-    return _Fsdp1Unit(
-        fsdp=fsdp,
-        flat=flat,
-        slots=slots,
-        sharded=bool(handle.uses_sharded_strategy),
-        use_orig_params=use_orig,
-        syncs_gradients=lambda: bool(fsdp._sync_gradients),
-    )
 
 
 def _fsdp1_class() -> type | None:
@@ -148,20 +64,24 @@ class Fsdp1Adapter(Adapter):
         self._fsdp_cls = fsdp_cls
         self._wrappers = (fsdp_cls, *wrapper_types())
         self._roots = [unwrap(c) for c in self.chunks]
-        self._units: list[_Fsdp1Unit] = []
+        self._units: list[Fsdp1Unit] = []
         self._unit_names: list[tuple[int, str]] = []  # (vpp_stage, cleaned name of the wrapped module)
         for vpp_stage, chunk in enumerate(self.chunks):
             for name, module in chunk.named_modules():
                 if isinstance(module, fsdp_cls):
-                    unit = _fsdp1_unit(module)
+                    unit = fsdp1_unit(module)
                     if unit is not None:
                         self._units.append(unit)
                         self._unit_names.append((vpp_stage, clean_name(name)))
         self._params: list[MonitoredParam] | None = None
-        self._slot_of: dict[int, _Slot | None] = {}  # index -> slot (None: a plain, unsharded param)
+        self._slot_of: dict[int, Slot | None] = {}  # index -> slot (None: a plain, unsharded param)
         self._placement_of: dict[int, Placement] = {}
         self._tapped = False
-        self._seen = OncePerStep("FSDP")
+        # NO_SHARD keeps `.grad` across reduces (it all-reduces in place, as DDP): a later reduce's gradient
+        # holds the earlier reduced ones, so only the first is this rank's own. Sharded units free it.
+        self._seen = OncePerStep("FSDP (NO_SHARD)")
+        self._sums = ReduceSums("FSDP")
+        self._taps: GradTaps | None = None
         self._agreed = AgreedRows()  # which sharded rows of optimizer state exist on some rank
         self._grad_rows: dict[tuple[int, ...], list[bool]] = {}  # this step's agreed gradient rows
 
@@ -177,7 +97,9 @@ class Fsdp1Adapter(Adapter):
         return isinstance(module, self._wrappers)
 
     def attach_step(self, events: Any) -> list[Any]:
-        return [] if self.optimizer is None else hook_optimizer_step(self.optimizer, events)
+        if self.optimizer is None:
+            return []
+        return hook_optimizer_step(self.optimizer, flushing(events, self._sums, lambda: self._taps))
 
     def clip_entries(self) -> Sequence[Any]:
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -188,8 +110,8 @@ class Fsdp1Adapter(Adapter):
     def parameters(self) -> list[MonitoredParam]:
         if self._params is not None:
             return self._params
-        order = _module_order(self._roots)
-        found: list[tuple[tuple[int, int], int, str, torch.nn.Parameter, _Slot | None, Placement]] = []
+        order = module_order(self._roots)
+        found: list[tuple[tuple[int, int], int, str, torch.nn.Parameter, Slot | None, Placement]] = []
         covered: set[int] = set()
         for unit, (vpp_stage, prefix) in zip(self._units, self._unit_names):
             covered.add(id(unit.flat))
@@ -231,8 +153,8 @@ class Fsdp1Adapter(Adapter):
         self._params = out
         return out
 
-    def _slots_by_flat(self) -> dict[int, list[tuple[int, _Slot]]]:
-        by_flat: dict[int, list[tuple[int, _Slot]]] = {}
+    def _slots_by_flat(self) -> dict[int, list[tuple[int, Slot]]]:
+        by_flat: dict[int, list[tuple[int, Slot]]] = {}
         for mp in self.parameters():
             slot = self._slot_of[mp.index]
             if slot is not None:
@@ -240,7 +162,7 @@ class Fsdp1Adapter(Adapter):
         return by_flat
 
     @staticmethod
-    def _split_unsharded(flat_grad: torch.Tensor, entries: list[tuple[int, _Slot]]) -> list[torch.Tensor]:
+    def _split_unsharded(flat_grad: torch.Tensor, entries: list[tuple[int, Slot]]) -> list[torch.Tensor]:
         return [
             flat_grad[s.unsharded_offset : s.unsharded_offset + s.numel].view(s.shape) for _, s in entries
         ]
@@ -248,6 +170,7 @@ class Fsdp1Adapter(Adapter):
     # ---- pre-reduce taps ---------------------------------------------------------------------
     def install_grad_taps(self, taps: GradTaps) -> list[Any]:
         handles = []
+        self._taps = taps
         by_flat = self._slots_by_flat()
         for unit in self._units:
             entries = by_flat.get(id(unit.flat))
@@ -261,11 +184,15 @@ class Fsdp1Adapter(Adapter):
     def taps_report_unreduced(self) -> bool:
         return self._tapped
 
-    def _make_tap(self, unit: _Fsdp1Unit, entries: list[tuple[int, _Slot]], taps: GradTaps):
+    def _make_tap(self, unit: Fsdp1Unit, entries: list[tuple[int, Slot]], taps: GradTaps):
         def tap(flat: torch.Tensor) -> None:
             # Under no_sync() FSDP keeps accumulating; the gradient is reported once, at the backward
             # that reduce-scatters it.
             if not taps.active or flat.grad is None or not unit.syncs_gradients():
+                return
+            if unit.sharded:
+                grads = self._split_unsharded(flat.grad, entries)
+                self._sums.add([i for i, _ in entries], grads, taps.on_unreduced)
                 return
             fresh = set(self._seen.fresh(i for i, _ in entries))
             chosen = [(i, s) for i, s in entries if i in fresh]
@@ -276,6 +203,7 @@ class Fsdp1Adapter(Adapter):
 
     def new_step(self) -> None:
         self._seen.clear()
+        self._sums.clear()
         self._grad_rows.clear()
 
     def _unreduced_at_step(self, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
@@ -297,7 +225,7 @@ class Fsdp1Adapter(Adapter):
             if not entries:
                 continue
 
-            def hook(grad: torch.Tensor, entries: list[tuple[int, _Slot]] = entries) -> None:
+            def hook(grad: torch.Tensor, entries: list[tuple[int, Slot]] = entries) -> None:
                 for (index, _), g in zip(entries, self._split_unsharded(grad, entries)):
                     taps.on_microbatch(index, g)
 

@@ -30,7 +30,6 @@ from ..base import GRAD_REDUCED, PARAM, Adapter, AdapterContext, GradTaps, Monit
 from ..common import (
     AgreedRows,
     Handles,
-    OncePerStep,
     guarded,
     hook_optimizer_step,
     shard_groups,
@@ -47,6 +46,7 @@ from ..dtensor import (
 )
 from ..pipelining import StageMap, on_stage_reduce
 from . import fsdp_imported
+from .sums import ReduceSums, flushing
 
 logger = logging.getLogger("trainermon")
 
@@ -130,7 +130,8 @@ class Fsdp2Adapter(Adapter):
         # FSDP module -> [(index, owner module, attribute)] for the parameters it shards.
         self._managed: list[tuple[torch.nn.Module, list[tuple[int, torch.nn.Module, str]]]] = []
         self._hooked: dict[int, Any] = {}  # id(unsharded param) -> (param, handle)
-        self._seen = OncePerStep("FSDP2")
+        self._sums = ReduceSums("FSDP2")  # FSDP2 frees the unsharded gradient at each reduce
+        self._taps: GradTaps | None = None
         self._agreed = AgreedRows()  # which sharded rows of optimizer state exist on some rank
 
     @classmethod
@@ -150,7 +151,9 @@ class Fsdp2Adapter(Adapter):
         return bool(self._wrappers) and isinstance(module, self._wrappers)
 
     def attach_step(self, events: Any) -> list[Any]:
-        return [] if self.optimizer is None else hook_optimizer_step(self.optimizer, events)
+        if self.optimizer is None:
+            return []
+        return hook_optimizer_step(self.optimizer, flushing(events, self._sums, lambda: self._taps))
 
     def clip_entries(self) -> Sequence[Any]:
         return torch_clip_entries()  # torch's clipping takes DTensor gradients (torchtitan's too)
@@ -190,6 +193,7 @@ class Fsdp2Adapter(Adapter):
 
         self.parameters()
         handles = []
+        self._taps = taps
         for fsdp_module, managed in self._managed:
             if not managed:
                 continue
@@ -227,8 +231,8 @@ class Fsdp2Adapter(Adapter):
                 if p is None or p is self._params[index].param:  # resharded: nothing pending here
                     continue
                 grad = _pending_grad(unit, p)
-                if grad is not None and self._seen.fresh([index]):
-                    taps.on_unreduced([index], [grad])
+                if grad is not None:
+                    self._sums.add([index], [grad], taps.on_unreduced)
 
     @property
     def taps_report_unreduced(self) -> bool:
@@ -240,14 +244,14 @@ class Fsdp2Adapter(Adapter):
                 return
             if not unit.reduces_gradients():
                 return  # accumulating without sync: reported at the backward that reduces
-            if not self._seen.fresh([index]):
-                return
-            taps.on_unreduced([index], [_pending_grad(unit, p)])
+            grad = _pending_grad(unit, p)
+            if grad is not None:
+                self._sums.add([index], [grad], taps.on_unreduced)
 
         return guarded(self.context.faults, "FSDP2 gradient tap", tap)
 
     def new_step(self) -> None:
-        self._seen.clear()
+        self._sums.clear()
 
     def install_microbatch_taps(self, params: Sequence[MonitoredParam], taps: GradTaps) -> list[Any]:
         # Each micro-batch's own gradient: a tensor hook on the unsharded parameter (fires before it is

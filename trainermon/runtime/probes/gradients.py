@@ -134,8 +134,8 @@ class GradientProbe(Probe):
             if loop.closed or not loop.plan.grads:
                 return
             adapter = loop.adapter
-            if owner is not None:
-                ours = any(owner is chunk for chunk in adapter.chunks)
+            if owner is not None:  # a chunk, or a module inside one (an FSDP1 root held by the chunk)
+                ours = id(owner) in self._ids_of_modules(adapter)
             else:
                 ids = self._ids_of_models()
                 ours = any(id(p) in ids for p in params or ())
@@ -143,6 +143,15 @@ class GradientProbe(Probe):
                 loop.on_grads_final(again=self._stamp is not _UNSET and self._stamp != self._grad_stamp())
         except Exception as exc:  # noqa: BLE001 - never into the training loop
             loop.faults.record("gradient clipping", exc)
+
+    def _ids_of_modules(self, adapter: Any) -> frozenset[int]:
+        """The ids of every module of the model chunks, kept while the selection stands: one set lookup
+        per clipping call."""
+        selection, ids = getattr(self, "_module_ids", (None, frozenset()))
+        if selection is not self.loop.selection:
+            ids = frozenset(id(m) for chunk in adapter.chunks for m in chunk.modules())
+            self._module_ids = (self.loop.selection, ids)
+        return ids
 
     def after_clipping(self) -> None:
         try:
