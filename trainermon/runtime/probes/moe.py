@@ -78,6 +78,8 @@ class _Router:
         "dropped",
         "aux",
         "calls",
+        "aux_again",
+        "calls_again",
         "drops",
         "aux_name",
         "aux_share",
@@ -104,6 +106,11 @@ class _Router:
         self.dropped: torch.Tensor | None = None
         self.aux: torch.Tensor | None = None
         self.calls = 0
+        # the losses handed in by a recompute in backward: used only when the forward handed none
+        # (Megatron attaches the loss only with grad enabled, so under its reentrant recompute, whose
+        # first forward runs without grad, the recompute's is the only one)
+        self.aux_again: torch.Tensor | None = None
+        self.calls_again = 0
         self.failed = False  # this step's counts are unknown: NaN rows, no moe_load row
 
 
@@ -230,7 +237,9 @@ class MoEProbe(Probe):
             if r.has_aux:
                 # the collector sums over the placement; Megatron sums over reduce_group, averages the rest
                 share = (r.aux_share or 1) / size
-                aux = torch.zeros((), device=device) if r.aux is None else r.aux * (share / max(r.calls, 1))
+                aux, calls = (r.aux, r.calls) if r.calls else (r.aux_again, r.calls_again)
+                # no loss handed in this step: NaN (unknown), never a zero that reads as balanced
+                aux = torch.full((), float("nan"), device=device) if aux is None else aux * (share / calls)
                 piece = TensorPiece(aux.float().reshape(1), placement, (1,), torch.float32)
                 entries.append((r.vpp, r.name, MOE_AUX, piece))
         self.loop.record(MOE_HIDDEN, entries)
@@ -315,7 +324,7 @@ def _wrap_aux(module: torch.nn.Module, router: _Router, probe: MoEProbe) -> _Res
     original = module.attach_and_log_load_balancing_loss
 
     def attach(*args: Any, **kwargs: Any) -> Any:
-        if probe.armed and not in_backward():  # a recompute hands the same loss again
+        if probe.armed:
             try:
                 name = kwargs.get("aux_loss_name", args[3] if len(args) > 3 else None)
                 aux = kwargs.get("aux_loss", args[2] if len(args) > 2 else None)
@@ -323,8 +332,12 @@ def _wrap_aux(module: torch.nn.Module, router: _Router, probe: MoEProbe) -> _Res
                 # the one loss written as aux_loss (a call without a name: the router's only one)
                 if name in (None, router.aux_name) and isinstance(aux, torch.Tensor) and coeff:
                     value = aux.detach().float() / float(coeff)  # as Megatron logs it: before its coeff
-                    router.aux = value if router.aux is None else router.aux + value
-                    router.calls += 1
+                    if in_backward():  # a recompute hands the forward's loss again: kept apart
+                        router.aux_again = value if router.aux_again is None else router.aux_again + value
+                        router.calls_again += 1
+                    else:
+                        router.aux = value if router.aux is None else router.aux + value
+                        router.calls += 1
                     if router.aux_share is None:
                         group = kwargs.get("reduce_group", args[4] if len(args) > 4 else None)
                         # under sequence / context parallelism each rank's loss is a partial sum
