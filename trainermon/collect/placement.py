@@ -111,7 +111,7 @@ def stepping_alone(*groups: Any) -> None:
 
 
 def stepping_with_others() -> None:
-    """Forget `stepping_alone` (a monitor's close)."""
+    """Forget `stepping_alone`: more than one rank steps again (the Join context ended); a monitor's close."""
     _SOLE.clear()
 
 

@@ -109,7 +109,7 @@ class StepLoop(ConfigChanges):
         self.xy_override: bool | None = None  # `reload_xy` before set_monitor (kept when rank 0's applies)
         self.joined = False  # a Join context (uneven inputs): no collectives of the monitor's own
         self._joinables: list | None = None  # what a Join context may be over (`uneven.joinables`)
-        self._stepping = 0  # under Join: how many ranks stepped at the last look (0: not looked / all)
+        self._stepping = 0  # under Join: ranks stepping at the last look (0: not looked/all; -1: never)
 
     # ==== attaching ================================================================================
     def attach(self, adapter: Any, start_iteration: int) -> None:

@@ -113,33 +113,40 @@ def ranks_stepping() -> tuple[Any, int] | None:
 def check_stepping(loop: Any) -> None:
     """Under Join (else a flag check), on a collected step (`loop.on_grads_final`): when this rank is the
     last one stepping, it writes the rows of replicated tensors (rank 0 of the joinable's group, their
-    writer, ran out of inputs); when some but not all ranks ran out, say once that those rows may go
-    unwritten. Cost: `ranks_stepping`, on ranks other than the writer, until alone."""
-    if not loop.joined or loop._stepping == 1 or "group" not in _NOTICE:
+    writer, ran out of inputs) until more than one rank steps again (a later Join context, e.g. the next
+    epoch's): then rank 0 writes them again; when some but not all ranks ran out, say that those rows may
+    go unwritten (once per such period). Cost: `ranks_stepping`, on ranks other than the writer."""
+    if not loop.joined or loop._stepping < 0 or "group" not in _NOTICE:
         return
     import torch.distributed as dist
 
-    from trainermon.collect.placement import stepping_alone
+    from trainermon.collect.placement import stepping_alone, stepping_with_others
 
+    alone = loop._stepping == 1
     try:
         if dist.get_rank(_NOTICE["group"]) == 0:
-            loop._stepping = 1  # the writer itself: nothing changes for it
+            loop._stepping = -1  # the writer itself: nothing changes for it, never asked again
             return
         seen = ranks_stepping()
     except Exception as exc:  # noqa: BLE001
         loop.faults.record("counting the ranks still stepping", exc)
-        loop._stepping = 1  # never asked again
+        loop._stepping = -1  # never asked again
         return
     if seen is None:
         return
     group, stepping = seen
     size = dist.get_world_size(group)
-    if stepping == 1:
+    if stepping == 1 and not alone:
         default = group is None or group is dist.distributed_c10d._get_default_group()
         stepping_alone(group, *((None, dist.group.WORLD) if default else ()))
         loop.collector._roles.clear()  # roles are cached per placement: this rank's changed
         say_sole(loop.rank)
-    elif stepping < size and not loop._stepping:
+    elif stepping > 1 and alone:
+        # the ranks that ran out step again (the Join context ended): rank 0 writes those rows again,
+        # else both would write them (and with different step numbers)
+        stepping_with_others()
+        loop.collector._roles.clear()
+    if 1 < stepping < size and loop._stepping in (0, 1):
         say_unwritten(stepping, size)
     loop._stepping = stepping if stepping < size else 0
 
@@ -148,7 +155,8 @@ def say_sole(rank: int) -> None:
     logger.warning(
         "trainermon: rank %d is the last rank still stepping in a Join context (uneven inputs): from this "
         "step on it writes the rows of replicated tensors (grad_reduced, optimizer moments, param_*), "
-        "which the ranks that ran out of inputs no longer write",
+        "which the ranks that ran out of inputs no longer write, until they step again (under this rank's "
+        "own step numbers, which after uneven epochs differ from rank 0's)",
         rank,
     )
 
