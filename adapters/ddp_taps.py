@@ -7,8 +7,9 @@
 - Pre-reduce gradient: a post-accumulate-grad hook on each parameter, on the backward that DDP reduces
   (its forward ran with gradient sync on, i.e. outside `no_sync()`; a forward pre-hook on each DDP
   remembers it). Armed on collected steps only (`arm_grad_taps`): no per-parameter work otherwise.
-- The set DDP's reducer holds (`_reducer_held`): a parameter made trainable after DDP was built is never
-  all-reduced (`_say_unreduced`); its rows are this rank's own.
+- The set DDP's reducer holds (`_reducer_held`, read from its buckets): a parameter made trainable after
+  DDP was built is never all-reduced (`_say_unreduced`); its rows are this rank's own. One frozen after
+  the build and unfrozen later is reduced: its rows are DDP's (one writer).
 - A DDP made after set_monitor around the monitored model is looked for once (`_late_ddps`).
 - The collector spans of the taps' rows (`row_spans`): taken out when the loop clears those gradients
   unused (`gradients_unused`).
@@ -49,15 +50,53 @@ class DdpReduceTaps:
         self._armed: list[Any] = []  # this step's post-accumulate-grad hooks
 
     def _reducer_held(self) -> set[int]:
-        """The ids of the parameters DDP's reducer holds: those trainable (and not ignored) when it was
-        built. DDP keeps no public list: they are taken as those trainable now (set_monitor, or when a
-        DDP made later is found), so one frozen between DDP's build and then counts as held."""
-        return {
-            id(p)
-            for d in self._ddps
-            for p in getattr(d, "_module_parameters", None) or d.module.parameters()
-            if p.requires_grad
-        }
+        """The ids of the parameters DDP reduces: those its reducer was built with (trainable and not
+        ignored when DDP was built, whatever their flag now), and those of `delay_all_reduce_named_params`.
+        torch keeps no Python list of them. Those trainable now are taken when their count and bytes
+        equal what DDP's logging data says its reducer holds (the usual case: nothing frozen or unfrozen
+        since the build; no allocation); else they are read from the reducer's buckets, once per DDP
+        found (`_get_zeros_like_grad_buckets` allocates one zero copy of the bucketed gradients, freed at
+        once). Without that private API, those trainable now are taken (said)."""
+        held: set[int] = set()
+        for d in self._ddps:
+            delayed = {id(p) for p in getattr(d, "_delay_all_reduce_params", ())}
+            held.update(delayed)
+            # ignored on purpose (`_ddp_params_and_buffers_to_ignore`: the user reduces them): not said
+            ignored = getattr(d, "parameters_to_ignore", None) or ()
+            held.update(id(p) for n, p in d.module.named_parameters() if n in ignored)
+            reducer = getattr(d, "reducer", None)
+            if reducer is None and getattr(d, "_delay_all_reduce_all_params", False):
+                continue  # every parameter's all-reduce is delayed: held above, no reducer
+            now = [
+                p
+                for p in getattr(d, "_module_parameters", None) or d.module.parameters()
+                if p.requires_grad and id(p) not in delayed
+            ]
+            if _as_built(d, now):
+                held.update(id(p) for p in now)
+                continue
+            try:
+                buckets = reducer._get_zeros_like_grad_buckets()  # type: ignore[union-attr]
+                held.update(id(p) for b in buckets for p in b.parameters())
+                del buckets
+            except Exception:  # noqa: BLE001 - another torch: fall back to the flags now
+                logger.warning(
+                    "trainermon: could not read which parameters DistributedDataParallel's reducer holds "
+                    "(torch's private Reducer API changed): those trainable now are taken as reduced by "
+                    "DDP, so a parameter frozen or unfrozen since DDP was built may be misplaced in the rows"
+                )
+                held.update(
+                    id(p)
+                    for p in getattr(d, "_module_parameters", None) or d.module.parameters()
+                    if p.requires_grad
+                )
+        return held
+
+    def _say_held_unreduced(self, params: list[MonitoredParam]) -> None:
+        """At set_monitor (or when a DDP made later is found): monitored parameters trainable now that
+        DDP's reducer does not hold (frozen when DDP was built, unfrozen since). A set lookup each, once."""
+        if self._ddps and not getattr(self, "_tensor_parallel", False):
+            self._say_unreduced([mp for mp in params if id(mp.param) not in self._held])
 
     def _find_ddps(self) -> bool:
         """Looks among live objects for DDPs around the monitored modules (one pass over the garbage
@@ -165,6 +204,7 @@ class DdpReduceTaps:
                 self._replica = self._replica_of(self.context.dp_group)
             self._late_handles = self._watch_ddps()
             self._held = self._reducer_held()
+            self._say_held_unreduced(self.parameters())
         elif looked and not self.splits_model:
             say_post_reduce(loud=self.context.dp_group is not None)
 
@@ -186,3 +226,14 @@ class DdpReduceTaps:
     def _report(self, index: int, grad: torch.Tensor | None, taps: GradTaps) -> None:
         if grad is not None and self._seen.fresh((index,)):
             self.row_spans.around(lambda: taps.on_unreduced((index,), (grad,)))
+
+
+def _as_built(ddp: Any, trainable: list[torch.nn.Parameter]) -> bool:
+    """Whether `trainable` has the count and bytes of the parameters DDP's reducer was built with (its
+    logging data: `num_parameter_tensors`, `total_parameter_size_bytes`). A few dict reads, once."""
+    try:
+        data = ddp._get_ddp_logging_data()
+        count, size = int(data["num_parameter_tensors"]), int(data["total_parameter_size_bytes"])
+    except Exception:  # noqa: BLE001 - another torch: read the buckets
+        return False
+    return count == len(trainable) and size == sum(p.numel() * p.element_size() for p in trainable)

@@ -136,6 +136,7 @@ class TorchAdapter(DdpReduceTaps, Adapter):
             self._mark = self._trainable_mark()
             self._slots = self._holders()
             self._say_parameters_outside_the_optimizer(out)
+            self._say_held_unreduced(out)  # frozen when DDP was built, trainable now: not reduced
         return self._params
 
     def _trainable(self) -> list[tuple[int, str, torch.nn.Parameter]]:
@@ -233,6 +234,7 @@ class TorchAdapter(DdpReduceTaps, Adapter):
         known[:] = kept + new
         if new and self._ddps and not self._tensor_parallel:
             self._say_unreduced([mp for mp in new if id(mp.param) not in self._held])
+            self._disarm()  # re-armed at the next collected step, with taps on the new ones too
         # what is returned makes the caller rebuild the selection (indices shift when one is dropped)
         return remapped + new or kept[:1] if dropped else remapped + new
 

@@ -4,8 +4,11 @@
   grad_unreduced is the step's own local gradient, not the cleared one;
 - a GAN with one shared GradScaler whose generator loss overflows into D's gradients: no phantom step;
 - the monitored optimizer replaced mid-run: one warning naming start_iteration;
-- a layer frozen when DDP was built and unfrozen later: DDP does not reduce it, so its rows are each
-  rank's own (written by every rank), with a warning.
+- a WGAN whose critic steps n_critic=5 times per generator step (the monitored optimizer): no warning;
+- a layer frozen when DDP was built and unfrozen later, or before set_monitor: DDP does not reduce it,
+  so its rows are each rank's own (written by every rank), with a warning;
+- a layer frozen after DDP was built (before set_monitor) and unfrozen later: DDP reduces it, so its
+  rows are written once (rank 0), with no warning.
 
 References: an undistributed copy of the model fed this rank's batch (its .grad is the local gradient),
 the average all-reduced by the test itself, and the tensors the optimizer holds.
@@ -154,7 +157,7 @@ def _replaced_case(rank: int, world: int, out_root: str, logs: _Logs) -> list[st
     monitor = _monitor(out_root, "replaced", rank, model, opt)
     gen = torch.Generator().manual_seed(30 + rank)
     expected = {}
-    for step in range(6):
+    for step in range(12):  # 8 iterations (16 steps of other optimizers) with none of ours: replaced
         if step == 3:
             opt = torch.optim.Adam(model.parameters(), lr=1e-2)  # "reset the optimizer after a spike"
         model(torch.randn(8, 4, generator=gen)).pow(2).mean().backward()
@@ -235,7 +238,118 @@ def _unfreeze_case(rank: int, world: int, out_root: str, logs: _Logs) -> list[st
     return problems
 
 
-CASES = {"stale": _stale_case, "gan": _gan_case, "replaced": _replaced_case, "unfreeze": _unfreeze_case}
+def _wgan_case(rank: int, world: int, out_root: str, logs: _Logs) -> list[str]:
+    """WGAN: the critic D steps n_critic=5 times per generator step (first too); the monitored model
+    holds G and D, the monitored optimizer is G's, which steps every iteration: not replaced."""
+    torch.manual_seed(0)
+    gan = nn.ModuleDict({"G": nn.Linear(4, 4), "D": nn.Linear(4, 1)})
+    g_opt = torch.optim.Adam(gan["G"].parameters(), lr=1e-3)
+    d_opt = torch.optim.Adam(gan["D"].parameters(), lr=1e-3)
+    monitor = _monitor(out_root, "wgan", rank, gan, g_opt)
+    gen = torch.Generator().manual_seed(50 + rank)
+    expected = {}
+    for step in range(8):
+        for _ in range(5):
+            d_opt.zero_grad()
+            fake = gan["G"](torch.randn(8, 4, generator=gen)).detach()
+            (gan["D"](fake).mean() - gan["D"](torch.randn(8, 4, generator=gen)).mean()).backward()
+            d_opt.step()
+        g_opt.zero_grad()
+        (-gan["D"](gan["G"](torch.randn(8, 4, generator=gen))).mean()).backward()
+        for n, p in gan["G"].named_parameters():
+            expected[(f"G.{n}", step, None)] = ref_stats(p.grad)
+        g_opt.step()
+    monitor.close()
+    problems = [f"fault {k}" for k in monitor.faults.counts]
+    got = {k: v for k, v in keyed(read_family(monitor.run_dir, "grad_reduced")).items() if k[0][0] == "G"}
+    _check(got, expected, problems, "wgan grad_reduced")
+    return problems + [f"wgan warning: {w}" for w in logs.lines if "not the one given to set_monitor" in w]
+
+
+def _early_case(rank: int, world: int, out_root: str, logs: _Logs) -> list[str]:
+    """`extra` frozen when DDP is built, unfrozen before set_monitor: DDP never reduces it."""
+    torch.manual_seed(0)
+    net = _Net()
+    net.extra.requires_grad_(False)
+    model = DDP(net)
+    net.extra.requires_grad_(True)
+    shadow = copy.deepcopy(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    monitor = _monitor(out_root, "early", rank, model, opt)
+    gen = torch.Generator().manual_seed(60 + rank)
+    exp: dict[str, dict] = {"grad_unreduced": {}, "grad_reduced": {}}
+    for step in range(3):
+        x = torch.randn(4, 6, generator=gen)
+        model(x).pow(2).mean().backward()
+        shadow.load_state_dict(net.state_dict())
+        shadow.zero_grad()
+        shadow(x).pow(2).mean().backward()
+        for n, q in shadow.named_parameters():
+            mine = n.startswith("extra.")
+            averaged = _mean(q.grad, world)  # on every rank: a collective
+            exp["grad_unreduced"][(n, step, None)] = ref_stats(q.grad)
+            if mine or rank == 0:
+                exp["grad_reduced"][(n, step, None)] = ref_stats(q.grad if mine else averaged)
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    problems = [f"fault {k}" for k in monitor.faults.counts]
+    for family, expected in exp.items():
+        _check(keyed(read_family(monitor.run_dir, family)), expected, problems, f"early {family}")
+    said = [w for w in logs.lines if "DDP does not all-reduce" in w]
+    if len(said) != 1 or "trainermon: extra.weight, extra.bias became" not in said[0]:
+        problems.append(f"early: warnings {said}")
+    return problems
+
+
+def _refrozen_case(rank: int, world: int, out_root: str, logs: _Logs) -> list[str]:
+    """`extra` trainable when DDP is built, frozen before set_monitor, unfrozen at iteration 2: DDP's
+    reducer holds it (it reduces it again once it has a gradient)."""
+    torch.manual_seed(0)
+    net = _Net()
+    model = DDP(net, find_unused_parameters=True)
+    net.extra.requires_grad_(False)
+    shadow = copy.deepcopy(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    monitor = _monitor(out_root, "refrozen", rank, model, opt)
+    gen = torch.Generator().manual_seed(70 + rank)
+    exp: dict[str, dict] = {"grad_unreduced": {}, "grad_reduced": {}}
+    for step in range(5):
+        if step == 2:
+            net.extra.requires_grad_(True)
+            shadow.extra.requires_grad_(True)
+        x = torch.randn(4, 6, generator=gen)
+        model(x).pow(2).mean().backward()
+        shadow.load_state_dict(net.state_dict())
+        shadow.zero_grad()
+        shadow(x).pow(2).mean().backward()
+        for n, q in shadow.named_parameters():
+            if q.grad is None:
+                continue
+            averaged = _mean(q.grad, world)  # on every rank: a collective
+            if not n.startswith("extra.") or step >= 3:  # a tap on `extra` from the step after it was found
+                exp["grad_unreduced"][(n, step, None)] = ref_stats(q.grad)
+            if rank == 0:  # all DDP's: one writer
+                exp["grad_reduced"][(n, step, None)] = ref_stats(averaged)
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    problems = [f"fault {k}" for k in monitor.faults.counts]
+    for family, expected in exp.items():
+        _check(keyed(read_family(monitor.run_dir, family)), expected, problems, f"refrozen {family}")
+    problems += [f"refrozen warning: {w}" for w in logs.lines if "DDP does not all-reduce" in w]
+    return problems
+
+
+CASES = {
+    "stale": _stale_case,
+    "gan": _gan_case,
+    "replaced": _replaced_case,
+    "wgan": _wgan_case,
+    "unfreeze": _unfreeze_case,
+    "early": _early_case,
+    "refrozen": _refrozen_case,
+}
 
 
 def _all_cases(rank: int, world: int, out_root: str) -> dict[str, list[str]]:

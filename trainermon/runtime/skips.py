@@ -26,8 +26,9 @@ iteration). Otherwise those gradients were part of no step: nothing is closed, a
 DDP's taps took from it are taken out (`_unused`), so the step's own reduce is its `grad_unreduced`.
 Non-finite gradients are no step either when a scaler's `unscale_` of another optimizer found Inf/NaN
 after that backward and ours was not unscaled since (one scaler for a GAN's two optimizers: G's overflow
-reaches D's gradients through G's loss). Another optimizer stepping the monitored parameters twice with
-no step of ours between (ours replaced mid-run) is warned about once (`_foreign`). A
+reaches D's gradients through G's loss). Another optimizer stepping the monitored parameters many times
+with no step of ours between, once ours has stepped (ours replaced mid-run), is warned about once
+(`_foreign`; a GAN's n_critic discriminator steps per generator step are no such thing). A
 `zero_grad()` inside this optimizer's `step()` (a closure's, LBFGS; SAM's `first_step`) is part of the
 step. A `step()` that began (a global step pre-hook saw it) but whose post-hooks never came (it, or a hook
 of it, raised) is still its step, closed at the next `zero_grad()`: flagged skipped unless its update
@@ -77,6 +78,10 @@ logger = logging.getLogger("trainermon")
 SCALER_ADAPTERS = ("torch", "fsdp1", "fsdp2")
 
 
+# Steps of other optimizers over monitored parameters, none of ours between, that say ours was replaced
+FOREIGN_STEPS = 16
+
+
 class SkippedStepProbe(SkipEvidence, Probe):
     def __init__(self, loop: Any) -> None:
         super().__init__(loop)
@@ -97,6 +102,8 @@ class SkippedStepProbe(SkipEvidence, Probe):
             Any
         ] = []  # found_inf of a scaler's unscale_ of another optimizer since backward
         self.foreign = 0  # steps of another optimizer holding monitored parameters since the boundary
+        self.most_foreign = 0  # ... the most seen between two boundaries (a GAN's n_critic)
+        self.ours_stepped = False  # the monitored optimizer's step() began once
         self.said_foreign = False
         self.holders: Any = weakref.WeakKeyDictionary()  # optimizer -> (its group count, holds ours)
 
@@ -143,6 +150,7 @@ class SkippedStepProbe(SkipEvidence, Probe):
         self.proxy = None
         self.found_inf = []
         self.others_inf = []
+        self.most_foreign = max(self.most_foreign, self.foreign)
         self.foreign = 0
         if self.lazy:  # an empty-list check a step once all are hooked
             self._hook_materialized()
@@ -199,7 +207,7 @@ class SkippedStepProbe(SkipEvidence, Probe):
         without the monitored SAM's `step()`) steps them outside ours: that is this optimizer's step."""
         target = getattr(self.loop.adapter, "optimizer", None)
         if optimizer is target:
-            self.attempted = True
+            self.attempted = self.ours_stepped = True
         elif (
             getattr(optimizer, "param_groups", None) is getattr(target, "param_groups", False)
             and not self.attempted
@@ -218,10 +226,12 @@ class SkippedStepProbe(SkipEvidence, Probe):
             self._foreign(optimizer)
 
     def _foreign(self, optimizer: Any) -> None:
-        """Another optimizer steps. One holding monitored parameters, twice with no step of ours between,
+        """Another optimizer steps. Ones holding monitored parameters stepping them `FOREIGN_STEPS` times,
+        and more than twice the most seen between two boundaries, with no step of ours since ours stepped,
         is most likely ours replaced (`opt = Adam(model.parameters())` mid-run): the monitor follows the
-        optimizer given to set_monitor and would stay silent. Said once. Costs a weak-dict lookup per
-        step of another optimizer; a scan of its parameters once per optimizer (and group count)."""
+        optimizer given to set_monitor and would stay silent. A GAN's critic stepping n_critic times per
+        generator step (WGAN: 5), before the first generator step too, is not. Said once. Costs a
+        weak-dict lookup per step of another optimizer; a scan of its parameters once per optimizer."""
         try:
             groups = optimizer.param_groups
             known = self.holders.get(optimizer)
@@ -232,7 +242,7 @@ class SkippedStepProbe(SkipEvidence, Probe):
             if not known[1] or nested_step(optimizer):
                 return
             self.foreign += 1
-            if self.foreign >= 2:
+            if self.ours_stepped and self.foreign >= max(FOREIGN_STEPS, 2 * self.most_foreign + 1):
                 self.said_foreign = True
                 logger.warning(
                     "trainermon: optimizer %s (not the one given to set_monitor) steps %d monitored "
