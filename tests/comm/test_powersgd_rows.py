@@ -201,3 +201,44 @@ def test_call_on_another_thread_during_monitor_code_is_the_jobs(tmp_path):
 
 def _threads_only(rank: int, world: int, out: str) -> dict:
     return {"threads": _threads(rank, out)}
+
+
+def _two_groups(rank: int, world: int, out: str) -> dict:
+    """Async all-reduces on two groups, issued in opposite orders on the two ranks, then waited: legal on
+    gloo (a worker per group). The monitor must not make them blocking (that deadlocked)."""
+    import torch.distributed as dist
+
+    from trainermon import TrainerMon
+
+    g1, g2 = dist.new_group([0, 1]), dist.new_group([0, 1])
+    os.environ["MONITOR_OUTPUT_DIR"] = os.path.join(out, "groups")
+    cfg = os.path.join(out, f"groups{rank}.json")
+    with open(cfg, "w") as fh:
+        json.dump({"cc_distribution": {"enable": True}, "ops": ["norm"], "write_interval_s": 0}, fh)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(model, grad_acc_steps=1, optimizer=opt)
+    sums = []
+    for _ in range(2):
+        model(torch.ones(3, 4)).sum().backward()
+        a, b = torch.full((4,), 1.0 + rank), torch.full((4,), 10.0 + rank)
+        order = [(a, g1), (b, g2)] if rank == 0 else [(b, g2), (a, g1)]
+        works = [dist.all_reduce(t, group=g, async_op=True) for t, g in order]
+        for work in works:
+            work.wait()
+        sums.append((a[0].item(), b[0].item()))
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    outputs = [r for r in read_family(monitor.run_dir, "comm") if "/output@" in r["name"]]
+    return {"sums": sums, "outputs": sorted(float(r["norm"]) for r in outputs if int(r["step"]) == 1)}
+
+
+def test_async_calls_on_two_groups_in_opposite_orders_finish(tmp_path):
+    for res in run_ranks(_two_groups, world_size=2, timeout=120, out=str(tmp_path)):
+        assert res["sums"] == [(3.0, 21.0), (3.0, 21.0)]
+        # one row: both groups span ranks 0-1 (named alike) and the calls share a line: summed
+        want = math.sqrt(4 * 3.0**2 + 4 * 21.0**2)
+        got = res["outputs"]
+        assert len(got) == 1 and abs(got[0] - want) <= 1e-6 * want, (got, want)

@@ -11,8 +11,11 @@ adding thread. NCCL's future is done at enqueue (CUDA events): our callback runs
 waits for the collective, ahead of anything the caller enqueues later. Gloo's completes on its worker
 thread, `Work.wait()` / `is_completed()` return after the callbacks, but a waiter on the future
 (PowerSGD's `get_future().wait()`) resumes before them and may change the output in place first. So an
-async collective whose future is not done at return is waited for at the call (collected steps; not p2p:
-a wait could deadlock a send/receive pair) and read there, as the collective produced it. A callback that
+async collective issued by a callback of one of DDP's communication hooks (PowerSGD's P and Q: they wait
+on the future at once) whose future is not done at return is waited for at the call (collected steps) and
+read there, as the collective produced it. Any other async call keeps its completion callback: a wait at
+the call would make it blocking, and a program that issues async calls on two groups in different orders
+on different ranks (legal on gloo: a worker per group) would deadlock. A callback that
 still runs on the backend's thread (a batch's receives) may wait for the GIL after DDP's own `.then` let
 the backward finish: the step's end (`settle`) waits for every completed call's callback."""
 
@@ -37,7 +40,7 @@ from trainermon.stats.partials import ADDITIVE, MAX, MIN, empty_partials
 from .checks import CheckEntry, CheckKey
 from .groups import describe
 from .pipe_passes import PIPE
-from .sites import call_site, short
+from .sites import call_site, issued_by_comm_hook, short
 from .spec import OpSpec, redop_name
 
 FAMILY = "comm"
@@ -172,7 +175,8 @@ class CommRecorder:
             call.outputs = [waited] if isinstance(waited, torch.Tensor) else []
             self._finish(call)
         elif call.outputs and hasattr(result, "get_future"):
-            self._when_done(result, lambda: self._finish(call), wait=call.spec.name not in _P2P)
+            wait = call.spec.name not in _P2P and issued_by_comm_hook(call.site)
+            self._when_done(result, lambda: self._finish(call), wait=wait)
         else:
             self._finish(call)
 

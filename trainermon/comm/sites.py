@@ -84,6 +84,12 @@ def call_site(depth: int = 2) -> str:
     return _text(last) if last is not None else "<unknown>"
 
 
+def issued_by_comm_hook(site: str) -> bool:
+    """Whether `site` (as `call_site` gives it) is a callback nested in one of DDP's communication hooks
+    (PowerSGD's P and Q all-reduces): a string prefix test."""
+    return site.startswith(_HOOKS)
+
+
 def short(site: str) -> str:
     """A site as rows name it: the file's last two path components, line and function."""
     path, _, rest = site.rpartition(":")
