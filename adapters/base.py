@@ -254,6 +254,12 @@ class Adapter(ABC):
         """The taps report grad_unreduced (so it is not read at the step)."""
         return False
 
+    def report_held_unreduced(self) -> None:
+        """Reports the grad_unreduced the taps held back until the step's gradients are final (FSDP's sums
+        of a step's reduces), when the core reads them: at the optimizer's pre-step, the user's clipping or
+        a step closed without the optimizer (a skipped step). Called again if they are read again."""
+        return None
+
     def single_replica(self) -> bool:
         """True when no data-parallel reduction exists (one replica): the pre- and post-reduce gradients
         are then the same tensors and the core computes them once."""

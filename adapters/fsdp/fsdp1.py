@@ -36,7 +36,7 @@ from ..common import (
 )
 from . import fsdp_imported
 from .fsdp1_layout import Fsdp1Unit, Slot, fsdp1_unit, module_order
-from .sums import ReduceSums, flushing
+from .sums import ReduceSums
 
 logger = logging.getLogger("trainermon")
 
@@ -99,7 +99,7 @@ class Fsdp1Adapter(Adapter):
     def attach_step(self, events: Any) -> list[Any]:
         if self.optimizer is None:
             return []
-        return hook_optimizer_step(self.optimizer, flushing(events, self._sums, lambda: self._taps))
+        return hook_optimizer_step(self.optimizer, events)
 
     def clip_entries(self) -> Sequence[Any]:
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -179,6 +179,10 @@ class Fsdp1Adapter(Adapter):
                 handles.append(unit.flat.register_post_accumulate_grad_hook(tap))
         self._tapped = True
         return handles
+
+    def report_held_unreduced(self) -> None:
+        if self._taps is not None:
+            self._sums.flush(self._taps.on_unreduced)
 
     @property
     def taps_report_unreduced(self) -> bool:

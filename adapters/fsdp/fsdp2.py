@@ -46,7 +46,7 @@ from ..dtensor import (
 )
 from ..pipelining import StageMap, on_stage_reduce
 from . import fsdp_imported
-from .sums import ReduceSums, flushing
+from .sums import ReduceSums
 
 logger = logging.getLogger("trainermon")
 
@@ -153,7 +153,7 @@ class Fsdp2Adapter(Adapter):
     def attach_step(self, events: Any) -> list[Any]:
         if self.optimizer is None:
             return []
-        return hook_optimizer_step(self.optimizer, flushing(events, self._sums, lambda: self._taps))
+        return hook_optimizer_step(self.optimizer, events)
 
     def clip_entries(self) -> Sequence[Any]:
         return torch_clip_entries()  # torch's clipping takes DTensor gradients (torchtitan's too)
@@ -233,6 +233,10 @@ class Fsdp2Adapter(Adapter):
                 grad = _pending_grad(unit, p)
                 if grad is not None:
                     self._sums.add([index], [grad], taps.on_unreduced)
+
+    def report_held_unreduced(self) -> None:
+        if self._taps is not None:
+            self._sums.flush(self._taps.on_unreduced)
 
     @property
     def taps_report_unreduced(self) -> bool:

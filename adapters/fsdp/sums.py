@@ -13,8 +13,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..base import GradTaps, StepEvents
-
 logger = logging.getLogger("trainermon")
 
 Report = Callable[[Sequence[int], Sequence[torch.Tensor]], None]
@@ -27,8 +25,8 @@ class ReduceSums:
     case of one reduce a step, or a no-sync mode, costs a set lookup per parameter). From the step after
     one that did, gradients are summed (a copy of the first, an in-place add of the others: one extra
     unsharded gradient per parameter held from its first reduce to the optimizer step, on collected steps
-    only) and reported by `flush` at the step's end. The step that shows the repeat keeps its first
-    reduce only (already reported), and says so once.
+    only) and reported by `flush` when the core reads the step's gradients. The step that shows the
+    repeat keeps its first reduce only (already reported), and says so once.
     """
 
     def __init__(self, what: str) -> None:
@@ -66,11 +64,11 @@ class ReduceSums:
             report([indices[k] for k in new], [grads[k] for k in new])
 
     def flush(self, report: Report) -> None:
-        """Reports the summed gradients (at the optimizer step). A dict check when nothing was summed."""
+        """Reports the summed gradients when the core reads the step's gradients; again if it reads them
+        again (its first rows were taken out). A dict check when nothing was summed."""
         if self._sums:
-            sums, self._sums = self._sums, {}
-            indices = list(sums)
-            report(indices, [sums[i] for i in indices])
+            indices = list(self._sums)
+            report(indices, [self._sums[i] for i in indices])
 
     def clear(self) -> None:
         """A new step: forgets what was seen and summed."""
@@ -78,16 +76,3 @@ class ReduceSums:
         self._sums.clear()
         if self._sum_next:
             self.summing = True
-
-
-def flushing(events: StepEvents, sums: ReduceSums, taps: Callable[[], GradTaps | None]) -> StepEvents:
-    """`events` whose pre event first reports `sums` (to `taps()`, the adapter's taps once installed):
-    after the step's last backward, before the core reads the step's gradients."""
-
-    def pre() -> None:
-        current = taps()
-        if current is not None:
-            sums.flush(current.on_unreduced)
-        events.pre()
-
-    return StepEvents(pre, events.post)

@@ -31,6 +31,10 @@ CASES: list[dict[str, Any]] = [
     {"id": "fsdp1-acc-sync", "fsdp": 1, "acc": ACC},
     # FSDP2 HSDP (2 replicas x 2 shards): reduce-scatter every micro-batch, all-reduce at the last.
     {"id": "fsdp2-hsdp-rs-only", "fsdp": 2, "acc": ACC},
+    # As the first, with the loop's own skip at step 1 (NaN loss, zero_grad without opt.step()): the step
+    # closed without the optimizer's pre-step still gets its summed grad_unreduced rows.
+    # (flat parameters: every rank sees the non-finite gradient, the evidence of the loop's own skip)
+    {"id": "fsdp1-acc-skip", "fsdp": 1, "acc": ACC, "skip": 1, "orig": False},
     # FSDP1's clip_grad_norm_ called on the FSDP root that the monitored (plain) module holds.
     {"id": "fsdp1-clip-inner-root", "fsdp": 1, "acc": 1, "clip": 1e-3},
 ]
@@ -76,7 +80,7 @@ def _wrap(case: dict[str, Any], model: Net) -> tuple[nn.Module, nn.Module]:
         root = FSDP(
             model,
             auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}),
-            use_orig_params=True,
+            use_orig_params=case.get("orig", True),
             device_id=torch.device("cpu"),
         )
         return (Holder(root) if "clip" in case else root), root
@@ -139,7 +143,13 @@ def _run_case(case: dict[str, Any], rank: int, world: int, out_dir: str) -> dict
             if case["fsdp"] == 2:
                 root.set_requires_all_reduce(last)  # reduce-scatter every micro-batch
             x, y = _batch(step, rank, micro)
-            _loss(monitored(x), y).backward()
+            loss = _loss(monitored(x), y)
+            if last and case.get("skip") == step:
+                loss = loss * float("nan")
+            loss.backward()
+        if case.get("skip") == step:
+            opt.zero_grad()  # the loop's own skip on non-finite gradients
+            continue
         if "clip" in case:
             root.clip_grad_norm_(case["clip"])  # FSDP1's own method, on the inner root
         opt.step()
@@ -180,7 +190,7 @@ def _rows(run_dir: str, family: str) -> dict[tuple, dict[str, str]]:
     }
 
 
-@pytest.mark.parametrize("case", CASES[:2], ids=[c["id"] for c in CASES[:2]])
+@pytest.mark.parametrize("case", CASES[:3], ids=[c["id"] for c in CASES[:3]])
 def test_unreduced_is_the_sum_over_reduces(matrix: list, case: dict[str, Any]) -> None:
     """Every micro-batch reduces: grad_unreduced is this rank's whole step contribution (the sum of its
     micro-batch gradients), from the step after the one that showed the repeated reduce (documented)."""
@@ -191,6 +201,9 @@ def test_unreduced_is_the_sum_over_reduces(matrix: list, case: dict[str, Any]) -
         names = {name for (_f, name, _s) in result["refs"]}
         assert set(rows) == {(n, s) for n in names for s in range(STEPS)}, sorted(rows)
         for (name, step), row in rows.items():
+            if step == case.get("skip"):
+                assert row["norm"] == "nan", row  # the skipped step's rows are there, NaN as its gradients
+                continue
             family = "grad_unreduced_first" if step == 0 else "grad_unreduced"
             assert_row_matches(row, result["refs"][(family, name, step)], OPS, rtol=1e-5)
 

@@ -195,6 +195,7 @@ class GradientProbe(Probe):
                 loop.record_params("grad_reduced", GRAD_REDUCED)
             return
         if plan.microbatch_grads or adapter.taps_report_unreduced:
+            adapter.report_held_unreduced()
             loop.record_params("grad_reduced", GRAD_REDUCED)  # grad_unreduced: reported by taps
             if plan.microbatch_grads:
                 self._say_untapped()
