@@ -36,6 +36,20 @@ class _Net(nn.Module):
         return self.head(torch.relu(self.body(x)))
 
 
+@pytest.fixture(autouse=True)
+def _eager_process():
+    """These tests count the hooks of eager steps: a graph compiled earlier in this process (another test's
+    torch.compile) keeps module hooks installed for good (pinned: compiled code may call them)."""
+    import sys
+
+    if "torch._dynamo" in sys.modules:
+        import torch._dynamo
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        counters.clear()
+
+
 def _hooks(module: nn.Module) -> int:
     return len(module._forward_hooks) + len(module._forward_pre_hooks)
 
