@@ -42,21 +42,12 @@ from .groups import describe
 from .pipe_passes import PIPE
 from .sites import call_site, issued_by_comm_hook, short
 from .spec import OpSpec, redop_name
+from .sums import PendingMicro, Sum, merge_into, settle_micro
 
 FAMILY = "comm"
 #: How long the step's end waits, in all, for the completion callbacks of collectives that have completed
 #: (they run on the backend's thread and need the GIL); only a stuck callback makes it wait that long.
 CALLBACK_WAIT_S = 10.0
-
-
-@dataclass
-class _Sum:
-    row: torch.Tensor  # [1, NUM_PARTIALS]
-    calls: int
-    numel: int
-    nbytes: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
 
 
 @dataclass
@@ -107,7 +98,7 @@ class CommRecorder:
 
     def reset(self) -> None:
         with self.lock:
-            self.sums: dict[tuple, _Sum] = {}
+            self.sums: dict[tuple, Sum] = {}
             self.check_entries: dict[CheckKey, CheckEntry] = {}
             self.generation += 1
         self.inflight.clear()  # a step left unsettled (a switch-off): its callbacks are dropped by generation
@@ -289,7 +280,7 @@ class CommRecorder:
         self._add((call.spec.name, call.group, call.site, "output", call.micro), stats, call.generation)
 
     # ==== sums ====================================================================================
-    def _stats(self, tensors: list[torch.Tensor]) -> _Sum | None:
+    def _stats(self, tensors: list[torch.Tensor]) -> Sum | None:
         tensors = [t for t in tensors if t.numel() > 0]
         if not tensors:
             return None
@@ -309,25 +300,25 @@ class CommRecorder:
         numel = sum(t.numel() for t in tensors)
         shape = tuple(tensors[0].shape) if len(tensors) == 1 else (numel,)
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        return _Sum(partials, 1, numel, nbytes, tensors[0].dtype, shape)
+        return Sum(partials, 1, numel, nbytes, tensors[0].dtype, shape)
 
-    def _add(self, key: tuple, stats: _Sum | None, generation: int | None = None) -> None:
+    def _add(self, key: tuple, stats: Sum | None, generation: int | None = None) -> None:
         with self.lock:
             if generation is not None and generation != self.generation:
                 return  # completed (on the backend's thread) while its step was being written
             old = self.sums.get(key)
             if stats is None:  # a call with no tensor (barrier): counted
-                stats = _Sum(empty_partials(1), 1, 0, 0, torch.float32, ())
+                stats = Sum(empty_partials(1), 1, 0, 0, torch.float32, ())
             if old is None:
                 row = stats.row.clone()  # owned: later calls merge into it in place
-                self.sums[key] = _Sum(row, 1, stats.numel, stats.nbytes, stats.dtype, stats.shape)
+                self.sums[key] = Sum(row, 1, stats.numel, stats.nbytes, stats.dtype, stats.shape)
                 return
-            _merge_into(old.row, stats.row)
+            merge_into(old.row, stats.row)
             old.calls += 1
             old.numel += stats.numel
             old.nbytes += stats.nbytes
 
-    def _add_check(self, key: CheckKey, stats: _Sum, side: str, generation: int | None = None) -> None:
+    def _add_check(self, key: CheckKey, stats: Sum, side: str, generation: int | None = None) -> None:
         with self.lock:
             if generation is not None and generation != self.generation:
                 return
@@ -336,7 +327,7 @@ class CommRecorder:
             if row is None:
                 setattr(entry, f"{side}_row", stats.row.clone())
             else:
-                _merge_into(row, stats.row)
+                merge_into(row, stats.row)
             setattr(entry, f"{side}_numel", getattr(entry, f"{side}_numel") + stats.numel)
 
     def take(self) -> tuple[list[RowMeta], list[torch.Tensor], list[tuple[CheckKey, CheckEntry]]]:
@@ -348,7 +339,7 @@ class CommRecorder:
             self.sums, self.check_entries = {}, {}
             self.generation += 1
         if any(type(key[4]) is PendingMicro for key in sums):
-            sums = _settle_micro(sums)
+            sums = settle_micro(sums)
         metas, parts = [], []
         for (op, group, site, io, micro), s in sums.items():
             name = f"{op}/{group}/{io}@{short(site)}"
@@ -357,47 +348,11 @@ class CommRecorder:
         return metas, parts, checks
 
 
-class PendingMicro:
-    """The micro-step of a receive made between passes, set when the next pass starts (a pipeline stage
-    receives a micro-batch's input or gradient before the pass that uses it); `value` until then: the
-    micro-step of the pass that ran last. Hashed by identity: a key of the sums until `take`."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: int) -> None:
-        self.value = value
-
-
-def _settle_micro(sums: dict[tuple, _Sum]) -> dict[tuple, _Sum]:
-    """The sums with every pending micro-step replaced by its value, sums of one key merged."""
-    out: dict[tuple, _Sum] = {}
-    for key, s in sums.items():
-        if type(key[4]) is PendingMicro:
-            key = (*key[:4], key[4].value)
-        old = out.get(key)
-        if old is None:
-            out[key] = s
-            continue
-        _merge_into(old.row, s.row)
-        old.calls += s.calls
-        old.numel += s.numel
-        old.nbytes += s.nbytes
-    return out
-
-
 def _coalescing() -> bool:
     """A `_coalescing_manager` block is open (on some group): calls queue their ops."""
     from torch.distributed import distributed_c10d as c10d
 
     return bool(c10d._world.pg_coalesce_state)
-
-
-def _merge_into(row: torch.Tensor, other: torch.Tensor) -> None:
-    """Partials of another piece merged into `row` in place (few kernels: it runs per call)."""
-    other = other.to(row.device)
-    row[:, ADDITIVE] += other[:, ADDITIVE]
-    torch.minimum(row[:, MIN], other[:, MIN], out=row[:, MIN])
-    torch.maximum(row[:, MAX], other[:, MAX], out=row[:, MAX])
 
 
 _RECV = ("recv", "irecv")
