@@ -238,6 +238,8 @@ class TrainerMon:
 
         Collects the optimizer-side families from the current gradients, state and parameters, then ends
         the step. Ignored (with one warning) when the optimizer's own step advances the monitor."""
+        if self.loop.closed:  # nothing to write to, and the model is released
+            return
         if self.loop.hooked:
             if not getattr(self, "_warned_manual_step", False):
                 self._warned_manual_step = True
@@ -282,7 +284,9 @@ class TrainerMon:
     def close(self) -> None:
         """Flush every collected step to the exporters and stop the worker. Idempotent. In a forked child
         (os.fork) it does nothing: the parent writes the steps and owns the sinks. Without it, the monitor
-        is closed at exit, or once its model and optimizer are garbage."""
+        is closed at exit, or once its model and optimizer are garbage. A closed monitor holds neither its
+        model nor its optimizer (no hook of its stays on them); its read-only views and the last step's
+        in-memory metrics still answer; `step()` does nothing."""
         self.loop.close()
 
     def state_dict(self) -> dict:

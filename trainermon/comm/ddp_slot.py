@@ -13,6 +13,7 @@ forwards to the user's hook or the default all-reduce, with nothing patched arou
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,9 @@ class DelegatingHook:
     def __init__(self, model: Any) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        self.model = model
+        # Weakly: DDP's C++ reducer holds the hook (and so this delegate), unseen by the garbage collector;
+        # a strong link back would keep the model alive forever (a cycle through C++).
+        self.model = weakref.ref(model)
         self.state: object = model.process_group
         self.hook: Callable = default_hooks.allreduce_hook
         self.user = False
@@ -39,7 +42,9 @@ class DelegatingHook:
             raise RuntimeError(
                 "register_comm_hook can only be called once (a communication hook is registered already)"
             )
-        self.model._check_comm_hook(hook)  # DDP's own validation of the hook's signature
+        model = self.model()
+        if model is not None:
+            model._check_comm_hook(hook)  # DDP's own validation of the hook's signature
         self.state, self.hook, self.user = state, hook, True
         logger.info(
             "trainermon: DDP communication hook %s runs inside the monitor's delegate (cc_distribution)",

@@ -171,6 +171,56 @@ def same_target(loop: Any, adapter: Any) -> list[Any]:
     return found
 
 
+class Released:
+    """What a closed loop keeps in place of its adapter (which holds the model chunks and the optimizer):
+    the names it gave, for the read-only views and the in-memory metrics after `close()`. Not None, so
+    that `set_monitor` on a closed monitor still says it was called."""
+
+    chunks: tuple = ()
+    optimizer: Any = None
+    optimizer_chain: tuple = ()
+    splits_model = False
+
+    def __init__(self, adapter: Any) -> None:
+        self.name = getattr(adapter, "name", "closed")
+        kinds = {}
+        for per_micro_batch in (False, True):  # names only: no tensor read
+            try:
+                kinds[per_micro_batch] = adapter.msprobe_unreduced_kind(per_micro_batch)
+            except Exception:  # noqa: BLE001 - at close; msprobe's default naming
+                kinds[per_micro_batch] = "pre_grad"
+        self._kinds = kinds
+
+    def msprobe_unreduced_kind(self, per_micro_batch: bool) -> str:
+        return self._kinds[bool(per_micro_batch)]
+
+    def roots(self) -> list:
+        return []
+
+    def new_step(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def release(loop: Any) -> None:
+    """Drop what a closed loop holds of the model and optimizer (its adapter, the selected parameters,
+    the probes with their module and parameter lists), so that a monitor kept after `close()` does not
+    keep them alive; the read-only views (step, run_dir, faults, last_batch, dropped_rows) stay. Runs
+    after the probes and the adapter are closed (their hooks removed). Cheap: a few attribute writes."""
+    from .selection import ParamSelection
+
+    if loop.adapter is not None and not isinstance(loop.adapter, Released):
+        loop.adapter = Released(loop.adapter)
+        loop.outputs.unreduced_kind = loop.adapter.msprobe_unreduced_kind  # was the adapter's bound method
+    loop.selection = ParamSelection()
+    loop.probes = []  # each closed; their lists of modules and parameters go with them
+    loop._subscribers.clear()  # noqa: SLF001 - bound methods of the probes
+    loop._joinables = None  # noqa: SLF001 - the monitored modules and optimizer (Join contexts)
+    loop.collector.reset()  # rows of an unfinished step: views of the model's tensors
+
+
 def in_owner(pid: int) -> bool:
     """This is the process that made the monitor (not a forked child)."""
     return os.getpid() == pid

@@ -43,7 +43,7 @@ from trainermon.stats.engine import StatsEngine, check_not_capturing
 
 from .control import DynamicControl
 from .escalation import Escalation
-from .lifecycle import on_drop, settle, track, weak_method
+from .lifecycle import on_drop, release, settle, track, weak_method
 from .outputs import Outputs
 from .owntime import OwnTime
 from .plan import Schedule, StepPlan, plan_step
@@ -398,3 +398,4 @@ class StepLoop(ConfigChanges):
             self.worker.close()
         if self.detector is not None:
             self.detector.close()
+        release(self)  # a monitor kept after close() must not keep the model and optimizer alive
