@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trainermon.stats.table import needs_nonfinite, needs_zeros
+from trainermon.stats.table import nan_only, needs_nonfinite, needs_zeros
 
 
 @dataclass(frozen=True)
@@ -147,8 +147,13 @@ class MonitorConfig:
     # ---- derived views -------------------------------------------------------------------------
     @property
     def wants_nonfinite(self) -> bool:
-        """NaN/Inf counting is on: min/max/norm/mean are then computed over finite values only."""
+        """NaN counting is on: min/max/norm/mean then leave NaN out (and Inf, unless `wants_nan_only`)."""
         return needs_nonfinite(self.ops)
+
+    @property
+    def wants_nan_only(self) -> bool:
+        """`nans` without `infs`: only NaN is left out; infinities stay in norm/min/max/mean."""
+        return nan_only(self.ops)
 
     @property
     def wants_zeros(self) -> bool:

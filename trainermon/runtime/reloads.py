@@ -22,7 +22,9 @@ FIXED_AT_START = ("queue_size", "dynamic_watch")
 
 def engine_options(config: MonitorConfig) -> EngineOptions:
     return EngineOptions(
-        nonfinite=config.wants_nonfinite, zeros_eps=config.eps if config.wants_zeros else None
+        nonfinite=config.wants_nonfinite,
+        zeros_eps=config.eps if config.wants_zeros else None,
+        nan_only=config.wants_nan_only,
     )
 
 

@@ -37,6 +37,8 @@ class Mode(NamedTuple):
     eps: float | None  # count |x| < eps
     branch_free: bool  # never read a value back to decide (accelerators, and the CPU tests of their path)
     chunk: int
+    #: with `masked`: only NaN is counted and left out; infinities are values (`ops` without `infs`)
+    nan_only: bool = False
 
 
 def recompute_nonfinite(out: torch.Tensor, sources: Sequence[torch.Tensor | None], mode: Mode) -> None:
@@ -96,10 +98,15 @@ def rows_partials(x: torch.Tensor, mode: Mode) -> torch.Tensor:
     k, m = x.shape
     nans = infs = None
     if mode.masked:
-        finite = torch.isfinite(x)
-        n_finite = finite.sum(1)
-        nans = torch.isnan(x).sum(1)
-        infs = m - n_finite - nans
+        if mode.nan_only:  # "finite" here: the kept elements, NaN-free; Inf is a value, its count stays 0
+            finite = ~torch.isnan(x)
+            n_finite = finite.sum(1)
+            nans = m - n_finite
+        else:
+            finite = torch.isfinite(x)
+            n_finite = finite.sum(1)
+            nans = torch.isnan(x).sum(1)
+            infs = m - n_finite - nans
         xs = torch.where(finite, x, 0.0)
         mn, mx = _minmax(torch.where(finite, x, float("inf")), torch.where(finite, x, float("-inf")))
     else:

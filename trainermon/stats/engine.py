@@ -81,6 +81,8 @@ class EngineOptions:
     """What the engine computes. Derived from the config once; cheap to pass around."""
 
     nonfinite: bool = True  # count NaN/Inf and compute the other statistics over finite values only
+    #: with `nonfinite`: count and leave out NaN only, infinities being values (`ops` without `infs`)
+    nan_only: bool = False
     zeros_eps: float | None = None  # count |x| < eps when set
     #: Force the branch-free masked path everywhere (the accelerator path); used by tests on CPU.
     force_masked: bool = False
@@ -136,7 +138,7 @@ class StatsEngine:
             raise ValueError(f"kernel_row: row {row} of a table of shape {tuple(out.shape)}")
         self.calls += 1
         if fused.run_one(plan, self._table_address + row * _ROW_BYTES):
-            mode = Mode(self.options.nonfinite, None, False, CHUNK)
+            mode = Mode(self.options.nonfinite, None, False, CHUNK, self.options.nan_only)
             with torch.no_grad():  # an activation may require grad
                 recompute_nonfinite(out[row : row + 1], (t,), mode)
         return True
@@ -156,7 +158,7 @@ class StatsEngine:
         opts = self.options
         branch_free = device.type != "cpu" or opts.force_masked
         chunk = CHUNK if device.type == "cpu" else DEVICE_CHUNK
-        return Mode(opts.nonfinite and branch_free, opts.zeros_eps, branch_free, chunk)
+        return Mode(opts.nonfinite and branch_free, opts.zeros_eps, branch_free, chunk, opts.nan_only)
 
     def _compute(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, dict[int, Unreadable]]:
         n = len(tensors)
@@ -170,7 +172,7 @@ class StatsEngine:
         use_triton = device.type == "cuda" and opts.fused and triton_stats.enabled()
         by_kernel: dict[torch.dtype, list[int]] = {}  # rows for the Triton kernel, per dtype
         if use_fused:
-            fast = _all_kernel(tensors, n, opts.nonfinite)
+            fast = _all_kernel(tensors, n, opts.nonfinite, opts.nan_only)
             if fast is not None:
                 return fast, {}
         elif use_triton and n:
@@ -265,7 +267,7 @@ class StatsEngine:
     def _kernel_rows(self, tensors: list[torch.Tensor], mode: Mode) -> list[torch.Tensor]:
         """Rows of a batch of one dtype from the Triton kernel; from the eager path if it fails."""
         try:
-            return [triton_stats.partials(tensors, mode.masked, mode.eps)]
+            return [triton_stats.partials(tensors, mode.masked, mode.eps, mode.nan_only)]
         except torch.cuda.OutOfMemoryError:
             raise  # a passing shortage: the hook counts it; the kernel stays on
         except Exception as exc:  # noqa: BLE001 - a kernel that cannot compile here must not lose the rows
@@ -281,7 +283,9 @@ class StatsEngine:
         return buf[:numel]
 
 
-def _all_kernel(tensors: Sequence[torch.Tensor], n: int, nonfinite: bool) -> torch.Tensor | None:
+def _all_kernel(
+    tensors: Sequence[torch.Tensor], n: int, nonfinite: bool, nan_only: bool = False
+) -> torch.Tensor | None:
     """The common case of a hook's batch: every tensor dense, non-empty and read by the kernel. One
     allocation and one kernel call, no identity-row fill or reordering (the general path's ~40 us of
     per-call Python on top of the kernel). None when any tensor needs the general path."""
@@ -295,7 +299,7 @@ def _all_kernel(tensors: Sequence[torch.Tensor], n: int, nonfinite: bool) -> tor
     not_finite = fused.run(plans, out)
     if not_finite:
         if nonfinite:
-            recompute_nonfinite(out, tensors, Mode(True, None, False, CHUNK))
+            recompute_nonfinite(out, tensors, Mode(True, None, False, CHUNK, nan_only))
         else:  # the kernel's min/max skip NaN: recompute with torch's propagating semantics
             recompute_nonfinite(out, tensors, Mode(False, None, False, CHUNK))
     return out
@@ -326,7 +330,7 @@ def _all_triton(tensors: Sequence[torch.Tensor], mode: Mode) -> torch.Tensor | N
         ):
             return None
     try:
-        return triton_stats.partials(tensors, mode.masked, mode.eps)
+        return triton_stats.partials(tensors, mode.masked, mode.eps, mode.nan_only)
     except torch.cuda.OutOfMemoryError:
         raise  # a passing shortage: the hook counts it; the kernel stays on
     except Exception as exc:  # noqa: BLE001 - the general path computes the rows on the eager path

@@ -167,8 +167,8 @@ def _reduce_merge(partials: torch.Tensor, flags: torch.Tensor, group: Any) -> tu
 
 def grad_sumsq(rows: Any) -> Any:
     """The sum of squares behind a global gradient norm, as `clip_grad_norm_` forms it: NaN when any
-    element is NaN, else inf when any is inf. With `nans`/`infs` counted, a row's `sumsq` covers its
-    finite elements only, so the counts put the non-finite ones back. numpy rows or torch rows (on the
+    element is NaN, else inf when any is inf. With `nans`/`infs` counted, a row's `sumsq` leaves out what
+    is counted (NaN, and Inf with `infs`), so the counts put those back. numpy rows or torch rows (on the
     device, no sync); a row marked dropped (NaN count) adds nothing."""
     if isinstance(rows, np.ndarray):
         with np.errstate(invalid="ignore"):
@@ -181,8 +181,10 @@ def grad_sumsq(rows: Any) -> Any:
 def finalize(partials: np.ndarray, numel: np.ndarray) -> dict[str, np.ndarray]:
     """Turn host partials [N, NUM_PARTIALS] and element counts [N] into the user-facing statistics.
 
-    With `nans`/`infs` counted, norm/mean/min/max are of the finite elements, and NaN where a non-empty
-    tensor has none (decided here, from the merged counts, so every engine and every shard merge agrees):
+    With `nans`/`infs` counted, norm/mean/min/max are of the elements not counted (the finite ones; with
+    `nans` alone the non-NaN ones, whose infinities are values and whose `infs` column is 0, so the same
+    division by `numel - nans - infs` serves both), and NaN where a non-empty tensor has none (decided
+    here, from the merged counts, so every engine and every shard merge agrees):
     its partials are the merge's identities, and a norm of 0 would read as a healthy zero gradient. An empty
     tensor keeps norm 0. A few numpy passes over N rows, on the worker."""
     p = partials.astype(np.float64, copy=False)

@@ -45,12 +45,16 @@ class Statistic:
 
 
 STATISTICS: tuple[Statistic, ...] = (
-    Statistic("norm", Kind.FLOAT, Combine.L2, ("sumsq",), "L2 norm of the finite elements"),
+    Statistic("norm", Kind.FLOAT, Combine.L2, ("sumsq",), "L2 norm (NaN left out; Inf too if counted)"),
     Statistic(
-        "mean", Kind.FLOAT, Combine.MEAN_BY_FINITE, ("sum", "nans", "infs"), "mean of the finite elements"
+        "mean",
+        Kind.FLOAT,
+        Combine.MEAN_BY_FINITE,
+        ("sum", "nans", "infs"),
+        "mean (NaN left out; Inf too if counted)",
     ),
-    Statistic("min", Kind.FLOAT, Combine.MIN, ("min",), "smallest finite element"),
-    Statistic("max", Kind.FLOAT, Combine.MAX, ("max",), "largest finite element"),
+    Statistic("min", Kind.FLOAT, Combine.MIN, ("min",), "smallest element (see norm)"),
+    Statistic("max", Kind.FLOAT, Combine.MAX, ("max",), "largest element (see norm)"),
     Statistic("zeros", Kind.FLOAT, Combine.MEAN_BY_NUMEL, ("zeros",), "fraction of elements with |x| < eps"),
     Statistic("nans", Kind.COUNT, Combine.SUM, ("nans",), "NaN elements"),
     Statistic("infs", Kind.COUNT, Combine.SUM, ("infs",), "infinite elements"),
@@ -70,8 +74,14 @@ TRAILING_OPS = ("shape", "dtype")
 
 
 def needs_nonfinite(ops: tuple[str, ...]) -> bool:
-    """NaN/Inf counting is on: min/max/norm/mean then cover finite values only."""
+    """NaN counting is on: min/max/norm/mean then leave NaN out, and Inf too when `infs` is counted."""
     return "nans" in ops or "infs" in ops
+
+
+def nan_only(ops: tuple[str, ...]) -> bool:
+    """`nans` without `infs` (msprobe has no `infs` op): only NaN is left out and counted; infinities are
+    values (norm inf, max +inf, ...), so that an Inf gradient shows in the rows rather than vanishing."""
+    return "nans" in ops and "infs" not in ops
 
 
 def needs_zeros(ops: tuple[str, ...]) -> bool:
@@ -104,7 +114,7 @@ def combine(groups: np.ndarray, count: int, values: dict[str, np.ndarray], stats
                 out[name] = np.where(none_finite, np.nan, norm) if counted else norm
             elif rule in (Combine.MEAN_BY_FINITE, Combine.MEAN_BY_NUMEL):
                 weight = finite if rule is Combine.MEAN_BY_FINITE else numel
-                ok = np.isfinite(v) & (weight > 0)
+                ok = ~np.isnan(v) & (weight > 0)  # an infinite mean (Inf not counted) is the group's
                 num = np.bincount(groups, np.where(ok, v * weight, 0.0), minlength=count)
                 den = np.bincount(groups, np.where(ok, weight, 0.0), minlength=count)
                 out[name] = np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan)

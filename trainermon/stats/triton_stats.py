@@ -93,10 +93,13 @@ def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def partials(tensors: Sequence[torch.Tensor], masked: bool, eps: float | None) -> torch.Tensor:
+def partials(
+    tensors: Sequence[torch.Tensor], masked: bool, eps: float | None, nan_only: bool = False
+) -> torch.Tensor:
     """Float64 [len(tensors), NUM_PARTIALS] rows for tensors that are all `usable`, of one dtype and on one
     device, with the eager path's semantics: `masked` counts NaN/Inf and computes the rest over finite
-    values; otherwise sums and min/max propagate NaN/Inf as torch does and the count columns are zero.
+    values (with `nan_only`: counts and leaves out NaN only, Inf being a value and its count 0); otherwise
+    sums and min/max propagate NaN/Inf as torch does and the count columns are zero.
     Costs two kernel launches and one small host-to-device copy; no sync."""
     kernels = _kernels()
     if kernels is None:
@@ -131,6 +134,7 @@ def partials(tensors: Sequence[torch.Tensor], masked: bool, eps: float | None) -
             0.0 if eps is None else float(eps),
             DT=tl_types[dtype],
             MASKED=masked,
+            NAN_ONLY=masked and nan_only,
             HAS_EPS=eps is not None,
             SEARCH_STEPS=search_steps,
             BLOCK=BLOCK,
@@ -138,7 +142,9 @@ def partials(tensors: Sequence[torch.Tensor], masked: bool, eps: float | None) -
             CHUNK=chunk,
             num_warps=WARPS,
         )
-        merge_kernel[(count,)](table, rows, out, count, MASKED=masked, BLOCK=MERGE_BLOCK)
+        merge_kernel[(count,)](
+            table, rows, out, count, MASKED=masked, NAN_ONLY=masked and nan_only, BLOCK=MERGE_BLOCK
+        )
     return out
 
 
@@ -160,8 +166,8 @@ def _kernels() -> tuple[Any, Any, dict[torch.dtype, Any]] | None:
 
     @triton.jit
     def chunk_kernel(table, rows, count, eps, DT: tl.constexpr, MASKED: tl.constexpr,
-                     HAS_EPS: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr,
-                     RUN: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+                     NAN_ONLY: tl.constexpr, HAS_EPS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+                     BLOCK: tl.constexpr, RUN: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
         chunk = tl.program_id(0).to(tl.int64)
         # Which tensor: the last whose first chunk is <= this chunk (table row 2 holds count + 1 starts).
         lo = tl.zeros((), tl.int64)
@@ -222,7 +228,10 @@ def _kernels() -> tuple[Any, Any, dict[torch.dtype, Any]] | None:
                 is_inf = tl.abs(x) == float("inf")
                 nans += is_nan.to(tl.int32)
                 infs += is_inf.to(tl.int32)
-                if MASKED:
+                if NAN_ONLY:  # Inf is a value (the merge writes its count as 0)
+                    keep = inside & ~is_nan
+                    v = tl.where(keep, x, 0.0).to(tl.float64)
+                elif MASKED:
                     keep = inside & ~is_nan & ~is_inf
                     v = tl.where(keep, x, 0.0).to(tl.float64)
                 else:
@@ -248,7 +257,8 @@ def _kernels() -> tuple[Any, Any, dict[torch.dtype, Any]] | None:
         tl.store(row + 6, r_zeros)
 
     @triton.jit
-    def merge_kernel(table, rows, out, count, MASKED: tl.constexpr, BLOCK: tl.constexpr):
+    def merge_kernel(table, rows, out, count, MASKED: tl.constexpr, NAN_ONLY: tl.constexpr,
+                     BLOCK: tl.constexpr):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
         first = tl.load(table + 2 * (count + 1) + t)
         last = tl.load(table + 2 * (count + 1) + t + 1)
@@ -282,7 +292,10 @@ def _kernels() -> tuple[Any, Any, dict[torch.dtype, Any]] | None:
             tl.store(dst + 2, lo_v)
             tl.store(dst + 3, hi_v)
             tl.store(dst + 4, n_nan)
-            tl.store(dst + 5, tl.sum(infs, 0))
+            if NAN_ONLY:  # Inf is a value: not counted
+                tl.store(dst + 5, 0.0)
+            else:
+                tl.store(dst + 5, tl.sum(infs, 0))
         else:  # torch's semantics: any NaN makes min and max NaN; no counts
             nan = float("nan")
             tl.store(dst + 2, tl.where(n_nan > 0, nan, lo_v))
