@@ -51,6 +51,9 @@ class Layout:
     # on a CPU; False builds it uncompiled
     fused_activation: bool = True
     extra: dict = field(default_factory=dict)  # more TransformerConfig keys
+    # num_distributed_optimizer_instances (partial distributed optimizer; needs dist_opt). Megatron opens a
+    # CUDA stream for the inter-instance all-reduce: the caller stubs torch.cuda's streams on the CPU
+    instances: int = 1
 
 
 def init_parallel(layout: Layout) -> None:
@@ -68,6 +71,7 @@ def init_parallel(layout: Layout) -> None:
             pipeline_model_parallel_size=layout.pp,
             virtual_pipeline_model_parallel_size=layout.vpp,
             expert_model_parallel_size=layout.ep,
+            num_distributed_optimizer_instances=layout.instances,
         )
     model_parallel_cuda_manual_seed(1234)
 
@@ -186,6 +190,7 @@ def wrap(chunks: list[Any], layout: Layout) -> tuple[list[Any], Any]:
         use_distributed_optimizer=layout.dist_opt,
         overlap_grad_reduce=layout.overlap,
         bucket_size=2000 if layout.overlap else None,
+        num_distributed_optimizer_instances=layout.instances,
     )
     model = []
     for i, chunk in enumerate(chunks):

@@ -56,7 +56,7 @@ from trainermon.runtime.clip_watch import torch_clip_entries
 from ..base import GRAD_REDUCED, GRAD_UNREDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
 from ..common import Restore, guarded, hook_optimizer_step, unwrap
 from .layout import MegatronLayout, global_renames, is_tp_sharded, rename
-from .optimizer import Slot, build_slots
+from .optimizer import Slot, build_slots, instance_copies
 
 logger = logging.getLogger("trainermon")
 
@@ -103,6 +103,7 @@ class MegatronAdapter(Adapter):
             for buffer in list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", [])):
                 for p in buffer.param_index_map:
                     self._param_dp_group[id(p)] = buffer.data_parallel_group
+        self._instance_copies = instance_copies(self._ddps)
         self.dp_group = context.dp_group
         if self.dp_group is None and self._ddps:
             self.dp_group = getattr(self._ddps[0], "dp_cp_group", None)
@@ -263,10 +264,13 @@ class MegatronAdapter(Adapter):
 
     # ---- where the optimizer keeps each parameter -----------------------------------------------
     def _replica(self, p: torch.Tensor) -> Placement:
-        return self.layout.placement(p, self._param_dp_group.get(id(p), self.dp_group), dp_sharded=False)
+        dp_group = self._param_dp_group.get(id(p), self.dp_group)
+        return self.layout.placement(
+            p, dp_group, dp_sharded=False, copies=self._instance_copies.get(id(p), ())
+        )
 
     def _build_slots(self) -> dict[int, Slot]:
-        return build_slots(self.optimizer, self.layout, self._replica)
+        return build_slots(self.optimizer, self.layout, self._replica, self._instance_copies)
 
     def _slot(self, mp: MonitoredParam) -> Slot | None:
         if self._slots is None:

@@ -164,17 +164,24 @@ class MegatronLayout:
             shape[p.partition_dim] *= self.ep.size
         return tuple(shape)
 
-    def placement(self, p: torch.Tensor, dp_group: Any, dp_sharded: bool) -> Placement:
+    def placement(
+        self, p: torch.Tensor, dp_group: Any, dp_sharded: bool, copies: tuple[Any, ...] = ()
+    ) -> Placement:
         """Where the optimizer-side value of `p` lives: split over the tensor-parallel group if `p` is a
         tensor-parallel parameter, else copied over it; split over `dp_group` under the distributed
-        optimizer (`dp_sharded`), else copied over it."""
+        optimizer (`dp_sharded`), else copied over it; copied over each group of `copies` (the
+        inter-instance group of a partial distributed optimizer, whose instances each hold everything)."""
         axis = self.tensor_axis(p)
         tp = () if axis.group is None else (axis.group,)
         if id(p) in self.grouped:  # other experts on each expert-parallel rank: pieces over it too
             tp = (*tp, self.ep.group)
         if is_tp_sharded(p) and tp:
-            return Sharded(*tp, dp_group) if dp_sharded else Sharded(*tp, replicated=(dp_group,))
-        return Sharded(dp_group, replicated=tp) if dp_sharded else Replicated(dp_group, *tp)
+            if dp_sharded:
+                return Sharded(*tp, dp_group, replicated=copies)
+            return Sharded(*tp, replicated=(dp_group, *copies))
+        return (
+            Sharded(dp_group, replicated=(*tp, *copies)) if dp_sharded else Replicated(dp_group, *tp, *copies)
+        )
 
     def shard_label(self, p: torch.Tensor) -> str:
         """How a rank's own copy of `p` (its pre-reduce gradient) relates to the full parameter."""

@@ -3,13 +3,16 @@
 FP32Optimizer: the model parameter itself (its `.grad` is `main_grad`). Float16OptimizerWithFloat16Params:
 the full fp32 master copy. DistributedOptimizer: this rank's 1-D fp32 shard of the master, which covers
 `_get_model_param_range_map(p)["param"]` of the flattened parameter (None where the rank owns no
-element). A ChainedOptimizer (dense and expert parameters) is searched leaf by leaf.
+element). With `num_distributed_optimizer_instances` > 1 the shards split over one instance's ranks only
+(`data_parallel_group`), and the instances are copies of each other: Megatron all-reduces each rank's
+gradient shard over the inter-instance group, and every instance steps the same state. A
+ChainedOptimizer (dense and expert parameters) is searched leaf by leaf.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +34,24 @@ def leaf_optimizers(optimizer: Any) -> list[Any]:
     return [optimizer]
 
 
+def instance_copies(ddps: list[Any]) -> dict[int, tuple[Any, ...]]:
+    """By parameter id, the groups its optimizer-side values are copied over beyond its buffer's own data-
+    parallel group: the inter-instance group of a partial distributed optimizer (DDP config
+    `num_distributed_optimizer_instances` > 1), read from the bucket group that all-reduces its gradient
+    shard over it. Empty with one instance. Once per monitor."""
+    out: dict[int, tuple[Any, ...]] = {}
+    for ddp in ddps:
+        groups = list(ddp.bucket_groups) + list(getattr(ddp, "expert_parallel_bucket_groups", []))
+        for bucket_group in groups:
+            inter = getattr(bucket_group, "inter_distributed_optimizer_instance_group", None)
+            if inter is None or inter.size() == 1:
+                continue
+            for bucket in bucket_group.buckets:
+                for p in bucket.params_list:
+                    out[id(p)] = (inter,)
+    return out
+
+
 @dataclass(frozen=True)
 class Slot:
     """Where the optimizer keeps one model parameter: its fp32 master (the full tensor, or this rank's
@@ -43,9 +64,15 @@ class Slot:
 
 
 def build_slots(
-    optimizer: Any, layout: MegatronLayout, replica: Callable[[torch.Tensor], Placement]
+    optimizer: Any,
+    layout: MegatronLayout,
+    replica: Callable[[torch.Tensor], Placement],
+    copies: Mapping[int, tuple[Any, ...]] | None = None,
 ) -> dict[int, Slot]:
-    """Where the optimizer keeps each model parameter (by id), for every leaf optimizer."""
+    """Where the optimizer keeps each model parameter (by id), for every leaf optimizer. `copies`: by
+    parameter id, the groups over which its distributed-optimizer shard is copied (the inter-instance
+    group of a partial distributed optimizer). Once per monitor; nothing per step."""
+    copies = copies or {}
     from megatron.core.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -72,7 +99,9 @@ def build_slots(
             # Every parameter of the optimizer's buffers gets a row on every rank (collective order).
             for buffer in leaf.buffers:
                 for p in buffer.param_index_map:
-                    where = layout.placement(p, leaf.data_parallel_group, dp_sharded=True)
+                    where = layout.placement(
+                        p, leaf.data_parallel_group, dp_sharded=True, copies=copies.get(id(p), ())
+                    )
                     slots[id(p)] = Slot(owned.get(id(p)), inner, where, layout.full_shape(p))
         elif isinstance(leaf, Float16OptimizerWithFloat16Params):
             for model_group, main_group in zip(leaf.float16_groups, leaf.fp32_from_float16_groups):
