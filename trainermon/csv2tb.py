@@ -32,7 +32,8 @@ from .names import msprobe_tag
 
 logger = logging.getLogger("trainermon")
 
-#: The families msprobe converts (its `data_type_list` values).
+#: The families msprobe converts (its `data_type_list` values), and SGD's momentum_buffer, which
+#: `trainermon convert --to tensorboard` converts too (msprobe monitors no such state).
 FAMILIES = (
     "actv",
     "actv_grad",
@@ -42,6 +43,7 @@ FAMILIES = (
     "grad_reduced",
     "param_origin",
     "param_updated",
+    "momentum_buffer",
 )
 #: Statistic columns written as scalars, where the CSV has them (msprobe's, then trainermon's own).
 STAT_COLUMNS = ("norm", "min", "max", "zeros", "nans", "id", "mean", "infs", "numel")

@@ -284,7 +284,7 @@ def analyze(
         anomalies=load_run_anomalies(source, steps, ranks),
         spike_rule=rule,
         expert_load=expert_load_last_step(source, steps) if "moe_load" in fams else None,
-        xrank=xrank_findings(summary.xrank_rows),
+        xrank=xrank_findings(summary.xrank_rows, summary.grids),
         engine=engine,
         head_logits=head_logits_last_step(source, steps) if "attn_logit" in fams else None,
     )

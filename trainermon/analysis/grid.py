@@ -10,9 +10,10 @@ How rows combine into one cell. Several rows can describe the same (tensor, step
   tensor-parallel-replicated parameters on every tensor-parallel rank).
 
 A cell is the statistic of all the elements its rows describe, with copies counted once:
-`norm = sqrt(sum of norm^2)`, `min = min`, `max = max`, `mean` and `zeros` weighted by numel (by row
+`norm = sqrt(sum of norm^2)`, `min = min`, `max = max`, `zeros` weighted by numel and `mean` by the
+finite elements, numel - nans - infs (the statistics cover finite values; numel without the counts; by row
 when numel is unknown), `nans` and `infs` summed. Copies are recognised in two ways: a whole rank whose
-rows of a family start exactly like an earlier rank's is skipped by the scan (see `scan.py`), and
+rows of a family are all exactly an earlier rank's is skipped by the scan (see `scan.py`), and
 within a cell, rows whose norm, min, max and mean (those the rows hold) are each bit-identical are one
 tensor seen several times (counted once). The norm alone is not enough: a LayerNorm output's norm is
 about sqrt(numel) whatever its input, so every rank's own activations share it at CSV's 6 digits while
@@ -24,6 +25,7 @@ Memory is proportional to tensors x (step, micro_step) cells, never to rows or r
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,6 +119,51 @@ class _Axis:
         return len(self.keys)
 
 
+#: An actv_grad name: `{module}.input`, `.input_{i}`, `.input_{keyword}`, `.output`, `.output_{i}`.
+_IO_NAME = re.compile(r"\.(input|output)(?:_([^.]*))?$")
+
+
+def grad_positions(keys: list[tuple[int, str]]) -> list[int]:
+    """Each actv_grad tensor's position in msprobe's order, from `keys` ((vpp_stage, name)) in order of
+    first appearance: a module's input rows then its output rows, the module placed where its last input
+    row is (its first output row when it has none). The CSV exporter writes this order and Parquet keeps
+    the arrival order (outputs first); ordering both here gives one model order for both."""
+    groups: dict[tuple, list] = {}  # (vpp, module) -> [last input, first output, [(slot, index)]]
+    for i, (vpp, name) in enumerate(keys):
+        m = _IO_NAME.search(name)
+        if m is None:
+            module, output, slot = name, 0, (0, -1)
+        else:
+            sfx = m.group(2)
+            module, output = name[: m.start()], int(m.group(1) == "output")
+            slot = (0, -1) if sfx is None else (0, int(sfx)) if sfx.isdigit() else (1, 0)
+        group = groups.setdefault((vpp, module), [-1, -1, []])
+        if not output:
+            group[0] = i
+        elif group[1] < 0:
+            group[1] = i
+        group[2].append(((output, *slot, i), i))
+    anchored = sorted(groups.values(), key=lambda g: g[0] if g[0] >= 0 else g[1])
+    out = [0] * len(keys)
+    for p, i in enumerate(i for g in anchored for _, i in sorted(g[2])):
+        out[i] = p
+    return out
+
+
+def _finite_weight(batch: Batch, numel: np.ndarray) -> np.ndarray:
+    """numel - nans - infs per row (as the online combine, `stats.table.combine`): a mean covers the
+    finite elements. Counts not collected (or missing on a row) count as 0."""
+    known = ~np.isnan(batch.numel) if batch.numel is not None else np.zeros(len(numel), dtype=bool)
+    out = numel.copy()
+    for stat in ("nans", "infs"):
+        got = batch.stats.get(stat)
+        if got is not None:
+            values, valid = got
+            count = np.where(known, np.nan_to_num(values, nan=0.0), 0.0)  # numel unknown: weight 1 stays
+            out -= count if valid is None else np.where(valid, count, 0.0)
+    return np.maximum(out, 0.0)
+
+
 class CellGrid:
     """Accumulators for one family over tensors (rows) x (step, micro_step) (columns)."""
 
@@ -169,7 +216,7 @@ class CellGrid:
             self._accumulate(batch, flat, n)
 
     def _accumulate(self, batch: Batch, flat: np.ndarray, n: int) -> None:
-        weight = None
+        weight = finite = None
         # Rows of empty tensors (numel 0) have no elements: their NaN mean/min/max are no values.
         empty = None if batch.numel is None else batch.numel == 0
         has_empty = empty is not None and bool(empty.any())
@@ -205,7 +252,12 @@ class CellGrid:
                         if batch.numel is None
                         else np.where(np.isnan(batch.numel), 1.0, batch.numel)
                     )
-                w = weight if valid is None else weight[valid]
+                w = weight
+                if rule is Combine.MEAN_BY_FINITE and batch.numel is not None:
+                    if finite is None:
+                        finite = _finite_weight(batch, weight)
+                    w = finite
+                w = w if valid is None else w[valid]
                 np.add.at(acc[f"w_{stat}"].ravel(), f, w)
                 np.add.at(acc[f"s_{stat}"].ravel(), f, v * w)
             elif rule is Combine.MIN:
@@ -220,9 +272,11 @@ class CellGrid:
 
     # ---- results ------------------------------------------------------------------------------------
     def order(self) -> np.ndarray:
-        """Tensor indices in model order: by vpp_stage, then by first appearance (ranks in order)."""
-        keys = [(vpp, i) for i, (vpp, _name) in enumerate(self.tensors.keys)]
-        return np.asarray([i for _vpp, i in sorted(keys)], dtype=np.int64)
+        """Tensor indices in model order: by vpp_stage, then by first appearance (ranks in order); for
+        actv_grad, msprobe's order (`grad_positions`), whatever order the file has. Costs O(tensors)."""
+        pos = grad_positions(self.tensors.keys) if self.family == "actv_grad" else range(len(self.tensors))
+        keys = [(vpp, p, i) for i, ((vpp, _name), p) in enumerate(zip(self.tensors.keys, pos))]
+        return np.asarray([i for _vpp, _p, i in sorted(keys)], dtype=np.int64)
 
     def labels(self, order: np.ndarray | None = None) -> list[str]:
         """`name`, or `{vpp}:{name}` (msprobe's spelling) when the family has several vpp stages."""

@@ -7,9 +7,10 @@ whatever the number of rows or ranks.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,7 @@ from .rank_steps import FAMILY as STEPS_FAMILY
 from .rank_steps import RankSteps, missing_steps_note
 from .source import ALL_STATS, Batch, RunSource, family_order, open_run
 
-#: Rows of a rank's first batch compared to recognise a whole-rank copy.
+#: Rows of a rank's first batch compared to find a possible whole-rank copy (then decided on all its rows).
 FINGERPRINT_ROWS = 256
 #: Non-finite rows kept per family (all at the earliest step with any).
 MAX_NONFINITE_ROWS = 10_000
@@ -36,7 +37,7 @@ class RunSummary:
     nonfinite_rows: dict[str, list[dict]]  # per family: the rows at its first non-finite step
     nonfinite_counts: dict[str, int]  # per family: rows with a NaN/Inf statistic or count
     copies: dict[tuple[str, int], int]  # (family, rank) -> the earlier rank it copies
-    rows_read: int = 0  # rows folded into the grids (a copied rank's first batch is read, not counted)
+    rows_read: int = 0  # rows folded into the grids (a copied rank's rows are read and hashed, not counted)
     files_read: int = 0
     seconds: float = 0.0
     steps: tuple[int, int] | None = None
@@ -49,12 +50,15 @@ class RunSummary:
         return sorted(self.grids, key=lambda f: (family_order(f), f))
 
 
-def _fingerprint(batch: Batch) -> bytes:
-    k = min(len(batch), FINGERPRINT_ROWS)
-    h = hashlib.sha1()
-    codes = batch.codes[:k]
+def _fingerprint(batch: Batch, h: Any = None, rows: int | None = None) -> Any:
+    """sha1 of a batch's names, steps and statistics (its first `rows` rows; all when None), folded into
+    `h` when given: a rank's batches in turn give a fingerprint of its whole data."""
+    k = len(batch) if rows is None else min(len(batch), rows)
+    h = hashlib.sha1() if h is None else h
+    h.update(f"{len(batch)}/{k}\x01".encode())
     h.update("\x00".join(f"{v}:{n}" for v, n in batch.tensors).encode())
-    for arr in (codes, batch.step[:k], batch.micro[:k]):
+    numel = () if batch.numel is None else (batch.numel[:k],)
+    for arr in (batch.codes[:k], batch.step[:k], batch.micro[:k], *numel):
         h.update(np.ascontiguousarray(arr).tobytes())
     for stat in sorted(batch.stats):
         values, valid = batch.stats[stat]
@@ -62,7 +66,7 @@ def _fingerprint(batch: Batch) -> bytes:
         h.update(np.ascontiguousarray(values[:k]).tobytes())
         if valid is not None:
             h.update(np.ascontiguousarray(valid[:k]).tobytes())
-    return h.digest()
+    return h
 
 
 class _NonFinite:
@@ -149,41 +153,56 @@ def scan(
     rank_steps = RankSteps()
     summary = RunSummary(source, grids, tracker.rows, tracker.counts, {}, steps=steps)
     summary.notes.extend(source.notes)
-    seen_prints: dict[tuple[str, bytes], int] = {}
-    started: set[tuple[str, int]] = set()
-    skip: set[tuple[str, int]] = set()
+    first_prints: dict[tuple[str, bytes], int] = {}  # (family, print of the first rows) -> rank
+    whole_prints: dict[tuple[str, bytes], int] = {}  # (family, print of all the rows) -> rank
+    groups: dict[tuple[str, int], list[Any]] = {}
+    for f in files:
+        groups.setdefault((f.family, f.rank), []).append(f)
     t0 = time.monotonic()
     bar = Progress(sum(f.size for f in files), label=label, enabled=progress)
 
-    def done(f: Any, read: bool = True) -> None:
-        summary.files_read += int(read)
+    def done(f: Any) -> None:
+        summary.files_read += 1
         bar.advance(f.size, note=f"{summary.rows_read:,} rows")
 
+    def batches(key: tuple[str, int], on_done: Any = None) -> Iterator[Batch]:
+        # numel: weights of mean/zeros, and empty tensors (whose mean/min/max are NaN by definition).
+        return source.iter_batches(
+            stats=per_family[key[0]], with_numel=True, steps=steps, batch_size=batch_size,
+            files=groups[key], on_file_done=on_done,
+        )  # fmt: skip
+
     try:
-        for f in files:
-            key = (f.family, f.rank)
-            if key in skip:  # a rank that copies an earlier one: not opened
-                done(f, read=False)
+        for key in groups:
+            fam, rank = key
+            it = batches(key, done)
+            first = next(it, None)
+            if first is None:
                 continue
-            need = per_family[f.family]
-            # numel: weights of mean/zeros, and empty tensors (whose mean/min/max are NaN by definition).
-            for batch in source.iter_batches(
-                stats=need, with_numel=True, steps=steps, batch_size=batch_size, files=[f]
-            ):
-                if key not in started:
-                    started.add(key)
-                    fp = (f.family, _fingerprint(batch))
-                    if fp in seen_prints:
-                        summary.copies[key] = seen_prints[fp]
-                        skip.add(key)
-                        break
-                    seen_prints[fp] = f.rank
+            head = (fam, _fingerprint(first, rows=FINGERPRINT_ROWS).digest())
+            if head in first_prints:
+                # Starts like an earlier rank: a copy only if ALL its rows are (a rank that differs later,
+                # e.g. a NaN on it alone, must be read). One hashing pass; a rank that differs is read again.
+                whole = _fingerprint(first)
+                for batch in it:
+                    _fingerprint(batch, whole)
+                earlier = whole_prints.get((fam, whole.digest()))
+                if earlier is not None:
+                    summary.copies[key] = earlier
+                    continue
+                it = batches(key)
+                first = next(it, None)
+            else:
+                first_prints[head] = rank
+            whole = hashlib.sha1()
+            for batch in itertools.chain([first] if first is not None else [], it):
+                _fingerprint(batch, whole)
                 summary.rows_read += len(batch)
-                grids[f.family].add(batch)
-                if f.family == STEPS_FAMILY:
-                    rank_steps.add(f.rank, batch.step)
+                grids[fam].add(batch)
+                if fam == STEPS_FAMILY:
+                    rank_steps.add(rank, batch.step)
                 tracker.add(batch)
-            done(f)
+            whole_prints.setdefault((fam, whole.digest()), rank)
     finally:
         bar.close()
     summary.seconds = time.monotonic() - t0

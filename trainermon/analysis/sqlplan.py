@@ -9,8 +9,8 @@ the same code for every engine (`trends.py`, `compare.py`), so every engine give
 
 The view `src` must have the Parquet columns plus `family`, `rank` (Hive partitions), `_fname` (the part
 file) and `_rn` (the row's index in its file). Only these SQL features are used, with the spelling both
-engines accept: CAST, CASE, count_if, min_by, bit_xor, isnan, regexp_replace, window row_number; the
-row hash is the dialect's (`Dialect.hash_fn`).
+engines accept: CAST, CASE, count_if, greatest, min_by, bit_xor, isnan, regexp_replace, window
+row_number; the row hash is the dialect's (`Dialect.hash_fn`).
 """
 
 from __future__ import annotations
@@ -64,11 +64,11 @@ def where(
 
 def base_select(stats: list[str], cond: str, file_ordinal: bool = False, dialect: Dialect = SPARK) -> str:
     """Rows as the analysis reads them: names unwrapped (leading `module.` segments dropped, as the
-    pyarrow reader does), micro_step -1 where none, `_empty` for numel 0, `_w` the mean weight, and
-    `_ord` the row's position in reading order (file by rank then name, then row in the file), an
-    integer (a struct would make the aggregation three times slower). file_ordinal: `src` has `_fi`,
-    each file's position in that order (DuckDB's file_index over a sorted list); else the files are
-    numbered here (a DISTINCT over the file column, cheap, and a join)."""
+    pyarrow reader does), micro_step -1 where none, `_empty` for numel 0, `_w` the mean weight (`_wf`:
+    by finite elements), and `_ord` the row's position in reading order (file by rank then name, then
+    row in the file), an integer (a struct would make the aggregation three times slower).
+    file_ordinal: `src` has `_fi`, each file's position in that order (DuckDB's file_index over a sorted
+    list); else the files are numbered here (a DISTINCT over the file column, cheap, and a join)."""
     cols = ", ".join(f"CAST(s.{st} AS DOUBLE) AS {st}" for st in stats)
     select = (
         "SELECT s.family, CAST(s.rank AS INT) AS rank, CAST(s.vpp_stage AS INT) AS vpp_stage, "
@@ -76,6 +76,7 @@ def base_select(stats: list[str], cond: str, file_ordinal: bool = False, dialect
         "CAST(COALESCE(s.micro_step, -1) AS INT) AS micro, "
         f"{cols}, COALESCE(s.numel = 0, FALSE) AS _empty, {dialect.zero} AS _z, "
         "COALESCE(CAST(s.numel AS DOUBLE), 1.0) AS _w, "
+        f"{_finite_weight(stats)} AS _wf, "
     )
     if file_ordinal:
         ordinal = "CAST(s._fi AS BIGINT) * 4294967296 + CAST(s._rn AS BIGINT)"
@@ -87,6 +88,14 @@ def base_select(stats: list[str], cond: str, file_ordinal: bool = False, dialect
         f"{select}CAST(f._fo AS BIGINT) * 4294967296 + CAST(s._rn AS BIGINT) AS _ord "
         f"FROM src s JOIN files f ON s.family = f._ff AND s._fname = f._fn WHERE {cond}"
     )
+
+
+def _finite_weight(stats: list[str]) -> str:
+    """`_wf`, the weight of a MEAN_BY_FINITE statistic: numel - nans - infs (`grid._finite_weight`)."""
+    counts = "".join(f" - COALESCE(CAST(s.{c} AS DOUBLE), 0.0)" for c in ("nans", "infs") if c in stats)
+    if not counts:
+        return "COALESCE(CAST(s.numel AS DOUBLE), 1.0)"
+    return f"CASE WHEN s.numel IS NULL THEN 1.0 ELSE greatest(CAST(s.numel AS DOUBLE){counts}, 0.0) END"
 
 
 def _isnan(v: str) -> str:
@@ -116,9 +125,10 @@ def _rule_aggregates(stat: str, rule: Combine, v: str) -> list[str]:
     if rule is Combine.L2:
         return [f"count({v}) AS n_{stat}", f"sum({v} * {v}) AS sq_{stat}"]
     if rule in (Combine.MEAN_BY_FINITE, Combine.MEAN_BY_NUMEL):
+        w = "_wf" if rule is Combine.MEAN_BY_FINITE else "_w"  # a mean covers the finite elements
         return [
-            f"sum(CASE WHEN {v} IS NOT NULL THEN _w END) AS w_{stat}",
-            f"sum({v} * _w) AS s_{stat}",
+            f"sum(CASE WHEN {v} IS NOT NULL THEN {w} END) AS w_{stat}",
+            f"sum({v} * {w}) AS s_{stat}",
         ]
     if rule in (Combine.MIN, Combine.MAX):
         fn = "min" if rule is Combine.MIN else "max"
@@ -180,7 +190,7 @@ def nonfinite_sql(stats: list[str], limit: int) -> str:
 def fingerprint_sql(dialect: Dialect, stats: list[str]) -> str:
     """Per (family, rank): the row count and the XOR of every row's hash (names, steps, statistics),
     an order-free fingerprint of the rank's rows: equal fingerprints are a copy (msprobe writes
-    replicated tensors on every rank; `scan.py` does the same test on a rank's first rows)."""
+    replicated tensors on every rank; `scan.py` decides on all of a rank's rows too)."""
     cols = ", ".join(["vpp_stage", "name", "step", "micro"] + stats)
     return (
         f"SELECT family, rank, count(*) AS n, bit_xor({dialect.hash_fn}({cols})) AS h FROM base "

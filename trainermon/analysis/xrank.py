@@ -6,6 +6,7 @@ turns them into findings, so they are the same whatever the engine."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ from .sqlplan import XRANK_COLUMNS
 
 #: Rows listed at the first non-finite step.
 MAX_LISTED = 50
+_MODULE = re.compile(r"^(module[.])+")  # the readers drop these wrappers from names
 
 
 def read_xrank(source: RunSource, steps: tuple[int, int] | None = None) -> pd.DataFrame | None:
@@ -80,10 +82,32 @@ def _micro(value: Any) -> int | None:
     return _rank(value)  # -1 or null: the family has no micro-steps
 
 
-def xrank_findings(df: pd.DataFrame | None) -> dict | None:
+def _positions(df: pd.DataFrame, grids: dict[str, Any] | None) -> np.ndarray:
+    """Each row's tensor in model order: its position in the scan's grid of its family (as
+    `trends.first_nonfinite`), else (no grid, or a tensor the grid lacks) after those, by first
+    appearance in the xrank rows (written in hook order)."""
+    first_seen: dict[tuple, int] = {}
+    grid_pos: dict[str, dict[tuple, int]] = {}
+    out = np.empty(len(df), dtype=np.int64)
+    for i, (fam, vpp, name) in enumerate(zip(df["xrank_family"], df["vpp_stage"], df["name"])):
+        key = (int(vpp), _MODULE.sub("", str(name)))
+        if fam not in grid_pos:
+            grid = (grids or {}).get(fam)
+            order = [] if grid is None else [grid.tensors.keys[j] for j in grid.order()]
+            grid_pos[fam] = {k: j for j, k in enumerate(order)}
+        pos = grid_pos[fam].get(key)
+        out[i] = pos if pos is not None else (1 << 40) + first_seen.setdefault((fam, *key), i)
+    return out
+
+
+def xrank_findings(df: pd.DataFrame | None, grids: dict[str, Any] | None = None) -> dict | None:
     """{rows, first_nonfinite: {step, micro_step, family, name, stat, rank, rows: [...]}, largest:
     [{family, stat, name, step, micro_step, max, max_rank}] (per summarised family and statistic, the
-    row with the largest finite max over the run; ties: earliest step, then name)}."""
+    row with the largest finite max over the run; ties: earliest step, then name)}.
+
+    grids: the scan's grids (`RunSummary.grids`), whose tensor order is the model order the first
+    non-finite rows follow (as `trends.first_nonfinite`); without them, the rows' own order.
+    Costs one pass over the rows (few: tensors x statistics x collected steps)."""
     if df is None or not len(df):
         return None
     df = df.copy()
@@ -93,8 +117,10 @@ def xrank_findings(df: pd.DataFrame | None) -> dict | None:
     bad = df[nf >= 0]
     first = None
     if len(bad):
+        bad = bad.assign(_pos=_positions(bad, grids))
+        # model order, not names: "head.input" must not come before "layers.2.input" of the same step
         bad = bad.sort_values(
-            ["step", "_micro", "_fam", "xrank_family", "nonfinite_rank", "vpp_stage", "name", "xrank_stat"],
+            ["step", "_micro", "_fam", "xrank_family", "_pos", "nonfinite_rank", "xrank_stat"],
             kind="stable",
         )
         at = bad[bad["step"] == bad["step"].iloc[0]]
