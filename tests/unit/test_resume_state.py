@@ -218,7 +218,9 @@ def test_a_real_detector_state_passes_the_check_through_torch_save(tmp_path, out
     _run(first, model, opt, range(CUT))
     state = first.state_dict()
     first.close()
-    saved = state["detector"]
+    from trainermon.runtime.resume_state import decode_history
+
+    saved = decode_history("detector_rank0", state["detector_rank0"])[1]  # one JSON entry per rank
     assert saved["avg"] and saved["rolling"]  # tuple keys, (mean, n) and (window, [values]) entries
     buf = io.BytesIO()
     torch.save(state, buf)
