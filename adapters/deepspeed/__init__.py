@@ -24,8 +24,9 @@ Where the optimizer-side tensors live (all local reads, no communication; merged
 packed reduction per step)
 - stage 0, fp32 (basic torch optimizer): `p.grad` (all-reduced at the boundary), `optimizer.state[p]`
   and `p` itself, the same on every data-parallel rank (Replicated).
-- stage 0, bf16/fp16 (FP16_UnfusedOptimizer): the low-precision `p.grad`, and float32 masters in
-  `fp32_groups` whose state lives in the inner optimizer (Replicated).
+- stage 0, bf16/fp16 (FP16_UnfusedOptimizer): the low-precision `p.grad` (unscaled: the engine scales
+  the loss for ZeRO optimizers only, `engine_scales_loss`), and float32 masters in `fp32_groups` whose
+  state lives in the inner optimizer (Replicated).
 - ZeRO-1/2 (DeepSpeedZeroOptimizer) and BF16_Optimizer: `p._hp_mapping` says which slice of `p` this
   rank's flat float32 partition holds (`lp_fragment_address`) and where in the partition
   (`hp_fragment_address`); the partition's optimizer state is indexed the same way; the reduced
@@ -53,7 +54,8 @@ from trainermon.names import clean_name
 from ..base import GRAD_REDUCED, PARAM, Adapter, AdapterContext, GradTaps, MonitoredParam
 from ..common import Restore, guarded
 from . import layout
-from .engine import classify_optimizer, find_engine, is_deepspeed_object
+from .engine import classify_optimizer, engine_scales_loss, find_engine, is_deepspeed_object, zero12_grad_dict
+from .growth import Growth
 
 logger = logging.getLogger("trainermon")
 
@@ -69,7 +71,9 @@ class DeepSpeedAdapter(Adapter):
             raise TypeError("trainermon: the DeepSpeed adapter takes one model (the engine or engine.module)")
         self.engine = engine
         ds_optimizer = engine.optimizer
-        super().__init__([engine.module], ds_optimizer, context)
+        # the chunk as given (the engine or engine.module): `selection.wrapper_paths` then reads msprobe's
+        # `module.`-prefixed targets (it names the engine's parameters) without the engine's path
+        super().__init__(chunks, ds_optimizer, context)
         dp_group = context.dp_group
         self.kind = classify_optimizer(ds_optimizer)
         self._dp_group = getattr(engine, "seq_data_parallel_group", None) or getattr(
@@ -90,6 +94,8 @@ class DeepSpeedAdapter(Adapter):
         self._index_maps()
         self._acc: dict[int, torch.Tensor] = {}  # float32 sums of earlier micro-batches (collected steps)
         self._grad_scale: float | None = None
+        self._scales_loss: bool | None = None  # the engine's backward scales the loss (probed once)
+        self._growth = Growth(self) if self.kind.name == "torch" else None
         steps = int(engine.gradient_accumulation_steps())
         if context.grad_acc_steps not in (1, steps):
             logger.warning(
@@ -144,7 +150,14 @@ class DeepSpeedAdapter(Adapter):
                 if p.requires_grad:
                     out.append(MonitoredParam(len(out), 0, layout.rename(clean_name(name), self._renames), p))
             self._params = out
+            if self._growth is not None:
+                self._growth.mark_known()
         return self._params
+
+    def new_parameters(self) -> list[MonitoredParam]:
+        """ZeRO-0 with a torch optimizer: parameters unfrozen since (DeepSpeed's other optimizers keep
+        only the parameters trainable at setup). Costs on collected steps only: a count of flags."""
+        return [] if self._growth is None else self._growth.new_parameters()
 
     def _index_maps(self) -> None:
         opt = self.optimizer
@@ -185,11 +198,23 @@ class DeepSpeedAdapter(Adapter):
         except Exception:  # noqa: BLE001 - a loss scale that cannot be read is not recorded
             return None
 
+    def _applied_scale(self) -> float | None:
+        """The loss scale the step's gradients carry: the optimizer's, where the engine's backward applied
+        it, else None. Probed once (`engine_scales_loss`) at the first collected read with a scale != 1."""
+        scale = self._loss_scale()
+        if scale is None or scale == 1.0:
+            return scale
+        if self._scales_loss is None:
+            self._scales_loss = engine_scales_loss(self.engine)
+        return scale if self._scales_loss else None
+
     def new_step(self) -> None:
         self._acc.clear()
 
     def close(self) -> None:
         self._acc.clear()
+        if self._growth is not None:
+            self._growth.remove_taps()
 
     # ---- pre-reduce gradients ------------------------------------------------------------------
     def install_grad_taps(self, taps: GradTaps) -> list[Any]:
@@ -202,8 +227,14 @@ class DeepSpeedAdapter(Adapter):
             tap = layout.unreduced_at_reduce(self.parameters(), self.kind.grad_keeps_sum, self._acc, taps)
             guard = guarded(self.context.faults, "DeepSpeed pipeline gradient tap", tap)
             return [*handles, layout.ReduceTap(self.engine, guard)]
+        if self._growth is not None:
+            self._growth.taps = taps  # parameters unfrozen later get theirs when found
+        return self._tap_params(self.parameters(), taps)
+
+    def _tap_params(self, params: Sequence[MonitoredParam], taps: GradTaps) -> list[Any]:
+        handles: list[Any] = []
         accumulate = self.kind.grad_keeps_sum is False and self.engine.gradient_accumulation_steps() > 1
-        for mp in self.parameters():
+        for mp in params:
             if accumulate:
                 handles.append(mp.param.register_hook(self._summing_hook(mp.index, taps)))
             else:
@@ -253,7 +284,7 @@ class DeepSpeedAdapter(Adapter):
     # ---- optimizer-side tensors ----------------------------------------------------------------
     def read(self, kind: str, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
         if kind == GRAD_REDUCED:
-            self._grad_scale = self._loss_scale()  # read once per step, not per parameter
+            self._grad_scale = self._applied_scale()  # read once per step, not per parameter
             return [self._piece(mp, "grad") for mp in params]
         if kind == PARAM:
             return [self._piece(mp, "param") for mp in params]
@@ -310,7 +341,7 @@ class DeepSpeedAdapter(Adapter):
         frag = getattr(p, "_hp_mapping", None)
         if what == "grad":
             # The row exists on every rank when the optimizer holds reduced gradients for the group.
-            grads = _zero12_grad_dict(opt).get(group)
+            grads = zero12_grad_dict(opt).get(group)
             if grads is None:
                 if not self._said_no_grads:  # an optimizer layout this adapter does not know: say so
                     self._said_no_grads = True
@@ -373,15 +404,3 @@ class DeepSpeedAdapter(Adapter):
         dtype = local.dtype
         piece = local.narrow(0, 0, valid) if valid > 0 else None
         return TensorPiece(piece, Sharded(group), tuple(p.ds_shape), dtype)
-
-
-def _zero12_grad_dict(opt: Any) -> dict[int, Any]:
-    if getattr(opt, "cpu_offload", False):
-        # offload_optimizer: the reduced gradients go to the CPU partition's fp32 .grad (views by
-        # group); averaged_gradients stays empty
-        grads = getattr(opt, "offload_gradient_dict", None)
-        return grads if isinstance(grads, dict) else {}
-    grads = getattr(opt, "averaged_gradients", None)
-    if grads is None:
-        grads = getattr(opt, "fp32_groups_gradient_dict", None)
-    return grads if isinstance(grads, dict) else {}

@@ -102,3 +102,44 @@ def classify_optimizer(optimizer: Any) -> OptimizerKind:
     if hasattr(optimizer, "fp16_groups") and isinstance(getattr(optimizer, "fp32_groups", None), list):
         return OptimizerKind("fp16_wrapper", True)
     raise TypeError(f"trainermon: unsupported DeepSpeed optimizer {type(optimizer).__name__}")
+
+
+def zero12_grad_dict(opt: Any) -> dict[int, Any]:
+    if getattr(opt, "cpu_offload", False):
+        # offload_optimizer: the reduced gradients go to the CPU partition's fp32 .grad (views by
+        # group); averaged_gradients stays empty
+        grads = getattr(opt, "offload_gradient_dict", None)
+        return grads if isinstance(grads, dict) else {}
+    grads = getattr(opt, "averaged_gradients", None)
+    if grads is None:
+        grads = getattr(opt, "fp32_groups_gradient_dict", None)
+    return grads if isinstance(grads, dict) else {}
+
+
+def engine_scales_loss(engine: Any) -> bool:
+    """Whether the engine's backward multiplies the loss by its optimizer's loss scale. DeepSpeed 0.19
+    scales it for its ZeRO optimizers only: with FP16_UnfusedOptimizer (ZeRO-0 fp16) `p.grad` is the
+    unscaled gradient (the optimizer's step divides by the scale all the same). Asked of `engine.scale`,
+    which applies what backward applies, on a one-element probe (a multiply, once per run); its side flag
+    is put back. An engine without `scale` (older DeepSpeed, whose backward scaled through the
+    optimizer's own `backward`) or one that fails the probe: True."""
+    scale = getattr(engine, "scale", None)
+    if not callable(scale):
+        return True
+    flag = engine.__dict__.get("_manual_backward_expected", _MISSING)
+    try:
+        param = next(engine.module.parameters(), None)
+        device = param.device if param is not None else torch.device("cpu")
+        with torch.enable_grad():
+            probe = torch.ones((), device=device, requires_grad=True) * 1.0
+            return float(scale(probe).detach()) != 1.0
+    except Exception:  # noqa: BLE001 - an engine that cannot say: assume the loss scaled, as before
+        return True
+    finally:
+        if flag is _MISSING:
+            engine.__dict__.pop("_manual_backward_expected", None)
+        else:
+            engine.__dict__["_manual_backward_expected"] = flag
+
+
+_MISSING = object()
