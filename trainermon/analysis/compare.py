@@ -31,6 +31,7 @@ import pandas as pd
 from .compare_keys import key_notes, rank_notes
 from .grid import split_key, with_copy_marks
 from .jsonutil import describe, jsonable, records
+from .runs import REDONE
 from .scan import RunSummary, scan
 from .source import FAMILY_STATS, FLOAT_STATS, RunSource, family_order
 
@@ -228,6 +229,9 @@ def compare(
         sum_a = engine_scan(src_a, engine, wanted_stats, steps, spark_master=spark_master)
         sum_b = engine_scan(src_b, engine, wanted_stats, steps, spark_master=spark_master)
     notes: list[str] = rank_notes(src_a, src_b)
+    notes += [
+        f"{which}: {n}" for which, s in (("run", sum_a), ("benchmark", sum_b)) for n in s.notes if REDONE in n
+    ]
 
     per_family, divergent_parts, only_a_rows, only_b_rows = [], [], [], []
     firsts: list[tuple[tuple, Divergence]] = []

@@ -25,6 +25,7 @@ from . import sqlplan
 from .grid import CellGrid, col_key
 from .rank_steps import FAMILY as STEPS_FAMILY
 from .rank_steps import missing_steps_note
+from .runs import Replaced, reading_order, run_order
 from .scan import MAX_NONFINITE_ROWS, RunSummary, copies_note
 from .source import ALL_STATS, RunSource, SourceFile, family_order
 
@@ -210,6 +211,8 @@ def engine_scan(
         stats = [s for s in ALL_STATS if any(s in family_stats[f] for f in fams)]
         rank_list = None if ranks is None else sorted({int(r) for r in ranks})
         files = source.select(fams, rank_list, steps)
+        order = run_order(source)  # several runs of a rank (a restart): later runs' steps win (runs.py)
+        files = reading_order(files, order)  # the pyarrow scan's: tensors come in the same order
         if xrank:  # rank 0's summaries of every rank: not narrowed by `ranks`, as with pyarrow
             files += source.select(["xrank"], None, steps)
         summary = RunSummary(source, {f: CellGrid(f, family_stats[f]) for f in fams}, {}, {}, {}, steps=steps)
@@ -227,11 +230,11 @@ def engine_scan(
             summary.xrank_rows = sess.frame(sqlplan.xrank_sql(cond))
         if fams:
             cond = sqlplan.where(fams, rank_list, steps, source.run_id)
-            sess.view("base", sqlplan.base_select(stats, cond, sess.file_ordinal, sess.dialect))
+            _base(sess, stats, cond, order, summary)
             summary.copies.update(_copies(sess, stats))
             if summary.copies:
                 cond = f"{cond} AND {sqlplan.exclude(summary.copies)}"
-                sess.view("base", sqlplan.base_select(stats, cond, sess.file_ordinal, sess.dialect))
+                _base(sess, stats, cond, order)
                 summary.notes.append(copies_note(summary.copies))
             cells = sess.frame(sqlplan.cells_sql(stats))
             summary.rows_read = int(cells["_rows"].sum()) if len(cells) else 0
@@ -246,6 +249,26 @@ def engine_scan(
             sess.close()
     summary.seconds = time.monotonic() - t0
     return summary
+
+
+def _base(sess: Any, stats: list[str], cond: str, order: dict, summary: RunSummary | None = None) -> None:
+    """View `base`: the rows read; with several runs of a rank, only the latest run's of each step (and
+    the note on the steps replaced, when `summary` is given)."""
+    if not order:
+        sess.view("base", sqlplan.base_select(stats, cond, sess.file_ordinal, sess.dialect))
+        return
+    sess.view("raw", sqlplan.base_select(stats, cond, sess.file_ordinal, sess.dialect, order))
+    sess.view("base", sqlplan.latest_runs("raw"))
+    if summary is not None:
+        run_id = {i: r for r, i in order.items()}
+        replaced = Replaced()
+        for r in sess.frame(sqlplan.replaced_sql("raw")).itertuples(index=False):
+            replaced.add(
+                str(r.family), int(r.rank), int(r.step), run_id.get(int(r.lo)), run_id.get(int(r.hi)), order
+            )
+        note = replaced.note()
+        if note:
+            summary.notes.append(note)
 
 
 def _missing_steps(summary: RunSummary, frame: Any) -> None:

@@ -20,6 +20,7 @@ from .grid import CellGrid
 from .progress import Progress
 from .rank_steps import FAMILY as STEPS_FAMILY
 from .rank_steps import RankSteps, missing_steps_note
+from .runs import Replaced, keep_latest, latest_first, multi_run, run_order
 from .source import ALL_STATS, Batch, RunSource, family_order, open_run
 
 #: Rows of a rank's first batch compared to find a possible whole-rank copy (then decided on all its rows).
@@ -158,6 +159,12 @@ def scan(
     groups: dict[tuple[str, int], list[Any]] = {}
     for f in files:
         groups.setdefault((f.family, f.rank), []).append(f)
+    # A restart's runs of one rank: later runs first, their steps replace the earlier runs' (runs.py)
+    order, replaced = run_order(source), Replaced()
+    multi = {key for key, fs in groups.items() if order and multi_run(fs)}
+    for key in multi:
+        groups[key] = latest_first(groups[key], order)
+    run_of = {f.path: f.run_id for key in multi for f in groups[key]}
     t0 = time.monotonic()
     bar = Progress(sum(f.size for f in files), label=label, enabled=progress)
 
@@ -167,10 +174,11 @@ def scan(
 
     def batches(key: tuple[str, int], on_done: Any = None) -> Iterator[Batch]:
         # numel: weights of mean/zeros, and empty tensors (whose mean/min/max are NaN by definition).
-        return source.iter_batches(
+        it = source.iter_batches(
             stats=per_family[key[0]], with_numel=True, steps=steps, batch_size=batch_size,
             files=groups[key], on_file_done=on_done,
         )  # fmt: skip
+        return keep_latest(it, run_of, order, replaced) if key in multi else it
 
     try:
         for key in groups:
@@ -206,6 +214,9 @@ def scan(
     finally:
         bar.close()
     summary.seconds = time.monotonic() - t0
+    redone = replaced.note()
+    if redone:
+        summary.notes.append(redone)
     if summary.copies:
         summary.notes.append(copies_note(summary.copies))
     gaps = missing_steps_note(rank_steps.by_rank())

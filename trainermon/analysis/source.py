@@ -395,6 +395,6 @@ def _note_mixed_runs(source: RunSource) -> None:
         ids = sorted({i for f in source.files if f.rank in mixed for i in [f.run_id] if i is not None})
         source.notes.append(
             f"ranks {mixed[:10]} hold rows of more than one run id (restarts or several jobs in one "
-            "directory); rows of the same step are combined as if they were shards. Pass --run-id "
+            "directory); a step several runs wrote is read from the latest-started one. Pass --run-id "
             f"(run_id= in Python) to keep one of {ids[:10]}."
         )

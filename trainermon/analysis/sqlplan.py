@@ -62,14 +62,24 @@ def where(
     return " AND ".join(parts)
 
 
-def base_select(stats: list[str], cond: str, file_ordinal: bool = False, dialect: Dialect = SPARK) -> str:
+def base_select(
+    stats: list[str],
+    cond: str,
+    file_ordinal: bool = False,
+    dialect: Dialect = SPARK,
+    runs: dict | None = None,
+) -> str:
     """Rows as the analysis reads them: names unwrapped (leading `module.` segments dropped, as the
     pyarrow reader does), micro_step -1 where none, `_empty` for numel 0, `_w` the mean weight (`_wf`:
     by finite elements), and `_ord` the row's position in reading order (file by rank then name, then
     row in the file), an integer (a struct would make the aggregation three times slower).
     file_ordinal: `src` has `_fi`, each file's position in that order (DuckDB's file_index over a sorted
-    list); else the files are numbered here (a DISTINCT over the file column, cheap, and a join)."""
+    list); else the files are numbered here (a DISTINCT over the file column, cheap, and a join).
+    runs: run id -> start position (`runs.run_order`): adds `_run`, for `latest_runs`."""
     cols = ", ".join(f"CAST(s.{st} AS DOUBLE) AS {st}" for st in stats)
+    if runs:
+        whens = " ".join(f"WHEN {quote(r)} THEN {int(i)}" for r, i in runs.items() if r is not None)
+        cols += f", CASE s.run_id {whens} ELSE -1 END AS _run"
     select = (
         "SELECT s.family, CAST(s.rank AS INT) AS rank, CAST(s.vpp_stage AS INT) AS vpp_stage, "
         "regexp_replace(s.name, '^(module[.])+', '') AS name, CAST(s.step AS BIGINT) AS step, "
@@ -87,6 +97,24 @@ def base_select(stats: list[str], cond: str, file_ordinal: bool = False, dialect
         f"(SELECT DISTINCT family, rank, _fname FROM src WHERE {cond}) d) "
         f"{select}CAST(f._fo AS BIGINT) * 4294967296 + CAST(s._rn AS BIGINT) AS _ord "
         f"FROM src s JOIN files f ON s.family = f._ff AND s._fname = f._fn WHERE {cond}"
+    )
+
+
+def latest_runs(raw: str = "raw") -> str:
+    """The rows of view `raw` (a `base_select` with `runs`) whose run is the latest-started one that wrote
+    their (family, rank, step): a restart's re-done steps replace the crashed run's (`runs.py`)."""
+    return (
+        f"SELECT r.* FROM {raw} r JOIN (SELECT family, rank, step, max(_run) AS _last FROM {raw} "
+        "GROUP BY family, rank, step) k ON r.family = k.family AND r.rank = k.rank AND r.step = k.step "
+        "WHERE r._run = k._last"
+    )
+
+
+def replaced_sql(raw: str = "raw") -> str:
+    """(family, rank, step, earliest run, latest run) of the steps that several runs of a rank wrote."""
+    return (
+        f"SELECT family, rank, step, min(_run) AS lo, max(_run) AS hi FROM (SELECT DISTINCT family, rank, "
+        f"step, _run FROM {raw}) d GROUP BY family, rank, step HAVING count(*) > 1"
     )
 
 
