@@ -21,7 +21,13 @@ sums too.
 A key where any rank's input held a NaN or Inf is not checked (counted as unchecked): the statistics
 are over finite values (or NaN/Inf themselves), and a reduction spreads NaN/Inf to ranks whose inputs
 were finite, so no sum can be compared. A non-finite output from finite inputs is a violation
-(`nonfinite`), unless a sum of the inputs' largest magnitudes could overflow the dtype (unchecked)."""
+(`nonfinite`), unless a sum of the inputs' largest magnitudes could overflow the dtype (unchecked).
+
+Integer sums are exact (the engine reduces integers in float64, exact up to 2^53) but wrap on overflow,
+as torch's reductions do: a sum or average over integers whose summed input range could leave the dtype's
+range is unchecked, and so is an integer average (rounded per element); others are compared exactly.
+A bool sum is a logical OR in torch (gloo and NCCL alike): the output's count of True lies between the
+largest input count and the inputs' total, and its max is the inputs' max."""
 
 from __future__ import annotations
 
@@ -153,7 +159,8 @@ def evaluate(
         _said.add("nonfinite")
         logger.warning(
             "trainermon: cc_distribution checks skip (count as unchecked) a collective whose inputs hold "
-            "NaN or Inf, or whose finite inputs may overflow: no sum can be compared (%d now; said once)",
+            "NaN or Inf, or whose finite inputs may overflow (or wrap: integers): no sum can be compared "
+            "(%d now; said once)",
             nonfinite,
         )
     return found, unchecked + nonfinite
@@ -169,6 +176,8 @@ def _nonfinite(
     finite input's sum may have overflowed into an Inf output. A Violation: NaN/Inf out of finite in."""
     if lines[:, IN_BAD].any():
         return _SKIP
+    if _may_wrap(key, e.dtype, lines):
+        return _SKIP
     scatter = key.check == "scatter"
     got = float(lines[:, OUT_BAD].sum()) if scatter else float(mine[OUT_BAD])
     if not got:
@@ -182,12 +191,28 @@ def _nonfinite(
     return Violation(key, "nonfinite", got, 0.0, key.ranks if scatter else (rank,))
 
 
+def _may_wrap(key: CheckKey, dtype: torch.dtype, lines: np.ndarray) -> bool:
+    """An integer sum/avg whose true value may leave the dtype's range (torch wraps it), or an integer
+    average (rounded per element): no sum can be compared. Each element's sum lies within the sum over
+    ranks of the inputs' min and max."""
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        return False
+    if key.redop not in ("sum", "avg") or key.check not in ("reduce", "scatter"):
+        return False
+    if key.redop == "avg":
+        return True
+    info = torch.iinfo(dtype)
+    return float(lines[:, IN_MAX].sum()) > info.max or float(lines[:, IN_MIN].sum()) < info.min
+
+
 def _check(key: CheckKey, e: CheckEntry, mine: np.ndarray, lines: np.ndarray, rank: int) -> list[Violation]:
     u = _UNIT.get(e.dtype, 0.0)
     engine = _ENGINE.get(e.dtype, 1e-10 if e.dtype == torch.float64 else 0.0)
     w = len(key.ranks)
     abs_in = float(lines[:, IN_ABS].sum())
     abs_out = float(lines[:, OUT_ABS].sum())
+    if not engine and abs_in + abs_out >= 2.0**53:  # integers: float64 sums stop being exact
+        engine = 1e-10
     out: list[Violation] = []
 
     def compare(stat: str, got: float, expected: float, tol: float, ranks: tuple[int, ...]) -> None:
@@ -200,6 +225,15 @@ def _check(key: CheckKey, e: CheckEntry, mine: np.ndarray, lines: np.ndarray, ra
             out.append(Violation(key, stat, got, expected, ranks))
 
     me = (rank,)
+    if e.dtype == torch.bool and key.redop in ("sum", "avg") and key.check in ("reduce", "scatter"):
+        # a logical OR: as many True as the input with most, at most all of them; max is the inputs' max
+        ranks = me if key.check == "reduce" else key.ranks
+        got = float(mine[OUT_SUM]) if key.check == "reduce" else float(lines[:, OUT_SUM].sum())
+        low, high = float(lines[:, IN_SUM].max()), float(lines[:, IN_SUM].sum())
+        compare("sum", got, min(max(got, low), high), 0.0, ranks)
+        mine_max = float(mine[OUT_MAX]) if key.check == "reduce" else float(lines[:, OUT_MAX].max())
+        compare("max", mine_max, float(lines[:, IN_MAX].max()), 0.0, ranks)
+        return out
     if key.check == "reduce":
         if key.redop in ("sum", "avg"):
             div = w if key.redop == "avg" else 1

@@ -62,11 +62,15 @@ class _Call:
     generation: int
 
 
+#: `_stats` of a payload the engine cannot read (complex, ...): said and counted there; no row, no check.
+UNREADABLE = object()
+
+
 class CommRecorder:
     def __init__(
         self,
         compute: Callable[[list[torch.Tensor]], tuple[torch.Tensor, dict]],
-        fault: Callable[[str, BaseException], None],
+        fault: Callable[..., None],  # (where, exc[, consequence]): the monitor's FaultLog.record
         rank: int,
         lock: Any,
     ) -> None:
@@ -145,7 +149,9 @@ class CommRecorder:
             check = CheckKey(spec.check, spec.name, redop, group, ranks, site, src)
         sent = spec.name in _SEND
         if inputs and (self.config.cc_pre_hook or sent or check is not None):
-            stats = self._stats(inputs)
+            stats = self._stats(inputs, spec.name, group, site)
+            if stats is UNREADABLE:
+                return None  # its outputs are not read either: one fault per call
             if stats is None and sent:  # nothing to measure (an empty tensor): the call is still counted
                 self._add((spec.name, group, site, "calls", micro), None)
             if stats is not None:
@@ -187,7 +193,10 @@ class CommRecorder:
                 continue
             tagged = tags.get(id(op.tensor)) if tags else None
             if name == "isend":
-                stats = self._stats([op.tensor])
+                stats = self._stats([op.tensor], f"batch_{name}", group, site)
+                if stats is UNREADABLE:
+                    calls.append(None)
+                    continue
                 key = (f"batch_{name}", group, site, "input" if stats is not None else "calls")
                 self._add((*key, micro if tagged is None else tagged), stats)
                 calls.append(None)
@@ -274,23 +283,31 @@ class CommRecorder:
             return  # completed after its step was written
         if call.spec.name in _SEND:
             return  # no output: its input row (or "calls" row) counts the call
-        stats = self._stats(call.outputs) if call.outputs else None
+        stats = self._stats(call.outputs, call.spec.name, call.group, call.site) if call.outputs else None
+        if stats is UNREADABLE:
+            return
         if call.check is not None and stats is not None:
             self._add_check(call.check, stats, "out", call.generation)
         self._add((call.spec.name, call.group, call.site, "output", call.micro), stats, call.generation)
 
     # ==== sums ====================================================================================
-    def _stats(self, tensors: list[torch.Tensor]) -> Sum | None:
+    def _stats(self, tensors: list[torch.Tensor], op: str, group: str, site: str) -> Sum | None | object:
+        """The summed statistics of a call's tensors (one engine call); None: no element (a tensorless
+        row counts the call); `UNREADABLE`: a tensor the engine refuses (complex, ...), recorded as a fault
+        (logged once per kind, naming this call): no row at all, on every rank alike (the dtype is the
+        collective's), rather than a row of part of the payload or a tensorless one."""
         tensors = [t for t in tensors if t.numel() > 0]
         if not tensors:
             return None
         partials, skipped = self.compute(tensors)
         if skipped:
-            keep = [i for i in range(len(tensors)) if i not in skipped]
-            if not keep:
-                return None
-            tensors = [tensors[i] for i in keep]
-            partials = partials[keep]
+            why = next(iter(skipped.values()))
+            self._fault(
+                f"unreadable tensor ({why.kind}) in a collective",
+                why,
+                f"no comm row or check for {op}/{group}@{short(site)}; later such calls are counted only",
+            )
+            return UNREADABLE
         if len(tensors) > 1:  # a list argument: its tensors' partials combined, never a stacked copy
             row = partials[:1].clone()
             row[0, ADDITIVE] = partials[:, ADDITIVE].sum(0)
