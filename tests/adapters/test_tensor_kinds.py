@@ -125,7 +125,7 @@ class Net(nn.Module):
 
 class _Lines(logging.Handler):
     def __init__(self) -> None:
-        super().__init__(logging.ERROR)
+        super().__init__(logging.WARNING)  # refusals by design are warnings
         self.messages: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:

@@ -108,19 +108,21 @@ def same_device(batch: HookBatch, t: torch.Tensor) -> bool:
     return not batch.tensors or batch.tensors[0].device == t.device
 
 
-def compute_now(engine: Any, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor | None], list[Any]]:
-    """One [1, 7] row per tensor (None: unreadable), computed now, and why each unreadable one was."""
+def compute_now(
+    engine: Any, tensors: list[torch.Tensor]
+) -> tuple[list[torch.Tensor | None], list[tuple[int, Any]]]:
+    """One [1, 7] row per tensor (None: unreadable), computed now, and (index, why) of each unreadable one."""
     device = tensors[0].device
     if all(t.device == device for t in tensors):
         partials, skipped = engine.compute_rows(tensors)
         return [None if i in skipped else partials[i : i + 1] for i in range(len(tensors))], list(
-            skipped.values()
+            skipped.items()
         )
     rows, why = [], []  # a module spanning devices (pipeline stages in one process): one call per tensor
-    for t in tensors:
+    for i, t in enumerate(tensors):
         partials, bad = engine.compute_rows([t])
         rows.append(None if bad else partials)
-        why.extend(bad.values())
+        why.extend((i, w) for w in bad.values())
     return rows, why
 
 
@@ -137,11 +139,12 @@ def learn_trust(watch: list[tuple[torch.Tensor, tuple[int, int], tuple[str, str]
 def reduce_held(engine: Any, batch: HookBatch, trusted: dict, skip: Callable, faults: Any) -> None:
     """`StepCollector.flush`'s engine call: the held tensors' rows into `batch.result`; a tensor changed
     since its hook gets a NaN row (dropped by the worker), a counted fault, and its label's trust taken
-    away; an unreadable one is skipped (`skip(family, why)`)."""
+    away; an unreadable one is skipped (`skip(family, why, tensor)`)."""
     result, skipped = engine.compute_rows(batch.tensors)
     for j, why in skipped.items():
         result[j, NANS] = math.nan  # dropped by the worker, as an unreadable tensor is
-        skip(batch.trust[j][0], why)
+        family, label = batch.trust[j]
+        skip(family, why, f"{label} ({batch.tensors[j].dtype})")
     for j, t in enumerate(batch.tensors):
         if stamp_of(t) != batch.stamps[j]:
             result[j, NANS] = math.nan

@@ -23,6 +23,7 @@ from trainermon.stats.kinds import local_view
 
 from .batch import Span, TableRun
 from .hook_rows import HookRows
+from .odd import GRAD_FAMILIES, complex_rows
 from .placement import Local, Placement, Sharded, TensorPiece, takes_part, writes_rows
 from .records import RowMeta, RowMetaCache, StepPayload, StepScalars
 from .sharded import ShardedRows, by_device, device_hint, job_sumsq_row, local_grad_sumsq, merge_sharded
@@ -43,6 +44,7 @@ class StepCollector(HookRows):
         self._parts: list[torch.Tensor] = []
         self._sharded = ShardedRows()
         self._roles: dict[tuple, tuple[bool, bool]] = {}  # placement -> (takes part, writes)
+        self._told: set[str] = set()  # complex gradients told of (`complex_rows`)
         self._init_hook_rows()
 
     def __len__(self) -> int:
@@ -100,8 +102,8 @@ class StepCollector(HookRows):
             local_rows.append((meta, seq))
             local_tensors.append(tensor)
         if pending:
-            for why in sharded.compute(self.engine, pending):
-                self._skip(family, why)
+            for meta, why in sharded.compute(self.engine, pending):
+                self._skip(family, why, f"{meta.name} ({meta.dtype})")
         if local_tensors:
             self._add_local_rows(family, local_rows, local_tensors, also_as)
 
@@ -147,10 +149,15 @@ class StepCollector(HookRows):
         """Compute this rank's rows (one engine call per device) and keep them, twice with `also_as`."""
         for device_rows, device_tensors in by_device(local_rows, local_tensors):
             partials, skipped = self.engine.compute_rows(device_tensors)
-            if skipped:
-                keep = [i for i in range(len(device_rows)) if i not in skipped]
-                for why in skipped.values():
-                    self._skip(family, why)
+            if skipped:  # rare: only steps with a tensor the engine refuses pay for this
+                if family in GRAD_FAMILIES:
+                    complex_rows(self.engine, partials, skipped, device_rows, device_tensors, self._told)
+                for i, why in skipped.items():
+                    meta = device_rows[i][0]
+                    self._skip(family, why, f"{meta.name} ({meta.dtype})")
+                    if family == "grad_reduced":  # kept as a dropped row: the global norm becomes NaN
+                        partials[i] = math.nan
+                keep = [i for i in range(len(device_rows)) if i not in skipped or family == "grad_reduced"]
                 device_rows = [device_rows[i] for i in keep]
                 partials = partials[keep]
             self._rows.extend(r for r, _ in device_rows)
@@ -201,9 +208,10 @@ class StepCollector(HookRows):
         for column in (kept.rows, kept.order, kept.over, kept.writes, kept.parts, kept.flags):
             del column[sharded0:sharded1]
 
-    def _skip(self, family: str, why: Unreadable) -> None:
+    def _skip(self, family: str, why: Unreadable, tensor: str) -> None:
+        """A tensor the engine refuses by design: counted, and told once per `tensor` (name and dtype)."""
         if self.faults is not None:
-            self.faults.record(f"unreadable tensor ({why.kind})", why, f"its {family} row is skipped")
+            self.faults.refused(f"unreadable tensor ({why.kind})", tensor, why)
 
     def _roles_of(self, placement: Placement) -> tuple[bool, bool]:
         key = (type(placement), *map(id, placement.over), None, *map(id, placement.replicated))

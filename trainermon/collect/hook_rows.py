@@ -110,6 +110,7 @@ class HookRows:
         engine = self.engine
         direct = self.at_hook and engine.writes_rows_directly()
         now: list[torch.Tensor] = []
+        now_labels: list[str] = []  # each `now` tensor's label: a refusal names it
         # per tensor: a row of the table (int >= 0), -1 - its index into `now`, a [1, 7] row, (batch,
         # index), or None (unreadable)
         refs: list[Any] = []
@@ -172,6 +173,7 @@ class HookRows:
             elif transient:
                 ref = -1 - len(now)
                 now.append(t)
+                now_labels.append(labels[i])
             elif key is not None and self.batching and trusted.get(trust) and same_device(batch, t):
                 ref = (batch, len(batch.tensors))
                 # An alias: the values stay reachable (and exact) if the tensor's own memory is swapped
@@ -184,6 +186,7 @@ class HookRows:
             else:
                 ref = -1 - len(now)
                 now.append(t)
+                now_labels.append(labels[i])
                 if key is not None and self.batching and trust not in trusted:
                     alias = t.detach()  # learning: checked at the next flush, as a batched tensor would be
                     self._watch.append((alias, stamp_of(alias), trust))
@@ -193,8 +196,8 @@ class HookRows:
                 in_call[key] = ref
         if now:
             rows, skipped = compute_now(self.engine, now)
-            for why in skipped:
-                self._skip(family, why)
+            for j, why in skipped:
+                self._skip(family, why, f"{now_labels[j]} ({now[j].dtype})")
             refs = [rows[-1 - r] if type(r) is int and r < 0 else r for r in refs]
         parts, metas, out_rows, order = self._parts, self._metas, self._rows, self._order
         seq = self._next

@@ -44,7 +44,7 @@ class ShardedRows:
         return len(self.parts) - 1
 
     def compute(self, engine: Any, pending: list[tuple[int, torch.Tensor]]) -> list[Any]:
-        """This rank's pieces of rows (index, tensor), in one engine call; why each unreadable piece was.
+        """This rank's pieces of rows (index, tensor), in one engine call; (row, why) of each unreadable one.
         A piece not computed (unreadable, or the call failed and raises) flags its row: no rank writes a
         row that one rank could not compute, rather than merge the others' pieces as if whole."""
         try:
@@ -57,7 +57,7 @@ class ShardedRows:
             self.parts[index] = computed[row : row + 1]
             if row in skipped:
                 self.flags[index] = 1.0
-        return list(skipped.values())
+        return [(self.rows[pending[row][0]], why) for row, why in skipped.items()]
 
 
 def merge_sharded(sharded: ShardedRows) -> tuple[list[RowMeta], torch.Tensor | None, list[int]]:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Callable
 from dataclasses import replace
 from itertools import compress
@@ -26,6 +28,7 @@ from .health import (
 )
 
 _FAMILY, _NUMEL = attrgetter("family"), attrgetter("numel")
+logger = logging.getLogger("trainermon")
 
 
 class Deriver:
@@ -35,6 +38,19 @@ class Deriver:
         self.faults = faults
         self.detector = detector
         self.dropped: Callable[[], int] = lambda: 0
+        self._told: set[frozenset[str]] = set()  # sets of unread gradients told of (`_tell_unread`)
+
+    def _tell_unread(self, names: tuple[str, ...]) -> None:
+        """One warning per set of gradients the global norm could not count (the worker thread only)."""
+        key = frozenset(names)
+        if key in self._told or len(self._told) >= 100:
+            return
+        self._told.add(key)
+        logger.warning(
+            "trainermon: global_grad_norm is NaN: the gradients of %s could not be read (see the "
+            "unreadable tensor lines), and a norm without them would be silently low (told once)",
+            ", ".join(sorted(key)),
+        )
 
     def __call__(self, payload: StepPayload) -> StatBatch:
         if payload.ready is not None:
@@ -42,7 +58,9 @@ class Deriver:
         partials = payload.partials.numpy()
         rows = payload.rows
         dropped = np.isnan(partials[:, NANS])  # rows a rank could not compute (StepCollector.finish)
+        unread = ()  # gradients left out of the global norm: it is NaN rather than silently low
         if dropped.any():
+            unread = tuple(rows[i].name for i in np.flatnonzero(dropped) if rows[i].family == "grad_reduced")
             keep = np.flatnonzero(~dropped)
             partials = partials[keep]
             rows = tuple(rows[i] for i in keep)
@@ -69,7 +87,10 @@ class Deriver:
         reduced = list(compress(range(len(rows)), map("grad_reduced".__eq__, map(_FAMILY, rows))))
         norm = float(np.sqrt(grad_sumsq(partials[reduced]))) if reduced else None
         if payload.job_grad_sumsq is not None:  # a model split over ranks: every rank's written rows
-            norm = float(np.sqrt(max(float(payload.job_grad_sumsq), 0.0)))
+            norm = float(np.sqrt(max(float(payload.job_grad_sumsq), 0.0)))  # NaN if a rank left one out
+        if unread:
+            norm = math.nan
+            self._tell_unread(unread)
         scale = payload.scalars.loss_scale
         derived = Derived(
             global_grad_norm=norm,

@@ -39,7 +39,7 @@ from .grad_rows import GradRowsCache
 from .hooked_module import HookedModule, never_frames_of_their_own, outside_graph
 from .module_hooks import ModuleHooks, ModuleTree, in_backward
 from .recompute import Recomputes
-from .slots import input_slots, is_activation, output_slots, padded, replace_tensors
+from .slots import input_slots, is_activation, no_values, output_slots, padded, replace_tensors
 from .written import mark_view, release, settle_input_views
 
 logger = logging.getLogger("trainermon")
@@ -237,7 +237,7 @@ class ActivationProbe(Probe):
                 micro = self._calls.get(id(module), 0)
             if len(args) == 1 and not kwargs:  # most modules: one tensor in (the general path, shorter)
                 tensor = args[0]
-                if not (is_activation(tensor) and tensor.requires_grad):
+                if not (is_activation(tensor) and tensor.requires_grad) or no_values(tensor):
                     return None
                 pieces = hooked.shards[0]
                 piece = pieces[0] if pieces else ""
@@ -262,14 +262,17 @@ class ActivationProbe(Probe):
             for position, (key, label) in enumerate(zip(keys, labels)):
                 holder = new_args if isinstance(key, int) else new_kwargs
                 tensor = holder[key]
-                if tensor.requires_grad:
+                if tensor.requires_grad and not no_values(tensor):  # a nested one: no view, no rows
                     if id(tensor) not in views:
                         piece = pieces[position] if position < len(pieces) else ""
                         views[id(tensor)] = ([], piece, tensor)
                     views[id(tensor)][0].append(label)
             made: dict[int, tuple] = {}  # id(tensor) -> its view, hooked for all its labels, and entry
             for tid, (view_labels, piece, tensor) in views.items():
-                made[tid] = self._hook_view(hooked.vpp_stage, tensor, tuple(view_labels), micro, piece)
+                try:  # one tensor's failure costs the others of the call none of their rows
+                    made[tid] = self._hook_view(hooked.vpp_stage, tensor, tuple(view_labels), micro, piece)
+                except Exception as exc:  # noqa: BLE001
+                    self.loop.faults.record("forward pre-hook", exc, f"no actv_grad row for {view_labels[0]}")
             for key in keys:
                 holder = new_args if isinstance(key, int) else new_kwargs
                 view = made.get(id(holder[key]))

@@ -20,6 +20,12 @@ def is_activation(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex() or t.is_quantized)
 
 
+def no_values(t: torch.Tensor) -> bool:
+    """A nested or meta tensor: no values to read, and no `view_as` to hook its gradient through (the
+    engine refuses its rows, counted and told). Two attribute reads."""
+    return t.is_nested or t.is_meta
+
+
 def activations_in(obj: Any) -> list[torch.Tensor]:
     """Top-level activation tensors of a module's inputs or outputs (tensor, tuple/list, dict values)."""
     if isinstance(obj, torch.Tensor):
