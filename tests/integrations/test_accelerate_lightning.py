@@ -239,7 +239,7 @@ def _lightning_ddp_rank(rank: int, world: int, out_dir: str, cfg: str, root: str
             refs[("grad_unreduced", f"net.{name}", step)] = ref_stats(p.grad)
     monitor = callback.monitor
     return {
-        "adapter": monitor.loop.adapter.name, "wrapped": type(monitor.loop.adapter.chunks[0]).__name__,
+        "adapter": monitor.loop.adapter.name, "wrapped": monitor.loop.adapter.chunk_types[0],
         "faults": monitor.faults.total, "run_dir": monitor.run_dir, "refs": refs,
         "steps": trainer.global_step,
     }  # fmt: skip

@@ -225,6 +225,7 @@ def test_block_compiled_on_its_own(tmp_path, out_dir, caplog, first):
                 model(torch.randn(3, 4, generator=gen)).square().sum().backward()
                 opt.step()
                 opt.zero_grad()
+        probe = monitor.loop.probes[1]  # before close(), which drops the probes with the model
         monitor.close()
         rows[compiled] = (
             keyed(read_family(monitor.run_dir, "actv")),
@@ -232,7 +233,6 @@ def test_block_compiled_on_its_own(tmp_path, out_dir, caplog, first):
         )
         assert hooked == [i >= first for i in range(5)], hooked
         assert monitor.loop.faults.total == 0
-        probe = monitor.loop.probes[1]
         traced = [h for m in probe._hooked.values() for h in (m.traced_pre, m.traced_forward)]
         assert len(traced) == 2 * len(probe.modules) > 0
         if compiled:

@@ -183,6 +183,7 @@ class Released:
 
     def __init__(self, adapter: Any) -> None:
         self.name = getattr(adapter, "name", "closed")
+        self.chunk_types = tuple(type(c).__name__ for c in getattr(adapter, "chunks", ()))  # what it wrapped
         kinds = {}
         for per_micro_batch in (False, True):  # names only: no tensor read
             try:
