@@ -291,21 +291,15 @@ class TrainerMon:
 
     def state_dict(self) -> dict:
         """The monitoring position to save with a checkpoint: the step, the schedule's count of collected
-        steps, the dynamic state, escalation, and this rank's anomaly rules' history (one JSON string under
-        `detector_rank{R}`). The state is per rank: save each rank's (torch.save per rank, or
-        torch.distributed.checkpoint with the monitor itself, `dcp.save({..., "monitor": monitor})`,
-        whose per-rank key keeps every rank's history). Waits until the worker has processed every
-        submitted step, so that the history is complete; then costs O(history) once, nothing per step."""
+        steps, the dynamic state, escalation, and the anomaly rules' history (per rank: torch.save each
+        rank's; through torch.distributed.checkpoint the history does not come back, said at load). Waits
+        until the worker has processed every submitted step, so that the rules' history is complete."""
         self._reached()
         return self.loop.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved `state_dict` (before or after `set_monitor`; collective in dynamic mode
-        when after). The step counter continues from the saved step. DCP: `dcp.load({..., "monitor":
-        monitor})` calls this with the monitor's own rank's entry (or load a plain `state_dict()` in the
-        DCP dict, then pass it here). A state without this rank's history (another world size or rank;
-        version-1 states, torch.save'd per rank, still load) starts the rules over, with one warning.
-        Checks the whole state first (ValueError naming the key); O(state), nothing per step."""
+        when after). The step counter continues from the saved step."""
         self.loop.load_state_dict(state)
 
     # ---- read-only views -------------------------------------------------------------------------

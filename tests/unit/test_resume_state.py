@@ -218,9 +218,7 @@ def test_a_real_detector_state_passes_the_check_through_torch_save(tmp_path, out
     _run(first, model, opt, range(CUT))
     state = first.state_dict()
     first.close()
-    from trainermon.runtime.resume_state import decode_history
-
-    saved = decode_history("detector_rank0", state["detector_rank0"])[1]  # one JSON entry per rank
+    saved = state["detector"]
     assert saved["avg"] and saved["rolling"]  # tuple keys, (mean, n) and (window, [values]) entries
     buf = io.BytesIO()
     torch.save(state, buf)
@@ -231,6 +229,51 @@ def test_a_real_detector_state_passes_the_check_through_torch_save(tmp_path, out
     assert second.loop.detector.state_dict() == saved
     second.close()
     assert second.faults.total == 0
+
+
+def test_a_state_through_dcp_loads_and_says_its_rule_history_is_gone(tmp_path, out_dir, caplog):
+    """torch.distributed.checkpoint plans a load from the new monitor's own state_dict, whose rule history
+    is empty, so none comes back: the load must work (model and monitor alike) and say so once; the
+    torch.save path keeps the history and says nothing."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+
+    rules = [{"rule_name": "AnomalySpike", "args": {"warmup": 2}}]
+    config = write_config(
+        tmp_path / "c.json", wg_distribution=True, ops=["norm"], alert={"rules": rules, "dump": False}
+    )
+    model, opt = _model()
+    first = TrainerMon(config)
+    first.set_monitor(model, optimizer=opt)
+    _run(first, model, opt, range(CUT))
+    first.close()
+    dcp.save(
+        {"model": model.state_dict(), "monitor": first}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True
+    )
+    buf = io.BytesIO()
+    torch.save(first.state_dict(), buf)
+
+    said = "holds no anomaly-rule history"
+    for via in ("dcp", "torch.save"):
+        caplog.clear()
+        again, opt2 = _model()
+        second = TrainerMon(config)
+        with caplog.at_level("WARNING", logger="trainermon"):
+            if via == "dcp":
+                target = {"model": again.state_dict(), "monitor": second}
+                dcp.load(target, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+                again.load_state_dict(target["model"])
+            else:
+                buf.seek(0)
+                second.load_state_dict(torch.load(buf, weights_only=True))
+            second.set_monitor(again, optimizer=opt2)  # the state applies here
+        assert second.loop.step == CUT
+        for (name, p), q in zip(model.named_parameters(), again.parameters()):
+            assert torch.equal(p, q) or via == "torch.save", name
+        lines = [r.getMessage() for r in caplog.records if said in r.getMessage()]
+        assert len(lines) == (1 if via == "dcp" else 0), (via, lines)
+        second.close()
 
 
 def test_a_state_loaded_before_set_monitor_is_kept_as_checked(tmp_path, out_dir):
