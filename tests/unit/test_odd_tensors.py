@@ -147,7 +147,30 @@ def test_a_complex_gradient_counts_in_the_global_norm_as_clip_grad_norm(tmp_path
         moduli = g.abs().double()
         assert math.isclose(float(row["norm"]), float(moduli.norm()), rel_tol=1e-6), row
         assert float(row["nans"]) == 0
-        assert all(math.isnan(float(row[op])) for op in ("min", "max", "mean")), row
+        # every statistic is the moduli's (a NaN min/max/mean fired AnomalyNan on every step)
+        for op, want in (("min", moduli.min()), ("max", moduli.max())):  # float32 values, 12 digits written
+            assert math.isclose(float(row[op]), float(want), rel_tol=1e-11), (op, row)
+        assert math.isclose(float(row["mean"]), float(moduli.mean()), rel_tol=1e-6), row
+
+
+def test_an_unreadable_gradient_without_ddp_makes_the_global_norm_nan(tmp_path, monkeypatch):
+    """Without DDP the grad_reduced rows are copies of grad_unreduced's: a refused gradient there must
+    still make the global norm NaN (it was silently low, without the refused tensor)."""
+    from torch.testing._internal.two_tensor import TwoTensor  # a __torch_dispatch__ subclass: refused
+
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = TrainerMon(write_config(tmp_path / "c.json", wg_distribution=True, ops=["norm"]))
+    mon.set_monitor(model, optimizer=opt)
+    model(torch.randn(2, 4)).sum().backward()
+    g = model[1].weight.grad
+    model[1].weight.grad = TwoTensor(g.clone(), g.clone())
+    opt.step()
+    mon.flush()
+    assert math.isnan(mon.last_batch.derived.global_grad_norm), mon.last_batch.derived
+    mon.close()
 
 
 def test_a_refused_tensor_is_told_once_by_name_without_a_traceback(tmp_path, monkeypatch, caplog):

@@ -150,14 +150,15 @@ class StepCollector(HookRows):
         for device_rows, device_tensors in by_device(local_rows, local_tensors):
             partials, skipped = self.engine.compute_rows(device_tensors)
             if skipped:  # rare: only steps with a tensor the engine refuses pay for this
+                reduced = "grad_reduced" in (family, also_as)  # without DDP, a copy of grad_unreduced
                 if family in GRAD_FAMILIES:
                     complex_rows(self.engine, partials, skipped, device_rows, device_tensors, self._told)
                 for i, why in skipped.items():
                     meta = device_rows[i][0]
                     self._skip(family, why, f"{meta.name} ({meta.dtype})")
-                    if family == "grad_reduced":  # kept as a dropped row: the global norm becomes NaN
+                    if reduced:  # kept as a dropped row: the global norm becomes NaN
                         partials[i] = math.nan
-                keep = [i for i in range(len(device_rows)) if i not in skipped or family == "grad_reduced"]
+                keep = [i for i in range(len(device_rows)) if i not in skipped or reduced]
                 device_rows = [device_rows[i] for i in keep]
                 partials = partials[keep]
             self._rows.extend(r for r, _ in device_rows)

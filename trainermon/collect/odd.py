@@ -1,20 +1,18 @@
 """Rows for tensors the engine refuses but whose gradient statistics still have a meaning: complex gradients.
 
 A complex gradient's norm is that of its moduli |z| (what `clip_grad_norm_` and `get_total_norm` use), so
-its grad rows are the statistics of |z|: norm, nans, infs and zeros of the moduli, with min, max and mean
-NaN (not defined on complex numbers; the moduli's would read as the gradient's). The global gradient
-norm then counts it exactly. Other refused tensors keep no row (the caller counts and tells them).
+its grad rows are the statistics of |z| (norm, mean, min, max, nans, infs, zeros of the moduli: min and
+max are not defined on complex numbers, and NaN there would read as a non-finite gradient to the anomaly
+rules). The global gradient norm then counts it exactly. Other refused tensors keep no row (the caller
+counts and tells them).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import torch
-
-from trainermon.stats import MAX, MIN, SUM
 
 logger = logging.getLogger("trainermon")
 
@@ -44,17 +42,14 @@ def complex_rows(
             continue
         if bad:
             continue
-        row = row.to(partials.device)
-        row[0, SUM] = row[0, MIN] = row[0, MAX] = math.nan
-        partials[i] = row[0]
+        partials[i] = row[0].to(partials.device)
         del skipped[i]
         name = rows[i][0].name
         if name not in told and len(told) < _MAX_TOLD:
             told.add(name)
             logger.warning(
-                "trainermon: complex gradient %s (%s): its grad rows' norm, nans, infs and zeros are those "
-                "of its moduli |z| (the global gradient norm counts it, as clip_grad_norm_ does); min, max "
-                "and mean are NaN, not defined on complex numbers (told once per tensor)",
+                "trainermon: complex gradient %s (%s): its grad rows are the statistics of its moduli |z| "
+                "(the global gradient norm counts it, as clip_grad_norm_ does) (told once per tensor)",
                 name,
                 t.dtype,
             )
