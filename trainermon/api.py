@@ -11,9 +11,10 @@ from typing import Any
 import torch
 
 from .collect.records import StatBatch
-from .config import ConfigError, MonitorConfig, parse_config, read_config_json, read_env
+from .config import ConfigError, MonitorConfig, parse_config, read_env
 from .failsafe import FaultLog
 from .inmemory import metric_dict
+from .runtime.control import read_config_or_defer
 from .runtime.lifecycle import same_target
 from .runtime.loop import StepLoop
 from .runtime.plan import plan_step
@@ -47,9 +48,10 @@ class TrainerMon:
                 "trainermon: params_have_main_grad is detected from the parameters; the value is unused"
             )
         self.config_file_path = str(config_file_path)
-        raw = read_config_json(config_file_path)
-        config = parse_config(raw, source=self.config_file_path)
-        self.loop = StepLoop(config, read_env(), self.config_file_path, process_group, raw=raw)
+        env = read_env()
+        raw = read_config_or_defer(self.config_file_path, env.dynamic)  # None: rank 0's, at set_monitor
+        config = parse_config(raw if raw is not None else {"dynamic_on": False}, source=self.config_file_path)
+        self.loop = StepLoop(config, env, self.config_file_path, process_group, raw=raw)
         self.grad_acc_steps = 1
         self._said_off: set[str] = set()  # in-memory calls whose family is off, warned once each
         self._said: set[str] = set()  # other one-time warnings (ignored arguments, deprecated calls)

@@ -16,13 +16,15 @@ def _flag(value: str | None, default: bool) -> bool:
 
 
 #: Where a process's rank on its node is found: torchrun's variable, then those of launchers that do not
-#: set it (Slurm's srun, Open MPI's mpirun, MPICH / Intel MPI's hydra, MVAPICH2), first set wins.
+#: set it (Open MPI's mpirun, MPICH / Intel MPI's hydra, MVAPICH2, then Slurm's srun), first set wins.
+#: Slurm's is last: an sbatch batch step exports SLURM_LOCALID=0, which the ranks of an mpirun started
+#: inside it inherit, so it is only trusted when no MPI launcher said otherwise.
 LOCAL_RANK_VARS = (
     "LOCAL_RANK",
-    "SLURM_LOCALID",
     "OMPI_COMM_WORLD_LOCAL_RANK",
     "MPI_LOCALRANKID",
     "MV2_COMM_WORLD_LOCAL_RANK",
+    "SLURM_LOCALID",
 )
 #: A node's own address for Prometheus' discovery file: set per node by the launcher script, where one
 #: config file (rank 0's, which every rank runs) cannot hold each node's name.

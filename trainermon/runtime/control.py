@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Any
 
-from trainermon.config import ConfigError, MonitorConfig, parse_config
+from trainermon.config import ConfigError, MonitorConfig, parse_config, read_config_json
 
 logger = logging.getLogger("trainermon")
 #: Seconds a deleted config file may stay away (an editor's delete-and-write) before the monitor says so.
@@ -58,6 +58,36 @@ def update_config_file(path: str, **changes: Any) -> dict:
             os.unlink(tmp)
         raise
     return raw
+
+
+def read_config_or_defer(path: str, dynamic: bool) -> Any:
+    """The config file's JSON (`read_config_json`), or None where it cannot be read on a rank other than 0
+    in dynamic mode: every rank runs rank 0's config, which the first `DynamicControl.poll` (at
+    `set_monitor`) hands it, so with node-local disks only rank 0's node needs the file. Said once; raises
+    `ConfigError` anywhere else (rank 0, static mode, a file that is there but invalid). Cost: one read."""
+    import torch.distributed as dist
+
+    try:
+        return read_config_json(path)
+    except ConfigError as exc:
+        cause = exc.__cause__
+        if not dynamic or not isinstance(cause, OSError):
+            raise
+        if dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank()
+        else:  # made before init_process_group: the launcher's variable (torchrun, mpirun, srun)
+            names = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+            rank = next((int(v) for v in map(os.environ.get, names) if v and v.strip().isdigit()), 0)
+        if rank == 0:
+            raise
+        logger.warning(
+            "trainermon: rank %d cannot read the config file %r (%s); in dynamic mode every rank runs rank "
+            "0's config (only rank 0's copy is read and watched): this rank takes it at set_monitor",
+            rank,
+            path,
+            cause.strerror or cause,
+        )
+        return None
 
 
 def agree_config(raw: Any, group: Any) -> Any:

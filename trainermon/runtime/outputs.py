@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+import socket
 import time
 import uuid
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from trainermon.config import Env, MonitorConfig
@@ -19,8 +20,8 @@ class Outputs:
 
     The `{id}` part is the run id. msprobe draws it on each rank (8 hex digits of a uuid4), so the ranks
     of one job share nothing in their output; here rank 0 draws it and `share` hands it, with rank 0's
-    start time, to every rank at `set_monitor` (one broadcast), so every rank's directory, Parquet rows
-    and Prometheus labels carry the same job-wide id."""
+    start time and UTC offset, to every rank at `set_monitor` (one broadcast), so every rank's directory
+    (whatever its node's timezone), Parquet rows and Prometheus labels carry the same job-wide id."""
 
     def __init__(self, env: Env, rank: int, world_size: int, faults: FaultLog) -> None:
         self.root = env.output_dir
@@ -34,24 +35,29 @@ class Outputs:
         self.unreduced_kind: Callable[[bool], str] = lambda per_micro_batch: "pre_grad"
         self.run_id = uuid.uuid4().hex[:8]
         self._started = int(time.time())
+        # {time} is written in rank 0's local time on every rank (the offset is shared with the id): nodes
+        # whose TZ differs (a UTC container on a local-time host) would otherwise name the job's folders
+        # differently. Fixed for the run, so a renewed folder of a job crossing a DST change matches too.
+        self._utc_offset = int(datetime.fromtimestamp(self._started).astimezone().utcoffset().total_seconds())
         self.run_dir = self._new_dir()
 
     def _new_dir(self) -> str:
-        stamp = datetime.fromtimestamp(self._started).strftime("%b%d_%H-%M-%S")
+        zone = timezone(timedelta(seconds=self._utc_offset))
+        stamp = datetime.fromtimestamp(self._started, tz=zone).strftime("%b%d_%H-%M-%S")
         return os.path.join(self.root, f"{stamp}-rank{self.rank}-{self.run_id}")
 
     def share(self, group: Any) -> None:
         """Collective over `group`, a CPU (gloo) group of every rank (None: not distributed; every rank
-        calls it once, at `set_monitor`): take rank 0's run id and start time, as two integers (never a
-        pickled object over the wire)."""
+        calls it once, at `set_monitor`): take rank 0's run id, start time and UTC offset, as three integers
+        (never a pickled object over the wire)."""
         if group is None:
             return
         import torch
         import torch.distributed as dist
 
-        box = torch.tensor([int(self.run_id, 16), self._started], dtype=torch.int64)
+        box = torch.tensor([int(self.run_id, 16), self._started, self._utc_offset], dtype=torch.int64)
         dist.broadcast(box, src=0, group=group)
-        self.run_id, self._started = f"{int(box[0]):08x}", int(box[1])
+        self.run_id, self._started, self._utc_offset = f"{int(box[0]):08x}", int(box[1]), int(box[2])
         self.run_dir = self._new_dir()
 
     def open(self, config: MonitorConfig) -> list:
@@ -66,7 +72,8 @@ class Outputs:
             self.run_id,
             config,
             self.local_rank,
-            self.coords,
+            # the node this rank ran on, for outputs that have no other record of it (CSV's layout.json)
+            {**self.coords, "host": socket.gethostname()},
             self.unreduced_kind(config.monitor_mbs_grad),
             local_rank_from=self.env.local_rank_from,
             advertise_host=self.env.advertise_host,
@@ -80,8 +87,9 @@ class Outputs:
     def renew(self, config: MonitorConfig, stamp: int | None = None) -> list:
         """A new run directory and sinks for it (new columns or sinks after a config change). The run id
         stays the job's; the time part is `stamp` (rank 0's clock, which `DynamicControl.poll` hands every
-        rank with the config; this rank's clock when None), moved on by at least a second, so the name is
-        new, and the same on every rank (every rank renews at the same step), without a collective."""
+        rank with the config; this rank's clock when None), moved on by at least a second and written with
+        the UTC offset shared at `set_monitor`, so the name is new, and the same on every rank (every rank
+        renews at the same step), without a collective."""
         now = int(time.time()) if stamp is None else stamp
         self._started = max(now, self._started + 1)
         self.run_dir = self._new_dir()

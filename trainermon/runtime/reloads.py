@@ -78,7 +78,7 @@ class ConfigChanges:
             return
         if self.rank == 0:
             logger.info("trainermon: the config file changed since TrainerMon() read it; the new one applies")
-        else:
+        elif getattr(self, "_raw", True) is not None:  # None: this rank had no file of its own (told then)
             differ = [
                 f.name
                 for f in dataclasses.fields(config)
