@@ -184,3 +184,95 @@ def test_three_runs_each_step_from_the_latest_that_wrote_it() -> None:
     assert got == {0: "a", 1: "a", 2: "a", 3: "b", 4: "b", 5: "c", 6: "c", 7: "c", 8: "c"}
     want = {3: ("a", "b"), 4: ("a", "b"), 5: ("a", "c"), 6: ("b", "c")}
     assert replaced.steps == {(FAMILY, 0, s): runs for s, runs in want.items()}
+
+
+# ---- the cross-rank summaries (family xrank, rank 0) after a restart -------------------------------------
+def _xrank_input(rank: int, step: int, restart: bool) -> torch.Tensor:
+    seed = 10 * step + rank + (100 if restart else 0)  # the restart trains its steps 4-5 on other data
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(seed))
+    if not restart and step == 5 and rank == 1:
+        x[0, 0] = float("nan")  # the crash: a NaN input on rank 1 at step 5
+    return x
+
+
+def _xrank_job(rank: int, world_size: int, out: str) -> None:
+    """2 ranks: run A steps 0-5 (NaN on rank 1 at step 5), state saved after step 3; run B, started later
+    into the same directory, resumes from it and redoes steps 4-5 clean."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    os.environ["MONITOR_OUTPUT_DIR"] = out
+    cfg = os.path.join(out, f"cfg{rank}.json")
+    with open(cfg, "w") as fh:
+        json.dump(
+            {
+                "xy_distribution": True,
+                "format": ["csv", "parquet"],
+                "ops": ["norm", "max", "nans"],
+                "xrank_summary": True,
+                "ndigits": 17,
+            },
+            fh,
+        )
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    saved: tuple = ()  # (model, monitor) state before step 4 (SGD without momentum keeps none)
+    for restart in (False, True):
+        mon = TrainerMon(cfg)
+        mon.set_monitor(model, optimizer=opt)
+        if restart:
+            model.load_state_dict(saved[0])
+            mon.load_state_dict(saved[1])
+        for s in range(4, 6) if restart else range(6):
+            if s == 4 and not restart:
+                saved = (copy.deepcopy(model.state_dict()), mon.state_dict())
+            model(_xrank_input(rank, s, restart)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        mon.close()
+        dist.barrier()
+        time.sleep(1.1)  # a CSV rank directory's name has the start to the second: B's is later
+
+
+@pytest.fixture(scope="module")
+def xrank_restarted(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from tests.distributed import run_ranks
+
+    out = str(tmp_path_factory.mktemp("xrank") / "out")
+    import os
+
+    os.makedirs(out)
+    run_ranks(_xrank_job, world_size=2, timeout=400, out=out)
+    return out
+
+
+@pytest.mark.parametrize("how", ["csv-pyarrow", "parquet-pyarrow", "parquet-duckdb", "parquet-spark"])
+def test_restart_xrank_rows_follow_the_latest_run(xrank_restarted: str, how: str) -> None:
+    """The xrank findings read steps 4-5 from the restart only: no first NaN from the crashed run's step 5
+    (the tensor families say none either), one row per (tensor, statistic, step), and the values are the
+    restart's: max/min over ranks of each rank's input norm, computed here from the inputs."""
+    from trainermon.analysis.analyze import analyze
+
+    fmt, engine = how.split("-")
+    if engine != "pyarrow":
+        pytest.importorskip("pyspark" if engine == "spark" else engine)
+    source = open_run(xrank_restarted, prefer=fmt)
+    assert source.kind == fmt
+    a = analyze(source, engine=engine)
+    rows = a.summary.xrank_rows
+    assert a.xrank["first_nonfinite"] is None, a.xrank["first_nonfinite"]
+    assert not len(a.first_nonfinite), a.first_nonfinite  # the tensor families: no NaN either
+    per_step = rows.groupby("step").size().to_dict()
+    assert sorted(per_step) == list(range(6)) and len(set(per_step.values())) == 1, per_step
+    assert int(rows["nans"].fillna(0).sum()) == 0
+    inp = rows[
+        (rows["xrank_family"] == "actv") & (rows["name"] == "0.input") & (rows["xrank_stat"] == "norm")
+    ]
+    assert sorted(inp["step"].tolist()) == list(range(6))
+    for r in inp.itertuples(index=False):
+        norms = [float(_xrank_input(k, int(r.step), int(r.step) >= 4).double().norm()) for k in range(2)]
+        assert math.isclose(float(r.max), max(norms), rel_tol=1e-6), (how, r.step, r.max, norms)
+        assert math.isclose(float(r.min), min(norms), rel_tol=1e-6), (how, r.step, r.min, norms)

@@ -227,7 +227,7 @@ def engine_scan(
         summary.files_read = len({f.path for f in files})
         if xrank and "xrank" in source.families():
             cond = sqlplan.where(None, None, steps, source.run_id)
-            summary.xrank_rows = sess.frame(sqlplan.xrank_sql(cond))
+            summary.xrank_rows = sess.frame(sqlplan.xrank_sql(cond, order))
         if fams:
             cond = sqlplan.where(fams, rank_list, steps, source.run_id)
             _base(sess, stats, cond, order, summary)

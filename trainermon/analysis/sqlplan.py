@@ -78,8 +78,7 @@ def base_select(
     runs: run id -> start position (`runs.run_order`): adds `_run`, for `latest_runs`."""
     cols = ", ".join(f"CAST(s.{st} AS DOUBLE) AS {st}" for st in stats)
     if runs:
-        whens = " ".join(f"WHEN {quote(r)} THEN {int(i)}" for r, i in runs.items() if r is not None)
-        cols += f", CASE s.run_id {whens} ELSE -1 END AS _run"
+        cols += f", {run_case(runs, 's.run_id')} AS _run"
     select = (
         "SELECT s.family, CAST(s.rank AS INT) AS rank, CAST(s.vpp_stage AS INT) AS vpp_stage, "
         "regexp_replace(s.name, '^(module[.])+', '') AS name, CAST(s.step AS BIGINT) AS step, "
@@ -98,6 +97,12 @@ def base_select(
         f"{select}CAST(f._fo AS BIGINT) * 4294967296 + CAST(s._rn AS BIGINT) AS _ord "
         f"FROM src s JOIN files f ON s.family = f._ff AND s._fname = f._fn WHERE {cond}"
     )
+
+
+def run_case(runs: dict, column: str = "run_id") -> str:
+    """`column` (a run id) as its start position in `runs` (`runs.run_order`), -1 for an unknown run."""
+    whens = " ".join(f"WHEN {quote(r)} THEN {int(i)}" for r, i in runs.items() if r is not None)
+    return f"CASE {column} {whens} ELSE -1 END"
 
 
 def latest_runs(raw: str = "raw") -> str:
@@ -249,8 +254,18 @@ XRANK_COLUMNS = (
 )  # fmt: skip
 
 
-def xrank_sql(cond: str) -> str:
-    """The cross-rank summary rows (family `xrank`, rank 0), for `xrank.xrank_findings`."""
+def xrank_sql(cond: str, runs: dict | None = None) -> str:
+    """The cross-rank summary rows (family `xrank`, rank 0), for `xrank.xrank_findings`.
+    runs: run id -> start position (`runs.run_order`): a step several runs wrote is read from the latest
+    (`latest_runs`, as the tensor families), else a restart's crashed run would give the findings."""
     micro = "CAST(micro_step AS INT) AS micro_step"
     cols = ", ".join(micro if c == "micro_step" else c for c in XRANK_COLUMNS)
-    return f"SELECT {cols} FROM src WHERE family = 'xrank' AND {cond}"
+    if not runs:
+        return f"SELECT {cols} FROM src WHERE family = 'xrank' AND {cond}"
+    raw = (
+        f"SELECT family, CAST(rank AS INT) AS rank, {cols}, {run_case(runs)} AS _run FROM src "
+        f"WHERE family = 'xrank' AND {cond}"
+    )
+    return (
+        f"WITH xraw AS ({raw}), xkept AS ({latest_runs('xraw')}) SELECT {', '.join(XRANK_COLUMNS)} FROM xkept"
+    )

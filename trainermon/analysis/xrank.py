@@ -13,7 +13,8 @@ import numpy as np
 import pandas as pd
 
 from .jsonutil import jsonable
-from .source import RunSource, family_order
+from .runs import multi_run, run_order
+from .source import RunSource, SourceFile, family_order
 from .sqlplan import XRANK_COLUMNS
 
 #: Rows listed at the first non-finite step.
@@ -22,10 +23,30 @@ _MODULE = re.compile(r"^(module[.])+")  # the readers drop these wrappers from n
 
 
 def read_xrank(source: RunSource, steps: tuple[int, int] | None = None) -> pd.DataFrame | None:
-    """The run's xrank rows with pyarrow (None when it has none)."""
+    """The run's xrank rows with pyarrow (None when it has none). A step several runs wrote (a restart
+    into the same directory) is read from the latest-started run only, as the tensor families
+    (`runs.py`); costs one read per run then, one boolean mask over the rows (few)."""
     files = source.select(["xrank"], None, steps)
     if not files:
         return None
+    order = run_order(source) if multi_run(files) else {}
+    if not order:
+        return _read_files(source, files, steps)
+    frames = []
+    for rid in dict.fromkeys(f.run_id for f in files):  # file order: tensors keep their first appearance
+        df = _read_files(source, [f for f in files if f.run_id == rid], steps)
+        if df is not None:
+            frames.append(df.assign(_run=order.get(rid, -1)))
+    if not frames:
+        return None
+    df = pd.concat(frames, ignore_index=True)
+    latest = df.groupby("step")["_run"].transform("max")  # xrank is one (family, rank): the key is the step
+    return df[df["_run"] == latest].drop(columns="_run").reset_index(drop=True)
+
+
+def _read_files(
+    source: RunSource, files: list[SourceFile], steps: tuple[int, int] | None
+) -> pd.DataFrame | None:
     if source.kind == "csv":
         return _read_xrank_csv([f.path for f in files], steps)
     if source.kind != "parquet":
