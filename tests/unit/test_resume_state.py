@@ -276,6 +276,30 @@ def test_a_state_through_dcp_loads_and_says_its_rule_history_is_gone(tmp_path, o
         second.close()
 
 
+@pytest.mark.parametrize("rules", [None, [{"rule_name": "AnomalyNan", "args": {}}]])
+def test_a_resume_without_rules_that_remember_says_nothing_of_a_history(tmp_path, out_dir, caplog, rules):
+    """No rule keeps a history (no alert section, or AnomalyNan alone): nothing is lost, nothing said."""
+    import io
+
+    extra = {} if rules is None else {"alert": {"rules": rules, "dump": False}}
+    config = write_config(tmp_path / "c.json", wg_distribution=True, ops=["norm"], **extra)
+    model, opt = _model()
+    first = TrainerMon(config)
+    first.set_monitor(model, optimizer=opt)
+    _run(first, model, opt, range(CUT))
+    buf = io.BytesIO()
+    torch.save(first.state_dict(), buf)
+    first.close()
+    buf.seek(0)
+    second = TrainerMon(config)
+    second.set_monitor(model, optimizer=opt)
+    with caplog.at_level("WARNING", logger="trainermon"):
+        second.load_state_dict(torch.load(buf, weights_only=True))
+    assert second.loop.step == CUT
+    assert "anomaly-rule history" not in caplog.text, caplog.text
+    second.close()
+
+
 def test_a_state_loaded_before_set_monitor_is_kept_as_checked(tmp_path, out_dir):
     """The caller's dict changed between load_state_dict and set_monitor (a checkpoint dict reused): the
     state applied is the one checked. Before: kept by reference, the change skipped the check and failed

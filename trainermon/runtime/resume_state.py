@@ -15,6 +15,11 @@ from typing import Any
 
 logger = logging.getLogger("trainermon")
 STATE_VERSION = 1
+#: Rules that compare against what they saw before (an average or a rolling window): the ones a state
+#: without history makes start over
+_RULES_WITH_HISTORY = frozenset(
+    ("AnomalyTurbulence", "AnomalySpike", "AnomalyUpdateRatio", "AnomalyLogitGrowth")
+)
 
 
 def saved_state(loop: Any) -> dict:
@@ -73,8 +78,11 @@ def restore_state(loop: Any, state: dict) -> None:
         history = state.get("detector")
         if history is not None:
             loop.detector.load_state_dict(history)
-        if int(state["schedule_collected"]) > 0 and not (
-            history and (history.get("avg") or history.get("rolling"))
+        remembers = {rule.name for rule in loop.detector.rules} & _RULES_WITH_HISTORY
+        if (
+            remembers
+            and int(state["schedule_collected"]) > 0
+            and not (history and (history.get("avg") or history.get("rolling")))
         ):
             # torch.distributed.checkpoint plans its load from the new monitor's (empty) history, so it
             # brings none back: say so, rather than let the rules start over unseen
