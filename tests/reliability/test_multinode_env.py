@@ -175,3 +175,19 @@ def test_dynamic_rank0_without_file_still_raises(tmp_path, monkeypatch: pytest.M
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ConfigError, match="cannot be read"):
         TrainerMon(str(tmp_path / "absent.json"))
+
+
+def test_framework_callbacks_leave_a_missing_file_to_rank_0_in_dynamic_mode(tmp_path, monkeypatch):
+    """HF's and Lightning's callbacks read the config at construction; on a node without the file in
+    dynamic mode that read must not fail (TrainerMon() decides at train start, knowing the rank), while
+    static mode still refuses it there."""
+    pytest.importorskip("transformers")
+    from trainermon.config import ConfigError
+    from trainermon.integrations.hf import TrainerMonCallback
+
+    missing = str(tmp_path / "node1" / "cfg.json")
+    monkeypatch.setenv("DYNAMIC_MONITOR", "true")
+    assert TrainerMonCallback(missing) is not None
+    monkeypatch.setenv("DYNAMIC_MONITOR", "false")
+    with pytest.raises(ConfigError, match="cannot be read"):
+        TrainerMonCallback(missing)

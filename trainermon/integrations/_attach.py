@@ -10,15 +10,21 @@ from typing import Any
 
 import torch
 
-from trainermon.config import load_config
+from trainermon.config import ConfigError, load_config, read_env
 
 logger = logging.getLogger("trainermon")
 
 
 def check_config(config_file_path: str | os.PathLike) -> str:
     """Read the config once at the callback's construction, so that a bad one fails there, before
-    training (raises `ConfigError` naming the key)."""
-    load_config(config_file_path)
+    training (raises `ConfigError` naming the key). In dynamic mode a file this node cannot read is left
+    to `TrainerMon()` at train start, when the rank is known: a rank other than 0 then takes rank 0's
+    config (node-local disks), rank 0 raises."""
+    try:
+        load_config(config_file_path)
+    except ConfigError as exc:
+        if not (read_env().dynamic and isinstance(exc.__cause__, OSError)):
+            raise
     return str(config_file_path)
 
 
