@@ -231,7 +231,8 @@ def test_a_real_detector_state_passes_the_check_through_torch_save(tmp_path, out
     assert second.faults.total == 0
 
 
-def test_a_state_through_dcp_loads_and_says_its_rule_history_is_gone(tmp_path, out_dir, caplog):
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_a_state_through_dcp_loads_and_says_its_rule_history_is_gone(tmp_path, out_dir, caplog, order):
     """torch.distributed.checkpoint plans a load from the new monitor's own state_dict, whose rule history
     is empty, so none comes back: the load must work (model and monitor alike) and say so once; the
     torch.save path keeps the history and says nothing."""
@@ -260,6 +261,8 @@ def test_a_state_through_dcp_loads_and_says_its_rule_history_is_gone(tmp_path, o
         again, opt2 = _model()
         second = TrainerMon(config)
         with caplog.at_level("WARNING", logger="trainermon"):
+            if order == "after":  # set_monitor opens the rules' (empty) windows: DCP must not ask for them
+                second.set_monitor(again, optimizer=opt2)
             if via == "dcp":
                 target = {"model": again.state_dict(), "monitor": second}
                 dcp.load(target, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
@@ -267,7 +270,8 @@ def test_a_state_through_dcp_loads_and_says_its_rule_history_is_gone(tmp_path, o
             else:
                 buf.seek(0)
                 second.load_state_dict(torch.load(buf, weights_only=True))
-            second.set_monitor(again, optimizer=opt2)  # the state applies here
+            if order == "before":
+                second.set_monitor(again, optimizer=opt2)  # the state applies here
         assert second.loop.step == CUT
         for (name, p), q in zip(model.named_parameters(), again.parameters()):
             assert torch.equal(p, q) or via == "torch.save", name

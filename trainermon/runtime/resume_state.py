@@ -36,9 +36,22 @@ def saved_state(loop: Any) -> dict:
     # Only a history with entries: torch.distributed.checkpoint plans a load from the new monitor's own
     # state_dict, and an empty (or None) entry there would ask for a key the checkpoint may not have
     history = loop.detector.state_dict() if loop.detector is not None else None
-    if history and any(history.values()):
+    if _has_history(history):
         state["detector"] = history
     return state
+
+
+def _has_history(history: Any) -> bool:
+    """The rules saw values: an average, a window with values, or a count (the windows `set_monitor`
+    opens are empty, and a DCP load template holding them would ask for keys a checkpoint may lack)."""
+    if not isinstance(history, dict):
+        return False
+    rolling = history.get("rolling") or {}
+    return bool(
+        history.get("avg")
+        or any(len(entry[1]) for entry in rolling.values())
+        or any((history.get("counts") or {}).values())
+    )
 
 
 def restore_state(loop: Any, state: dict) -> None:
@@ -79,11 +92,7 @@ def restore_state(loop: Any, state: dict) -> None:
         if history is not None:
             loop.detector.load_state_dict(history)
         remembers = {rule.name for rule in loop.detector.rules} & _RULES_WITH_HISTORY
-        if (
-            remembers
-            and int(state["schedule_collected"]) > 0
-            and not (history and (history.get("avg") or history.get("rolling")))
-        ):
+        if remembers and int(state["schedule_collected"]) > 0 and not _has_history(history):
             # torch.distributed.checkpoint plans its load from the new monitor's (empty) history, so it
             # brings none back: say so, rather than let the rules start over unseen
             logger.warning(
