@@ -103,7 +103,7 @@ class MegatronAdapter(Adapter):
             for buffer in list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", [])):
                 for p in buffer.param_index_map:
                     self._param_dp_group[id(p)] = buffer.data_parallel_group
-        self._instance_copies = instance_copies(self._ddps)
+        self._instance_copies = instance_copies(self._ddps, self.optimizer)
         self.dp_group = context.dp_group
         if self.dp_group is None and self._ddps:
             self.dp_group = getattr(self._ddps[0], "dp_cp_group", None)

@@ -34,11 +34,11 @@ def leaf_optimizers(optimizer: Any) -> list[Any]:
     return [optimizer]
 
 
-def instance_copies(ddps: list[Any]) -> dict[int, tuple[Any, ...]]:
+def instance_copies(ddps: list[Any], optimizer: Any = None) -> dict[int, tuple[Any, ...]]:
     """By parameter id, the groups its optimizer-side values are copied over beyond its buffer's own data-
     parallel group: the inter-instance group of a partial distributed optimizer (DDP config
     `num_distributed_optimizer_instances` > 1), read from the bucket group that all-reduces its gradient
-    shard over it. Empty with one instance. Once per monitor."""
+    shard over it. Empty with one instance. Once per monitor; nothing per step."""
     out: dict[int, tuple[Any, ...]] = {}
     for ddp in ddps:
         groups = list(ddp.bucket_groups) + list(getattr(ddp, "expert_parallel_bucket_groups", []))
@@ -49,7 +49,42 @@ def instance_copies(ddps: list[Any]) -> dict[int, tuple[Any, ...]]:
             for bucket in bucket_group.buckets:
                 for p in bucket.params_list:
                     out[id(p)] = (inter,)
+    _optimizer_instance_copies(optimizer, out)
     return out
+
+
+def _optimizer_instance_copies(optimizer: Any, out: dict[int, tuple[Any, ...]]) -> None:
+    """Adds to `out` the parameters of a partial distributed optimizer that no given DDP wrapper covered
+    (set_monitor got plain modules): parallel_state's inter-instance group, which Megatron builds once for
+    dense and expert parameters alike. Without one, warns: each instance would write the same rows."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    leaves = leaf_optimizers(optimizer) if optimizer is not None else []
+    missing = [
+        p
+        for leaf in leaves
+        if isinstance(leaf, DistributedOptimizer)
+        and getattr(getattr(leaf, "ddp_config", None), "num_distributed_optimizer_instances", 1) > 1
+        for buffer in leaf.buffers
+        for p in buffer.param_index_map
+        if id(p) not in out
+    ]
+    if not missing:
+        return
+    from megatron.core import parallel_state as ps
+
+    getter = getattr(ps, "get_inter_distributed_optimizer_instance_group", None)  # not in older releases
+    inter = None if getter is None else getter(check_initialized=False)
+    if inter is None or inter.size() == 1:
+        logger.warning(
+            "trainermon: a partial distributed optimizer (more than one instance) without Megatron's DDP "
+            "wrappers or parallel_state's inter-instance group: %d parameters' optimizer-side rows may be "
+            "written by each instance",
+            len(missing),
+        )
+        return
+    for p in missing:
+        out[id(p)] = (inter,)
 
 
 @dataclass(frozen=True)

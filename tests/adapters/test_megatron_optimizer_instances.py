@@ -7,7 +7,9 @@ same state. The tiny GPTModel of tests/megatron_gpt.py (dense, and MoE with expe
 exp_avg, exp_avg_sq, param_updated) once over all ranks, with the full tensor's statistics against full
 tensors the test gathers itself (each instance's shards placed by their ranges:
 tests/megatron_gpt_reference.py), and the gradient norm counted once: the rows' sum of squares and the
-monitor's own global norm equal the norm `optimizer.step()` returns.
+monitor's own global norm equal the norm `optimizer.step()` returns. The same when set_monitor gets the
+plain modules inside Megatron's DDP wrappers (the inter-instance group from parallel_state), and a warning
+when neither names it.
 """
 
 from __future__ import annotations
@@ -52,7 +54,30 @@ def _stub_cuda_streams() -> None:
     torch.cuda.current_stream = lambda *a, **k: stream
 
 
-def _train(rank: int, world: int, out_root: str, keys: dict) -> dict:
+def _warnings_without_inter_group(optimizer) -> tuple[list[str], int]:
+    """instance_copies with no DDP wrapper and parallel_state's inter-instance group hidden: its warnings."""
+    import logging
+
+    from megatron.core import parallel_state as ps
+
+    from trainermon.adapters.megatron.optimizer import instance_copies
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("trainermon")
+    getter = ps.get_inter_distributed_optimizer_instance_group
+    ps.get_inter_distributed_optimizer_instance_group = lambda check_initialized=True: None
+    logger.addHandler(handler)
+    try:
+        copies = instance_copies([], optimizer)
+    finally:
+        logger.removeHandler(handler)
+        ps.get_inter_distributed_optimizer_instance_group = getter
+    return records, len(copies)
+
+
+def _train(rank: int, world: int, out_root: str, keys: dict, plain: bool) -> dict:
     from tests.helpers import ref_stats
     from tests.megatron_gpt import Layout, full_optimizer_tensors, setup, train_step
     from trainermon import TrainerMon
@@ -67,7 +92,10 @@ def _train(rank: int, world: int, out_root: str, keys: dict) -> dict:
     layout = Layout(dist_opt=True, instances=2, clip=1e9, **keys)
     model, optimizer = setup(layout)
     monitor = TrainerMon(cfg, params_have_main_grad=True)
-    monitor.set_monitor(model, grad_acc_steps=2, optimizer=optimizer)
+    # plain: the modules inside Megatron's DDP wrappers, which hold the inter-instance group no more
+    monitor.set_monitor(
+        [ddp.module for ddp in model] if plain else model, grad_acc_steps=2, optimizer=optimizer
+    )
     refs: dict[tuple, dict] = {}
     norms, derived = [], []
     for step in range(STEPS):
@@ -81,7 +109,8 @@ def _train(rank: int, world: int, out_root: str, keys: dict) -> dict:
         batch = monitor.last_batch
         derived.append(None if batch is None else batch.derived.global_grad_norm)
     monitor.close()
-    return {"run_dir": monitor.run_dir, "refs": refs, "norms": norms, "derived": derived}
+    warned = _warnings_without_inter_group(optimizer) if plain else None
+    return {"run_dir": monitor.run_dir, "refs": refs, "norms": norms, "derived": derived, "warned": warned}
 
 
 def _close(got: float, want: float, scale: float) -> bool:
@@ -90,9 +119,14 @@ def _close(got: float, want: float, scale: float) -> bool:
 
 
 # dense: DP4 as 2 instances of 2; MoE: expert parallel 2, expert data parallel 2 as 2 instances of 1
-@pytest.mark.parametrize("keys", [{}, {"experts": 4, "ep": 2}], ids=["dense", "moe-ep2"])
-def test_partial_distributed_optimizer_rows_once_and_exact(tmp_path, keys: dict) -> None:
-    results = run_ranks(_train, world_size=4, timeout=600, out_root=str(tmp_path), keys=keys)
+# dense-plain: set_monitor given the modules inside the DDP wrappers
+@pytest.mark.parametrize(
+    ("keys", "plain"),
+    [({}, False), ({"experts": 4, "ep": 2}, False), ({}, True)],
+    ids=["dense", "moe-ep2", "dense-plain"],
+)
+def test_partial_distributed_optimizer_rows_once_and_exact(tmp_path, keys: dict, plain: bool) -> None:
+    results = run_ranks(_train, world_size=4, timeout=600, out_root=str(tmp_path), keys=keys, plain=plain)
     refs = {key: ref for res in results for key, ref in res["refs"].items()}  # experts: their EP ranks'
     # the premise: both instances hold the same full state (rank 2 is the first rank of instance 1)
     for key, ref in refs.items():
@@ -122,3 +156,7 @@ def test_partial_distributed_optimizer_rows_once_and_exact(tmp_path, keys: dict)
         # the global norm on rank 0 (the writer under data parallelism; the job's norm under EP)
         got = results[0]["derived"][step]
         assert got is not None and abs(got - megatron_norm) <= 1e-5 * megatron_norm, (step, got)
+    if plain:  # neither the wrappers nor parallel_state name the group: one warning a rank, no copies
+        for res in results:
+            records, copies = res["warned"]
+            assert copies == 0 and len(records) == 1 and "each instance" in records[0], records
