@@ -23,7 +23,6 @@ import logging
 import os
 import re
 from operator import attrgetter, itemgetter
-from typing import Any
 
 import numpy as np
 
@@ -32,6 +31,7 @@ from trainermon.collect.records import XRANK_COLUMNS, StatBatch
 from trainermon.stats.table import BY_NAME, Kind
 
 from .base import Exporter, RunInfo
+from .row_file import RowFile
 
 logger = logging.getLogger("trainermon")
 
@@ -128,54 +128,9 @@ def _csv_field(text: str) -> str:
     return '"' + text.replace('"', '""') + '"'
 
 
-class _RowFile:
-    """An append-only CSV file that only ever shows whole rows.
-
-    Writes are unbuffered (one `write` per family per step already), and a write that fails part-way
-    (disk full, quota, a file-size limit) cuts the file back to the end of its last complete row before
-    the error goes on, so neither a reader nor a later write ever sees half a row. A new file's `header`
-    goes out with its first rows, in one write, the file opened just before: a process killed between
-    creating a file and its first rows (an empty file, which stopped `analyze`) is now rare, and the
-    readers skip such a file."""
-
-    def __init__(self, path: str, header: str = "") -> None:
-        self._path = path
-        self._fh: Any = None
-        self._size = 0
-        self._header = header.encode("utf-8")
-
-    def write(self, text: str | bytes) -> None:
-        if self._fh is None:
-            self._fh = open(self._path, "ab", buffering=0)  # noqa: SIM115 - kept open across steps
-            self._size = os.fstat(self._fh.fileno()).st_size
-        encoded = text.encode("utf-8") if isinstance(text, str) else text
-        if self._header:
-            encoded = self._header + encoded
-        data = memoryview(encoded)
-        try:
-            while data:
-                data = data[self._fh.write(data) :]
-        except BaseException:
-            os.ftruncate(self._fh.fileno(), self._size)
-            raise
-        self._size += len(encoded)
-        self._header = b""
-
-    def flush(self) -> None:
-        pass  # nothing is buffered
-
-    def gone(self) -> bool:
-        """The file was deleted while open (its run directory removed, say): writes would be lost."""
-        return self._fh is not None and os.fstat(self._fh.fileno()).st_nlink == 0
-
-    def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-
-
 class CsvExporter(Exporter):
     def __init__(self) -> None:
-        self._files: dict[str, tuple[int, _RowFile]] = {}
+        self._files: dict[str, tuple[int, RowFile]] = {}
         # id(row) -> its fixed fields' text (see `_texts`), for the rows of the last step written, which
         # `_alive` holds (so no other object can have their ids)
         self._by_row: dict[int, tuple[str, ...]] = {}
@@ -374,7 +329,7 @@ class CsvExporter(Exporter):
         made[slot] = texts
         return texts
 
-    def _file_for(self, family: str, step: int, with_micro: bool, header: list | None = None) -> _RowFile:
+    def _file_for(self, family: str, step: int, with_micro: bool, header: list | None = None) -> RowFile:
         first = (step // self.per_record) * self.per_record
         path = os.path.join(self.run_dir, f"{family}_{first}-{first + self.per_record - 1}.csv")
         current = self._files.get(family)
@@ -394,7 +349,7 @@ class CsvExporter(Exporter):
         if current is not None:
             current[1].close()
         new = not os.path.exists(path)
-        handle = _RowFile(path, ",".join(header or self.header(with_micro, family)) + "\n" if new else "")
+        handle = RowFile(path, ",".join(header or self.header(with_micro, family)) + "\n" if new else "")
         self._files[family] = (first, handle)
         return handle
 

@@ -74,11 +74,11 @@ def test_a_new_csv_file_appears_with_its_header_and_rows():
     any point leaves no file without its header."""
     import tempfile
 
-    from exporters.csv import _RowFile
+    from exporters.row_file import RowFile
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "actv_0-0.csv")
-        handle = _RowFile(path, "vpp_stage,name,step\n")
+        handle = RowFile(path, "vpp_stage,name,step\n")
         assert not os.path.exists(path) and not handle.gone()  # nothing on disk before rows
         handle.write("0,fc.output,0\n")
         handle.write(b"0,fc.output,1\n")
