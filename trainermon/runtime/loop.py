@@ -165,7 +165,7 @@ class StepLoop(ConfigChanges):
         self.hooked = bool(step_handles)
         self._handles += step_handles
         if self._pending_state is not None:
-            self._restore(self._pending_state)
+            restore_state(self, self._pending_state)
         self._begin()
 
     def subscribe(self, fn: Callable[[MonitorConfig], None]) -> None:
@@ -352,15 +352,11 @@ class StepLoop(ConfigChanges):
             # applied when set_monitor attaches: a copy, as checked (the caller may reuse its dict)
             self._pending_state = copy.deepcopy(state)
             return
-        self._restore(state)
+        restore_state(self, state)
         for probe in self.probes:  # the current step's plan came from the state before the load
             probe.begin(StepPlan(step=self.step))
         self.collector.reset()
         self._begin()
-
-    def _restore(self, state: dict) -> None:
-        restore_state(self, state)
-        self._pending_state = None
 
     # ==== shutdown =====================================================================================
     def close(self) -> None:

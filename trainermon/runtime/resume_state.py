@@ -56,6 +56,7 @@ def _has_history(history: Any) -> bool:
 
 def restore_state(loop: Any, state: dict) -> None:
     """Apply `state` (checked by `check_state`) to an attached `StepLoop`, whose config is final."""
+    loop._pending_state = None  # applied now, whether it came before set_monitor or after
     given = getattr(loop, "start_iteration", 0)  # what set_monitor was given (0: none)
     loop.step = loop.first_step = int(state["step"])  # a resumed run counts its steps from here
     if given not in (0, loop.step):  # start_iteration given, and another step than the state's
