@@ -212,3 +212,17 @@ def test_csv2tensorboard_converts_sgd_momentum(tmp_path, out_dir):
             tag = next(t for t in tags if t.endswith(f":{r.name}/norm"))
             got = {e.step: e.value for e in acc.Scalars(tag)}
             assert got[r.step] == pytest.approx(r.norm, rel=1e-6)  # float32 in the event file
+
+
+@pytest.mark.parametrize("value", ["zero", "0", "-2", "1.5"])
+def test_duckdb_threads_variable_is_checked(monkeypatch, value):
+    """A bad TRAINERMON_DUCKDB_THREADS is an error naming the variable, the value and what is allowed
+    (was a bare int() ValueError, or a DuckDB error for 0)."""
+    pytest.importorskip("duckdb")
+    from trainermon.analysis.engines import _DuckDB
+
+    monkeypatch.setenv("TRAINERMON_DUCKDB_THREADS", value)
+    with pytest.raises(ValueError, match=f"TRAINERMON_DUCKDB_THREADS='{value}'.*positive integer"):
+        _DuckDB()
+    monkeypatch.setenv("TRAINERMON_DUCKDB_THREADS", "1")
+    assert _DuckDB().con.execute("SELECT current_setting('threads')").fetchone()[0] == 1

@@ -77,6 +77,10 @@ class _DuckDB:
         self.con.execute("SET enable_progress_bar = false")
         threads = os.environ.get("TRAINERMON_DUCKDB_THREADS")
         if threads:
+            if not threads.strip().isdigit() or int(threads) < 1:
+                raise ValueError(
+                    f"TRAINERMON_DUCKDB_THREADS={threads!r}: allowed: a positive integer (DuckDB's threads)"
+                )
             self.con.execute(f"SET threads = {int(threads)}")
 
     def register(self, paths: list[str]) -> None:
