@@ -25,7 +25,10 @@ under the keys of its state that hold tensors of the parameter's shape, found in
 some (at `set_monitor` or after its first update).
 When nothing matches, one warning names the optimizer and this list. The keys are decided from the
 optimizer's class and hyperparameters, the same on every rank (sharded rows must line up for the packed
-reduction), except for unknown optimizers found from their state.
+reduction), except for unknown optimizers found from their state; the conditional ones again on each
+collected step from the hyperparameters (add_param_group, load_state_dict change them). Parameter-shaped
+state tensors under other keys are named once in a warning, not written (keys found mid-run from a rank's
+own state could differ between ranks).
 torch's ZeroRedundancyOptimizer: the keys of its local optimizer (`.optim`), from its class only (its
 state is on each parameter's owning rank alone); read by `adapters/zero_redundancy.py`.
 """
@@ -110,14 +113,24 @@ def state_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     return [] if inner is None or inner is optimizer else state_optimizers(inner)
 
 
-def _documented(opt: torch.optim.Optimizer) -> tuple[str, ...] | None:
+def _class_keys(opt: torch.optim.Optimizer) -> tuple[tuple[str, ...], dict] | None:
+    """The keys documented for the optimizer's class (along its MRO) and their hyperparameter conditions."""
     for cls in type(opt).__mro__:
         qualified = (cls.__module__.split(".")[0], cls.__name__)
         keys = QUALIFIED_KEYS.get(qualified, STATE_KEYS.get(cls.__name__))
         if keys is not None:
-            conditions = _QUALIFIED_CONDITIONS.get(qualified, _CONDITIONS)
-            return tuple(k for k in keys if _made(k, conditions, opt.param_groups))
+            return keys, _QUALIFIED_CONDITIONS.get(qualified, _CONDITIONS)
     return None
+
+
+def _select(keys: tuple[str, ...], conditions: dict, groups: list[dict]) -> tuple[str, ...]:
+    """The keys the param groups' hyperparameters allow (a few dict looks per group)."""
+    return tuple(k for k in keys if _made(k, conditions, groups))
+
+
+def _documented(opt: torch.optim.Optimizer) -> tuple[str, ...] | None:
+    found = _class_keys(opt)
+    return None if found is None else _select(*found, opt.param_groups)
 
 
 def _made(key: str, conditions: dict, groups: list[dict]) -> bool:
@@ -140,8 +153,10 @@ def _from_state(opt: torch.optim.Optimizer) -> tuple[str, ...]:
 
 
 class MomentKeys:
-    """The state keys to write for this run's optimizer (`keys`, decided once, or after the first update
-    for an unknown optimizer whose state is still empty); warns once when there are none."""
+    """The state keys to write for this run's optimizer (`keys`: decided at set_monitor, or after the first
+    update for an unknown optimizer whose state is still empty; a documented optimizer's conditional keys
+    decided again when its param groups' hyperparameters change); warns once when there are none, and once
+    per key name for parameter-shaped state tensors it does not write."""
 
     def __init__(self, optimizer: Any) -> None:
         self.optimizers = state_optimizers(optimizer)
@@ -156,6 +171,11 @@ class MomentKeys:
         self.keys: tuple[str, ...] | None = None
         self.warned = False
         self._unchecked: list[torch.optim.Optimizer] = []  # documented: are its keys in its state?
+        # id(optimizer) -> (class keys, conditions): its keys follow its param groups' hyperparameters
+        self._rules: dict[int, tuple[tuple[str, ...], dict]] = {}
+        # id(optimizer) -> key names of its state already looked at (None: no look yet)
+        self._seen: dict[int, set[str]] = {}
+        self._said: set[str] = set()  # extra key names already warned about
         self._decide(after_update=False)
 
     def _decide(self, after_update: bool) -> None:
@@ -164,16 +184,20 @@ class MomentKeys:
             return
         self._of: dict[int, tuple[str, ...]] = {}  # id(optimizer) -> its keys
         self._unchecked = []
+        self._rules = {}
         for opt in self.optimizers:
-            documented = _documented(opt)
-            if documented is None and self.zero:
-                documented = ()  # an undocumented local optimizer: said by warn_if_none
-            elif documented is None:
+            rule = _class_keys(opt)
+            if rule is None and self.zero:
+                documented: tuple[str, ...] = ()  # an undocumented local optimizer: said by warn_if_none
+            elif rule is None:
                 if not opt.state and not after_update:
                     return  # unknown, no state yet: decided after its first update
                 documented = _from_state(opt)
-            elif documented and not self.zero:  # (under ZeRO a rank-local fallback would split the ranks)
-                self._unchecked.append(opt)
+            else:
+                self._rules[id(opt)] = rule
+                documented = _select(*rule, opt.param_groups)
+                if documented and not self.zero:  # (under ZeRO a rank-local fallback would split the ranks)
+                    self._unchecked.append(opt)
             self._of[id(opt)] = documented
         self._join()
 
@@ -181,14 +205,44 @@ class MomentKeys:
         self.keys = tuple(dict.fromkeys(k for keys in self._of.values() for k in keys))
 
     def for_step(self) -> tuple[str, ...]:
-        """The keys to read after this step's update (the first time a documented optimizer has state:
-        one look at it, that its keys are there)."""
+        """The keys to read after this step's update; called on collected steps only. Costs a look at each
+        param group's few conditional hyperparameters and at one parameter's state entry (the first time
+        an optimizer has state, and when that entry shows a new key name: one walk over its whole state)."""
         if self.keys is None:
             self._decide(after_update=True)
             self.warn_if_none()
+        elif self._rules:
+            self._redecide()
         if self._unchecked:
             self._check_documented()
+        if self.keys is not None:
+            self._look_for_extras()
         return self.keys or ()
+
+    def _redecide(self) -> None:
+        """Conditional keys again from the hyperparameters (add_param_group, load_state_dict change them):
+        these are alike on every rank, so sharded rows stay aligned; said once per change."""
+        before = self.keys
+        for opt in self.optimizers:
+            rule = self._rules.get(id(opt))
+            if rule is None:
+                continue
+            keys = _select(*rule, opt.param_groups)
+            old = self._of[id(opt)]
+            if keys != old:
+                self._of[id(opt)] = keys
+                if not old and not self.zero and opt not in self._unchecked:
+                    self._unchecked.append(opt)
+        self._join()
+        if self.keys != before:
+            logger.info(
+                "trainermon: mv_distribution: the param groups of %s changed (add_param_group or "
+                "load_state_dict); its state keys are now %s (were %s)%s",
+                self.name,
+                "/".join(self.keys or ()) or "none",
+                "/".join(before or ()) or "none",
+                "; the warning that it writes nothing no longer holds" if self.warned and self.keys else "",
+            )
 
     def _check_documented(self) -> None:
         for opt in [o for o in self._unchecked if o.state]:
@@ -207,7 +261,34 @@ class MomentKeys:
                 "/".join(found) or "none",
             )
             self._of[id(opt)] = found
+            self._rules.pop(id(opt), None)  # its keys come from its state now, not its class
             self._join()
+
+    def _look_for_extras(self) -> None:
+        """Parameter-shaped state tensors under keys outside `keys`: named once in a warning, not written
+        (adding a key mid-run from one rank's state could differ between ranks and misalign merged rows)."""
+        for opt in self.optimizers:
+            if not opt.state:
+                continue
+            seen = self._seen.get(id(opt))
+            if seen is not None:
+                entry = next(iter(opt.state.values()))
+                if all(k in seen for k in entry):
+                    continue  # the usual collected step: one entry's few key names
+            found = _from_state(opt)
+            self._seen[id(opt)] = (seen or set()) | set(found) | set(next(iter(opt.state.values())))
+            chosen = self._of.get(id(opt), ())
+            extra = [k for k in found if k not in chosen and k not in self._said]
+            if extra:
+                self._said.update(extra)
+                logger.warning(
+                    "trainermon: mv_distribution: the state of %s holds tensors shaped like their parameter "
+                    "under %s, which get no rows (the keys written are %s, fixed so that every rank writes "
+                    "the same ones)",
+                    type(opt).__name__,
+                    "/".join(extra),
+                    "/".join(chosen) or "none",
+                )
 
     def warn_if_none(self) -> None:
         if self.keys == () and not self.warned:
@@ -228,8 +309,10 @@ class MomentKeys:
                 )
             elif not self.optimizers:
                 what = f"no torch optimizer found in {self.name}"
-            else:
-                what = f"{self.name} with these hyperparameters keeps no state to write"
+            elif self._rules:
+                what = f"{self.name} with these hyperparameters keeps no per-parameter state to write"
+            else:  # e.g. LBFGS: its state is flat, under its first parameter
+                what = f"{self.name} keeps no per-parameter state (no state tensor shaped like its parameter)"
             logger.warning(
                 "trainermon: mv_distribution writes nothing: %s. Supported: %s",
                 what,
