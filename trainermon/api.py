@@ -15,6 +15,7 @@ from .config import ConfigError, MonitorConfig, parse_config, read_env
 from .failsafe import FaultLog
 from .inmemory import metric_dict
 from .runtime.control import read_config_or_defer
+from .runtime.growth import ManualGrads
 from .runtime.lifecycle import same_target
 from .runtime.loop import StepLoop
 from .runtime.plan import plan_step
@@ -55,6 +56,7 @@ class TrainerMon:
         self.grad_acc_steps = 1
         self._said_off: set[str] = set()  # in-memory calls whose family is off, warned once each
         self._said: set[str] = set()  # other one-time warnings (ignored arguments, deprecated calls)
+        self._manual = ManualGrads(self.loop.faults)
         # A monitor made in a helper and not kept lives on in its model's hooks (which hold the loop); the
         # loop is flushed at exit, or once its model and optimizer are garbage (`runtime.lifecycle`).
 
@@ -99,10 +101,11 @@ class TrainerMon:
         self.grad_acc_steps = context.grad_acc_steps  # the framework's own count where it has one
         self._replace_older(adapter)
         self.loop.attach(adapter, start_iteration)
+        self._manual.arm(self.loop)
         hooked = (
             describe_chain([o for o in adapter.optimizer_chain if o is not None], adapter.optimizer)
             if self.loop.hooked
-            else "none hooked: call monitor.step() at each step's end"
+            else "none hooked: call monitor.step() after optimizer.step(), before zero_grad()"
         )
         logger.info(
             "trainermon: attached (%s adapter, %d parameters, optimizer %s); output in %s",
@@ -236,40 +239,55 @@ class TrainerMon:
         return metric_dict(batch, family, self.loop.rank, self.config.ops, unreduced)
 
     def step(self) -> None:
-        """Mark the end of a training step by hand, for loops whose optimizer cannot be hooked.
+        """Mark the end of a training step by hand, for loops whose optimizer cannot be hooked: call it after
+        `optimizer.step()` and before `zero_grad()`.
 
-        Collects the optimizer-side families from the current gradients, state and parameters, then ends
-        the step. Ignored (with one warning) when the optimizer's own step advances the monitor."""
-        if self.loop.closed:  # nothing to write to, and the model is released
+        Collects the gradients, the optimizer's state and the updated parameters, then ends the step; not
+        param_origin nor update (both need the parameters before the update; said once). Ignored (with one
+        warning) when the optimizer's own step advances the monitor. Costs on other steps: a few flag
+        checks; on collected ones see `runtime.growth.ManualGrads`."""
+        loop = self.loop
+        if loop.closed:  # nothing to write to, and the model is released
             return
-        if self.loop.hooked:
+        if loop.hooked:
             if not getattr(self, "_warned_manual_step", False):
                 self._warned_manual_step = True
                 logger.warning("trainermon: step() ignored: the optimizer's own step hooks advance the step")
             return
-        self._check_manual_step()
-        self.loop.manual_step()
+        # read at a clipping already: those rows stand, whatever zero_grad() did since
+        gone = self._manual.gone(judge=not loop._grads_read)  # noqa: SLF001
+        self._check_manual_step(gone)
+        loop.manual_step(grads=gone is None)
+        self._manual.arm(loop)
 
-    def _check_manual_step(self) -> None:
-        """What `step()` cannot see, said once: the parameters before the update (it runs after it), and
-        gradients already cleared (`zero_grad()` before `step()`). A parameter scan on collected steps
-        only, until said."""
+    def _check_manual_step(self, gone: str | None) -> None:
+        """What `step()` cannot give, said once: param_origin and update (it runs after the update), and
+        gradients cleared since the last backward (`zero_grad()` before `step()`). A parameter scan on
+        collected steps only, until said, when the gradient watch could not tell."""
         config, loop = self.config, self.loop
-        if (config.param_distribution or config.update_distribution) and self._once("manual params"):
+        if "manual params" not in self._said and (config.param_distribution or config.update_distribution):
+            self._once("manual params")
+            missing = ["param_origin"] * config.param_distribution + ["update"] * config.update_distribution
             logger.warning(
-                "trainermon: step() runs after your update: param_origin holds the updated parameters and "
-                "update is 0; hook the optimizer (set_monitor(optimizer=...)) for the values before it"
+                "trainermon: step() runs after your update, when the parameters before it are gone "
+                "(param_origin holds the updated parameters there, update 0): no %s rows in this mode; "
+                "param_updated is read at step(). Pass the optimizer to set_monitor (a torch optimizer's "
+                "step is hooked) for them",
+                " or ".join(missing),
             )
         if not (config.wg_distribution and loop.plan.collecting) or "manual grads" in self._said:
             return
-        if loop.adapter is not None and all(
-            p.grad is None for r in loop.adapter.roots() for p in r.parameters()
-        ):
+        if gone is None and loop.adapter is not None and not loop._grads_read:  # noqa: SLF001
+            if all(p.grad is None for r in loop.adapter.roots() for p in r.parameters()):
+                gone = "none"
+        if gone is not None:
             self._once("manual grads")
             logger.warning(
-                "trainermon: step() at step %d found no gradients (zero_grad() before step()?): no gradient "
-                "rows; call step() after the update and before zero_grad()",
+                "trainermon: step() at step %d found no gradients of the last backward (%s: zero_grad() "
+                "before step()?): no gradient rows at such steps (said once); call step() after "
+                "optimizer.step() and before zero_grad()",
                 loop.step,
+                "set to None" if gone == "none" else "zeroed in place",
             )
 
     def flush(self, timeout: float | None = 60.0) -> None:
@@ -289,6 +307,7 @@ class TrainerMon:
         is closed at exit, or once its model and optimizer are garbage. A closed monitor holds neither its
         model nor its optimizer (no hook of its stays on them); its read-only views and the last step's
         in-memory metrics still answer; `step()` does nothing."""
+        self._manual.gone(judge=False)  # its hook off the model
         self.loop.close()
 
     def state_dict(self) -> dict:
@@ -303,6 +322,8 @@ class TrainerMon:
         """Continue from a saved `state_dict` (before or after `set_monitor`; collective in dynamic mode
         when after). The step counter continues from the saved step."""
         self.loop.load_state_dict(state)
+        self._manual.gone(judge=False)
+        self._manual.arm(self.loop)  # for the restored step's plan
 
     # ---- read-only views -------------------------------------------------------------------------
     @property

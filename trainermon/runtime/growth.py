@@ -1,16 +1,26 @@
-"""Parameters that become trainable after `set_monitor`: unfrozen (`requires_grad_(True)`) or handed to
-the optimizer later with `add_param_group`. At each collected step's boundary the adapter is asked for
-them (a count of flags, a rescan only when it changed); new ones join the selection under the config's
-targets, with one log line. They are looked for again when the step's gradients are read (`grads_final`),
-so a parameter unfrozen during an iteration has its rows from that iteration's step on. Under DDP they
-have no pre-reduce tap (DDP itself only reduces the parameters that were trainable when it was built)."""
+"""What a step's boundary checks of the parameters. Parameters that become trainable after `set_monitor`:
+unfrozen (`requires_grad_(True)`) or handed to the optimizer later with `add_param_group`. At each
+collected step's boundary the adapter is asked for them (a count of flags and its identity checks, a
+rescan only when either changed); new ones join the selection under the config's targets, with one log
+line. When the step's gradients are read (`grads_final`) the count alone is taken again, and the adapter
+asked only when it changed or a parameter was set on a module since the boundary (torch's global
+registration hook): a parameter unfrozen or replaced during an iteration has its rows from that
+iteration's step on. Under DDP new ones have no pre-reduce tap (DDP itself only reduces the parameters
+that were trainable when it was built).
+
+In manual mode (`TrainerMon.step()`), whether the gradients are still the last backward's (`ManualGrads`)."""
 
 from __future__ import annotations
 
 import logging
+from typing import Any
+
+import torch
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from trainermon.config import MonitorConfig
 
+from .lifecycle import weak_global_hook, weak_method
 from .plan import StepPlan
 from .probes.base import Probe
 from .selection import select_params
@@ -26,6 +36,7 @@ class NewParamsProbe(Probe):
     def __init__(self, loop) -> None:
         super().__init__(loop)
         self.targets = TargetCheck()
+        self.registered = False  # a parameter was registered on a module since this step's boundary
 
     def configure(self, config: MonitorConfig) -> None:
         try:
@@ -34,10 +45,25 @@ class NewParamsProbe(Probe):
         except Exception as exc:  # noqa: BLE001 - a diagnostic never stops set_monitor or a reload
             self.loop.faults.record("target check", exc)
 
+    def attach(self) -> list[Any]:
+        # a parameter set on a module (`m.w = nn.Parameter(...)`, a LoRA merge) after a step's boundary:
+        # one Python call per registration (model building; none in a plain training step)
+        return [weak_global_hook(register_module_parameter_registration_hook, self._registered)]
+
+    def _registered(self, *_args: Any) -> None:
+        self.registered = True
+
     def begin(self, plan: StepPlan) -> None:
+        self.registered = False
         self._refresh(plan)
 
     def grads_final(self, plan: StepPlan) -> None:
+        # Between begin and here: flags and add_param_group (an unfreeze during the iteration), counted, or
+        # a parameter registered on a module; else not the adapter's identity walk of every slot again.
+        adapter = self.loop.adapter
+        count = getattr(adapter, "_trainable_mark", None)
+        if plan.scheduled and count is not None and not self.registered and count() == adapter._mark:
+            return
         self._refresh(plan)
 
     def _refresh(self, plan: StepPlan) -> None:
@@ -56,3 +82,61 @@ class NewParamsProbe(Probe):
                 len(names),
                 ", ".join(names[:8]) + (" ..." if len(names) > 8 else ""),
             )
+
+
+class ManualGrads:
+    """Manual mode (`TrainerMon.step()`): whether the gradients a step() reads are still the last
+    backward's. Armed on collected steps with weight gradients only (nothing on other steps): a
+    post-accumulate-grad hook on the first selected parameter (one Python call per backward) notes its
+    gradient's identity and in-place version once the backward is over (a callback queued behind the
+    engine's own, so a DDP reduce is in it). At step(): None there (`zero_grad(set_to_none=True)`), or
+    written since (`zero_grad(set_to_none=False)`, a loss scaler's unscale_, an update writing into it)
+    and then all zeros (one host read, that case only: a device sync on an accelerator) is cleared."""
+
+    def __init__(self, faults: Any) -> None:
+        self.faults = faults
+        self.param: Any = None  # held while armed only
+        self.handle: Any = None
+        self.stamp: tuple | None = None  # (id, version) of its gradient after the last backward
+        self.queued = False
+
+    def arm(self, loop: Any) -> None:
+        """At a collected step's boundary (after set_monitor, each step(), a state load); else a flag test."""
+        if self.handle is not None or not loop.plan.grads or loop.hooked or loop.closed:
+            return
+        try:
+            self.param = next((mp.param for mp in loop.selection.params if mp.param.requires_grad), None)
+            if self.param is not None:
+                self.stamp, self.queued = None, False
+                self.handle = self.param.register_post_accumulate_grad_hook(weak_method(self._backward))
+        except Exception as exc:  # noqa: BLE001 - unarmed: the step reads the gradients as they are
+            self.param = self.handle = None
+            self.faults.record("manual gradient watch", exc)
+
+    def _backward(self, _param: Any) -> None:
+        if not self.queued:
+            self.queued = True
+            engine = torch.autograd.Variable._execution_engine
+            engine.queue_callback(lambda: engine.queue_callback(self._done))  # after DDP's own callback
+
+    def _done(self) -> None:
+        self.queued = False
+        grad = None if self.param is None else self.param.grad
+        self.stamp = None if grad is None else (id(grad), grad._version)
+
+    def gone(self, judge: bool = True) -> str | None:
+        """Disarm; with `judge`, "none" or "zeros" when the gradients were cleared after the last backward,
+        else None (as it left them, changed but not zeros, or nothing to tell: no backward reached it)."""
+        param, handle, stamp = self.param, self.handle, self.stamp
+        self.param = self.handle = self.stamp = None
+        if handle is None:
+            return None
+        try:
+            handle.remove()
+            grad = param.grad
+            if not judge or stamp is None or (grad is not None and (id(grad), grad._version) == stamp):
+                return None
+            return "none" if grad is None else None if bool(grad.detach().any()) else "zeros"
+        except Exception as exc:  # noqa: BLE001 - the step reads the gradients as they are
+            self.faults.record("manual gradient watch", exc)
+            return None

@@ -283,9 +283,12 @@ class StepLoop(ConfigChanges):
                 self.faults.record("begin step", exc)
                 self.plan = StepPlan(step=self.step)
 
-    def manual_step(self) -> None:
-        """The step boundary for loops whose optimizer is not hooked (`TrainerMon.step()`)."""
-        self.on_pre_optim()
+    def manual_step(self, grads: bool = True) -> None:
+        """The step boundary for loops whose optimizer is not hooked (`TrainerMon.step()`, after the update):
+        no pre-step (param_origin, update: the parameters before the update are gone). `grads`: False when
+        the gradients were cleared since the backward (no rows rather than zeros)."""
+        if grads and self.plan.scheduled:
+            self.on_grads_final()
         self.on_post_optim(StepScalars())
 
     def _each(self, method: str, where: str) -> None:
