@@ -14,6 +14,7 @@ from trainermon.copies import CopySafe
 from trainermon.failsafe import FaultLog
 
 from .base import StepEvents
+from .state_init import late, maybe, state_init_step, watch
 from .wrapped import hookable, nested_step
 
 logger = logging.getLogger("trainermon")
@@ -205,6 +206,8 @@ def _pre_hook(events: StepEvents) -> Callable[..., Any]:
     pre = torch.compiler.disable(events.pre)  # the closure runs inside a compiled step() too
 
     def hook(optimizer: Any, args: tuple, kwargs: dict) -> Any:
+        if (maybe[0] or (late[0] and not optimizer.state)) and state_init_step(optimizer):
+            return None  # DCP making the state of a fresh optimizer (lr 0): no training step
         if nested_step(optimizer):
             return None  # the outer step()'s hook fired the event (and wrapped the closure) already
         wrapped = with_wrapped_closure(args, kwargs, lambda closure: _after_closure(closure, pre))
@@ -223,7 +226,7 @@ def _post_hook(events: StepEvents) -> Callable[..., None]:
     `update_skipped`, read by the worker (no host sync here)."""
 
     def hook(optimizer: Any, args: tuple, kwargs: dict) -> None:
-        if not nested_step(optimizer):
+        if not nested_step(optimizer) and not (maybe[0] and state_init_step(optimizer, end=True)):
             found_inf = getattr(optimizer, "found_inf", None)
             fused = isinstance(found_inf, torch.Tensor) and getattr(
                 optimizer, "_step_supports_amp_scaling", False
@@ -235,13 +238,15 @@ def _post_hook(events: StepEvents) -> Callable[..., None]:
 
 def hook_optimizer_step(optimizer: Any, events: StepEvents) -> list[Any]:
     """Fire `events` around this optimizer instance's `step()`: torch's step hooks where the optimizer
-    has them, else a wrapper of this instance's `step` (a framework optimizer)."""
+    has them, else a wrapper of this instance's `step` (a framework optimizer). The steps torch's
+    distributed checkpoint runs to make a fresh optimizer's state fire none (`state_init`)."""
     if hookable(optimizer):
         # Never traced: under a compiled step() dynamo traced the events (torch 2.11: a guard assertion,
         # only step 0 written) and `nested_step`'s stack walk (a warning per compile)
         return [
             optimizer.register_step_pre_hook(CopySafe(torch.compiler.disable(_pre_hook(events)))),
             optimizer.register_step_post_hook(CopySafe(torch.compiler.disable(_post_hook(events)))),
+            watch(),
         ]
     if callable(getattr(optimizer, "step", None)):
         original = optimizer.step
@@ -255,6 +260,26 @@ def hook_optimizer_step(optimizer: Any, events: StepEvents) -> list[Any]:
         optimizer.step = patched = CopySafe(step, original)
         return [Restore(optimizer, "step", patched)]
     raise TypeError(f"trainermon: optimizer {type(optimizer).__name__} has no step() to hook")
+
+
+def amp_grad_scale(optimizer: Any) -> torch.Tensor | None:
+    """The loss scale still in the gradients, which the optimizer's own kernel divides out: a fused
+    optimizer (`_step_supports_amp_scaling`) stepped by a GradScaler that did not `unscale_` it (the
+    scaler set `optimizer.grad_scale` for that step and left `.grad` scaled); else None. After
+    `scaler.unscale_` the scaler leaves `grad_scale` None. Costs two attribute reads, no host sync."""
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return None
+    scale = getattr(optimizer, "grad_scale", None)
+    return scale if isinstance(scale, torch.Tensor) else None
+
+
+def unscaled_grads(optimizer: Any, grads: list[Any]) -> list[Any]:
+    """`grads` as the optimizer applies them: divided by `amp_grad_scale` on their device when it is set
+    (a temporary copy of each, in its dtype, on collected steps only), else `grads` themselves."""
+    scale = amp_grad_scale(optimizer)
+    if scale is None:
+        return grads
+    return [None if g is None else g / scale.to(g.device, non_blocking=True) for g in grads]
 
 
 def state_value(optimizer: Any, param: torch.Tensor, key: str) -> torch.Tensor | None:

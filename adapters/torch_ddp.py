@@ -35,7 +35,7 @@ from trainermon.names import clean_name
 from trainermon.runtime.clip_watch import torch_clip_entries
 
 from .base import GRAD_REDUCED, GRAD_UNREDUCED, PARAM, Adapter, AdapterContext, MonitoredParam
-from .common import hook_optimizer_step, is_wrapper, state_values, unwrap
+from .common import hook_optimizer_step, is_wrapper, state_values, unscaled_grads, unwrap
 from .ddp_find import ddp_among_wrappers
 from .ddp_taps import DdpReduceTaps
 from .dtensor import (
@@ -172,7 +172,8 @@ class TorchAdapter(DdpReduceTaps, Adapter):
                 "trainermon: %d trainable parameters are not in the monitored optimizer (%s%s): their "
                 "grad_*/param_origin/param_updated rows are read around that optimizer's step (the "
                 "gradients they hold then), not the one that updates them, and they have no "
-                "optimizer-state rows",
+                "optimizer-state rows while they are not in it (parameters added to it later with "
+                "add_param_group are followed from that step on)",
                 len(outside),
                 ", ".join(outside[:5]),
                 ", ..." if len(outside) > 5 else "",
@@ -251,8 +252,9 @@ class TorchAdapter(DdpReduceTaps, Adapter):
 
     # ---- reads --------------------------------------------------------------------------------
     def read(self, kind: str, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
-        if kind == GRAD_UNREDUCED:
-            return [None if mp.param.grad is None else self._own(mp.param.grad) for mp in params]
+        if kind == GRAD_UNREDUCED:  # read at the step (as grad_reduced): unscaled as the optimizer sees it
+            grads = unscaled_grads(self.optimizer, [mp.param.grad for mp in params])
+            return [None if g is None else self._own(g) for g in grads]
         if self._zero is not None and kind not in (GRAD_REDUCED, PARAM):
             return self._zero.read(params, kind)
         tensors = self._tensors(kind, params)
@@ -280,8 +282,8 @@ class TorchAdapter(DdpReduceTaps, Adapter):
         return self._replica, self._tensors(kind, params)
 
     def _tensors(self, kind: str, params: Sequence[MonitoredParam]) -> list[torch.Tensor | None]:
-        if kind == GRAD_REDUCED:
-            return [mp.param.grad for mp in params]
+        if kind == GRAD_REDUCED:  # a fused optimizer's loss scale is divided out in its kernel: here too
+            return unscaled_grads(self.optimizer, [mp.param.grad for mp in params])
         if kind == PARAM:
             return [mp.param.data for mp in params]
         return state_values(self.optimizer, [mp.param for mp in params], kind)

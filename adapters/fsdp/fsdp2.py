@@ -34,6 +34,7 @@ from ..common import (
     hook_optimizer_step,
     shard_groups,
     state_values,
+    unscaled_grads,
     unwrap,
     wrapper_types,
 )
@@ -294,7 +295,8 @@ class Fsdp2Adapter(Adapter):
 
     def read(self, kind: str, params: Sequence[MonitoredParam]) -> list[TensorPiece | None]:
         if kind == GRAD_REDUCED:  # Partial gradients (sequence parallelism's norms) reduced together
-            grads = reduce_partials([mp.param.grad for mp in params])
+            # a fused optimizer's loss scale (GradScaler without unscale_) is divided out as its kernel does
+            grads = unscaled_grads(self.optimizer, reduce_partials([mp.param.grad for mp in params]))
             return [self._piece(mp, g) for mp, g in zip(params, grads)]
         if kind == PARAM:
             return [self._piece(mp, mp.param.detach()) for mp in params]

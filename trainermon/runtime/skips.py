@@ -59,14 +59,15 @@ from typing import Any
 
 import torch
 from torch.nn.parameter import is_lazy
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from trainermon.adapters.common import Handles, Restore, with_wrapped_closure
+from trainermon.adapters.state_init import late, maybe, state_init_step
 from trainermon.adapters.wrapped import _STEP_WRAPPER, hookable, nested_step
 from trainermon.collect.records import StepScalars
 from trainermon.copies import CopySafe
 
-from .lifecycle import weak_global_hook, weak_method
+from .global_hooks import global_step_hooks
+from .lifecycle import weak_method
 from .plan import StepPlan
 from .probes.base import Probe
 from .scaler_watch import ScalerWatch
@@ -106,6 +107,8 @@ class SkippedStepProbe(SkipEvidence, Probe):
         self.ours_stepped = False  # the monitored optimizer's step() began once
         self.said_foreign = False
         self.holders: Any = weakref.WeakKeyDictionary()  # optimizer -> (its group count, holds ours)
+        # id(optimizer) -> (weakref to it, its group count): another optimizer holding none of ours
+        self.idle: dict[int, tuple[Any, int]] = {}
 
     def attach(self) -> list[Any]:
         adapter = self.loop.adapter
@@ -126,10 +129,7 @@ class SkippedStepProbe(SkipEvidence, Probe):
             mark = torch.compiler.disable(self._mark_closure)  # never traced: see hook_optimizer_step
             handles.append(optimizer.register_step_pre_hook(CopySafe(mark)))
             # Global pre-hooks run before any instance's: a step() whose own hooks raise still began
-            # Weakly: torch's global registry must not keep a monitor dropped without close() alive
-            disable = torch.compiler.disable
-            handles.append(weak_global_hook(register_optimizer_step_pre_hook, self._began, disable))
-            handles.append(weak_global_hook(register_optimizer_step_post_hook, self._ended, disable))
+            handles += global_step_hooks(self)
             if callable(getattr(optimizer, "_optimizer_step_code", None)):
                 handles.append(self._patch_updated(optimizer))
         handles.append(ScalerWatch(self))
@@ -202,12 +202,13 @@ class SkippedStepProbe(SkipEvidence, Probe):
         return with_wrapped_closure(args, kwargs, marked)
 
     def _began(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
-        """Global step pre-hook (every optimizer's step, one Python call): ours began. Or an optimizer
+        """Global step pre-hook: ours began (not DCP making its state: `state_init`). Or an optimizer
         that shares its very `param_groups` list (SAM's `base_optimizer`, stepped by `second_step()`
         without the monitored SAM's `step()`) steps them outside ours: that is this optimizer's step."""
         target = getattr(self.loop.adapter, "optimizer", None)
         if optimizer is target:
-            self.attempted = self.ours_stepped = True
+            if not ((maybe[0] or (late[0] and not optimizer.state)) and state_init_step(optimizer)):
+                self.attempted = self.ours_stepped = True
         elif (
             getattr(optimizer, "param_groups", None) is getattr(target, "param_groups", False)
             and not self.attempted
@@ -239,6 +240,8 @@ class SkippedStepProbe(SkipEvidence, Probe):
                 ids = {id(mp.param) for mp in self.loop.adapter.parameters()}
                 held = sum(id(p) in ids for g in groups for p in g["params"])
                 self.holders[optimizer] = known = (len(groups), held)
+                if not held and groups is not getattr(self.loop.adapter.optimizer, "param_groups", None):
+                    self._idle(optimizer)
             if not known[1] or nested_step(optimizer):
                 return
             self.foreign += 1
@@ -259,6 +262,12 @@ class SkippedStepProbe(SkipEvidence, Probe):
             self.said_foreign = True
             self.loop.faults.record("foreign optimizer check", exc)
 
+    def _idle(self, optimizer: Any) -> None:
+        """`optimizer` holds no monitored parameter: its later steps cost one call (`global_step_hooks`)
+        while its group count stays; the entry goes with it."""
+        key, idle = id(optimizer), self.idle
+        idle[key] = (weakref.ref(optimizer, lambda _ref: idle.pop(key, None)), len(optimizer.param_groups))
+
     def _ended(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
         """Global step post-hook: the end of a step `_began` took as ours."""
         if optimizer is self.proxy and not nested_step(optimizer):
@@ -274,7 +283,8 @@ class SkippedStepProbe(SkipEvidence, Probe):
         original = optimizer._optimizer_step_code
 
         def step_code() -> Any:
-            self.updated = True
+            if not (maybe[0] and state_init_step(optimizer)):
+                self.updated = True
             return original()
 
         optimizer._optimizer_step_code = patched = CopySafe(step_code, original)
