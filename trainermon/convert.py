@@ -148,9 +148,10 @@ def convert(
     A part holds whole steps and at most `rows_per_part` rows, unless one step alone has more (as the
     exporter's parts, a step is never split). Parts that an earlier conversion wrote for the same family,
     rank and run id are removed once the new ones are complete (`Written.replaced`): converting a run
-    again, as it goes on, never duplicates rows, and a crash mid-way never loses them. Refused before
-    anything is written (ValueError): two directories of one rank and run id, and an OUT holding the
-    Parquet exporter's own parts of the run."""
+    again, as it goes on, never duplicates rows, and a crash mid-way never loses them. The directories of
+    one rank and run id (a dynamic reload renews it) are joined in step order. Refused before anything is
+    written (ValueError): a step of a family in two directories of one rank and run id, and an OUT
+    holding the Parquet exporter's own parts of the run."""
     csv_dir, out = os.fspath(csv_dir), os.fspath(out)
     if not os.path.isdir(csv_dir):
         raise FileNotFoundError(f"trainermon convert: {csv_dir!r} is not a directory")
@@ -179,21 +180,27 @@ def convert(
 
 def _plan(groups: dict[str, list[tuple[str, str]]], out: str) -> list[tuple[tuple, list[str], list[str]]]:
     """[(group, its CSV paths in step order, its earlier converted parts)], refusing what a conversion
-    would break: two directories of one (rank, run id) (their parts would replace each other), and
-    parts of the run that `convert` did not write (the Parquet exporter's own, in its dataset)."""
-    plan, seen = [], {}
-    for directory, files in sorted(groups.items()):
+    would break: one step of a family in two directories of one (rank, run id), two id-less directories
+    of one rank (`a/rank0`, `b/rank0`: their parts would replace each other), and parts of the run that
+    `convert` did not write (the Parquet exporter's own, in its dataset). The directories of one rank and
+    run id (a dynamic reload that changes the columns or the sinks opens a new one) are one group."""
+    runs: dict[tuple[int, str], list[str]] = defaultdict(list)
+    for directory in sorted(groups):
         rank, run_id = _rank_and_run(directory)
-        other = seen.setdefault((rank, run_id), directory)
-        if other != directory:
+        if runs[(rank, run_id)] and not _has_run_id(directory):
             raise ValueError(
-                f"trainermon convert: {other!r} and {directory!r} are both rank {rank} of run {run_id!r}; "
-                "allowed: one directory per rank and run (convert them into separate OUTs)"
+                f"trainermon convert: {runs[(rank, run_id)][0]!r} and {directory!r} are both rank {rank} of "
+                f"run {run_id!r}; allowed: one directory per rank and run (convert them into separate OUTs)"
             )
-        by_family: dict[str, list[str]] = defaultdict(list)
-        for family, path in files:  # already in step order
-            by_family[family].append(path)
-        for family, paths in sorted(by_family.items()):
+        runs[(rank, run_id)].append(directory)
+    plan = []
+    for (rank, run_id), directories in sorted(runs.items()):
+        by_family: dict[str, list[tuple[str, str]]] = defaultdict(list)
+        for directory in directories:
+            for family, path in groups[directory]:  # already in step order within a directory
+                by_family[family].append((directory, path))
+        for family, found in sorted(by_family.items()):
+            paths = [p for _, p in found] if len(directories) == 1 else _step_order(family, rank, found)
             group = (out, family, rank, run_id)
             earlier = _group_parts(group)
             foreign = [p for p in earlier if not _converted(p)]
@@ -205,6 +212,36 @@ def _plan(groups: dict[str, list[tuple[str, str]]], out: str) -> list[tuple[tupl
                 )
             plan.append((group, paths, earlier))
     return plan
+
+
+def _has_run_id(directory: str) -> bool:
+    match = RANK_DIR.search(os.path.basename(os.path.normpath(directory)))
+    return match is not None and bool(match.group("id"))
+
+
+def _step_order(family: str, rank: int, found: list[tuple[str, str]]) -> list[str]:
+    """One family's files from several directories of one run, in step order. Files are named by step
+    bucket, so two directories share a name when a reload fell inside a bucket: only those files are read
+    (their steps), and a step in both is refused, naming both directories."""
+    matches = [(FILE.match(os.path.basename(p)), d, p) for d, p in found]  # all match (find_csv_files)
+    entries = [(int(m.group("first")), int(m.group("last")), d, p) for m, d, p in matches if m is not None]
+    first_step: dict[str, int] = {}
+    for i, (lo, hi, directory, path) in enumerate(entries):
+        for lo2, hi2, directory2, path2 in entries[i + 1 :]:
+            if directory2 == directory or lo2 > hi or hi2 < lo:
+                continue
+            steps, steps2 = ({int(r["step"]) for r in _read_csv(p)} for p in (path, path2))
+            both = steps & steps2
+            if both:
+                raise ValueError(
+                    f"trainermon convert: {directory!r} and {directory2!r} both hold step {min(both)} of "
+                    f"{family} for rank {rank} of one run; allowed: each step of a rank and run in one "
+                    "directory (convert them into separate OUTs)"
+                )
+            for p, s in ((path, steps), (path2, steps2)):
+                first_step[p] = min(s, default=lo)
+    entries.sort(key=lambda e: (e[0], first_step.get(e[3], e[0]), e[1]))
+    return [path for _lo, _hi, _directory, path in entries]
 
 
 def _converted(path: str) -> bool:

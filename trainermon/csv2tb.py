@@ -4,9 +4,11 @@ times (trainermon's or msprobe's) as TensorBoard event files laid out and tagged
 (`trainermon convert --to tensorboard` writes the TensorBoard sink's tags instead.)
 
 Run directories are `{time}-rank{R}-...` under `monitor_path`, `{time}` as `Nov27_09-06-49`; the times
-given select them, both ends included. Where msprobe keeps an arbitrary one of several runs of one rank in
-the range, this takes the latest and names the others in a warning; where it writes an empty output for a
-range with no run, this raises.
+given select them, both ends included. The directories of one rank and run id (a dynamic reload that
+changes the columns or the sinks opens a new one) are one run, read in time order; directories without
+CSV are skipped. Where msprobe keeps an arbitrary one of several runs (run ids) of one rank in the range,
+this takes the latest and names the others in a warning; where it writes an empty output for a range with
+no run, this raises.
 
 `to_tensorboard` is `trainermon convert --to tensorboard`: the TensorBoard sink's tags, one event-file
 directory per rank directory."""
@@ -25,6 +27,7 @@ from datetime import datetime
 from typing import Any
 
 from trainermon.collect.family_columns import FAMILY_COLUMNS
+from trainermon.exporters.csv_files import FILE
 from trainermon.exporters.parquet_files import STATS
 
 from .convert import Written, _columns, _layout, _make_out, _number, _rank_and_run, _read_csv, find_csv_files
@@ -87,7 +90,7 @@ def csv2tensorboard_by_step(
         output_dirpath = os.path.join(monitor_path, f"{now}-csv2tensorboard_by_step")
     out = os.fspath(output_dirpath)
     os.makedirs(out, exist_ok=True)
-    tasks = [(rank, path, families, out) for rank, path in sorted(runs.items())]
+    tasks = [(rank, paths, families, out) for rank, paths in sorted(runs.items())]
     written: set[str] = set()
     workers = min(process_num, len(tasks))
     if workers > 1 and threading.active_count() > 1:
@@ -118,10 +121,13 @@ def csv2tensorboard_by_step(
     return out
 
 
-def run_directories(monitor_path: str, start: datetime | None, end: datetime | None) -> dict[int, str]:
-    """{rank: run directory} of the runs within [start, end]: the latest run of a rank, with a warning
-    naming the others."""
-    found: dict[int, list[tuple[datetime, str]]] = defaultdict(list)
+def run_directories(monitor_path: str, start: datetime | None, end: datetime | None) -> dict[int, list[str]]:
+    """{rank: its run's directories in time order} within [start, end]. A dynamic reload that changes the
+    columns or the sinks opens a new directory of the same run id: all of them are the run. Of several
+    run ids of a rank, the latest-started wins, with a warning naming the others (as msprobe's converter
+    keeps one). Directories without a CSV file (prometheus.json/parquet.json pointers) are skipped.
+    Costs one listing per directory."""
+    found: dict[int, dict[str, list[tuple[datetime, str]]]] = defaultdict(lambda: defaultdict(list))
     for name in sorted(os.listdir(monitor_path)):
         match = _RUN_DIR.match(name)
         path = os.path.join(monitor_path, name)
@@ -131,36 +137,48 @@ def run_directories(monitor_path: str, start: datetime | None, end: datetime | N
         if when is None:
             logger.warning("trainermon: csv2tensorboard_by_step: no run time in the name %s: skipped", name)
             continue
-        if (start is None or when >= start) and (end is None or when <= end):
-            found[int(match.group(2))].append((when, path))
+        if (start is None or when >= start) and (end is None or when <= end) and _has_csv(path):
+            rank, run_id = _rank_and_run(path)
+            found[int(match.group(2))][run_id].append((when, path))
     chosen = {}
-    for rank, runs in found.items():
-        runs.sort()
-        chosen[rank] = runs[-1][1]
+    for rank, by_run in found.items():
+        for dirs in by_run.values():
+            dirs.sort()
+        # a run starts at its first directory; a tie (one second) goes to the one that wrote last
+        runs = sorted(by_run.values(), key=lambda dirs: (dirs[0][0], dirs[-1][0], dirs[-1][1]))
+        chosen[rank] = [path for _, path in runs[-1]]
         if len(runs) > 1:
             logger.warning(
                 "trainermon: csv2tensorboard_by_step: rank %d has %d runs in the range; "
                 "converting the latest (%s), not %s",
                 rank,
                 len(runs),
-                os.path.basename(runs[-1][1]),
-                [os.path.basename(p) for _, p in runs[:-1]],
+                [os.path.basename(p) for p in chosen[rank]],
+                [os.path.basename(p) for dirs in runs[:-1] for _, p in dirs],
             )
     return chosen
 
 
-def convert_rank(rank: int, directory: str, families: tuple[str, ...], out: str) -> list[str]:
-    """One rank directory: one event-file directory per family with rows (an earlier one replaced);
-    returns the families written."""
+def _has_csv(directory: str) -> bool:
+    return any(FILE.match(name) for name in os.listdir(directory))
+
+
+def convert_rank(rank: int, directories: list[str] | str, families: tuple[str, ...], out: str) -> list[str]:
+    """One rank's run directories (in time order: a step two of them hold is taken from the later one,
+    warned): one event-file directory per family with rows (an earlier one replaced); returns the
+    families written."""
     from torch.utils.tensorboard import SummaryWriter
 
-    files = os.listdir(directory)
+    directories = [directories] if isinstance(directories, str) else directories
     written = []
     for family in families:
         pattern = re.compile(rf"{re.escape(family)}_\d+-\d+\.csv")
         series: dict[str, dict[int, list[tuple[str, float]]]] = defaultdict(dict)
-        for name in sorted(f for f in files if pattern.fullmatch(f)):
-            _read_family(os.path.join(directory, name), series)
+        for directory in directories:
+            own: dict[str, dict[int, list[tuple[str, float]]]] = defaultdict(dict)
+            for name in sorted(f for f in os.listdir(directory) if pattern.fullmatch(f)):
+                _read_family(os.path.join(directory, name), own)
+            _merge(series, own, directory)
         if not series:
             continue
         target = os.path.join(out, f"rank{rank}", family)
@@ -177,6 +195,22 @@ def convert_rank(rank: int, directory: str, families: tuple[str, ...], out: str)
             writer.close()
         written.append(family)
     return written
+
+
+def _merge(series: dict, own: dict, directory: str) -> None:
+    """Add one directory's rows to `series`; the steps of one run's directories are disjoint (a reload
+    starts the new directory at the next collected step), so a step in both is said, the later kept."""
+    again = 0
+    for tag, steps in own.items():
+        again += sum(step in series[tag] for step in steps)
+        series[tag].update(steps)
+    if again:
+        logger.warning(
+            "trainermon: csv2tensorboard_by_step: %s: %d (tag, step) pairs an earlier directory of the run "
+            "holds too; this directory's values are written",
+            directory,
+            again,
+        )
 
 
 def _read_family(path: str, series: dict[str, dict[int, list[tuple[str, float]]]]) -> None:

@@ -9,9 +9,10 @@ A RUN is any of (detected in this order):
 - a directory with CSV output, trainermon's or msprobe's (the same layout:
   `{time}-rank{R}-{id}/{family}_{first}-{last}.csv`, at any depth).
 
-`prefer="csv"` reads the CSV files of a directory that holds both. Rows come as `Batch` objects of at
-most `batch_size` rows, one file at a time, in a deterministic order: by family, then by rank (numeric),
-then by step range. Family, rank and step-range filters choose files before any is opened; the step
+`prefer="csv"` reads the CSV files of a directory that holds both; "auto" reads the Parquet dataset and the
+CSV rows of its run at steps it lacks (a format switched mid-run: `mixed.py`). Rows come as `Batch`
+objects of at most `batch_size` rows, one file at a time, in a deterministic order: by family, then by rank
+(numeric), then by step range. Family, rank and step-range filters choose files before any is opened; the step
 filter and the column projection are pushed into `pyarrow.dataset` (Parquet) and applied per block
 (CSV). Nothing reads a whole dataset into memory.
 """
@@ -86,6 +87,8 @@ class RunSource:
     files: list[SourceFile]
     run_id: str | None = None
     notes: list[str] = field(default_factory=list)
+    #: Parts (temporary) of this run's CSV rows at steps the dataset lacks (`mixed.py`); read with `files`.
+    csv_steps: list[SourceFile] = field(default_factory=list)
 
     # ---- what is there ----------------------------------------------------------------------------
     def families(self) -> list[str]:
@@ -123,7 +126,8 @@ class RunSource:
         fam = None if families is None else set(families)
         rk = None if ranks is None else {int(r) for r in ranks}
         out = []
-        for f in self.files:
+        every = self.files if not self.csv_steps else sorted(self.files + self.csv_steps, key=_file_order)
+        for f in every:
             if fam is not None and f.family not in fam:
                 continue
             if rk is not None and f.rank not in rk:
@@ -183,8 +187,10 @@ def open_run(path: str | os.PathLike, prefer: str = "auto", run_id: str | None =
                 source = RunSource(path, "parquet", root, files, wanted_run)
                 _note_mixed_runs(source)
                 _note_missing_ranks(source)
-                if prefer == "auto":
-                    _note_csv_beside(source, _csv_files(path, run_id))
+                if prefer == "auto":  # CSV steps of the run the dataset lacks (mixed.py)
+                    from .mixed import add_csv_steps
+
+                    add_csv_steps(source, _csv_files(path, run_id))
                 return source
         if prefer == "parquet":
             _missing_run_id(path, run_id, root, csv=False)
@@ -263,8 +269,12 @@ def _parquet_files(root: str, run_id: str | None) -> list[SourceFile]:
                 if run_id is not None and rid is not None and rid != run_id:
                     continue
                 out.append(SourceFile(family, int(value), entry.path, rid, first, last, entry.stat().st_size))
-    out.sort(key=lambda f: (family_order(f.family), f.family, f.rank, os.path.basename(f.path)))
+    out.sort(key=_file_order)
     return out
+
+
+def _file_order(f: SourceFile) -> tuple:
+    return (family_order(f.family), f.family, f.rank, os.path.basename(f.path))
 
 
 def _csv_files(path: str, run_id: str | None) -> list[SourceFile]:
@@ -324,58 +334,6 @@ def _looks_msprobe(path: str) -> bool:
     name_at = header.index("name") if "name" in header else 1
     cells = first.split(",")
     return len(cells) > name_at and VPP_PREFIX.match(cells[name_at]) is not None
-
-
-def _note_csv_beside(source: RunSource, csv_files: list) -> None:
-    """Auto mode reads the Parquet dataset; CSV files of ranks or families it lacks (a format switched
-    between restarts) would be left out without a word."""
-    have = {(f.family, f.rank) for f in source.files}
-    left = sorted({(f.family, f.rank) for f in csv_files} - have)
-    if left:
-        ranks = sorted({rank for _family, rank in left})
-        source.notes.append(
-            f"CSV files hold {len(left)} (family, rank) pairs that the Parquet dataset lacks (ranks "
-            f"{ranks[:10]}): they are not read; pass --format csv to read the CSV files instead"
-        )
-    _note_csv_later(source, [f for f in csv_files if (f.family, f.rank) in have])
-
-
-def _note_csv_later(source: RunSource, csv_files: list) -> None:
-    """CSV written beside Parquet is flushed step by step, a Parquet part only when it is full: a job
-    killed (or still running) has later steps in CSV only. Name them, and how to read them."""
-    pq_last = max((f.last_step for f in source.files if f.last_step is not None), default=None)
-    if pq_last is None:
-        return
-    runs = {f.run_id for f in source.files}  # another job's CSV in a reused output directory is not late
-    later = [
-        f
-        for f in csv_files
-        if f.last_step is not None and f.last_step > pq_last and (None in runs or f.run_id in runs)
-    ]
-    last = max((_csv_last_step(f.path) for f in later), default=None)
-    if last is None or last <= pq_last:
-        return
-    source.notes.append(
-        f"CSV files beside the Parquet dataset hold later steps {pq_last + 1}-{last} (the Parquet dataset "
-        f"ends at step {pq_last}: a job stopped or still running); they are not read; pass --format csv "
-        "to read them"
-    )
-
-
-def _csv_last_step(path: str) -> int | None:
-    """The step of a CSV file's last complete row (its name gives the range it was opened for)."""
-    header = _read_header(path)
-    if "step" not in header:
-        return None
-    at = header.index("step")
-    with open(path, "rb") as fh:
-        fh.seek(max(0, os.path.getsize(path) - 65_536))
-        lines = fh.read().decode("utf-8", "replace").splitlines()
-    for line in reversed(lines[1:] if len(lines) > 1 else lines):
-        cells = line.split(",")  # step comes before the quoted shape column: a plain split finds it
-        if len(cells) > at and cells[at].strip().isdigit():
-            return int(cells[at])
-    return None
 
 
 def _note_missing_ranks(source: RunSource) -> None:
