@@ -70,7 +70,7 @@ class ActivationProbe(Probe):
         self._two_paths: list[Any] = []  # this step's written.TwoPaths, released at the next step's begin
         self._taps: Any = None  # graph_taps.TapSites once the hooks are pinned where the tap operators exist
         self._hooked: dict[int, HookedModule] = {}  # module id -> its hooks' state, once hooked
-        self._said_eval = self._said_nograd = False
+        self._said_nograd: set[bool] = set()  # the modes (training or not) a no-grad pass was said in
         self._first: list[Any] = []  # the one-shot root hooks of a collected step (`_first_forward`)
         self._tree = ModuleTree()  # the module tree the selection was made on (model surgery: `_reselect`)
 
@@ -291,11 +291,8 @@ class ActivationProbe(Probe):
 
     def _evaluation_pass(self, name: str, training: bool = False) -> None:
         """Said once per mode: a forward without grad outside one begun with grad (no rows, no micro-step)."""
-        if not (self._said_nograd if training else self._said_eval):
-            self._said_nograd, self._said_eval = (
-                self._said_nograd or training,
-                self._said_eval or not training,
-            )
+        if training not in self._said_nograd:
+            self._said_nograd.add(training)
             logger.info(
                 "trainermon: %s ran in %s mode without grad, outside a forward begun with grad (%s): such "
                 "forwards get no actv rows and do not count as micro-batches of the training step",
