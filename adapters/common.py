@@ -98,9 +98,16 @@ class Restore:
             del self.obj.__dict__[self.name]
 
 
+#: Calls of a step's closure after its first now running (LBFGS evaluates the loss several times in one
+#: `step(closure)`): their reduces are that step's by design, not a double reduce. A count, not per thread:
+#: autograd runs the reduce hooks on its own device threads.
+CLOSURE_RERUNS = [0]
+
+
 class OncePerStep:
     """Parameter indices already reported this step; warns once per run when a framework reduces the same
-    gradients twice in a step (gradient accumulation without its no-sync mode)."""
+    gradients twice in a step (gradient accumulation without its no-sync mode), but not from a closure's
+    later calls inside one `step(closure)` (`CLOSURE_RERUNS`)."""
 
     def __init__(self, what: str) -> None:
         self.what = what
@@ -111,7 +118,7 @@ class OncePerStep:
         """The indices not reported yet this step (and marks them reported)."""
         indices = list(indices)
         new = [i for i in indices if i not in self.seen]
-        if len(new) < len(indices) and not self._warned:
+        if len(new) < len(indices) and not self._warned and not CLOSURE_RERUNS[0]:
             self._warned = True
             logger.warning(
                 "trainermon: %s reduced gradients more than once in one step (gradient accumulation "
@@ -175,10 +182,17 @@ def guarded(faults: FaultLog, where: str, fn: Callable[..., Any]) -> Callable[..
 
 
 def _after_closure(closure: Callable[[], Any], pre: Callable[[], None]) -> Callable[[], Any]:
-    """`closure` that fires `pre` once, after its first call: the gradients exist only then."""
+    """`closure` that fires `pre` once, after its first call: the gradients exist only then. Its later calls
+    run counted in `CLOSURE_RERUNS` (two integer updates a call)."""
     fired = [False]
 
     def call() -> Any:
+        if fired[0]:
+            CLOSURE_RERUNS[0] += 1
+            try:
+                return closure()
+            finally:
+                CLOSURE_RERUNS[0] -= 1
         loss = closure()
         if not fired[0]:
             fired[0] = True

@@ -53,6 +53,7 @@ class ZeroRedundancyState:
         self.placement = Sharded(self.group)
         self.rank = int(optimizer.rank)
         self._agreed = AgreedRows()
+        self._groups = len(optimizer.param_groups)
         self._said = False
         if self.group is not None and dist.get_world_size(self.group) < dist.get_world_size():
             # Its copies over the other ranks are not known here: each group's rank 0 writes its rows.
@@ -66,10 +67,16 @@ class ZeroRedundancyState:
     def read(self, params: Sequence[Any], key: str) -> list[TensorPiece | None]:
         """One piece per monitored parameter (`MonitoredParam`s, the same on every rank) of state `key`:
         the whole state tensor on its owner, an empty piece elsewhere, None where no rank holds it.
-        Costs, per collected step and key: two dict lookups per parameter, and `AgreedRows`'
-        all-reduce of one int32 per parameter on the reads its schedule picks while some parameter has
-        no state on any rank (the first read of each key, then 1, 2, 4, ... up to every 64th)."""
+        Costs, per collected step and key: a len() of the param groups, two dict lookups per parameter,
+        and `AgreedRows`' all-reduce of one int32 per parameter on the reads its schedule picks while some
+        parameter has no state on any rank (the first read of each key, then 1, 2, 4, ... up to every 64th,
+        and the first read after an add_param_group)."""
         zro = self.optimizer
+        if len(zro.param_groups) != self._groups:
+            # add_param_group (the same on every rank): ask about every parameter without state afresh,
+            # so the added ones have rows from their first state on, not after the back-off's gap
+            self._groups = len(zro.param_groups)
+            self._agreed = AgreedRows()
         owners = zro._param_to_rank  # private: {param: rank in the group}, cached by ZeRO
         state = zro.optim.state
         values: list[torch.Tensor | None] = []
@@ -83,7 +90,8 @@ class ZeroRedundancyState:
             self._said = True
             logger.warning(
                 "trainermon: mv_distribution: some monitored parameters are not in the "
-                "ZeroRedundancyOptimizer; they have no optimizer-state rows"
+                "ZeroRedundancyOptimizer; they have no optimizer-state rows while they are not in it "
+                "(parameters added later with add_param_group have rows from their first state on)"
             )
         device = zro._default_device
         held = self._agreed.state(

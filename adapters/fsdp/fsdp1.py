@@ -26,11 +26,13 @@ from ..base import GRAD_REDUCED, GRAD_UNREDUCED, PARAM, Adapter, AdapterContext,
 from ..common import (
     AgreedRows,
     OncePerStep,
+    amp_grad_scale,
     any_over_ranks,
     guarded,
     hook_optimizer_step,
     shard_groups,
     state_values,
+    unscaled_grads,
     unwrap,
     wrapper_types,
 )
@@ -309,6 +311,11 @@ class Fsdp1Adapter(Adapter):
                 out.append(TensorPiece.whole(mp.param.grad, LOCAL))
             else:
                 out.append(self._piece(mp, s.flat.grad, s.orig.grad if s.orig is not None else None))
+        if amp_grad_scale(self.optimizer) is not None:
+            # a fused optimizer stepped by a (Sharded)GradScaler without unscale_ divides the loss scale out
+            # in its kernel: here too, on each piece (a copy of this rank's slice, collected steps only)
+            grads = unscaled_grads(self.optimizer, [None if p is None else p.tensor for p in out])
+            out = [None if p is None else p._replace(tensor=g) for p, g in zip(out, grads)]
         return out
 
     def _optimizer_state(self, params: Sequence[MonitoredParam], key: str) -> list[TensorPiece | None]:

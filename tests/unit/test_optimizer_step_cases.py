@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import logging
 import os
 import sys
 from pathlib import Path
@@ -269,3 +270,197 @@ def test_fsdp2_dcp_resume_on_two_ranks(tmp_path, fused_scaler):
         for (fam, name, step), ref in refs.items():
             if fam == family:
                 _check(rows, family, name, step, ref)
+
+
+class _Said(logging.Handler):
+    """The trainermon logger's messages, kept."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _ddp_closure_or_double(rank: int, world: int, out_dir: str, variant: str) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from trainermon import TrainerMon
+
+    torch.set_num_threads(1)
+    cfg = os.path.join(out_dir, "cfg.json")
+    if rank == 0:
+        write_config(Path(cfg), **CONFIG)
+    torch.distributed.barrier()
+    os.environ["MONITOR_OUTPUT_DIR"] = os.path.join(out_dir, "out")
+    said = _Said()
+    logging.getLogger("trainermon").addHandler(said)
+    net = _net()
+    model = DDP(net)
+    lbfgs = variant == "lbfgs"
+    opt = (
+        torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3)
+        if lbfgs
+        else torch.optim.SGD(model.parameters(), lr=1e-2)
+    )
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(model, grad_acc_steps=1, optimizer=opt)
+    refs: dict = {}
+    for step in range(2):
+        x, y = _batch(10 * step + rank)
+        # this rank's gradient before DDP's all-reduce, on a copy (the first closure call's, under LBFGS)
+        plain = copy.deepcopy(net)
+        local = torch.autograd.grad((plain(x) - y).pow(2).mean(), list(plain.parameters()))
+        refs[step] = {n: _stats(g) for (n, _), g in zip(net.named_parameters(), local)}
+        if lbfgs:
+
+            def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+                opt.zero_grad()
+                loss = (model(x) - y).pow(2).mean()
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+        else:  # two backwards, both reduced by DDP (no no_sync), before one step: a real double reduce
+            opt.zero_grad()
+            (model(x) - y).pow(2).mean().backward()
+            (model(x) - y).pow(2).mean().backward()
+            opt.step()
+    faults = monitor.faults.total
+    monitor.close()
+    logging.getLogger("trainermon").removeHandler(said)
+    return {"run_dir": monitor.run_dir, "refs": refs, "faults": faults, "said": said.messages}
+
+
+@pytest.mark.parametrize("variant", ["lbfgs", "double-reduce"])
+def test_ddp_closure_reruns_are_no_double_reduce(tmp_path, variant):
+    """LBFGS under DDP reduces once per closure call: no "reduced more than once" warning, and the
+    grad_unreduced rows are each rank's first closure's gradient. Two backwards before one step still warn."""
+    from tests.distributed import run_ranks
+
+    results = run_ranks(_ddp_closure_or_double, 2, out_dir=str(tmp_path), variant=variant)
+    for result in results:
+        assert result["faults"] == 0
+        double = [m for m in result["said"] if "more than once in one step" in m]
+        assert len(double) == (0 if variant == "lbfgs" else 1), result["said"]
+        rows = keyed(read_family(result["run_dir"], "grad_unreduced"))
+        assert {s for _, s, _ in rows} == {0, 1}
+        for step, named in result["refs"].items():
+            for name, ref in named.items():
+                _check(rows, "grad_unreduced", name, step, ref)
+
+
+def _fsdp1_fused_scaler(rank: int, world: int, out_dir: str, use_orig_params: bool) -> dict:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from trainermon import TrainerMon
+
+    torch.set_num_threads(1)
+    cfg = os.path.join(out_dir, "cfg.json")
+    if rank == 0:
+        write_config(Path(cfg), **CONFIG)
+    torch.distributed.barrier()
+    os.environ["MONITOR_OUTPUT_DIR"] = os.path.join(out_dir, "out")
+    model = FSDP(_net(), use_orig_params=use_orig_params, device_id=torch.device("cpu"))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**10)
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(model, grad_acc_steps=1, optimizer=opt)
+    refs: dict = {}
+    plain = _net()
+    for step in range(3):
+        with FSDP.summon_full_params(model):  # the full parameters, into a plain copy
+            plain.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()})
+        # the reduced gradient: the mean over the ranks of each rank's unscaled gradient
+        grads = [
+            torch.autograd.grad(_plain_loss(plain, 10 * step + r), list(plain.parameters()))
+            for r in range(world)
+        ]
+        refs[step] = {
+            n: _stats(sum(g[i] for g in grads) / world) for i, (n, _) in enumerate(plain.named_parameters())
+        }
+        opt.zero_grad()
+        scaler.scale(_plain_loss(model, 10 * step + rank)).backward()
+        scaler.step(opt)
+        scaler.update()
+    scale = scaler.get_scale()
+    faults = monitor.faults.total
+    monitor.close()
+    return {"run_dir": monitor.run_dir, "refs": refs, "faults": faults, "scale": scale}
+
+
+def _plain_loss(model: nn.Module, seed: int) -> torch.Tensor:
+    x, y = _batch(seed)
+    return (model(x) - y).pow(2).mean()
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig-params"])
+def test_fsdp1_fused_adam_sharded_grad_scaler_writes_unscaled_gradients(tmp_path, use_orig_params):
+    from tests.distributed import run_ranks
+
+    r0, r1 = run_ranks(_fsdp1_fused_scaler, 2, out_dir=str(tmp_path), use_orig_params=use_orig_params)
+    assert r0["faults"] == 0 and r1["faults"] == 0
+    assert r0["scale"] == 2.0**10  # no overflow: every step updated with the scale in the gradients
+    rows = keyed(read_family(r0["run_dir"], "grad_reduced"))
+    assert {s for _, s, _ in rows} == {0, 1, 2}
+    for step, named in r0["refs"].items():
+        for name, ref in named.items():
+            _check(rows, "grad_reduced", name, step, ref)
+
+
+def _zero_added_group(rank: int, world: int, out_dir: str) -> dict:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from trainermon import TrainerMon
+
+    torch.set_num_threads(1)
+    cfg = os.path.join(out_dir, "cfg.json")
+    if rank == 0:
+        write_config(Path(cfg), **CONFIG)
+    torch.distributed.barrier()
+    os.environ["MONITOR_OUTPUT_DIR"] = os.path.join(out_dir, "out")
+    said = _Said()
+    logging.getLogger("trainermon").addHandler(said)
+    net = _net()
+    model = DDP(net)
+    first = [p for n, p in net.named_parameters() if n.startswith("0.")]
+    opt = ZeroRedundancyOptimizer(first, optimizer_class=torch.optim.Adam, lr=1e-2)
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(model, grad_acc_steps=1, optimizer=opt)
+    added_at = 4  # after the rows' agreement schedule has backed off (reads 0, 1, 3, then 7)
+    moments: dict[str, torch.Tensor] = {}  # Adam's exp_avg, kept here from the reduced gradients
+    refs: dict = {}
+    for step in range(6):
+        if step == added_at:
+            opt.add_param_group({"params": [p for n, p in net.named_parameters() if n.startswith("2.")]})
+        opt.zero_grad()
+        x, y = _batch(10 * step + rank)
+        (model(x) - y).pow(2).mean().backward()
+        opt.step()
+        for n, p in net.named_parameters():
+            if n.startswith("0.") or step >= added_at:
+                moments[n] = 0.9 * moments.get(n, torch.zeros_like(p)) + 0.1 * p.grad
+                refs[(n, step)] = _stats(moments[n])
+    faults = monitor.faults.total
+    monitor.close()
+    logging.getLogger("trainermon").removeHandler(said)
+    return {"run_dir": monitor.run_dir, "refs": refs, "faults": faults, "said": said.messages}
+
+
+def test_zero_redundancy_add_param_group_rows_from_the_first_state_on(tmp_path):
+    """Parameters given to a ZeroRedundancyOptimizer by add_param_group after the rows' agreement backed
+    off have exp_avg rows from their first update on (values: Adam's exp_avg from the reduced gradients)."""
+    from tests.distributed import run_ranks
+
+    r0, r1 = run_ranks(_zero_added_group, 2, out_dir=str(tmp_path))
+    assert r0["faults"] == 0 and r1["faults"] == 0
+    rows = keyed(read_family(r0["run_dir"], "exp_avg"))
+    assert read_family(r1["run_dir"], "exp_avg") == []
+    assert {(n, s) for n, s, _ in rows} == set(r0["refs"])
+    for (name, step), ref in r0["refs"].items():
+        _check(rows, "exp_avg", name, step, ref)
+    said = [m for m in r0["said"] if "not in the ZeroRedundancyOptimizer" in m]
+    assert len(said) == 1 and "add_param_group" in said[0], r0["said"]
