@@ -371,3 +371,48 @@ def test_spark_engine_checked(spark):
     assert "spark" in ENGINES
     # the module's one session is reused, not started again per scan
     assert engines.session("spark", spark).spark is engines.session("spark", spark).spark
+
+
+def test_every_engine_reads_csv_steps_beside_the_dataset(tmp_path, out_dir, dynamic_mode, spark):
+    """A dynamic run switched csv -> parquet -> csv (CSV steps 0-2 and 6-9, Parquet 3-5): every engine reads
+    the 10 steps with the same findings (Spark refused the CSV steps' temporary parts, outside the dataset's
+    basePath), and the temporary parts are removed once the analysis is dropped, not at exit."""
+    import gc
+    import glob
+
+    import pandas as pd
+
+    from tests.unit.dynamic_common import BASE, _train, _wait_dirty
+    from trainermon.analysis import analyze
+    from trainermon.runtime.control import update_config_file
+
+    cfg = str(tmp_path / "cfg.json")
+    with open(cfg, "w") as fh:
+        json.dump({**BASE, "dynamic_on": True, "format": "csv", "write_interval_s": 0}, fh)
+
+    def edit(**changes):
+        return lambda monitor: (update_config_file(cfg, **changes), _wait_dirty(monitor))
+
+    _train(cfg, 10, {2: edit(format="parquet"), 5: edit(format="csv", ops=["norm", "max"])})
+    csv_rows = pd.concat([pd.read_csv(p) for p in glob.glob(f"{out_dir}/*-rank0-*/grad_reduced_*.csv")])
+    pq_rows = ds.dataset(f"{out_dir}/parquet/family=grad_reduced").to_table(["step", "norm"]).to_pandas()
+    rows = pd.concat([csv_rows[["step", "norm"]], pq_rows])
+    assert sorted(set(csv_rows["step"])) == [0, 1, 2, 6, 7, 8, 9] and sorted(set(pq_rows["step"])) == [
+        3,
+        4,
+        5,
+    ]
+    expect = np.sqrt((rows["norm"] ** 2).groupby(rows["step"]).sum().to_numpy())
+    found, roots = {}, set()
+    for e in ENGINES:
+        a = analyze(str(out_dir), engine=e, spark_master=spark, progress=False)
+        assert a.summary.source.kind == "parquet" and a.summary.source.csv_steps, e
+        roots |= {p.path.rsplit("/family=", 1)[0] for p in a.summary.source.csv_steps}
+        np.testing.assert_allclose(a.global_norm.to_numpy(), expect, rtol=RTOL)
+        found[e] = _findings(a)
+        assert found[e]["steps"] == {"first": 0, "last": 9, "count": 10}, e
+        del a
+        gc.collect()
+    for e in ENGINES[1:]:
+        _close(found["pyarrow"], found[e], e)
+    assert len(roots) == len(ENGINES) and not [r for r in roots if os.path.exists(r)], roots

@@ -131,8 +131,21 @@ class _Spark:
         self.spark = session
 
     def register(self, paths: list[str], base: str) -> None:
-        df = self.spark.read.option("basePath", base).option("mergeSchema", "true").parquet(*paths)
-        df = df.selectExpr("*", "_metadata.file_path AS _fname", "_metadata.row_index AS _rn")
+        """One read per dataset root (Spark's basePath must lie above every path): the dataset's parts and
+        the temporary parts of CSV steps beside it (`mixed.py`, in a root of their own) are read apart and
+        unioned by name. Costs one file listing per root."""
+        roots: dict[str, list[str]] = {}
+        for path in paths:
+            roots.setdefault(_dataset_root(path, base), []).append(path)
+        df = None
+        for root, group in roots.items():
+            part = self.spark.read.option("basePath", root).option("mergeSchema", "true").parquet(*group)
+            fname = "_metadata.file_path"
+            if len(roots) > 1:  # files sort by _fname: lead with the file's name, as `source.select` sorts
+                fname = f"concat(regexp_extract({fname}, '[^/]*$', 0), '|', {fname})"  # path: unique
+            part = part.selectExpr("*", f"{fname} AS _fname", "_metadata.row_index AS _rn")
+            df = part if df is None else df.unionByName(part, allowMissingColumns=True)
+        assert df is not None, "no paths to register"
         df.createOrReplaceTempView("src")
 
     def view(self, name: str, sql: str) -> None:
@@ -181,6 +194,16 @@ def open_url(url: str, sess: Any, run_id: str | None = None) -> RunSource:
         raise FileNotFoundError(f"no trainermon Parquet dataset rows at {url!r}")
     files.sort(key=lambda f: (family_order(f.family), f.family, f.rank))
     return RunSource(url, "parquet", url, files, run_id)
+
+
+def _dataset_root(path: str, base: str) -> str:
+    """The dataset root holding part file `path`: `base` when under it, else the folder above its
+    `family=` folder (a temporary part of CSV steps, `mixed.py`)."""
+    if path.startswith(base.rstrip("/") + "/"):
+        return base
+    parts = path.split("/")
+    at = max((i for i, p in enumerate(parts) if p.startswith("family=")), default=0)
+    return "/".join(parts[:at]) if at > 0 else base
 
 
 def _register(sess: Any, paths: list[str], base: str) -> None:

@@ -4,16 +4,17 @@ One run can hold steps in both formats: a dynamic reload that switches `format` 
 writes each phase's steps in that phase's format only, and a job stopped before a Parquet part was full
 (`format: [csv, parquet]`) has its last steps in CSV only. The rows of CSV files of a (family, rank, run
 id) that the dataset also holds, at steps no Parquet part of it covers, are converted once into a private
-temporary Parquet dataset (removed at exit), so every reader (pyarrow batches, DuckDB, the layer tables)
-reads one format and the union is read by (family, rank, step). CSV files of (family, rank) pairs that
-the dataset lacks (a format switched between restarts) are named in a note, not read."""
+temporary Parquet dataset (removed when the RunSource is freed, or at exit), so every reader (pyarrow
+batches, DuckDB, Spark, the layer tables) reads one format and the union is read by (family, rank, step).
+CSV files of (family, rank) pairs that the dataset lacks (a format switched between restarts) are named
+in a note, not read."""
 
 from __future__ import annotations
 
-import atexit
 import os
 import shutil
 import tempfile
+import weakref
 from collections import defaultdict
 
 import numpy as np
@@ -21,8 +22,6 @@ import numpy as np
 from trainermon.exporters.parquet_files import ColumnBuffer, write_part
 
 from .source import RunSource, SourceFile
-
-_TMP: list[str] = []  # the temporary datasets of this process
 
 
 def add_csv_steps(source: RunSource, csv_files: list[SourceFile]) -> None:
@@ -59,7 +58,7 @@ def add_csv_steps(source: RunSource, csv_files: list[SourceFile]) -> None:
         if any(lo <= f.first_step and f.last_step <= hi for lo, hi in covered):  # type: ignore[misc]
             continue  # the file's step bucket lies within one part: all its steps are there
         try:
-            root = root or _new_root()
+            root = root or _new_root(source)
             part = _convert(f, covered, root, len(added))  # type: ignore[arg-type]
         except (OSError, ValueError) as exc:  # a cut or hand-edited line: said, the rest still read
             bad.append(f"{os.path.basename(f.path)} ({exc})")
@@ -110,12 +109,12 @@ def _convert(
     return part, set(step.tolist())
 
 
-def _new_root() -> str:
-    """A new temporary dataset directory (one per `open_run` that needs one), removed at exit."""
-    if not _TMP:
-        _TMP.append(tempfile.mkdtemp(prefix="trainermon-csv-steps-"))
-        atexit.register(shutil.rmtree, _TMP[0], True)
-    return tempfile.mkdtemp(dir=_TMP[0])
+def _new_root(source: RunSource) -> str:
+    """A new temporary dataset directory (one per `open_run` that needs one), removed when `source` is
+    freed (the analysis that opened it is done: a long session opening many runs keeps none) or at exit."""
+    root = tempfile.mkdtemp(prefix="trainermon-csv-steps-")
+    weakref.finalize(source, shutil.rmtree, root, True)
+    return root
 
 
 def _ranges(steps: list[int]) -> str:
