@@ -9,6 +9,9 @@ while it is attached (`watch`), and the step hooks ask `state_init_step` whether
 The module is not imported for this (importing it costs ~1.7 s): when it is not imported yet at
 `watch`, it is wrapped at the first step of an optimizer without state after it was imported (then that
 very step is decided from the stack, once).
+
+DCP may be given a wrapper (accelerate's `AcceleratedOptimizer`) while the hooks see the torch optimizer
+inside it: the wrapper's whole `.optimizer` chain counts as the optimizer DCP is stepping.
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from .wrapped import MAX_DEPTH
+
 MODULE = "torch.distributed.checkpoint.state_dict"
 FUNCTION = "_init_optim_state"
 
-_running: list[Any] = []  # optimizers whose state `_init_optim_state` is making now
-_stacked: list[Any] = []  # ... found from the stack (the module wrapped late), until their post-hook
+_running: list[Any] = []  # optimizers (and those inside them) whose state `_init_optim_state` is making now
+_stacked: list[tuple[Any, Any]] = []  # (optimizer, code) found on the stack (wrapped late), until its end
 _watchers = [0]  # attached monitors
 _installed: list[tuple[Any, Any, Any]] = []  # (module, original function, wrapper) while wrapped
 #: The step hooks call `state_init_step` only when it may answer True, a list index or two per step:
@@ -43,11 +48,15 @@ def state_init_step(optimizer: Any, end: bool = False) -> bool:
     if _running:
         return any(o is optimizer for o in _running)
     if _stacked:
-        found = any(o is optimizer for o in _stacked)
-        if found and end:
-            _stacked[:] = [o for o in _stacked if o is not optimizer]
+        entry = next((e for e in _stacked if e[0] is optimizer), None)
+        if entry is None:
+            return False
+        # the post-hook ends it; a step that raised never got there: gone from the stack, it ends now
+        live = end or _on_stack(optimizer, entry[1])
+        if end or not live:
+            _stacked[:] = [e for e in _stacked if e[0] is not optimizer]
             _refresh()
-        return found
+        return live
     if _installed or not _watchers[0] or getattr(optimizer, "state", True):
         return False
     return _late(optimizer)
@@ -61,11 +70,29 @@ def _late(optimizer: Any) -> bool:
         return False
     _install(module)
     code = getattr(original, "__code__", None)
+    if code is None or not _on_stack(optimizer, code):
+        return False
+    _stacked.append((optimizer, code))
+    _refresh()
+    return True
+
+
+def _chain(optim: Any) -> list[Any]:
+    """`optim` and the optimizers inside it (`.optimizer`, as `wrapped.unwrap_optimizer` follows it)."""
+    chain = [optim]
+    inner = getattr(optim, "optimizer", None)
+    while inner is not None and len(chain) < MAX_DEPTH and not any(inner is o for o in chain):
+        chain.append(inner)
+        inner = getattr(inner, "optimizer", None)
+    return chain
+
+
+def _on_stack(optimizer: Any, code: Any) -> bool:
+    """Whether a call of `code` (`_init_optim_state`) for `optimizer` or a wrapper of it is running: a walk
+    up the stack (the late path only, while that step runs)."""
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code is code and frame.f_locals.get("optim") is optimizer:
-            _stacked.append(optimizer)
-            _refresh()
+        if frame.f_code is code and any(o is optimizer for o in _chain(frame.f_locals.get("optim"))):
             return True
         frame = frame.f_back
     return False
@@ -75,12 +102,15 @@ def _install(module: Any) -> None:
     original = getattr(module, FUNCTION)
 
     def init_optim_state(optim: Any, *args: Any, **kwargs: Any) -> Any:
-        _running.append(optim)
+        chain = _chain(optim)
+        _running.extend(chain)
         maybe[0] = True
         try:
             return original(optim, *args, **kwargs)
         finally:
-            _running.remove(optim)
+            for inner in chain:  # by identity: `list.remove` would compare with `==`
+                index = next(i for i, o in enumerate(_running) if o is inner)
+                del _running[index]
             _refresh()
 
     init_optim_state.__wrapped__ = original  # type: ignore[attr-defined]

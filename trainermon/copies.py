@@ -57,6 +57,11 @@ def _inert() -> Callable[..., None]:
     return inert_hook
 
 
+#: What a wrapped method shows of its original besides `__wrapped__` (`functools.WRAPPER_ASSIGNMENTS` less
+#: what the class has). Never `__func__`: torch's LRScheduler would step the original, past the wrapper.
+_SHOWN = frozenset(("__name__", "__qualname__", "__annotations__", "__type_params__"))
+
+
 def _same(value: Any) -> Any:
     return value
 
@@ -65,7 +70,11 @@ class CopySafe:
     """A hook or method wrapper installed on a user's module that copies as `inert_hook`, or, for a wrapped
     method (`original`), as the copy's own method. One Python call more per call of the hook: for hooks
     on a few modules (the roots, routers, attention layers), not on every module (`HookedModule` copies
-    itself as an inert hook instead)."""
+    itself as an inert hook instead).
+
+    A wrapped method keeps the original's signature and name (`__wrapped__`, as
+    `functools.wraps` gives): callers decide from `inspect.signature` which arguments to pass (accelerate's
+    `AcceleratedOptimizer.zero_grad` looks for `set_to_none`). Read only when asked: no cost per call."""
 
     __slots__ = ("call", "original")
 
@@ -75,6 +84,19 @@ class CopySafe:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.call(*args, **kwargs)
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        # `inspect.signature` / `inspect.unwrap` follow it; a hook (no original) has none to show
+        if self.original is None:
+            raise AttributeError("__wrapped__")
+        return self.original
+
+    def __getattr__(self, name: str) -> Any:
+        # only for names the class lacks: `__name__`, `__qualname__` of the original, as `functools.wraps`
+        if name in _SHOWN and self.original is not None:
+            return getattr(self.original, name)
+        raise AttributeError(name)
 
     def __deepcopy__(self, memo: dict) -> Any:
         # a bound method deep-copies as the method bound to the module's copy (in `memo` already)

@@ -168,3 +168,52 @@ def test_rescan_check_runs_once_per_collected_step(tmp_path, monkeypatch, how):
     assert (("2.weight", thaw - 1, None) in rows) == (how == "replace")
     for key, row in rows.items():
         assert_row_matches(row, grads[key], OPS)
+
+
+@pytest.mark.parametrize("edit", ["clip", "scaler"])
+def test_manual_step_zero_first_gradient_edited_in_place(tmp_path, monkeypatch, caplog, edit):
+    """The first selected parameter's gradient legitimately all zeros (the next layer zero-initialised, as
+    LoRA's B) and the gradients edited in place after backward (a hand-written clip, GradScaler.unscale_):
+    every step keeps its rows, and nothing is said about cleared gradients. A real in-place clear (all
+    zeros) still gives no rows (`test_manual_step_writes_only_true_rows`)."""
+    from trainermon import TrainerMon
+
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    cfg = write_config(tmp_path / "cfg.json", wg_distribution=True, ops=list(OPS), ndigits=12)
+    model = _model()
+    with torch.no_grad():
+        model[2].weight.zero_()  # model[0]'s gradient is exactly zero at step 0
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(model, grad_acc_steps=1)
+    gen = torch.Generator().manual_seed(3)
+    grads: dict[tuple, dict] = {}
+    with caplog.at_level(logging.INFO, logger="trainermon"):
+        for step in range(STEPS):
+            loss = model(torch.randn(3, 4, generator=gen)).square().mean()
+            if edit == "scaler":
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+            else:
+                loss.backward()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.grad.mul_(0.5)
+            for n, p in model.named_parameters():
+                grads[(n, step, None)] = ref_stats(p.grad)
+            if edit == "scaler":
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            monitor.step()
+            opt.zero_grad()
+        monitor.close()
+    assert monitor.faults.total == 0, dict(monitor.faults.counts)
+    assert grads[("0.weight", 0, None)]["norm"] == 0.0 and grads[("2.weight", 0, None)]["norm"] > 0
+    rows = keyed(read_family(monitor.run_dir, "grad_reduced"))
+    assert set(rows) == set(grads)
+    for key, row in rows.items():
+        assert_row_matches(row, grads[key], OPS)
+    assert _messages(caplog, "found no gradients") == []

@@ -91,11 +91,15 @@ class ManualGrads:
     gradient's identity and in-place version once the backward is over (a callback queued behind the
     engine's own, so a DDP reduce is in it). At step(): None there (`zero_grad(set_to_none=True)`), or
     written since (`zero_grad(set_to_none=False)`, a loss scaler's unscale_, an update writing into it)
-    and then all zeros (one host read, that case only: a device sync on an accelerator) is cleared."""
+    and then all zeros (one host read, that case only: a device sync on an accelerator) is cleared, when
+    no selected parameter's gradient holds a nonzero value either (a zero gradient can be true: LoRA's A
+    at step 0): one batched read over all of them (`torch._foreach_norm`, a host read per device), only
+    when the watched one is all zeros."""
 
     def __init__(self, faults: Any) -> None:
         self.faults = faults
         self.param: Any = None  # held while armed only
+        self.selection: Any = None  # ... and the selection, for the other gradients (rare path)
         self.handle: Any = None
         self.stamp: tuple | None = None  # (id, version) of its gradient after the last backward
         self.queued = False
@@ -106,6 +110,7 @@ class ManualGrads:
             return
         try:
             self.param = next((mp.param for mp in loop.selection.params if mp.param.requires_grad), None)
+            self.selection = loop.selection
             if self.param is not None:
                 self.stamp, self.queued = None, False
                 self.handle = self.param.register_post_accumulate_grad_hook(weak_method(self._backward))
@@ -127,8 +132,8 @@ class ManualGrads:
     def gone(self, judge: bool = True) -> str | None:
         """Disarm; with `judge`, "none" or "zeros" when the gradients were cleared after the last backward,
         else None (as it left them, changed but not zeros, or nothing to tell: no backward reached it)."""
-        param, handle, stamp = self.param, self.handle, self.stamp
-        self.param = self.handle = self.stamp = None
+        param, handle, stamp, selection = self.param, self.handle, self.stamp, self.selection
+        self.param = self.handle = self.stamp = self.selection = None
         if handle is None:
             return None
         try:
@@ -136,7 +141,21 @@ class ManualGrads:
             grad = param.grad
             if not judge or stamp is None or (grad is not None and (id(grad), grad._version) == stamp):
                 return None
-            return "none" if grad is None else None if bool(grad.detach().any()) else "zeros"
+            if grad is None:
+                return "none"
+            if bool(grad.detach().any()) or _any_nonzero(selection):
+                return None  # edited in place (a clip, a scaler), not cleared
+            return "zeros"
         except Exception as exc:  # noqa: BLE001 - the step reads the gradients as they are
             self.faults.record("manual gradient watch", exc)
             return None
+
+
+def _any_nonzero(selection: Any) -> bool:
+    """Whether any selected parameter's gradient holds a nonzero (or non-finite) value: a max-abs per
+    gradient (`_foreach_norm`, inf: no underflow of tiny values), stacked and read once per device."""
+    grads = [mp.param.grad.detach() for mp in selection.params if mp.param.grad is not None]
+    by_device: dict[Any, list[torch.Tensor]] = {}
+    for norm in torch._foreach_norm(grads, float("inf")) if grads else ():
+        by_device.setdefault(norm.device, []).append(norm.float())
+    return any(bool(torch.stack(norms).ne(0).any()) for norms in by_device.values())
