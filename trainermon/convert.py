@@ -35,6 +35,8 @@ from trainermon.exporters.parquet_files import (
     write_part,
 )
 
+from .convert_runs import has_run_id, step_order
+
 logger = logging.getLogger("trainermon")
 
 
@@ -84,6 +86,7 @@ class Written(list):
     def __init__(self) -> None:
         super().__init__()
         self.replaced: list[str] = []
+        self.notes: list[str] = []  # steps of the converted runs left out (a Parquet dataset holds them)
 
 
 def _make_out(out: str) -> None:
@@ -164,10 +167,12 @@ def convert(
     plan = _plan(groups, out)  # every check before anything is written or removed
     write_dataset_marker(out)
     written = Written()
+    seen: dict[str, dict[tuple[str, int], set[int]]] = defaultdict(dict)  # run id: (family, rank): steps
     for group, paths, earlier in plan:
         parts: list[str] = []
+        steps = seen[group[3]].setdefault((group[1], group[2]), set())
         try:
-            _convert_group(group, paths, rows_per_part, csv_dir, compression, parts)
+            _convert_group(group, paths, rows_per_part, csv_dir, compression, parts, steps)
         except BaseException:  # a bad CSV file: the group as it was, not half old and half new
             _remove_parts(parts, earlier)  # (a new part of an earlier one's name holds the same rows)
             raise
@@ -175,6 +180,14 @@ def convert(
         if parts:  # only now: a crash before this point leaves the earlier parts in place
             _remove_parts(earlier, parts)
             written.replaced.extend(earlier)  # removed, or overwritten by a part of the same name
+    from .parquet_left_out import parquet_left_out  # (reads the analysis' Parquet listing)
+
+    for run_id, csv_steps in sorted(seen.items()):  # a dynamic run's Parquet phase: said, not silent
+        dirs = [d for d in groups if _rank_and_run(d)[1] == run_id]
+        note = parquet_left_out(dirs, run_id, csv_steps, skip=out)
+        if note is not None:
+            logger.warning("trainermon convert: %s", note)
+            written.notes.append(note)
     return written
 
 
@@ -187,7 +200,7 @@ def _plan(groups: dict[str, list[tuple[str, str]]], out: str) -> list[tuple[tupl
     runs: dict[tuple[int, str], list[str]] = defaultdict(list)
     for directory in sorted(groups):
         rank, run_id = _rank_and_run(directory)
-        if runs[(rank, run_id)] and not _has_run_id(directory):
+        if runs[(rank, run_id)] and not has_run_id(directory):
             raise ValueError(
                 f"trainermon convert: {runs[(rank, run_id)][0]!r} and {directory!r} are both rank {rank} of "
                 f"run {run_id!r}; allowed: one directory per rank and run (convert them into separate OUTs)"
@@ -200,7 +213,7 @@ def _plan(groups: dict[str, list[tuple[str, str]]], out: str) -> list[tuple[tupl
             for family, path in groups[directory]:  # already in step order within a directory
                 by_family[family].append((directory, path))
         for family, found in sorted(by_family.items()):
-            paths = [p for _, p in found] if len(directories) == 1 else _step_order(family, rank, found)
+            paths = [p for _, p in found] if len(directories) == 1 else step_order(family, rank, found)
             group = (out, family, rank, run_id)
             earlier = _group_parts(group)
             foreign = [p for p in earlier if not _converted(p)]
@@ -212,36 +225,6 @@ def _plan(groups: dict[str, list[tuple[str, str]]], out: str) -> list[tuple[tupl
                 )
             plan.append((group, paths, earlier))
     return plan
-
-
-def _has_run_id(directory: str) -> bool:
-    match = RANK_DIR.search(os.path.basename(os.path.normpath(directory)))
-    return match is not None and bool(match.group("id"))
-
-
-def _step_order(family: str, rank: int, found: list[tuple[str, str]]) -> list[str]:
-    """One family's files from several directories of one run, in step order. Files are named by step
-    bucket, so two directories share a name when a reload fell inside a bucket: only those files are read
-    (their steps), and a step in both is refused, naming both directories."""
-    matches = [(FILE.match(os.path.basename(p)), d, p) for d, p in found]  # all match (find_csv_files)
-    entries = [(int(m.group("first")), int(m.group("last")), d, p) for m, d, p in matches if m is not None]
-    first_step: dict[str, int] = {}
-    for i, (lo, hi, directory, path) in enumerate(entries):
-        for lo2, hi2, directory2, path2 in entries[i + 1 :]:
-            if directory2 == directory or lo2 > hi or hi2 < lo:
-                continue
-            steps, steps2 = ({int(r["step"]) for r in _read_csv(p)} for p in (path, path2))
-            both = steps & steps2
-            if both:
-                raise ValueError(
-                    f"trainermon convert: {directory!r} and {directory2!r} both hold step {min(both)} of "
-                    f"{family} for rank {rank} of one run; allowed: each step of a rank and run in one "
-                    "directory (convert them into separate OUTs)"
-                )
-            for p, s in ((path, steps), (path2, steps2)):
-                first_step[p] = min(s, default=lo)
-    entries.sort(key=lambda e: (e[0], first_step.get(e[3], e[0]), e[1]))
-    return [path for _lo, _hi, _directory, path in entries]
 
 
 def _converted(path: str) -> bool:
@@ -262,15 +245,18 @@ def _convert_group(
     source: str,
     compression: str,
     parts: list[str],
+    steps: set[int],
 ) -> None:
-    """Write the parts of one (out, family, rank, run_id) group, adding each to `parts` once written:
-    whole steps, a part closed before the step that would take it past `rows_per_part` rows."""
+    """Write the parts of one (out, family, rank, run_id) group, adding each to `parts` once written and
+    its steps to `steps`: whole steps, a part closed before the step that would take it past
+    `rows_per_part` rows."""
     out, family, rank, run_id = group
     buffer = ColumnBuffer()
     for path in paths:
         rows = _read_csv(path)
         start = 0  # rows[start:] not yet in `buffer`
         for lo, hi in _step_runs(rows):
+            steps.add(int(rows[lo]["step"]))
             held = buffer.rows + lo - start
             if held and held + hi - lo > rows_per_part:
                 _extend(buffer, rows[start:lo], run_id)

@@ -30,8 +30,18 @@ from trainermon.collect.family_columns import FAMILY_COLUMNS
 from trainermon.exporters.csv_files import FILE
 from trainermon.exporters.parquet_files import STATS
 
-from .convert import Written, _columns, _layout, _make_out, _number, _rank_and_run, _read_csv, find_csv_files
+from .convert import (
+    Written,
+    _columns,
+    _layout,
+    _make_out,
+    _number,
+    _rank_and_run,
+    _read_csv,
+    find_csv_files,
+)
 from .names import msprobe_tag
+from .parquet_left_out import parquet_left_out
 
 logger = logging.getLogger("trainermon")
 
@@ -171,6 +181,7 @@ def convert_rank(rank: int, directories: list[str] | str, families: tuple[str, .
 
     directories = [directories] if isinstance(directories, str) else directories
     written = []
+    seen: dict[tuple[str, int], set[int]] = {}  # (family, rank): the CSV steps, for the Parquet note
     for family in families:
         pattern = re.compile(rf"{re.escape(family)}_\d+-\d+\.csv")
         series: dict[str, dict[int, list[tuple[str, float]]]] = defaultdict(dict)
@@ -179,6 +190,7 @@ def convert_rank(rank: int, directories: list[str] | str, families: tuple[str, .
             for name in sorted(f for f in os.listdir(directory) if pattern.fullmatch(f)):
                 _read_family(os.path.join(directory, name), own)
             _merge(series, own, directory)
+        seen[(family, rank)] = {step for steps in series.values() for step in steps}
         if not series:
             continue
         target = os.path.join(out, f"rank{rank}", family)
@@ -194,6 +206,10 @@ def convert_rank(rank: int, directories: list[str] | str, families: tuple[str, .
         finally:
             writer.close()
         written.append(family)
+    # a dynamic run's Parquet phase (format switched mid-run): its steps are not CSV, said per rank
+    note = parquet_left_out(directories, _rank_and_run(directories[0])[1], seen, families)
+    if note is not None:
+        logger.warning("trainermon: csv2tensorboard_by_step: rank %d: %s", rank, note)
     return written
 
 
@@ -302,10 +318,11 @@ def to_tensorboard(csv_dir: str | os.PathLike, out: str | os.PathLike) -> Writte
         )
     earlier = {d: _earlier_events(out, target) for d, target in targets.items()}  # all checked first
     written = Written()
+    seen: dict[str, dict[tuple[str, int], set[int]]] = defaultdict(dict)  # run id: (family, rank): steps
     for directory, files in sorted(groups.items()):
         writer = SummaryWriter(log_dir=targets[directory], filename_suffix=EVENTS_SUFFIX)
         try:
-            _write_scalars(writer, directory, files)
+            _write_scalars(writer, directory, files, seen[_rank_and_run(directory)[1]])
         except BaseException:  # a bad CSV file: the earlier events stay alone, not beside a partial copy
             writer.close()
             for name in os.listdir(targets[directory]):
@@ -319,6 +336,11 @@ def to_tensorboard(csv_dir: str | os.PathLike, out: str | os.PathLike) -> Writte
             os.unlink(path)
         written.replaced.extend(earlier[directory])
         written.append(targets[directory])
+    for run_id, csv_steps in sorted(seen.items()):  # a dynamic run's Parquet phase: said, not silent
+        note = parquet_left_out([d for d in groups if _rank_and_run(d)[1] == run_id], run_id, csv_steps)
+        if note is not None:
+            logger.warning("trainermon convert: %s", note)
+            written.notes.append(note)
     return written
 
 
@@ -337,8 +359,11 @@ def _earlier_events(out: str, target: str) -> list[str]:
     return [os.path.join(target, n) for n in names]
 
 
-def _write_scalars(writer: Any, directory: str, files: list[tuple[str, str]]) -> None:
-    """The rows of one rank directory's files (in family, then step order) as scalars."""
+def _write_scalars(
+    writer: Any, directory: str, files: list[tuple[str, str]], steps: dict[tuple[str, int], set[int]]
+) -> None:
+    """The rows of one rank directory's files (in family, then step order) as scalars; their steps added
+    to `steps[(family, rank)]`."""
     rank, _run_id = _rank_and_run(directory)
     unreduced = _layout(directory).get("grad_unreduced_kind", "pre_grad")
     for family, path in files:
@@ -347,6 +372,7 @@ def _write_scalars(writer: Any, directory: str, files: list[tuple[str, str]]) ->
             continue
         rows.sort(key=lambda r: int(r["step"]))  # stable: a step's rows keep their order
         columns = _columns(rows, "")
+        steps.setdefault((family, rank), set()).update(columns["step"].tolist())
         stats = [s for s in STATS if columns.get(s) is not None]
         # as the TensorBoard sink: numel, and the family's own numbers (update: ratio; moe_load ...)
         stats += [c for c in ("numel",) if c in rows[0]] + [

@@ -155,3 +155,63 @@ def test_a_step_bucket_shared_by_two_directories_and_by_a_parquet_part(tmp_path,
             assert (batch.tensors[code][1], int(step)) not in got
             got[(batch.tensors[code][1], int(step))] = float(value)
     assert got == ref
+
+
+def _said_steps(steps: list[int]) -> str:
+    """The steps as the note writes them: "3-5", "3", "3-4, 7" (reference, built here)."""
+    runs: list[list[int]] = []
+    for s in sorted(steps):
+        if runs and s == runs[-1][-1] + 1:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
+
+
+def test_convert_and_csv2tb_name_the_steps_only_the_parquet_dataset_holds(run, tmp_path, caplog):
+    """The Parquet phase's steps (3-5) are not CSV: convert and csv2tensorboard_by_step leave them out,
+    and say so in one line per run naming family, rank and steps (they said nothing)."""
+    root, dirs = run
+    pq_steps = set(_parquet_rows(os.path.join(root, "parquet"))["step"])  # pyarrow, the monitor's parts
+    csv_steps = set(_csv_rows(dirs)["step"])
+    left = sorted(pq_steps - csv_steps)
+    assert left == [3, 4, 5], left
+    want = f"grad_reduced rank 0 steps {_said_steps(left)}"
+    caplog.set_level("WARNING", logger="trainermon")
+    written = convert(root, str(tmp_path / "pq"))
+    assert any(
+        want in r.getMessage() for r in caplog.records if r.getMessage().startswith("trainermon convert")
+    ), caplog.text  # said (it said nothing)
+    assert len(written.notes) == 1 and want in written.notes[0], written.notes
+    assert "trainermon analyze" in written.notes[0] and "trainermon.load" in written.notes[0]
+    assert sorted(set(_parquet_rows(str(tmp_path / "pq"))["step"])) == sorted(csv_steps)  # rows: CSV only
+    caplog.clear()
+    assert main(["convert", root, str(tmp_path / "pq2")]) == 0
+    assert [r for r in caplog.records if want in r.getMessage()], caplog.text
+    # one rank directory alone: the dataset is found beside it (its parent's parquet/)
+    assert convert(dirs[0], str(tmp_path / "pq3")).notes == written.notes
+    pytest.importorskip("tensorboard")
+    caplog.clear()
+    csv2tensorboard_by_step(root, data_type_list=["grad_reduced"], output_dirpath=str(tmp_path / "tb"))
+    said = [r.getMessage() for r in caplog.records if "csv2tensorboard_by_step: rank 0" in r.getMessage()]
+    assert len(said) == 1 and want in said[0], caplog.text
+    caplog.clear()
+    assert main(["convert", root, str(tmp_path / "tb2"), "--to", "tensorboard"]) == 0
+    said = [r.getMessage() for r in caplog.records if want in r.getMessage()]
+    assert len(said) == 1 and "grad_unreduced rank 0 steps 3-5" in said[0], caplog.text
+
+
+def test_convert_names_parquet_steps_inside_a_csv_step_bucket(tmp_path, out_dir, dynamic_mode):
+    """Buckets of 4 steps, Parquet from step 6: CSV bucket 4-7 holds steps 4-5 and the Parquet part steps
+    6-9, so file-name ranges alone would hide 6-7; the note names the steps the CSV rows lack."""
+    cfg = tmp_path / "cfg.json"
+    keys = {**BASE, "dynamic_on": True, "format": "csv", "write_interval_s": 0, "step_count_per_record": 4}
+    cfg.write_text(json.dumps(keys))
+    _train(str(cfg), STEPS, {5: _edit(str(cfg), format="parquet")})
+    dirs = sorted(glob.glob(os.path.join(str(out_dir), "*-rank0-*")))
+    left = sorted(
+        set(_parquet_rows(os.path.join(str(out_dir), "parquet"))["step"]) - set(_csv_rows(dirs)["step"])
+    )
+    assert left == [6, 7, 8, 9], left
+    notes = convert(str(out_dir), str(tmp_path / "pq")).notes
+    assert len(notes) == 1 and f"grad_reduced rank 0 steps {_said_steps(left)}" in notes[0], notes
