@@ -20,9 +20,6 @@
   checkpointing the first forward runs without grad, so its outputs never see a gradient: the probe
   remembers that forward's micro-step and hooks the recomputed tensors instead (no second actv row;
   which first forward a recomputed call repeats: `recompute`).
-- A call without grad is such a first pass only inside a root forward begun with grad (`grad_forward`).
-  Outside one (`torch.no_grad()`: an evaluation pass, targets, a teacher) it is no micro-batch, unless
-  backward recomputes it (a whole model checkpointed from outside: rows from the recompute, `recompute`).
 """
 
 from __future__ import annotations
@@ -70,7 +67,7 @@ class ActivationProbe(Probe):
         self._two_paths: list[Any] = []  # this step's written.TwoPaths, released at the next step's begin
         self._taps: Any = None  # graph_taps.TapSites once the hooks are pinned where the tap operators exist
         self._hooked: dict[int, HookedModule] = {}  # module id -> its hooks' state, once hooked
-        self._said_nograd: set[bool] = set()  # the modes (training or not) a no-grad pass was said in
+        self._said_eval = False
         self._first: list[Any] = []  # the one-shot root hooks of a collected step (`_first_forward`)
         self._tree = ModuleTree()  # the module tree the selection was made on (model surgery: `_reselect`)
 
@@ -232,12 +229,11 @@ class ActivationProbe(Probe):
         try:
             if not self._actv_grad or not torch.is_grad_enabled():
                 return None
-            backward = in_backward()
-            if backward and self._recomputes.waiting(id(module)):  # the first pass could not be hooked
+            if in_backward():  # a recompute: hook it only if the first pass could not be hooked
+                if not self._recomputes.waiting(id(module)):
+                    return None
                 micro = self._recomputes.enter(id(module))
-            elif backward and not self._recomputes.skipped.get(id(module)):  # hooked in its first pass
-                return None
-            else:  # a call, or the recompute of a skipped one (`Recomputes.unskip`): a call of its own
+            else:
                 micro = self._calls.get(id(module), 0)
             if len(args) == 1 and not kwargs:  # most modules: one tensor in (the general path, shorter)
                 tensor = args[0]
@@ -289,16 +285,13 @@ class ActivationProbe(Probe):
             self.loop.faults.record("forward pre-hook", exc)
             return None
 
-    def _evaluation_pass(self, name: str, training: bool = False) -> None:
-        """Said once per mode: a forward without grad outside one begun with grad (no rows, no micro-step)."""
-        if training not in self._said_nograd:
-            self._said_nograd.add(training)
+    def _evaluation_pass(self, name: str) -> None:
+        if not self._said_eval:
+            self._said_eval = True
             logger.info(
-                "trainermon: %s ran in %s mode without grad, outside a forward begun with grad (%s): such "
-                "forwards get no actv rows and do not count as micro-batches of the training step",
+                "trainermon: %s ran in eval mode without grad (an evaluation pass): such forwards get no "
+                "actv rows and do not count as micro-batches of the training step",
                 name,
-                "train" if training else "eval",
-                "a no_grad pass: targets, pseudo-labels, a teacher" if training else "an evaluation pass",
             )
 
     def _hook_view(
@@ -323,27 +316,17 @@ class ActivationProbe(Probe):
         loop = self.loop
         vpp_stage = hooked.vpp_stage
         try:
-            if not torch.is_grad_enabled() and not self.hooks.grad_forward:
-                # no root forward begun with grad is running: an evaluation pass, or a no_grad pass in train
-                # mode (targets, pseudo-labels, a teacher): no micro-batch. A reentrant checkpoint's first
-                # pass runs inside a forward begun with grad (`grad_forward`); a recompute has grad on
-                self._evaluation_pass(hooked.name, module.training)
-                if not in_backward():
-                    self._recomputes.skip(id(module))  # unless backward recomputes it (`recompute`)
+            if not module.training and not torch.is_grad_enabled() and not self.hooks.grad_forward:
+                self._evaluation_pass(hooked.name)  # between steps (eval(), no_grad): not a micro-batch
                 return None
             key = id(module)
             bases = self._bases.pop(key, None) if self._bases else None
             recompute = in_backward()
             if recompute:  # recomputed forward inside backward: its actv row is already written
-                if not torch.is_grad_enabled():
+                if not torch.is_grad_enabled() or not self._recomputes.waiting(key):
                     return None
-                if self._recomputes.waiting(key):
-                    micro = self._recomputes.leave(key)
-                elif self._recomputes.unskip(key):  # a whole model checkpointed from outside: rows now
-                    recompute = False
-                else:
-                    return None
-            if not recompute:
+                micro = self._recomputes.leave(key)
+            else:
                 micro = self._calls.get(key, 0)
                 self._calls[key] = micro + 1
                 if self._actv_grad and not torch.is_grad_enabled():

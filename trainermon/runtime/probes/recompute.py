@@ -10,10 +10,6 @@ k micro-steps of its first forwards not taken yet. k is known once the region's 
 before any of its gradients flows (the region's backward starts after its recompute), so the hooks made
 during a recompute get their micro-step then (`LateGradRows`). A recompute is told from the next by its
 autograd node (`torch._C._current_autograd_node`).
-
-A call without grad outside a forward begun with grad is no micro-batch (`skip`: a no_grad pass), unless
-backward recomputes it: a whole model checkpointed from outside (`checkpoint(model, x)`). Such a recomputed
-call (`unskip`) then takes the module's next micro-step, and its rows come from the recompute.
 """
 
 from __future__ import annotations
@@ -51,7 +47,7 @@ class Recomputes:
 
     Costs nothing unless reentrant checkpointing runs; then a few dict operations per recomputed call."""
 
-    __slots__ = ("loop", "first", "node", "calls", "open", "skipped")
+    __slots__ = ("loop", "first", "node", "calls", "open")
 
     def __init__(self, loop: Any) -> None:
         self.loop = loop
@@ -59,18 +55,6 @@ class Recomputes:
         self.node: Any = None  # the autograd node whose recompute `calls` belong to
         self.calls: list[Call] = []
         self.open: dict[int, list[Call]] = {}  # module id -> calls between its pre-hook and forward hook
-        self.skipped: dict[int, int] = {}  # module id -> its calls without grad that were no micro-batch
-
-    def skip(self, key: int) -> None:
-        """A call without grad outside a forward begun with grad: no micro-step, unless recomputed."""
-        self.skipped[key] = self.skipped.get(key, 0) + 1
-
-    def unskip(self, key: int) -> bool:
-        """A recomputed call with no first pass waiting: whether it repeats a skipped call (taken)."""
-        count = self.skipped.get(key, 0)
-        if count:
-            self.skipped[key] = count - 1
-        return count > 0
 
     def first_pass(self, key: int, micro: int) -> None:
         self.first.setdefault(key, []).append(micro)
@@ -131,7 +115,6 @@ class Recomputes:
 
     def clear(self) -> None:
         self.first.clear()
-        self.skipped.clear()
         self.calls = []
         self.open.clear()
         self.node = None
