@@ -215,3 +215,28 @@ def test_convert_names_parquet_steps_inside_a_csv_step_bucket(tmp_path, out_dir,
     assert left == [6, 7, 8, 9], left
     notes = convert(str(out_dir), str(tmp_path / "pq")).notes
     assert len(notes) == 1 and f"grad_reduced rank 0 steps {_said_steps(left)}" in notes[0], notes
+
+
+def test_the_note_finds_a_parquet_dir_of_its_own_and_survives_a_damaged_pointer(
+    tmp_path, out_dir, dynamic_mode
+):
+    """With `parquet.dir` set, only the Parquet phase's directory points at the dataset (it holds no CSV):
+    the note still names the steps (it said nothing); a damaged pointer (`{}`) beside it leaves the
+    conversion whole (it raised KeyError after writing)."""
+    cfg = tmp_path / "cfg.json"
+    keys = {**BASE, "dynamic_on": True, "format": "csv", "write_interval_s": 0, "parquet": {"dir": "pq"}}
+    cfg.write_text(json.dumps(keys))
+    _train(str(cfg), STEPS, {2: _edit(str(cfg), format="parquet"), 5: _edit(str(cfg), format="csv")})
+    dirs = sorted(glob.glob(os.path.join(str(out_dir), "*-rank0-*")))
+    left = sorted(set(_parquet_rows(os.path.join(str(out_dir), "pq"))["step"]) - set(_csv_rows(dirs)["step"]))
+    assert left == [3, 4, 5], left
+    notes = convert(str(out_dir), str(tmp_path / "out")).notes
+    assert len(notes) == 1 and f"grad_reduced rank 0 steps {_said_steps(left)}" in notes[0], notes
+    for d in dirs:
+        if not glob.glob(os.path.join(d, "*.csv")):
+            continue
+        with open(os.path.join(d, "parquet.json"), "w") as fh:
+            fh.write("{}")
+    written = convert(str(out_dir), str(tmp_path / "out2"))
+    assert sorted(set(_parquet_rows(str(tmp_path / "out2"))["step"])) == sorted(set(_csv_rows(dirs)["step"]))
+    assert len(written.notes) == 1  # the Parquet-only directory's pointer still names the dataset
