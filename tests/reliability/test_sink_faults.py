@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import trainermon.exporters.csv as csv_mod
+import trainermon.exporters.row_file as row_file_mod
 from tests.helpers import read_family, write_config
 from tests.reliability.faults import _exporter, _scrape, _small_model, _steps, csv_problems
 from trainermon import TrainerMon
@@ -81,7 +82,7 @@ def _enospc_run(tmp_path, monkeypatch, caplog, healthy_steps: int = 3, steps: in
         parquet={"steps_per_part": 2},
     )
     disk = _FullDisk()
-    monkeypatch.setattr(csv_mod, "open", disk.open, raising=False)  # the CSV writer's own open()
+    monkeypatch.setattr(row_file_mod, "open", disk.open, raising=False)  # the CSV files' own open()
     model, opt = _small_model()
     mon = TrainerMon(cfg)
     mon.set_monitor(model, optimizer=opt)
