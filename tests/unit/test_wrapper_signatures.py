@@ -155,16 +155,34 @@ def test_dcp_state_init_through_wrapper_is_no_step(tmp_path, monkeypatch, kind):
     _check_rows(monitor, grads)
 
 
+@pytest.fixture
+def no_monitor_attached(monkeypatch):
+    """state_init's process-wide state as in a process where no monitor is attached: earlier tests of the
+    suite may leave monitors unclosed (their wrapper of `_init_optim_state` stays), so the late-import
+    path is only reached from a clean slate; everything is put back afterwards."""
+    from trainermon.adapters import state_init
+
+    original = (
+        state_init._installed[0][1] if state_init._installed else getattr(dcp_state_dict, state_init.FUNCTION)
+    )
+    monkeypatch.setattr(dcp_state_dict, state_init.FUNCTION, original)
+    for name, fresh in (("_running", []), ("_stacked", []), ("_installed", []), ("_watchers", [0])):
+        monkeypatch.setattr(state_init, name, fresh)
+    flags = state_init.maybe[0], state_init.late[0]  # shared by reference with the step hooks
+    state_init.maybe[0] = state_init.late[0] = False
+    yield state_init
+    state_init.maybe[0], state_init.late[0] = flags
+
+
 @pytest.mark.parametrize("kind", ["bare_fails", "plain", "accelerate"])
-def test_dcp_state_init_imported_late(tmp_path, monkeypatch, kind):
+def test_dcp_state_init_imported_late(tmp_path, monkeypatch, kind, no_monitor_attached):
     """The DCP module imported after set_monitor (found on the stack at the step): through a wrapper it
     is no step either, and a state-init step that raised marks none of the later steps as no step."""
     from trainermon import TrainerMon
-    from trainermon.adapters import state_init
 
+    state_init = no_monitor_attached
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
     cfg = write_config(tmp_path / "cfg.json", wg_distribution=True, ops=list(OPS), ndigits=12)
-    assert not state_init._installed and not state_init._stacked  # no monitor left attached by others
     model = _model()
     if kind == "bare_fails":
         opt = _FailsOnce(model.parameters(), lr=1e-2)
