@@ -8,7 +8,10 @@ waiters (so it could read the output after the hook had changed it: the Q row wa
 result, and the checks raised false AnomalyComm); and a call made on gloo's thread while the training
 thread was in the monitor's own code was dropped as the monitor's own. Reference: the test's own
 all_reduce under the monitor's wrapper keeps a float64 copy of every call's input on every rank; each
-output row's norm must be that of the sum over ranks (the all-reduce's result)."""
+output row's norm must be that of the sum over ranks (the all-reduce's result). The "late" run forces the
+third order, which struck CI about once in five runs: the body's all-reduce completes after the monitor
+chained its callback but before PowerSGD chains its `div_`, which then runs at once on the training
+thread while the monitor's callback (made slow here) is still to read the output on gloo's."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import math
 import os
 import sys
 import threading
+import time
 
 import torch
 from torch import nn
@@ -26,7 +30,7 @@ from tests.helpers import read_family
 
 OPS = ["norm", "mean", "min", "max"]
 STEPS = 5
-RUNS = (("none", 0), ("fp16", 0), ("powersgd", 0), ("powersgd", 1), ("powersgd", 2))
+RUNS = (("none", 0), ("fp16", 0), ("powersgd", 0), ("powersgd", 1), ("powersgd", 2), ("late", 0))
 CALLBACKS = ("unpack_uncompressed_tensors_and_allreduce_ps", "compute_qs")  # PowerSGD's P and Q
 
 
@@ -45,6 +49,25 @@ def _kind(frame) -> str | None:
     return None
 
 
+class _CompletesBeforeSecondChain:
+    """A work whose future, asked for a second time (by PowerSGD, after the monitor), has completed first:
+    PowerSGD's callback then runs at once on the training thread."""
+
+    def __init__(self, work) -> None:
+        self.work, self.asked = work, 0
+
+    def get_future(self):
+        self.asked += 1
+        future = self.work.get_future()
+        if self.asked > 1:
+            while not future.done():
+                time.sleep(0.001)
+        return future
+
+    def wait(self, *args):
+        return self.work.wait(*args)
+
+
 def _recording(real, state: dict):
     """torch's all_reduce, keeping a float64 copy of each input (on whichever thread calls it; as a list:
     tensors would go back to the test process through shared memory that ends with the rank)."""
@@ -54,10 +77,23 @@ def _recording(real, state: dict):
         if kind is not None:
             state["inputs"].append((state["step"], kind, tensor.detach().double().flatten().tolist()))
         if op is None:
-            return real(tensor, group=group, async_op=async_op)
-        return real(tensor, op=op, group=group, async_op=async_op)
+            work = real(tensor, group=group, async_op=async_op)
+        else:
+            work = real(tensor, op=op, group=group, async_op=async_op)
+        return _CompletesBeforeSecondChain(work) if state["late"] and kind == "body" and async_op else work
 
     return all_reduce
+
+
+def _slow_off_main_thread(finish):
+    """The monitor's read of a call's outputs, made slow when it runs on another thread (gloo's)."""
+
+    def slow(self, call):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.2)
+        return finish(self, call)
+
+    return slow
 
 
 def _job(rank: int, world: int, out: str) -> dict:
@@ -66,14 +102,17 @@ def _job(rank: int, world: int, out: str) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from trainermon import TrainerMon
+    from trainermon.comm.recorder import CommRecorder
 
     res = {}
-    real = dist.all_reduce
-    state: dict = {"step": -1, "inputs": []}
+    real, finish = dist.all_reduce, CommRecorder._finish
+    state: dict = {"step": -1, "inputs": [], "late": False}
     dist.all_reduce = _recording(real, state)  # under the monitor's wrapper: it wraps what it finds
     try:
         for hook, run in RUNS:
             tag = f"{hook}{run}"
+            state["late"] = hook == "late"
+            CommRecorder._finish = _slow_off_main_thread(finish) if state["late"] else finish
             os.environ["MONITOR_OUTPUT_DIR"] = os.path.join(out, tag)
             cfg = os.path.join(out, f"{tag}-{rank}.json")
             with open(cfg, "w") as fh:
@@ -83,7 +122,7 @@ def _job(rank: int, world: int, out: str) -> dict:
             ddp = DDP(model, bucket_cap_mb=25)  # one bucket
             if hook == "fp16":
                 ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-            elif hook == "powersgd":
+            elif hook in ("powersgd", "late"):
                 psgd = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
                 ddp.register_comm_hook(psgd, powerSGD_hook.powerSGD_hook)
             opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
@@ -103,7 +142,7 @@ def _job(rank: int, world: int, out: str) -> dict:
                 "violations": [str(v) for _, v in probe.violations],
             }
     finally:
-        dist.all_reduce = real
+        dist.all_reduce, CommRecorder._finish = real, finish
     return res
 
 
@@ -167,9 +206,10 @@ def test_powersgd_comm_rows_agree_across_ranks_and_match_the_sum(tmp_path):
         for key, ranks in calls.items():
             assert len(ranks) == 2 and len(ranks[0]) == len(ranks[1]), (tag, key)
             want[key] = math.sqrt(sum(float((a + b).norm()) ** 2 for a, b in zip(*ranks)))
-        kinds = {"body"} | (set(CALLBACKS) if hook == "powersgd" else set())
+        psgd = hook in ("powersgd", "late")
+        kinds = {"body"} | (set(CALLBACKS) if psgd else set())
         for step in range(STEPS):  # PowerSGD compresses from its iteration 2: P and Q from then on
-            expected = {"body"} | (set(CALLBACKS) if hook == "powersgd" and step >= 2 else set())
+            expected = {"body"} | (set(CALLBACKS) if psgd and step >= 2 else set())
             assert {k for s, k in want if s == step} == expected, (tag, step, sorted(want))
         names = []
         for rank, got in enumerate(by_rank):

@@ -10,9 +10,11 @@ its callbacks in the order added, on the completing thread; one added to a done 
 adding thread. NCCL's future is done at enqueue (CUDA events): our callback runs at once, on a stream that
 waits for the collective, ahead of anything the caller enqueues later. Gloo's completes on its worker
 thread, `Work.wait()` / `is_completed()` return after the callbacks, but a waiter on the future
-(PowerSGD's `get_future().wait()`) resumes before them and may change the output in place first. So an
-async collective issued by a callback of one of DDP's communication hooks (PowerSGD's P and Q: they wait
-on the future at once) whose future is not done at return is waited for at the call (collected steps) and
+(PowerSGD's `get_future().wait()`) resumes before them and may change the output in place first; and a
+callback chained after ours on a future that completes in between runs at once on the chaining thread,
+possibly before ours has run on the backend's (PowerSGD's body chains a `div_` of its all-reduce's output).
+So an async collective issued by one of DDP's communication hooks (its body or a callback it chains)
+whose future is not done at return is waited for at the call (collected steps) and
 read there, as the collective produced it. Any other async call keeps its completion callback: a wait at
 the call would make it blocking, and a program that issues async calls on two groups in different orders
 on different ranks (legal on gloo: a worker per group) would deadlock. A callback that
@@ -40,7 +42,7 @@ from trainermon.stats.partials import ADDITIVE, MAX, MIN, empty_partials
 from .checks import CheckEntry, CheckKey
 from .groups import describe
 from .pipe_passes import PIPE
-from .sites import call_site, issued_by_comm_hook, short
+from .sites import call_site, short, within_comm_hook
 from .spec import OpSpec, redop_name
 from .sums import PendingMicro, Sum, merge_into, settle_micro
 
@@ -172,7 +174,7 @@ class CommRecorder:
             call.outputs = [waited] if isinstance(waited, torch.Tensor) else []
             self._finish(call)
         elif call.outputs and hasattr(result, "get_future"):
-            wait = call.spec.name not in _P2P and issued_by_comm_hook(call.site)
+            wait = call.spec.name not in _P2P and within_comm_hook()
             self._when_done(result, lambda: self._finish(call), wait=wait)
         else:
             self._finish(call)

@@ -84,10 +84,16 @@ def call_site(depth: int = 2) -> str:
     return _text(last) if last is not None else "<unknown>"
 
 
-def issued_by_comm_hook(site: str) -> bool:
-    """Whether `site` (as `call_site` gives it) is a callback nested in one of DDP's communication hooks
-    (PowerSGD's P and Q all-reduces): a string prefix test."""
-    return site.startswith(_HOOKS)
+def within_comm_hook(depth: int = 2) -> bool:
+    """Whether the collective whose wrapper called this (`depth` frames up) was issued by the code of one of
+    DDP's communication hooks: its body (PowerSGD's all-reduce of the uncompressed tensors) or a callback it
+    chained (the P and Q all-reduces), on whichever thread. Walks torch's and trainermon's frames only."""
+    frame: FrameType | None = sys._getframe(depth)
+    while frame is not None and frame.f_code.co_filename.startswith(_INSIDE):
+        if frame.f_code.co_filename.startswith(_HOOKS):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def short(site: str) -> str:
