@@ -33,6 +33,11 @@ UNSUPPORTED_WHEN_ON = {
     "recording_l2_features": "msprobe's L2 feature hooks are not supported",
     "append_output": "appending to an earlier msprobe output directory is not supported",
 }
+#: msprobe keys that msprobe validates (a bool) but trainermon does not implement: a bool is accepted, true
+#: is warned about as such (not as an unknown key).
+NOT_IMPLEMENTED = {
+    "mg_distribution": "msprobe validates it as a bool; msprobe 26's PyTorch monitor reads it nowhere",
+}
 #: Keys that are accepted and ignored with no effect on trainermon (kept for drop-in compatibility).
 INERT_KEYS = ("sa_order", "heatmap_visualizer", "csv")
 #: msprobe keys that msprobe itself switches off, with a warning, for every output format trainermon has
@@ -227,10 +232,25 @@ def parse_config(raw: Any, source: str = "<dict>") -> MonitorConfig:
     """
     if not isinstance(raw, dict):
         raise ConfigError(f"config {source}: the top level must be a JSON object, got {_type_name(raw)}")
-    known = {f.name for f in fields(MonitorConfig)} | {*UNSUPPORTED_WHEN_ON, *INERT_KEYS, *OFF_WITH_A_WARNING}
+    names = {f.name for f in fields(MonitorConfig)}
+    known = names | {*UNSUPPORTED_WHEN_ON, *INERT_KEYS, *OFF_WITH_A_WARNING, *NOT_IMPLEMENTED}
     for key in raw:
         if not isinstance(key, str) or key not in known:
-            logger.warning("trainermon: unknown config key %r in %s is ignored", key, source)
+            # a near-miss ('wg_distributon') leaves its family off: name the key it was probably meant to be
+            close = difflib.get_close_matches(str(key), sorted(names), n=1, cutoff=0.75)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            logger.warning("trainermon: unknown config key %r in %s is ignored%s", key, source, hint)
+    for key, why in NOT_IMPLEMENTED.items():
+        if key in raw and not isinstance(raw[key], bool):
+            raise _fail(key, raw[key], f"true or false ({why})")
+        if raw.get(key):
+            logger.warning(
+                "trainermon: config key %r in %s is a msprobe key trainermon does not implement; "
+                "ignored (%s)",
+                key,
+                source,
+                why,
+            )
     for key, why in UNSUPPORTED_WHEN_ON.items():
         if raw.get(key):
             raise _fail(key, raw[key], f"false or absent ({why})")
@@ -259,6 +279,7 @@ def parse_config(raw: Any, source: str = "<dict>") -> MonitorConfig:
             source,
         )
     ndigits = _ndigits(raw)
+    ops, formats = _ops(raw), _formats(raw)  # the sinks' sections are checked against them
     if raw.get("collect_times") == 0:
         logger.warning("trainermon: config key 'collect_times' is 0 in %s: no step is collected", source)
 
@@ -279,10 +300,10 @@ def parse_config(raw: Any, source: str = "<dict>") -> MonitorConfig:
         param_distribution=_bool(raw, "param_distribution"),
         cc_distribution=_cc(raw),
         alert=_alert(raw),
-        ops=_ops(raw),
+        ops=ops,
         eps=float(eps),
         ndigits=ndigits,
-        format=_formats(raw),
+        format=formats,
         step_count_per_record=_int(raw, "step_count_per_record", 1, 1_000_000),
         dynamic_on=_bool(raw, "dynamic_on"),
         stack_info=_bool(raw, "stack_info"),
@@ -291,8 +312,8 @@ def parse_config(raw: Any, source: str = "<dict>") -> MonitorConfig:
         accelerator_hold_mib=_int(raw, "accelerator_hold_mib", 0, 1 << 20),
         write_interval_s=_seconds(raw, "write_interval_s", 60.0),
         dynamic_watch=_choice(raw, "dynamic_watch", ("inotify", "polling")),
-        parquet=_parquet(raw),
-        prometheus=_prometheus(raw),
+        parquet=_parquet(raw, formats),
+        prometheus=_prometheus(raw, ops),
         xrank_summary=_bool(raw, "xrank_summary"),
         update_distribution=_bool(raw, "update_distribution"),
         moe_distribution=_bool(raw, "moe_distribution"),

@@ -33,7 +33,30 @@ def _relative_path(section: str, values: dict, key: str) -> None:
         raise _fail(f"{section}.{key}", value, allowed)
 
 
-def _parquet(raw: dict) -> ParquetConfig:
+def _compression_level(codec: str, level: int) -> None:
+    """Refuse a level the codec does not take, so that the sink does not disable itself at its first flush
+    (pyarrow raises only when it writes). Imports pyarrow (once, ~0.1 s); a write of one row to memory."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:  # the sink itself says that pyarrow is missing
+        return
+    if codec == "none" or not pa.Codec.supports_compression_level(codec):
+        raise _fail("parquet.compression_level", level, f"null ({codec!r} takes no compression level)")
+    lo, hi = pa.Codec.minimum_compression_level(codec), pa.Codec.maximum_compression_level(codec)
+    allowed = f"null or an integer in [{lo}, {hi}] for {codec!r}"
+    if not lo <= level <= hi:  # zstd and lz4 would clamp silently, gzip fails at the first flush
+        raise _fail("parquet.compression_level", level, allowed)
+    table = pa.table({"x": [0.0]})
+    try:  # the sink's own call: whatever this pyarrow refuses is refused here, not at the first flush
+        pq.write_table(table, pa.BufferOutputStream(), compression=codec, compression_level=level)
+    except (pa.ArrowException, OSError, ValueError):
+        raise _fail("parquet.compression_level", level, allowed) from None
+
+
+def _parquet(raw: dict, formats: tuple[str, ...] = ("parquet",)) -> ParquetConfig:
+    """The `parquet` section; the codec's level is checked against pyarrow only when `formats` holds
+    parquet (the core runs without pyarrow)."""
     values = _section(raw, "parquet", _DEFAULT.parquet)
     _relative_path("parquet", values, "dir")
     for key in ("steps_per_part", "rows_per_part"):
@@ -48,10 +71,14 @@ def _parquet(raw: dict) -> ParquetConfig:
     level = values["compression_level"]
     if level is not None and (isinstance(level, bool) or not isinstance(level, int)):
         raise _fail("parquet.compression_level", level, "null or an integer (codec-specific range)")
+    if level is not None and "parquet" in formats:
+        _compression_level(values["compression"], level)
     return ParquetConfig(**values)
 
 
-def _prometheus(raw: dict) -> PrometheusConfig:
+def _prometheus(raw: dict, ops: tuple[str, ...] = VALUE_STATS) -> PrometheusConfig:
+    """The `prometheus` section; `stats` may name only statistics that `ops` computes (the endpoint
+    would serve 0.0 for the others)."""
     from trainermon.collect.records import FAMILIES, STATE_FAMILIES
 
     values = _section(raw, "prometheus", _DEFAULT.prometheus)
@@ -64,6 +91,14 @@ def _prometheus(raw: dict) -> PrometheusConfig:
         if not isinstance(values[key], bool):
             raise _fail(f"prometheus.{key}", values[key], "true or false")
     _choices("prometheus", values, "stats", VALUE_STATS)
+    computed = [s for s in VALUE_STATS if s in ops]
+    missing = [s for s in values["stats"] or () if s not in computed]
+    if missing:
+        raise _fail(
+            "prometheus.stats",
+            missing if len(missing) > 1 else missing[0],
+            f"the statistics computed from ops {computed} (add the others to ops)",
+        )
     _choices("prometheus", values, "families", FAMILIES + STATE_FAMILIES)
     values["max_series"] = _int(
         {"prometheus.max_series": values["max_series"]}, "prometheus.max_series", 1, 10**7

@@ -8,16 +8,19 @@ sign bit, a freed storage, a gap between elements) takes the engine's eager-torc
 skipped by min/max here but propagates through the sums, so callers must recompute any row whose four
 values are not all finite (`StatsEngine` does).
 
-Set TRAINERMON_FUSED=0 to turn the kernel off (the engine then uses eager torch everywhere).
+Set TRAINERMON_FUSED=0 (or false, off, no) to turn the kernel off (the engine then uses eager torch
+everywhere). It is read once, when this module is imported (`import trainermon`); unset or empty means on,
+an unknown value is warned about and means on (`trainermon.config.env.fused_enabled`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 
 import torch
+
+from trainermon.config.env import fused_enabled
 
 from .partials import NUM_PARTIALS
 
@@ -39,7 +42,7 @@ if _native is not None and _native.HAVE_F16:
 _TENSOR, _PARAMETER, _STRIDED = torch.Tensor, torch.nn.Parameter, torch.strided
 _ITEMSIZE = (4, 2, 2)  # by code
 
-_disabled = os.environ.get("TRAINERMON_FUSED", "1").strip().lower() in ("0", "false", "off", "no")
+_disabled = not fused_enabled()  # the variable's one reader (config.env), read here once, at import
 AVAILABLE: bool = _native is not None and _native.SIMD != "none" and not _disabled
 #: Which kernel runs: "avx2", "neon", or why none does.
 KIND: str = (
