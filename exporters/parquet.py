@@ -77,7 +77,6 @@ class ParquetExporter(Exporter):
         self.seq: dict[str, int] = {}
         self.steps_buffered = 0
         self.buffer_started: float | None = None
-        self.parts_written: list[str] = []
         os.makedirs(self.root, exist_ok=True)
         write_dataset_marker(self.root)
         self.metadata = {
@@ -172,7 +171,7 @@ class ParquetExporter(Exporter):
                 continue
             seq = self.seq.get(family, 0)
             self.seq[family] = seq + 1
-            path = write_part(
+            write_part(  # its path is not kept: a list of every part grew for the life of the run
                 self.root,
                 family,
                 self.run.rank,
@@ -183,7 +182,6 @@ class ParquetExporter(Exporter):
                 self.compression,
                 self.compression_level,
             )
-            self.parts_written.append(path)
         if not self.buffers:
             self.steps_buffered = 0
             self.buffer_started = None

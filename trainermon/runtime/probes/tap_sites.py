@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..side_passes import SIDE_PASSES
 from .slots import io_names, padded
 from .tap_ops import _SITES
 
@@ -31,7 +32,7 @@ class TapSite:
     - `forward(tensors)` -> the call's micro-step: on a module's outputs (`counts` true), the module's
       forward count (then counted); on its inputs (the pre-hook), the count as it stands. actv rows as
       `actv` says, NaN rows for `missing`. The graph hands the micro-step to the gradient hooks of the
-      same call.
+      same call. Inside a framework's own pass (`side_passes.side_pass`) it records and counts nothing.
     - `backward(grads, shards, micro)`: actv_grad rows, one per label of each tapped tensor that has a
       gradient, with the micro-step of the call that made it (as each eager hook carries its own).
     """
@@ -61,7 +62,9 @@ class TapSite:
         micro = 0
         with loop.clock:
             try:
-                if not loop.plan.collecting:
+                if not loop.plan.collecting or SIDE_PASSES.depth:
+                    # a framework's own pass (pipelining's shape inference), as the eager hooks skip it
+                    # (`not_a_micro_batch`): no row, no micro-step, nothing kept for a replay
                     return micro
                 if torch._C._current_graph_task_id() != -1:
                     # activation checkpointing recomputes the call in backward: its rows are written.
@@ -96,7 +99,7 @@ class TapSite:
         loop = self.probe.loop
         with loop.clock:
             try:
-                if not loop.plan.collecting:
+                if not loop.plan.collecting or SIDE_PASSES.depth:  # a framework's own pass: no row
                     return
                 labels, tensors, pieces = [], [], []
                 for i, ((names, piece), grad) in enumerate(zip(self.grads, grads)):
