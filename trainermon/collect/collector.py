@@ -102,7 +102,8 @@ class StepCollector(HookRows):
             local_rows.append((meta, seq))
             local_tensors.append(tensor)
         if pending:
-            for meta, why in sharded.compute(self.engine, pending):
+            told = self._told if family in GRAD_FAMILIES else None  # complex pieces: rows of |z|
+            for meta, why in sharded.compute(self.engine, pending, told):
                 self._skip(family, why, f"{meta.name} ({meta.dtype})")
         if local_tensors:
             self._add_local_rows(family, local_rows, local_tensors, also_as)

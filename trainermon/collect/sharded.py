@@ -12,6 +12,7 @@ import torch
 
 from trainermon.stats import NANS, SUMSQ, empty_partials, grad_sumsq, reduce_across
 
+from .odd import complex_rows
 from .placement import TensorPiece
 from .records import RowMeta
 from .transfer import on_device, to_device
@@ -43,12 +44,21 @@ class ShardedRows:
         self.flags.append(0.0)
         return len(self.parts) - 1
 
-    def compute(self, engine: Any, pending: list[tuple[int, torch.Tensor]]) -> list[Any]:
+    def compute(
+        self, engine: Any, pending: list[tuple[int, torch.Tensor]], told: set[str] | None = None
+    ) -> list[Any]:
         """This rank's pieces of rows (index, tensor), in one engine call; (row, why) of each unreadable one.
         A piece not computed (unreadable, or the call failed and raises) flags its row: no rank writes a
-        row that one rank could not compute, rather than merge the others' pieces as if whole."""
+        row that one rank could not compute, rather than merge the others' pieces as if whole. `told`
+        (gradient families only): a complex piece gets the partials of its moduli |z| (`complex_rows`),
+        which merge exactly across ranks into the whole gradient's |z| row; cost: one real copy and one
+        engine call per complex piece, on collected steps that have one."""
+        tensors = [t for _, t in pending]
         try:
-            computed, skipped = engine.compute_rows([t for _, t in pending])
+            computed, skipped = engine.compute_rows(tensors)
+            if skipped and told is not None:  # rare: only steps with a refused piece pay for this
+                rows = [(self.rows[index], index) for index, _ in pending]
+                complex_rows(engine, computed, skipped, rows, tensors, told)
         except BaseException:
             for index, _ in pending:
                 self.flags[index] = 1.0
