@@ -164,9 +164,19 @@ class TorchAdapter(DdpReduceTaps, Adapter):
         """A second optimizer's parameters (a GAN's, a sparse embedding's) are read around the monitored
         optimizer's step, not theirs: their gradients are those they hold then, param_updated equals
         param_origin, and there is no state row. Said once. An optimizer that holds none of the model's
-        parameters (fp32 master copies) is left alone."""
+        parameters (fp32 master copies, or another model's optimizer) gets its own sentence: neither case
+        has state rows, and param_updated is read at its step, before any copy back."""
         held = {id(p) for g in getattr(self.optimizer, "param_groups", ()) for p in g.get("params", ())}
         outside = [mp.name for mp in params if id(mp.param) not in held]
+        if held and params and len(outside) == len(params):
+            logger.warning(
+                "trainermon: the monitored optimizer holds none of the model's %d trainable parameters (it "
+                "holds %d others: fp32 master copies, or another model's optimizer?): no optimizer-state "
+                "rows (mv_distribution), and param_updated is read right after its step, before any copy "
+                "back into the model (equal to param_origin when nothing else updated the model by then)",
+                len(params),
+                len(held),
+            )
         if held and outside and len(outside) < len(params):
             logger.warning(
                 "trainermon: %d trainable parameters are not in the monitored optimizer (%s%s): their "

@@ -48,6 +48,7 @@ class TrainerMon:
             logger.debug(
                 "trainermon: params_have_main_grad is detected from the parameters; the value is unused"
             )
+        check_group("TrainerMon", "process_group", process_group)
         self.config_file_path = str(config_file_path)
         env = read_env()
         raw = read_config_or_defer(self.config_file_path, env.dynamic)  # None: rank 0's, at set_monitor
@@ -94,6 +95,8 @@ class TrainerMon:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 kind = "a positive" if low else "a non-negative"
                 raise ValueError(f"trainermon: {key} must be {kind} integer, got {value!r}")
+        check_group("set_monitor", "dp_group", dp_group)
+        check_group("set_monitor", "tp_group", tp_group)
         context = AdapterContext(
             dp_group, tp_group, self.loop.process_group, grad_acc_steps, self.loop.faults
         )
@@ -357,6 +360,17 @@ __all__ = ["ConfigError", "PrintStructDone", "TrainerMon"]
 
 _OLD_ORDER = ("grad_acc_steps", "optimizer", "dp_group", "tp_group", "start_iteration")
 _MSPROBE_26_ORDER = ("optimizer", "grad_acc_steps", "tp_group", "dp_group", "start_iteration")
+
+
+def check_group(call: str, key: str, value: Any) -> None:
+    """TypeError unless `value` is None or a ProcessGroup (a name failed at every collected step). Free."""
+    group_type = getattr(torch.distributed, "ProcessGroup", None)
+    if value is None or (group_type is not None and isinstance(value, group_type)):
+        return
+    raise TypeError(
+        f"trainermon: {call}({key}=...) got {value!r} (type {type(value).__name__}); allowed: None or a "
+        "torch.distributed ProcessGroup (e.g. from dist.new_group)"
+    )
 
 
 def bind_set_monitor_args(args: tuple, kwargs: dict) -> dict[str, Any]:

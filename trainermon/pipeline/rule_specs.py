@@ -20,6 +20,9 @@ RULE_ARGS: dict[str, tuple[str, ...]] = {
     "AnomalyLogitGrowth": ("threshold", "growth"),
 }
 RULE_NAMES = tuple(RULE_ARGS)
+#: Rule name -> the statistics of the config's `ops` it reads (it can fire on one of them only). The other
+#: rules read columns the engine computes whatever `ops` holds (norm, nans/infs, ratio, load_cv, max).
+RULE_OPS: dict[str, tuple[str, ...]] = {"AnomalyTurbulence": ("norm", "mean")}
 #: The rolling windows' defaults (`AnomalySpike`, `AnomalyUpdateRatio`); a warmup is at least 2.
 WINDOW, WARMUP = 50, 10
 

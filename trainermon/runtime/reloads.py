@@ -93,14 +93,17 @@ class ConfigChanges:
         self.schedule = Schedule(config, anchored=self.control is not None and config.dynamic_on)
 
     def _keep_running(self, config: MonitorConfig, keys: tuple[str, ...]) -> MonitorConfig:
-        """`config` with the running values of `keys` (read when the monitor started); said if it differs."""
+        """`config` with the running values of `keys` (read when the monitor started); said when the file
+        itself sets another value (a key it omits reads as the default: nothing to say)."""
         fixed = {k: getattr(self.config, k) for k in keys if getattr(config, k) != getattr(self.config, k)}
-        if fixed:
+        raw = getattr(self.control, "_raw", None)
+        said = {k: v for k, v in fixed.items() if not isinstance(raw, dict) or k in raw}
+        if said:
             logger.warning(
                 "trainermon: the watched config file sets %s, read at start only: it applies at the next "
                 "start; this run keeps %s",
-                ", ".join(f"{k}={getattr(config, k)!r}" for k in fixed),
-                ", ".join(f"{k}={v!r}" for k, v in fixed.items()),
+                ", ".join(f"{k}={getattr(config, k)!r}" for k in said),
+                ", ".join(f"{k}={v!r}" for k, v in said.items()),
             )
         return dataclasses.replace(config, **fixed) if fixed else config
 

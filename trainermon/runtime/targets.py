@@ -15,7 +15,9 @@ the closest names that exist (difflib), at `set_monitor` and at each config relo
   without activations, `monitor_mbs_grad` without gradients, `module_ranks` naming no rank of the job,
   `dynamic_on` without `DYNAMIC_MONITOR=true`, an alert rule whose family is off, `alert.escalate_steps`
   without rules, a `parquet`/`prometheus` section whose format is not on,
-  `prometheus.families` naming only families that are off.
+  `prometheus.families` naming only families that are off, and keys that cannot act (`inert_keys`: a rule
+  whose statistics `ops` lacks, cc_distribution keys with `enable` false, CSV keys without CSV, `eps`
+  without 'zeros').
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import logging
 from trainermon.collect.records import FAMILY_SWITCH
 from trainermon.config import MonitorConfig
 
+from .inert_keys import inert_keys
 from .selection import (
     cuts_a_name,
     module_matches,
@@ -214,6 +217,7 @@ def idle_switches(config: MonitorConfig, world_size: int, dynamic: bool) -> list
                 f"the {section} section has no effect: format {list(config.format)} does not include "
                 f"'{section}'"
             )
+    out.extend(inert_keys(config))
     chosen = config.prometheus.families
     if "prometheus" in config.format and chosen and not any(family_may_have_rows(config, f) for f in chosen):
         out.append(

@@ -40,6 +40,7 @@ from .hooked_module import HookedModule, never_frames_of_their_own, outside_grap
 from .module_hooks import ModuleHooks, ModuleTree, in_backward
 from .recompute import Recomputes
 from .slots import input_slots, is_activation, no_values, output_slots, padded, replace_tensors
+from .unrun import unrun_modules, warn_unrun
 from .written import mark_view, release, settle_input_views
 
 logger = logging.getLogger("trainermon")
@@ -70,9 +71,17 @@ class ActivationProbe(Probe):
         self._said_eval = False
         self._first: list[Any] = []  # the one-shot root hooks of a collected step (`_first_forward`)
         self._tree = ModuleTree()  # the module tree the selection was made on (model surgery: `_reselect`)
+        self._check_unrun = False  # a selected module without forward is said once per (re)configure
 
     def configure(self, config: MonitorConfig) -> None:
         self._use(self._select(config))
+        self._check_unrun = True  # at the next collected step's end (`unrun`), again after each reload
+
+    def post_optim(self, plan: StepPlan) -> None:
+        # compiled code counts forwards too (the output taps: `tap_sites`)
+        if self._check_unrun and (plan.actv or plan.actv_grad) and self.modules:
+            self._check_unrun = False
+            warn_unrun(unrun_modules(self.modules, self._calls), len(self.modules), plan.step)
 
     def _select(self, config: MonitorConfig) -> list[tuple[int, str, torch.nn.Module]]:
         if (config.collects_actv or config.collects_actv_grad) and (

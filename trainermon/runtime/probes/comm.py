@@ -14,10 +14,8 @@ With DDP, the gradient all-reduces run inside the C++ reducer, out of reach of a
 
 from __future__ import annotations
 
-import csv
 import functools
 import logging
-import os
 import time
 import weakref
 from collections.abc import Callable
@@ -39,6 +37,7 @@ from ..lifecycle import weak_method
 from ..plan import StepPlan
 from ..side_passes import SIDE_PASSES
 from .base import Probe
+from .comm_ops import OpsSpy, warn_unmatched, write_sites
 from .module_hooks import in_backward
 
 logger = logging.getLogger("trainermon")
@@ -73,6 +72,7 @@ class CommProbe(Probe):
         self._warned: set[str] = set()
         self._pending: Any = None  # a check table still on its way to the host (accelerators)
         self._rows = True  # this rank writes comm rows (`module_ranks`; its checks run all the same)
+        self._spy: OpsSpy | None = None  # `ops` set: what the first collected step called (`comm_ops`)
 
     def _compute(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
         with self.loop._lock:
@@ -89,6 +89,10 @@ class CommProbe(Probe):
         wanted = set(cc.ops) if cc.ops is not None else None
         self.specs = [s for s in all_specs() if wanted is None or s.config in wanted]
         self.batch = wanted is None or BATCH_P2P in wanted
+        # `ops` set: every collective is wrapped at the next collected step, to name those called if none
+        # of `ops` is (`comm_ops.OpsSpy`); the next install after it wraps only `ops`' again
+        self._spy = OpsSpy(self.recorder, wanted) if wanted is not None and self.enabled else None
+        self._warned.discard("ops")  # said again after a reload that still sees none
         if self.enabled and self._attached and not cc.cc_log_only:
             self._hook_ddp()
 
@@ -123,7 +127,11 @@ class CommProbe(Probe):
         PIPE.reset(True)
         if not self.patches.installed:
             self._pipeline = _pipeline_stages(self.loop.adapter) > 1
-            self.patches.install(self.specs, self.batch, self.recorder)
+            if self._spy is not None and self._spy.counting:
+                # batch_isend_irecv as configured: wrapped, it would hide the isend/irecv it makes
+                self.patches.install(all_specs(), self.batch, self._spy)
+            else:
+                self.patches.install(self.specs, self.batch, self.recorder)
             # every chunk of a virtual pipeline, each counting its own micro-batches; elsewhere the first
             # root's forwards say the micro-step (and backward k follows forward k)
             roots = self.loop.adapter.roots()
@@ -195,9 +203,13 @@ class CommProbe(Probe):
         late = recorder.settle()
         if late:
             self._warn_once("late", "trainermon: %d collective(s) had not completed at the step's end", late)
-        self._warn_unmatched()
+        warn_unmatched(self)
+        if self._spy is not None and self._spy.counting:
+            message = self._spy.verdict(plan.step)
+            if message is not None:
+                self._warn_once("ops", message)
         if recorder.config.cc_log_only:
-            self._write_sites()
+            write_sites(self)
             recorder.reset()
             return
         checks: list = []
@@ -330,28 +342,6 @@ class CommProbe(Probe):
                     "collectives called from Python are still watched",
                     exc,
                 )
-
-    def _write_sites(self) -> None:
-        path = os.path.join(self.loop.outputs.run_dir, "comm_call_sites.csv")
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "w", encoding="utf-8", newline="") as fh:
-                writer = csv.writer(fh)
-                writer.writerow(["op", "group", "site", "calls"])
-                for (op, group, site), calls in sorted(self.recorder.sites.items()):
-                    writer.writerow([op, group, site, calls])
-        except OSError as exc:
-            self.loop.faults.record("cc_log_only", exc)
-
-    def _warn_unmatched(self) -> None:
-        recorder = self.recorder
-        if recorder.unmatched and not any(recorder._matches.values()):
-            self._warn_once(
-                "codeline",
-                "trainermon: cc_distribution.cc_codeline %s matched no call site; sites seen: %s",
-                list(recorder.config.cc_codeline),
-                sorted(recorder.unmatched)[:20],
-            )
 
     def _warn_once(self, what: str, message: str, *args: Any) -> None:
         if what not in self._warned:
