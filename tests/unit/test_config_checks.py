@@ -45,6 +45,15 @@ def test_prometheus_stats_outside_ops_is_refused(tmp_path, monkeypatch, capsys, 
     assert "prometheus.stats" in capsys.readouterr().err
 
 
+def test_prometheus_stats_outside_ops_is_accepted_with_the_format_off(tmp_path, monkeypatch):
+    """A shared config's unused prometheus section: nothing is served, so nothing is refused."""
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    cfg = {"wg_distribution": True, "ops": ["min", "max"], "format": "csv", "prometheus": {"stats": ["norm"]}}
+    assert cli_main(["check-config", _write(tmp_path, cfg)]) == 0
+    parsed = parse_config(cfg)
+    assert parsed.format == ("csv",) and tuple(parsed.prometheus.stats) == ("norm",)
+
+
 def test_prometheus_stats_in_ops_serves_the_true_count(tmp_path, monkeypatch):
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
     cfg = {

@@ -19,9 +19,9 @@ _fused: bool | None = None  # read once per process, by the first `fused_enabled
 
 def fused_enabled() -> bool:
     """Whether TRAINERMON_FUSED allows the native CPU kernel: the one reader of the variable. It is read
-    once per process, when `trainermon.stats.fused` is imported (by `import trainermon`): the kernel's
-    availability is fixed then, so a later change of the variable has no effect. Costs one dict lookup
-    after the first call."""
+    once per process, when `trainermon.stats.fused` is first imported (by `from trainermon import
+    TrainerMon`): the kernel's availability is fixed then, so a later change of the variable has no
+    effect. Costs one dict lookup after the first call."""
     global _fused
     if _fused is None:
         raw = os.environ.get(FUSED_VAR, "")

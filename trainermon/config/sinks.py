@@ -76,9 +76,11 @@ def _parquet(raw: dict, formats: tuple[str, ...] = ("parquet",)) -> ParquetConfi
     return ParquetConfig(**values)
 
 
-def _prometheus(raw: dict, ops: tuple[str, ...] = VALUE_STATS) -> PrometheusConfig:
-    """The `prometheus` section; `stats` may name only statistics that `ops` computes (the endpoint
-    would serve 0.0 for the others)."""
+def _prometheus(
+    raw: dict, ops: tuple[str, ...] = VALUE_STATS, formats: tuple[str, ...] = ("prometheus",)
+) -> PrometheusConfig:
+    """The `prometheus` section; with the prometheus format on, `stats` may name only statistics that
+    `ops` computes (the endpoint would serve 0.0 for the others; with it off, nothing is served)."""
     from trainermon.collect.records import FAMILIES, STATE_FAMILIES
 
     values = _section(raw, "prometheus", _DEFAULT.prometheus)
@@ -93,7 +95,7 @@ def _prometheus(raw: dict, ops: tuple[str, ...] = VALUE_STATS) -> PrometheusConf
     _choices("prometheus", values, "stats", VALUE_STATS)
     computed = [s for s in VALUE_STATS if s in ops]
     missing = [s for s in values["stats"] or () if s not in computed]
-    if missing:
+    if missing and "prometheus" in formats:
         raise _fail(
             "prometheus.stats",
             missing if len(missing) > 1 else missing[0],

@@ -9,8 +9,9 @@ skipped by min/max here but propagates through the sums, so callers must recompu
 values are not all finite (`StatsEngine` does).
 
 Set TRAINERMON_FUSED=0 (or false, off, no) to turn the kernel off (the engine then uses eager torch
-everywhere). It is read once, when this module is imported (`import trainermon`); unset or empty means on,
-an unknown value is warned about and means on (`trainermon.config.env.fused_enabled`).
+everywhere). It is read once, when this module is first imported (`from trainermon import TrainerMon`);
+unset or empty means on, an unknown value is warned about and means on
+(`trainermon.config.env.fused_enabled`).
 """
 
 from __future__ import annotations
