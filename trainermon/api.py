@@ -363,13 +363,19 @@ _MSPROBE_26_ORDER = ("optimizer", "grad_acc_steps", "tp_group", "dp_group", "sta
 
 
 def check_group(call: str, key: str, value: Any) -> None:
-    """TypeError unless `value` is None or a ProcessGroup (a name failed at every collected step). Free."""
-    group_type = getattr(torch.distributed, "ProcessGroup", None)
+    """TypeError unless `value` is None, a ProcessGroup or torch's mark for a rank outside a group made by
+    `new_group` on every rank (`GroupMember.NON_GROUP_MEMBER`): a name failed at every collected step.
+    Free."""
+    dist = torch.distributed
+    group_type = getattr(dist, "ProcessGroup", None)
     if value is None or (group_type is not None and isinstance(value, group_type)):
+        return
+    member = getattr(dist, "GroupMember", None)
+    if member is not None and type(value) is int and value == getattr(member, "NON_GROUP_MEMBER", None):
         return
     raise TypeError(
         f"trainermon: {call}({key}=...) got {value!r} (type {type(value).__name__}); allowed: None or a "
-        "torch.distributed ProcessGroup (e.g. from dist.new_group)"
+        "torch.distributed ProcessGroup (e.g. from dist.new_group, or its GroupMember.NON_GROUP_MEMBER)"
     )
 
 

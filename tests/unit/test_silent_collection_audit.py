@@ -15,6 +15,7 @@ import logging
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from tests.distributed import free_port
@@ -42,11 +43,15 @@ def test_cc_ops_that_see_no_call_are_said(tmp_path, out_dir, static_mode, one_gl
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     monitor = TrainerMon(cfg)
-    calls = []
+    calls, wrapped = [], []
     with caplog.at_level(logging.WARNING, logger="trainermon"):
         monitor.set_monitor(model, optimizer=opt)
         for _ in range(3):
             model(torch.randn(3, 4)).sum().backward()
+            # which collectives the monitor's wrappers hold during this (collected) step
+            wrapped.append(
+                tuple(hasattr(f, "__trainermon_comm__") for f in (dist.all_reduce, funcol.all_reduce))
+            )
             made = 0
             for p in model.parameters():
                 dist.all_reduce(p.grad)
@@ -56,6 +61,10 @@ def test_cc_ops_that_see_no_call_are_said(tmp_path, out_dir, static_mode, one_gl
             opt.zero_grad()
         monitor.close()
     rows = read_family(monitor.run_dir, "comm")
+    # the spy wraps every collective but the unwatched functional ones, on the first collected step only
+    # (functional wrappers break a fullgraph compile); later steps wrap `ops`' alone
+    watched = "all_reduce" in ops
+    assert wrapped == [(True, False), (watched, False), (watched, False)], wrapped
     said = [m for m in _warnings(caplog) if "saw no call" in m]
     if "all_reduce" in ops:  # Reference: the job's all_reduces are watched, one row per call site and step
         assert not said and {int(r["step"]) for r in rows} == {0, 1, 2}

@@ -42,6 +42,10 @@ def test_group_arguments_must_be_process_groups(tmp_path, out_dir, static_mode, 
         ):
             monitor.set_monitor(nn.Linear(2, 2), optimizer=None, **{key: "dp"})
         monitor.close()
+    # torch's mark for a rank outside a group that `new_group` made on every rank: taken (as before)
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(nn.Linear(2, 2), optimizer=None, tp_group=dist.GroupMember.NON_GROUP_MEMBER)
+    monitor.close()
     # a real group is taken, and its rows are the gradients' (one gloo rank: reduced == local)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:

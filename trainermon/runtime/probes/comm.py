@@ -89,8 +89,9 @@ class CommProbe(Probe):
         wanted = set(cc.ops) if cc.ops is not None else None
         self.specs = [s for s in all_specs() if wanted is None or s.config in wanted]
         self.batch = wanted is None or BATCH_P2P in wanted
-        # `ops` set: every collective is wrapped at the next collected step, to name those called if none
-        # of `ops` is (`comm_ops.OpsSpy`); the next install after it wraps only `ops`' again
+        # `ops` set: every collective (functional ones only if watched) is wrapped at the next collected
+        # step, to name those called if none of `ops` is (`comm_ops.OpsSpy`); that step's end unwraps them,
+        # so the next install wraps only `ops`' again
         self._spy = OpsSpy(self.recorder, wanted) if wanted is not None and self.enabled else None
         self._warned.discard("ops")  # said again after a reload that still sees none
         if self.enabled and self._attached and not cc.cc_log_only:
@@ -129,7 +130,9 @@ class CommProbe(Probe):
             self._pipeline = _pipeline_stages(self.loop.adapter) > 1
             if self._spy is not None and self._spy.counting:
                 # batch_isend_irecv as configured: wrapped, it would hide the isend/irecv it makes
-                self.patches.install(all_specs(), self.batch, self._spy)
+                # functional collectives only when watched: their wrappers break a fullgraph compile
+                spied = [s for s in all_specs() if not s.functional or s.config in self._spy.wanted]
+                self.patches.install(spied, self.batch, self._spy)
             else:
                 self.patches.install(self.specs, self.batch, self.recorder)
             # every chunk of a virtual pipeline, each counting its own micro-batches; elsewhere the first
@@ -204,10 +207,20 @@ class CommProbe(Probe):
         if late:
             self._warn_once("late", "trainermon: %d collective(s) had not completed at the step's end", late)
         warn_unmatched(self)
-        if self._spy is not None and self._spy.counting:
+        spied = self._spy is not None and self._spy.counting
+        if spied:
             message = self._spy.verdict(plan.step)
             if message is not None:
                 self._warn_once("ops", message)
+        try:
+            self._take(plan)
+        finally:
+            if spied:
+                self._off()  # the spy's wrappers of every collective go: the next install wraps only `ops`'
+
+    def _take(self, plan: StepPlan) -> None:
+        """The step's comm rows to the collector, and the cross-rank checks (a collective on every rank)."""
+        recorder = self.recorder
         if recorder.config.cc_log_only:
             write_sites(self)
             recorder.reset()

@@ -16,9 +16,10 @@ logger = logging.getLogger("trainermon")
 
 
 class OpsSpy:
-    """A `comm.patch.Recorder` in front of the comm recorder when `ops` is set: a call of a watched
-    collective goes on to it; one of another is counted by name (while `counting`) and not recorded.
-    Costs one Python call and a dict update per collective, on collected steps only."""
+    """A `comm.patch.Recorder` in front of the comm recorder when `ops` is set, for the first collected
+    step after a (re)configure only: a call of a watched collective goes on to it; one of another is
+    counted by name and not recorded. Costs one Python call and a dict update per collective, on that
+    step only (its end unwraps the collectives outside `ops`)."""
 
     def __init__(self, recorder: Any, wanted: set[str]) -> None:
         self.recorder, self.wanted = recorder, wanted
