@@ -74,7 +74,7 @@ class ActivationProbe(Probe):
         self._check_unrun = False  # a selected module without forward is said once per (re)configure
 
     def configure(self, config: MonitorConfig) -> None:
-        self._use(self._select(config))
+        self._use(self._select(config), families_off=not (config.collects_actv or config.collects_actv_grad))
         self._check_unrun = True  # at the next collected step's end (`unrun`), again after each reload
 
     def post_optim(self, plan: StepPlan) -> None:
@@ -90,10 +90,13 @@ class ActivationProbe(Probe):
             return select_modules(self.loop.adapter, config, every=config.all_xy or not config.targets)
         return []
 
-    def _use(self, modules: list[tuple[int, str, torch.nn.Module]], force: bool = False) -> bool:
+    def _use(
+        self, modules: list[tuple[int, str, torch.nn.Module]], force: bool = False, families_off: bool = False
+    ) -> bool:
         """Hook `modules` from now on; False when they are the ones hooked already (no churn) unless `force`
         (the escalation's modules may have changed). Costs a walk of the module tree (`ModuleTree.take`)
-        and, when they differ, re-hooking every module."""
+        and, when they differ, re-hooking every module; pinned hooks stay as they are when the modules are
+        the same or none because the families are off (`ModuleHooks.keeps`: no reset of dynamo's caches)."""
         if modules:
             self._tree.take(self.loop.adapter.roots())
         else:
@@ -103,13 +106,16 @@ class ActivationProbe(Probe):
         ]:
             return False  # a reload that selects the same modules keeps the hooks as they are
         self._every = None
-        # keep the state of modules that stay under the same name; a gone module's id may be reused by a
-        # new one once freed, and a reload may rename a module (`squash_name`)
-        same = {(v, n, id(m)) for v, n, m in modules} & {(v, n, id(m)) for v, n, m in self.modules}
-        kept = {key for _, _, key in same}
-        self._hooked = {k: h for k, h in self._hooked.items() if k in kept}
+        keep = not force and self.hooks.keeps(modules, families_off)
+        if not keep:  # kept hooks keep their state (`_hooked`): the traced hooks find it at run time
+            # keep the state of modules that stay under the same name; a gone module's id may be reused by
+            # a new one once freed, and a reload may rename a module (`squash_name`)
+            hooked = self.hooks.modules  # not `self.modules`: [] while the families were off
+            same = {(v, n, id(m)) for v, n, m in modules} & {(v, n, id(m)) for v, n, m in hooked}
+            kept = {key for _, _, key in same}
+            self._hooked = {k: h for k, h in self._hooked.items() if k in kept}
         self.modules = modules
-        self.hooks.reset(modules, self.loop.adapter.roots())  # removes the hooks on gone modules too
+        self.hooks.reset(modules, self.loop.adapter.roots(), keep)  # removes the hooks on gone modules too
         return True
 
     def _reselect(self, step: int) -> None:

@@ -117,6 +117,8 @@ class HookedModule:
 
     def pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         probe = self.probe
+        if not module.training and not torch.is_grad_enabled() and is_compiling():  # an evaluation pass
+            return self._traced_without_grad()
         if not (probe._actv or probe._actv_grad) or (self.extra and not probe._wide):
             if probe is _UNMONITORED:  # a copy's hook: gone after this call
                 drop_copied_hooks(module, self._mine)
@@ -130,6 +132,11 @@ class HookedModule:
 
     def forward(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         probe = self.probe
+        if not module.training and not torch.is_grad_enabled() and is_compiling():  # an evaluation pass
+            self._traced_without_grad()
+            if self.traced_forward is not None:  # says the evaluation pass (at trace time), reads no flag
+                self.traced_forward(module, args, kwargs, output)
+            return None
         if not (probe._actv or probe._actv_grad) or (self.extra and not probe._wide):
             if probe is _UNMONITORED:
                 drop_copied_hooks(module, self._mine)
@@ -140,6 +147,16 @@ class HookedModule:
             return None
         with probe.loop.clock:
             return probe._forward_body(self, module, args, kwargs, output)
+
+    def _traced_without_grad(self) -> None:
+        """Traced in eval mode without grad (an evaluation pass), tested before the monitor's flags, so
+        that an evaluation graph has no guard on them and is not compiled again for each family switch
+        (dynamo's `recompile_limit`); grad mode and `training` are guarded anyway. `training` is read
+        first: in training the test costs one attribute read per call. The traced hooks do nothing
+        there either (the pre-hook taps gradients only; the forward hook sees an evaluation pass, said
+        once at trace time). Eager calls keep their order: an eager body tells a reentrant checkpoint's
+        first pass (no grad) from an evaluation pass (`grad_forward`), which a trace never sees."""
+        self.probe.hooks.pin_at_trace()  # as `_not_eager`: compiled code may call the hooks from now on
 
     def _not_eager(self, traced_slot: str, body: Any, *args: Any) -> Any:
         """Traced by dynamo: the traced hook, or the body outside the graph where it cannot tap this call.

@@ -56,10 +56,11 @@ def compiled_before() -> bool:
     return graphs_compiled() > 0
 
 
-def recompile_with_hooks() -> None:
+def recompile_with_hooks(reason: str = "") -> None:
     """Graphs compiled without the hooks never call them: drop dynamo's caches once, so every compiled
     function recompiles at its next call, this time with the hooks in its graph. Cost: one recompile of each
-    compiled function in the process."""
+    compiled function in the process. `reason`: why, when it is not the first choice of modules (said at
+    WARNING: a reload caused it)."""
     try:
         import torch._dynamo
 
@@ -67,10 +68,18 @@ def recompile_with_hooks() -> None:
         from .hooked_module import never_frames_of_their_own  # here: hooked_module imports this module
 
         never_frames_of_their_own()  # the reset forgot it for code dynamo had seen
-        logger.info(
-            "trainermon: graphs compiled without the activation hooks do not call them; dynamo's caches"
-            " were reset, so compiled code recompiles once at its next call, with the hooks"
-        )
+        if reason:
+            logger.warning(
+                "trainermon: %s while compiled graphs exist, whose hooks are fixed at trace time: dynamo's"
+                " caches were reset, so every compiled function in the process (not only the model)"
+                " recompiles once at its next call",
+                reason,
+            )
+        else:
+            logger.info(
+                "trainermon: graphs compiled without the activation hooks do not call them; dynamo's caches"
+                " were reset, so compiled code recompiles once at its next call, with the hooks"
+            )
     except Exception as exc:  # noqa: BLE001 - the model trains as before; the rows would stay empty
         logger.warning(
             "trainermon: torch.compile compiled graphs without the activation hooks and dynamo's caches could"
@@ -100,10 +109,36 @@ class ModuleHooks:
         #: pins the hooks when dynamo traces a call of this function (see `reset`); made by `reset`
         self.pin_at_trace: Callable[[], bool] = lambda: True
 
+    @property
+    def modules(self) -> Sequence[tuple[int, str, torch.nn.Module]]:
+        """The modules hooked (or hooked on collected steps); kept while the activation families are off."""
+        return self._modules
+
+    def keeps(self, modules: Sequence[tuple[int, str, torch.nn.Module]], families_off: bool) -> bool:
+        """Whether `reset(modules)` keeps the installed hooks as they are: pinned, and the same modules, or
+        none only because the activation families are off (each hook then returns at once: its flags are
+        false, and dynamo guards on them). Removing pinned hooks, or hooking new modules, would need a reset
+        of dynamo's caches: every compiled function in the process recompiles. Costs a list comparison."""
+        if not (self.pinned and self._handles):
+            return False
+        if not modules:
+            return families_off
+        return [(v, n, id(m)) for v, n, m in modules] == [(v, n, id(m)) for v, n, m in self._modules]
+
     def reset(
-        self, modules: Sequence[tuple[int, str, torch.nn.Module]], roots: Sequence[torch.nn.Module]
+        self,
+        modules: Sequence[tuple[int, str, torch.nn.Module]],
+        roots: Sequence[torch.nn.Module],
+        keep: bool = False,
     ) -> None:
-        """Hook `modules` from now on (none: remove everything). Pinned at once when graphs exist already."""
+        """Hook `modules` from now on (none: remove everything). Pinned at once when graphs exist already.
+        `keep` (see `keeps`): the hooks stay as they are. Otherwise, once pinned with graphs compiled, a
+        change of the hooked modules resets dynamo's caches (said at WARNING)."""
+        if keep:
+            if modules:
+                self._modules = modules
+            return
+        before = {id(m) for _, _, m in self._modules}
         self.close()
         self._modules = modules
         if not modules:
@@ -136,7 +171,8 @@ class ModuleHooks:
         if self.pinned:
             self.add(modules, extra=False)
             if compiled_before():
-                recompile_with_hooks()
+                new = [n for _, n, m in modules if id(m) not in before]
+                recompile_with_hooks(_why(new, bool(before)))
             return
         self._graphs_without = graphs_compiled()
 
@@ -184,6 +220,18 @@ class ModuleHooks:
             handle.remove()
         self._watchers.clear()
         self.grad_forward = False
+
+
+def _why(new: list[str], hooked_before: bool) -> str:
+    """Why the hooked modules changed (for `recompile_with_hooks`); "" for the first choice of modules."""
+    if not hooked_before:
+        return ""
+    if new:
+        more = f" and {len(new) - 4} more" if len(new) > 4 else ""
+        return (
+            f"the activation modules changed: modules not hooked were selected ({', '.join(new[:4])}{more})"
+        )
+    return "the activation modules changed: modules no longer selected lose their hooks"
 
 
 class ModuleTree:
