@@ -48,7 +48,7 @@ class TrainerMon:
             logger.debug(
                 "trainermon: params_have_main_grad is detected from the parameters; the value is unused"
             )
-        check_group("TrainerMon", "process_group", process_group)
+        check_group("TrainerMon", "process_group", process_group, non_member=False)
         self.config_file_path = str(config_file_path)
         env = read_env()
         raw = read_config_or_defer(self.config_file_path, env.dynamic)  # None: rank 0's, at set_monitor
@@ -362,20 +362,24 @@ _OLD_ORDER = ("grad_acc_steps", "optimizer", "dp_group", "tp_group", "start_iter
 _MSPROBE_26_ORDER = ("optimizer", "grad_acc_steps", "tp_group", "dp_group", "start_iteration")
 
 
-def check_group(call: str, key: str, value: Any) -> None:
-    """TypeError unless `value` is None, a ProcessGroup or torch's mark for a rank outside a group made by
-    `new_group` on every rank (`GroupMember.NON_GROUP_MEMBER`): a name failed at every collected step.
+def check_group(call: str, key: str, value: Any, non_member: bool = True) -> None:
+    """TypeError unless `value` is None, a ProcessGroup or (where `non_member`: dp_group, tp_group) torch's
+    mark for a rank outside a group made by `new_group` on every rank (`GroupMember.NON_GROUP_MEMBER`): a
+    name failed at every collected step. `process_group` has no such mark: its ranks must all be in it.
     Free."""
     dist = torch.distributed
     group_type = getattr(dist, "ProcessGroup", None)
     if value is None or (group_type is not None and isinstance(value, group_type)):
         return
     member = getattr(dist, "GroupMember", None)
-    if member is not None and type(value) is int and value == getattr(member, "NON_GROUP_MEMBER", None):
+    mark = getattr(member, "NON_GROUP_MEMBER", None) if member is not None else None
+    if non_member and type(value) is int and value == mark:
         return
+    allowed = " (e.g. from dist.new_group, or its GroupMember.NON_GROUP_MEMBER)" if non_member else ""
+    outside = "" if non_member else " holding this rank"
     raise TypeError(
         f"trainermon: {call}({key}=...) got {value!r} (type {type(value).__name__}); allowed: None or a "
-        "torch.distributed ProcessGroup (e.g. from dist.new_group, or its GroupMember.NON_GROUP_MEMBER)"
+        f"torch.distributed ProcessGroup{outside}{allowed}"
     )
 
 

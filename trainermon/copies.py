@@ -27,8 +27,9 @@ def drop_copied_hooks(module: Any, is_copied: Callable[[Any], bool]) -> None:
     left leaves torch's fast call path for good (an EMA copy kept 8 inert hooks after close). Safe inside
     the call: torch iterates a tuple made of the dicts' items, except for the hooks it calls after forward
     raised (`always_call`, the dict iterated in place): while an exception is being handled, those stay
-    for a later call. Anything that is not a module is left alone."""
-    if not isinstance(module, torch.nn.Module):
+    for a later call. Anything that is not a module is left alone, and nothing is removed while dynamo
+    traces (it cannot trace a dict deletion: a fullgraph compile of a copy raised); an eager call does it."""
+    if not isinstance(module, torch.nn.Module) or torch.compiler.is_compiling():
         return
     always = getattr(module, "_forward_hooks_always_called", {}) if sys.exc_info()[0] is not None else {}
     for attr in _HOOK_DICTS:

@@ -184,3 +184,43 @@ def test_targets_edit_selecting_new_modules_says_the_reset(tmp_path, out_dir, dy
         assert float(actv[("2.output", step, 0)]["norm"]) == pytest.approx(
             float(outputs[step].norm()), rel=1e-5
         )
+
+
+@pytest.mark.parametrize("none_here", [{"module_ranks": [1]}, {"targets": {"nomatch": {}}}])
+def test_families_on_again_selecting_nothing_here_writes_nothing(tmp_path, out_dir, dynamic_mode, none_here):
+    """Families off (hooks kept, pinned), then on again with no module selected on this rank (another
+    rank's `module_ranks`, or targets matching nothing): the kept hooks go, as in an eager run; they wrote
+    rows on every step after (rank-excluded rows, equal to the model's output)."""
+    edits = {4: {"xy_distribution": False}, 7: {"xy_distribution": True, **none_here}}
+    want_actv, _, _, _, _, _ = _families(tmp_path, False, edits, 10)
+    got_actv, got_grad, _, _, _, _ = _families(tmp_path, True, edits, 10)
+    want = sorted({step for _, step, _ in want_actv})
+    assert want and max(want) < 7, want  # eager: nothing once the families are on again here
+    assert sorted({step for _, step, _ in got_actv}) == want
+    assert sorted({step for _, step, _ in got_grad}) == want
+
+
+def test_a_copy_of_the_model_compiled_fullgraph_for_evaluation_runs(tmp_path, out_dir, static_mode):
+    """A deepcopy of the monitored model (an EMA or reference model: not monitored) compiled with
+    fullgraph=True and run in eval mode without grad: its copied hooks trace to nothing (the copy's
+    probe has no hooks to pin: dynamo raised Unsupported)."""
+    import copy
+
+    path = tmp_path / "cfg.json"
+    path.write_text('{"xy_distribution": true, "ops": ["norm"]}')
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(str(path))
+    monitor.set_monitor(model, optimizer=opt)
+    torch.compile(model, backend="aot_eager")(torch.randn(3, 4)).sum().backward()  # pins the hooks
+    opt.step()
+    opt.zero_grad()
+    ema = copy.deepcopy(model).eval()
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        got = torch.compile(ema, backend="aot_eager", fullgraph=True)(x)
+        want = ema(x)
+    monitor.close()
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
+    rows = keyed(read_family(monitor.run_dir, "actv"))  # the monitored model's step only, not the copy's
+    assert ("2.output", 0, 0) in rows and {(step, micro) for _, step, micro in rows} == {(0, 0)}

@@ -71,6 +71,7 @@ def test_cc_ops_that_see_no_call_are_said(tmp_path, out_dir, static_mode, one_gl
     else:
         assert not rows and len(said) == 1, said
         assert "cc_distribution.ops ['broadcast']" in said[0] and f"all_reduce x{calls[0]}" in said[0]
+        assert "counted only with 'funcol' in ops" in said[0]  # the spy does not wrap them: not "none"
 
 
 def test_xy_target_that_never_runs_is_said_once(tmp_path, out_dir, static_mode, caplog):

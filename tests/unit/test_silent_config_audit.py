@@ -42,6 +42,9 @@ def test_group_arguments_must_be_process_groups(tmp_path, out_dir, static_mode, 
         ):
             monitor.set_monitor(nn.Linear(2, 2), optimizer=None, **{key: "dp"})
         monitor.close()
+    # process_group has no such mark (its ranks must all be in it: set_monitor raised deep inside)
+    with pytest.raises(TypeError, match=r"process_group=\.\.\.\) got -100.*ProcessGroup holding this rank"):
+        TrainerMon(cfg, process_group=dist.GroupMember.NON_GROUP_MEMBER)
     # torch's mark for a rank outside a group that `new_group` made on every rank: taken (as before)
     monitor = TrainerMon(cfg)
     monitor.set_monitor(nn.Linear(2, 2), optimizer=None, tp_group=dist.GroupMember.NON_GROUP_MEMBER)

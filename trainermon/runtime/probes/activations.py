@@ -101,9 +101,9 @@ class ActivationProbe(Probe):
             self._tree.take(self.loop.adapter.roots())
         else:
             self._tree.clear()
-        if not force and [(v, n, id(m)) for v, n, m in modules] == [
-            (v, n, id(m)) for v, n, m in self.modules
-        ]:
+        stale = not modules and not families_off and bool(self.hooks.modules)  # kept while off: remove
+        same = [(v, n, id(m)) for v, n, m in modules] == [(v, n, id(m)) for v, n, m in self.modules]
+        if not force and not stale and same:
             return False  # a reload that selects the same modules keeps the hooks as they are
         self._every = None
         keep = not force and self.hooks.keeps(modules, families_off)

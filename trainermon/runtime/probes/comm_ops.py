@@ -65,6 +65,8 @@ class OpsSpy:
         if self.watched:
             return None
         seen = ", ".join(f"{name} x{n}" for name, n in sorted(self.seen.items())) or "none"
+        if "funcol" not in self.wanted:
+            seen += " (functional collectives, DTensor's included, are counted only with 'funcol' in ops)"
         return (
             f"trainermon: cc_distribution.ops {sorted(self.wanted)} saw no call at step {step} (the first "
             f"collected step), so no comm rows; collectives the job called there: {seen}"

@@ -156,6 +156,8 @@ class HookedModule:
         there either (the pre-hook taps gradients only; the forward hook sees an evaluation pass, said
         once at trace time). Eager calls keep their order: an eager body tells a reentrant checkpoint's
         first pass (no grad) from an evaluation pass (`grad_forward`), which a trace never sees."""
+        if self.probe is _UNMONITORED:  # a copy's hook (EMA, reference model): nothing to pin
+            return
         self.probe.hooks.pin_at_trace()  # as `_not_eager`: compiled code may call the hooks from now on
 
     def _not_eager(self, traced_slot: str, body: Any, *args: Any) -> Any:
