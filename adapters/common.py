@@ -103,11 +103,18 @@ class Restore:
 #: autograd runs the reduce hooks on its own device threads.
 CLOSURE_RERUNS = [0]
 
+#: Steps another optimizer took over monitored parameters since the monitored one's last step boundary
+#: (counted by the skipped-step probe, zeroed at each boundary): their backwards, not a missing no-sync
+#: mode, explain a second reduce in one step (the monitored optimizer replaced mid-run), which that
+#: probe names instead.
+FOREIGN_STEPPED = [0]
+
 
 class OncePerStep:
     """Parameter indices already reported this step; warns once per run when a framework reduces the same
     gradients twice in a step (gradient accumulation without its no-sync mode), but not from a closure's
-    later calls inside one `step(closure)` (`CLOSURE_RERUNS`)."""
+    later calls inside one `step(closure)` (`CLOSURE_RERUNS`), nor after another optimizer stepped the
+    monitored parameters since the last boundary (`FOREIGN_STEPPED`)."""
 
     def __init__(self, what: str) -> None:
         self.what = what
@@ -118,7 +125,7 @@ class OncePerStep:
         """The indices not reported yet this step (and marks them reported)."""
         indices = list(indices)
         new = [i for i in indices if i not in self.seen]
-        if len(new) < len(indices) and not self._warned and not CLOSURE_RERUNS[0]:
+        if len(new) < len(indices) and not self._warned and not CLOSURE_RERUNS[0] and not FOREIGN_STEPPED[0]:
             self._warned = True
             logger.warning(
                 "trainermon: %s reduced gradients more than once in one step (gradient accumulation "

@@ -7,6 +7,9 @@
 - Pre-reduce gradient: a post-accumulate-grad hook on each parameter, on the backward that DDP reduces
   (its forward ran with gradient sync on, i.e. outside `no_sync()`; a forward pre-hook on each DDP
   remembers it). Armed on collected steps only (`arm_grad_taps`): no per-parameter work otherwise.
+  A gradient accumulated under `no_sync()` of a parameter the syncing forward does not use (layer drop,
+  routing; `find_unused_parameters`) gets no such hook call, yet DDP reduces it: it is taken right after
+  that forward, before the backward can divide it in place (`_take_unused`).
 - The set DDP's reducer holds (`_reducer_held`, read from its buckets): a parameter made trainable after
   DDP was built is never all-reduced (`_say_unreduced`); its rows are this rank's own. One frozen after
   the build and unfrozen later is reduced: its rows are DDP's (one writer).
@@ -48,6 +51,8 @@ class DdpReduceTaps:
         self._report_tap: Any = None
         self._syncing: list[tuple[Any, list]] = []  # (DDP, [reduces the latest forward's backward])
         self._armed: list[Any] = []  # this step's post-accumulate-grad hooks
+        self._armed_params: dict[int, list[tuple[torch.Tensor, int]]] = {}  # id(DDP) -> (param, index)
+        self._after: list[Any] = []  # a syncing forward's one-shot forward hook (`_take_unused`)
 
     def _reducer_held(self) -> set[int]:
         """The ids of the parameters DDP reduces: those its reducer was built with (trainable and not
@@ -156,6 +161,8 @@ class DdpReduceTaps:
                 # a pipeline stage's shape inference (a side pass) runs DDP outside no_sync(): no reduce
                 syncing[0] = torch.is_grad_enabled() and module.require_backward_grad_sync
                 syncing[0] = syncing[0] and SIDE_PASSES.depth == 0
+                if self._armed and syncing[0]:  # a collected step's syncing forward only
+                    self._note_accumulated(module)
 
             def reduces_next(syncing: list = syncing) -> None:
                 syncing[0] = True
@@ -190,6 +197,45 @@ class DdpReduceTaps:
                         report(index, param.grad, taps)
 
                 self._armed.append(p.register_post_accumulate_grad_hook(tap))
+                self._armed_params.setdefault(id(ddp), []).append((p, mp.index))
+
+    def _note_accumulated(self, ddp: Any) -> None:
+        """A collected step's syncing forward of `ddp`, which may leave parameters unused: those with a
+        gradient already (accumulated under `no_sync()`) are looked at once the forward returned
+        (`_take_unused`). A `.grad` test per tapped parameter; nothing where DDP requires every
+        parameter to be used (then every one gets its tap call)."""
+        self._drop_after()
+        if not (getattr(ddp, "find_unused_parameters", False) or getattr(ddp, "static_graph", False)):
+            return
+        held = [(p, i) for p, i in self._armed_params.get(id(ddp), ()) if p.grad is not None]
+        if not held:
+            return
+        take = guarded(self.context.faults, "DDP unused-gradient tap", self._take_unused)
+
+        def after(module: Any, args: Any, output: Any) -> None:
+            self._drop_after()
+            take(output, held)
+
+        self._after.append(ddp.register_forward_hook(after))
+
+    def _take_unused(self, output: Any, held: list[tuple[torch.Tensor, int]]) -> None:
+        """Rows of the accumulated gradients in `held` whose parameters the forward's graph does not
+        reach: DDP's reducer marks them ready and all-reduces them at the first hook of the backward, and
+        no tap fires for them. Their `.grad` now is this rank's gradient before that reduce (undivided
+        even as a bucket view). Costs a walk of the autograd graph from the outputs, on collected steps
+        whose syncing forward follows `no_sync()` micro-batches; it stops once every one is reached."""
+        taps, report = self._taps, self._report_tap
+        if taps is None or not taps.active:
+            return
+        left = {id(p): (p, i) for p, i in held}
+        _unreach(output, left)
+        for p, i in left.values():
+            report(i, p.grad, taps)
+
+    def _drop_after(self) -> None:
+        for handle in self._after:
+            handle.remove()
+        self._after.clear()
 
     def _late_ddps(self) -> None:
         """At the end of the first collected step that reads gradients, with no DDP found at set_monitor:
@@ -212,6 +258,8 @@ class DdpReduceTaps:
         for handle in self._armed:
             handle.remove()
         self._armed.clear()
+        self._armed_params.clear()
+        self._drop_after()
 
     def close(self) -> None:
         self._disarm()
@@ -226,6 +274,34 @@ class DdpReduceTaps:
     def _report(self, index: int, grad: torch.Tensor | None, taps: GradTaps) -> None:
         if grad is not None and self._seen.fresh((index,)):
             self.row_spans.around(lambda: taps.on_unreduced((index,), (grad,)))
+
+
+def _unreach(output: Any, left: dict[int, tuple[torch.Tensor, int]]) -> None:
+    """Takes out of `left` (id(param) -> entry) the parameters the autograd graph of `output` reaches (as
+    DDP's `find_unused_parameters` search does); stops once `left` is empty. One visit per graph node."""
+    try:
+        from torch.nn.parallel.distributed import _find_tensors
+
+        tensors = list(_find_tensors(output))
+    except Exception:  # noqa: BLE001 - another torch: tensors at the top level or in a tuple/list/dict
+        items = output.values() if isinstance(output, dict) else output
+        tensors = [t for t in (items if isinstance(items, (tuple, list)) else [items]) if torch.is_tensor(t)]
+    stack: list[Any] = []
+    for t in tensors:
+        left.pop(id(t), None)  # a parameter returned as it is
+        if t.grad_fn is not None:
+            stack.append(t.grad_fn)
+    seen: set[Any] = set()
+    while stack and left:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        var = getattr(fn, "variable", None)  # AccumulateGrad: a leaf's gradient
+        if var is not None:
+            left.pop(id(var), None)
+            continue
+        stack.extend(f for f, _ in fn.next_functions if f is not None and f not in seen)
 
 
 def _as_built(ddp: Any, trainable: list[torch.nn.Parameter]) -> bool:
