@@ -49,7 +49,7 @@ class TrainerMon:
                 "trainermon: params_have_main_grad is detected from the parameters; the value is unused"
             )
         check_group("TrainerMon", "process_group", process_group, non_member=False)
-        self.config_file_path = str(config_file_path)
+        self.config_file_path = os.path.abspath(os.fspath(config_file_path))  # the cwd may change later
         env = read_env()
         raw = read_config_or_defer(self.config_file_path, env.dynamic)  # None: rank 0's, at set_monitor
         config = parse_config(raw if raw is not None else {"dynamic_on": False}, source=self.config_file_path)
@@ -67,8 +67,9 @@ class TrainerMon:
         """Attach to `model` (a module or a list of model chunks, vpp_stage = index) and `optimizer`.
 
         Hooks the optimizer's step (per instance) and the adapter's always-on taps, opens this rank's
-        output and starts the background worker. Collective in dynamic mode (the config broadcast group).
-        Raises only for invalid arguments.
+        output and starts the background worker. Collective with more than one rank: every rank must call
+        it (a store check first, `runtime.arrival`; then the groups it makes). Raises only for invalid
+        arguments, a second call, or a rank that does not call it within TRAINERMON_SET_MONITOR_TIMEOUT_S.
 
         Arguments: `grad_acc_steps=1, optimizer=None, dp_group=None, tp_group=None,
         start_iteration=0`, by keyword or in one of msprobe's two positional orders: the older

@@ -222,7 +222,10 @@ def test_collect_times_zero(dyn):
     assert _collected_steps(out) == []
 
 
-def test_bad_json_mid_run_keeps_config_and_warns_once(dyn, caplog):
+def test_bad_json_mid_run_keeps_config_and_warns_once(dyn, monkeypatch, caplog):
+    """Invalid JSON is said once it stays invalid GONE_S (0 here: at the next step's poll; a save being
+    written is not warned about); a valid file with a bad value at once."""
+    monkeypatch.setattr("trainermon.runtime.control.GONE_S", 0.0)
     make, out = dyn
     path = make(dynamic_on=True)
 
@@ -238,7 +241,7 @@ def test_bad_json_mid_run_keeps_config_and_warns_once(dyn, caplog):
 
     with caplog.at_level(logging.WARNING, logger="trainermon"):
         monitor = _train(
-            path, 8, {2: half_written, 3: wrong_type, 5: _edit(path, dynamic_on=False, step_interval=1)}
+            path, 8, {2: half_written, 4: wrong_type, 5: _edit(path, dynamic_on=False, step_interval=1)}
         )
     assert _collected_steps(out) == [0, 1, 2, 3, 4, 5]
     warnings = [r.getMessage() for r in caplog.records if "keeping the current config" in r.getMessage()]

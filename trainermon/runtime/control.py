@@ -12,7 +12,8 @@
   rank applies the same config at the same step whatever its own view of a shared filesystem. The file
   is read again at the first step: an edit between `TrainerMon()` and `set_monitor` is not missed.
 - `update_config_file` rewrites the file atomically (temporary file, fsync, rename), keeping the user's
-  other keys. The CLI's `on`/`off` and the automatic stop after `collect_times` use it.
+  other keys, and never over a save made meanwhile (`replace_if_unchanged`, a compare-and-swap). The CLI's
+  `on`/`off` use it; the automatic stop after `collect_times` writes only over the config it applied.
 """
 
 from __future__ import annotations
@@ -21,43 +22,17 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import threading
 import time
 from typing import Any
 
 from trainermon.config import ConfigError, MonitorConfig, parse_config, read_config_json
 
+from .config_file import replace_if_unchanged, update_config_file  # noqa: F401 - update_config_file: the CLI's
+
 logger = logging.getLogger("trainermon")
 #: Seconds a deleted config file may stay away (an editor's delete-and-write) before the monitor says so.
 GONE_S = 1.0
-
-
-def update_config_file(path: str, **changes: Any) -> dict:
-    """Set keys in a JSON config file atomically, keeping every other key. Returns the new mapping."""
-    with open(path, encoding="utf-8") as fh:
-        raw = json.load(fh)
-    if not isinstance(raw, dict):
-        raise ConfigError(f"config file {path!r}: the top level must be a JSON object")
-    raw.update(changes)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".trainermon-", suffix=".json", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(raw, fh, indent=2)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        try:
-            os.chmod(tmp, os.stat(path).st_mode & 0o777)
-        except OSError:
-            pass
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return raw
 
 
 def read_config_or_defer(path: str, dynamic: bool) -> Any:
@@ -243,7 +218,7 @@ class DynamicControl:
     """
 
     def __init__(self, path: str, initial: MonitorConfig, polling: bool = False) -> None:
-        self.path = path
+        self.path = os.path.abspath(path)  # read at every reload: a later os.chdir must not move it
         self.config = initial
         self.version = 0
         self._raw: dict | None = None  # the config mapping of the current version (deciding rank)
@@ -252,7 +227,8 @@ class DynamicControl:
                 self._raw = json.load(fh)
         except (OSError, ValueError):
             self._raw = None
-        self._bad_warned: str | None = None
+        self._bad: str | None = None  # why the file is invalid (deciding rank)
+        self._bad_due: float | None = None  # when to say so if it stays invalid; None: said, or valid
         self._validated: MonitorConfig | None = None  # `_raw` parsed by the deciding rank (warned once)
         self._gone_since: float | None = None  # when the file was found deleted (deciding rank)
         self._group: Any = None
@@ -279,7 +255,11 @@ class DynamicControl:
 
     def _read_if_changed(self) -> None:
         """Deciding rank: reload the file if the watcher saw a change. A bad file keeps the old config."""
-        if self.watcher is None or not self.watcher.dirty:
+        if self.watcher is None:
+            return
+        # An invalid file is read again once it has stayed so for GONE_S (a save being written completes
+        # within ms), to say so if it still is. Cost: one comparison per step while the file is valid.
+        if not self.watcher.dirty and (self._bad_due is None or time.monotonic() < self._bad_due):
             if self._gone_since is not None:
                 self._check_gone()
             return
@@ -294,15 +274,17 @@ class DynamicControl:
             # which `_check_gone` says once the file has stayed away for GONE_S.
             if self._gone_since is None:
                 self._gone_since = time.monotonic()
+            self._bad = self._bad_due = None  # gone is not invalid (`_check_gone` says it)
             return
         except json.JSONDecodeError as exc:
-            self._warn_bad(f"not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})")
+            self._warn_bad(
+                f"not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})", syntax=True
+            )
             return
         except Exception as exc:  # noqa: BLE001 - whatever is in the file, the running config stays
             self._warn_bad(str(exc))
             return
-        self._bad_warned = None
-        self._gone_since = None
+        self._bad = self._bad_due = self._gone_since = None
         if raw == self._raw:
             return  # saved again with the same content (or a spurious event): nothing to apply
         self._raw, self._validated = raw, validated
@@ -321,10 +303,23 @@ class DynamicControl:
             )
         self._gone_since = None  # said, or back (the watcher's event reloads it)
 
-    def _warn_bad(self, message: str) -> None:
-        if message != self._bad_warned:  # once per distinct problem, not once per event
-            self._bad_warned = message
+    def _warn_bad(self, message: str, syntax: bool = False) -> None:
+        """An invalid file keeps the running config: said once per distinct problem, invalid JSON (`syntax`:
+        maybe a save still being written) at DEBUG until it has lasted GONE_S."""
+        now = time.monotonic()
+        if message != self._bad:
+            if self._bad is None or self._bad_due is None:  # a new problem (not one replacing a pending one)
+                self._bad_due = now + GONE_S
+            if not syntax:
+                self._bad_due = now  # valid JSON, a wrong value: the user's own mistake, said at once
+            self._bad = message
+        if self._bad_due is None:
+            return  # said
+        if now >= self._bad_due:
+            self._bad_due = None
             logger.warning("trainermon: %s is invalid, keeping the current config: %s", self.path, message)
+        else:
+            logger.debug("trainermon: %s is invalid for now (a save in progress?): %s", self.path, message)
 
     def poll(self) -> MonitorConfig | None:
         import torch
@@ -373,14 +368,13 @@ class DynamicControl:
             self._raw = {**applied, "dynamic_on": False}
         if self._rank != 0:
             return
+        if not isinstance(applied, dict):
+            return  # the file said nothing valid to switch off
         try:
-            with open(self.path, encoding="utf-8") as fh:
-                if json.load(fh) != applied:
-                    return
-        except (OSError, ValueError):
-            return  # gone or mid-save: a new version is coming, or the file says nothing to switch off
-        try:
-            update_config_file(self.path, dynamic_on=False)
+            # Only over the applied content: a save since (even during this write) applies at the next step.
+            replace_if_unchanged(self.path, {"dynamic_on": False}, expected=applied)
+        except (FileNotFoundError, ValueError):
+            return  # gone or mid-save: a new version is coming
         except Exception as exc:  # noqa: BLE001
             logger.warning("trainermon: could not set dynamic_on to false in %s: %s", self.path, exc)
 

@@ -57,15 +57,56 @@ class ConfigChanges:
 
     def _poll_control(self, applied: bool = True) -> None:
         """`applied`: the current config is published (probes, sinks); else a new one only replaces it."""
+        raw = self.control._raw  # noqa: SLF001 - the mapping running now, restored if a reload fails
         try:
             new = self.control.poll()
         except Exception as exc:  # noqa: BLE001
             self.faults.record("dynamic control", exc)
             new = None
         if new is not None and applied:
-            self._reload(new)
+            self._reload_everywhere(new, raw)
         elif new is not None:
             self._adopt(new)
+
+    def _reload_everywhere(self, config: MonitorConfig, raw: Any) -> None:
+        """`_reload(config)` on every rank, or where it fails on any rank, every rank back on the config it
+        ran (its count toward collect_times kept): ranks with different probes would meet in different
+        collectives (a hang). Collective, at a new version only: one all-reduce of one int64 (twice after a
+        failure)."""
+        old, schedule, off = self.config, self.schedule, self.off_by_file
+        if self._all_ok(self._try_reload(config)):
+            return
+        control = self.control
+        control._raw, control.config = raw, old  # noqa: SLF001 - saving the file again is news (a retry)
+        if self._all_ok(self._try_reload(old)):
+            self.schedule, self.off_by_file = schedule, off
+            logger.warning(
+                "trainermon: a rank could not apply the config file's new version; every rank keeps the "
+                "previous config (save the file again to retry)"
+            )
+        else:  # not even that everywhere: no rank collects until the next version
+            self.config, self.off_by_file = dataclasses.replace(self.config, dynamic_on=False), True
+            logger.warning("trainermon: a config reload failed on a rank; collection is off on every rank")
+
+    def _try_reload(self, config: MonitorConfig) -> bool:
+        try:
+            self._reload(config)
+        except Exception as exc:  # noqa: BLE001 - agreed with the other ranks (`_reload_everywhere`)
+            self.faults.record("config reload", exc, "every rank keeps the previous config")
+            return False
+        return True
+
+    def _all_ok(self, ok: bool) -> bool:
+        """`ok` on every rank of the dynamic-control group (one all-reduce; none with one rank)."""
+        group = getattr(self.control, "_group", None)
+        if group is None:
+            return ok
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(ok)], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        return bool(flag.item())
 
     def _adopt(self, config: MonitorConfig) -> None:
         """Before anything is published (probes, sinks): rank 0's config (or on rank 0, the file edited
