@@ -54,6 +54,7 @@ from .parquet_files import (  # noqa: F401
     part_name,
     partition_schema,
     pointer,
+    warm_up,
     write_dataset_marker,
     write_part,
 )
@@ -65,6 +66,8 @@ class ParquetExporter(Exporter):
     def open(self, run: RunInfo) -> None:
         _pa()  # fail at open (one clear error) when pyarrow is missing
         section = run.config.parquet
+        # pyarrow's lazy imports (pandas) on this thread now, not in the worker's first part (`warm_up`)
+        warm_up(section.compression, section.compression_level)
         self.run = run
         self.root = os.path.realpath(default_root(run.output_root, section.dir))
         self.steps_per_part = section.steps_per_part

@@ -251,6 +251,26 @@ class ColumnBuffer:
         return pa.Table.from_arrays(arrays, schema=schema.with_metadata(metadata))
 
 
+def warm_up(compression: str = "zstd", compression_level: int | None = None) -> None:
+    """Write a one-row table to memory, so that what pyarrow imports on its first table and write (pandas,
+    through pyarrow.pandas_compat: 1-3 s on a busy host) is imported now, on the caller's thread at open,
+    not inside the worker's first part while the CSV rows wait behind it on the same thread (the
+    `write_interval_s` bound on what a kill loses). About 1 s once per process when pandas is not yet
+    imported, a millisecond after."""
+    pa, pq = _pa()
+    buffer = ColumnBuffer()
+    one = np.zeros(1, dtype=np.int64)
+    buffer.extend({"run_id": ["w"], "vpp_stage": [0], "name": ["w"], "step": one, "micro_step": one - 1}, one)
+    table = buffer.to_table({b"trainermon.warm_up": b"1"})
+    sink = pa.BufferOutputStream()
+    pq.write_table(
+        table,
+        sink,
+        compression=None if compression == "none" else compression,
+        compression_level=compression_level,
+    )
+
+
 def write_part(
     root: str,
     family: str,

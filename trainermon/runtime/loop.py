@@ -41,6 +41,7 @@ from trainermon.pipeline.derive import Deriver
 from trainermon.pipeline.worker import BackgroundWorker
 from trainermon.stats.engine import StatsEngine, check_not_capturing
 
+from .arrival import wait_for_all
 from .control import DynamicControl
 from .escalation import Escalation
 from .lifecycle import on_drop, release, settle, track, weak_method
@@ -118,6 +119,9 @@ class StepLoop(ConfigChanges):
         from .growth import NewParamsProbe
         from .skips import SkippedStepProbe
 
+        # Before any collective, and before anything is attached (a failed call can be made again): a rank
+        # that never calls set_monitor is named within a bound, not after the group's 30-min timeout.
+        wait_for_all(self.rank, self.world_size)
         settle()  # what collected monitors left in torch's registries (never removed from a weakref callback)
         self.adapter = adapter
         self.step = self.first_step = self.start_iteration = start_iteration
