@@ -29,6 +29,7 @@ from trainermon.pipeline.health import ATTN_HIDDEN
 from ..attn_math import head_extremes
 from ..plan import StepPlan
 from .base import Probe
+from .eval_pass import GradForward
 from .module_hooks import not_a_micro_batch
 
 logger = logging.getLogger("trainermon")
@@ -52,6 +53,7 @@ class AttnLogitProbe(Probe):
         self.sample = 256
         self._warned: set[str] = set()
         self._attached = False
+        self._passes = GradForward("attn_logit")  # evaluation passes are not the step's micro-batches
 
     def attach(self) -> list[Any]:
         adapter, handles = self.loop.adapter, []
@@ -91,8 +93,12 @@ class AttnLogitProbe(Probe):
 
     def begin(self, plan: StepPlan) -> None:
         self.armed = plan.attn and bool(self.layers)
+        self._passes.arm(self.loop.adapter.roots(), self.armed)
         for layer in self.layers.values():
             layer.top = layer.low = None
+
+    def close(self) -> None:
+        self._passes.close()
 
     # ---- the sites' observer interface -----------------------------------------------------------
     def observe(
@@ -100,6 +106,9 @@ class AttnLogitProbe(Probe):
     ) -> None:
         layer = self.layers.get(id(site))
         if layer is None or not_a_micro_batch():  # a framework's own pass (pipelining's shape inference)
+            return
+        module = getattr(site, "module", None)  # an evaluation pass (eval + no_grad): before any work
+        if module is not None and self._passes.skips(module, layer.name):
             return
         if query.shape[1] != site.local_heads:
             raise ValueError(f"{layer.name}: {query.shape[1]} query heads, expected {site.local_heads}")

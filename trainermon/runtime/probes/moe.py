@@ -41,6 +41,7 @@ from trainermon.pipeline.health import MOE_AUX, MOE_DROPPED, MOE_HIDDEN
 
 from ..plan import StepPlan
 from .base import Probe
+from .eval_pass import GradForward
 from .module_hooks import in_backward, not_a_micro_batch
 
 logger = logging.getLogger("trainermon")
@@ -123,6 +124,7 @@ class MoEProbe(Probe):
         self._warned = False
         self._attached = False
         self.unsupported: list[str] = []  # "name (class)" of routers moe_load cannot count
+        self._passes = GradForward("moe_load")  # evaluation passes route no training tokens
 
     def attach(self) -> list[Any]:
         adapter, handles = self.loop.adapter, []
@@ -171,13 +173,20 @@ class MoEProbe(Probe):
 
     def begin(self, plan: StepPlan) -> None:
         self.armed = plan.moe and bool(self.routers)
+        self._passes.arm(self.loop.adapter.roots(), self.armed)
         for router in self.routers:
             router.reset()
 
+    def close(self) -> None:
+        self._passes.close()
+
     def _hook(self, router: _Router):
         def hook(module: torch.nn.Module, inputs: Any, output: Any) -> None:
-            # a framework's own pass routes no tokens; a recompute in backward routes them again
+            # a framework's own pass or an evaluation pass (eval + no_grad: evaluate(), generate()) routes
+            # no training tokens; a recompute in backward routes them again
             if not self.armed or not_a_micro_batch() or in_backward():
+                return
+            if self._passes.skips(module, router.name):
                 return
             try:
                 self._count(router, output)

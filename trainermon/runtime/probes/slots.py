@@ -4,9 +4,13 @@ eager hooks (`activations`) and the traced ones (`graph_taps`)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import logging
 from typing import Any
 
 import torch
+
+logger = logging.getLogger("trainermon")
 
 #: What a traced hook (`graph_taps`) returns when it cannot tap this call: the installed hook then runs
 #: the eager body outside the graph (a graph break). Tensor subclasses other than DTensor (whose local
@@ -48,38 +52,113 @@ def input_slots(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     ]
 
 
+#: A nested container's place among a tuple's or list's outputs: numbered, no row (an integer tensor, as
+#: token ids are), where msprobe writes a NaN row; its tensors are numbered after the top-level elements.
+HOLDER = torch.empty(0, dtype=torch.long, device="meta")
+_CONTAINERS = (tuple, list, dict)
+_said_types: set[str] = set()
+
+
 def output_slots(output: Any) -> list[Any]:
     """A module's outputs as msprobe numbers them: a tuple's or list's elements by position (None
-    included), a tensor alone; a dict's activation values (ours only)."""
+    included), a tensor alone. Ours only: a dict's (or dataclass's) tensor values in order, integer ones
+    numbered without a row; the tensors inside nested tuples, lists, dicts or dataclasses, depth first,
+    numbered after the top-level elements (a nested element keeps its number as `HOLDER`). A flat tuple
+    costs one isinstance test per element; nesting is walked only where present."""
     if isinstance(output, torch.Tensor):
         return [output]
     if isinstance(output, (tuple, list)):
-        return list(output)
-    if isinstance(output, dict):
-        return [v for v in output.values() if is_activation(v)]
+        slots = list(output)
+        nested = [i for i, t in enumerate(slots) if isinstance(t, _CONTAINERS) or _is_dataclass(t)]
+        if not nested:
+            return slots
+        inner: list[torch.Tensor] = []
+        for i in nested:
+            _tensors_in(slots[i], inner)
+            slots[i] = HOLDER
+        return slots + inner
+    if isinstance(output, dict) or _is_dataclass(output):
+        values = output.values() if isinstance(output, dict) else _fields(output)
+        slots, inner = [], []
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                slots.append(v)
+            else:
+                _tensors_in(v, inner)
+        return slots + inner
+    if output is not None:
+        _say_unread(output)
     return []
 
 
+def _is_dataclass(obj: Any) -> bool:
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
+def _fields(obj: Any) -> list[Any]:
+    return [getattr(obj, f.name, None) for f in dataclasses.fields(obj)]
+
+
+def _tensors_in(obj: Any, into: list[torch.Tensor], depth: int = 0) -> None:
+    """The tensors inside a nested container, depth first (other values skipped; 8 levels at most)."""
+    if isinstance(obj, torch.Tensor):
+        into.append(obj)
+    elif depth < 8:
+        if isinstance(obj, (tuple, list)):
+            items: Any = obj
+        elif isinstance(obj, dict):
+            items = obj.values()
+        elif _is_dataclass(obj):
+            items = _fields(obj)
+        else:
+            return
+        for item in items:
+            _tensors_in(item, into, depth + 1)
+
+
+def _say_unread(output: Any) -> None:
+    kind = type(output).__qualname__
+    if kind not in _said_types:  # once per type: the hooks see no module name here
+        _said_types.add(kind)
+        logger.warning(
+            "trainermon: a module returned a %s (not a tensor, tuple, list, dict or dataclass): its outputs "
+            "get no actv or actv_grad rows",
+            kind,
+        )
+
+
 def replace_tensors(obj: Any, by_id: dict[int, torch.Tensor]) -> Any:
-    """`obj` (a tensor, or a tuple, list or dict of them) with the tensors whose id is in `by_id` replaced,
-    in a container of its own type: a namedtuple, a `torch.return_types` tuple or an HF `ModelOutput`
-    (a dict subclass read by attribute) stays what the caller expects. A container that cannot be rebuilt
-    raises (the hook counts it as a fault and leaves the output as it was)."""
+    """`obj` (a tensor, or a tuple, list, dict or dataclass of them, nested or not) with the tensors whose
+    id is in `by_id` replaced, in a container of its own type: a namedtuple, a `torch.return_types` tuple
+    or an HF `ModelOutput` (a dict subclass read by attribute) stays what the caller expects. A container
+    that cannot be rebuilt raises (the hook counts it as a fault and leaves the output as it was)."""
     if isinstance(obj, torch.Tensor):
         return by_id.get(id(obj), obj)
     kind = type(obj)
     if isinstance(obj, (tuple, list)):
-        items = [by_id.get(id(t), t) if isinstance(t, torch.Tensor) else t for t in obj]
+        items = [replace_tensors(t, by_id) for t in obj]
+        if all(a is b for a, b in zip(items, obj)):
+            return obj  # nothing replaced in it (a nested container stays the object it was)
         if kind is tuple or kind is list:
             return kind(items)
         return kind(*items) if hasattr(obj, "_fields") else kind(items)  # a namedtuple takes fields
     if isinstance(obj, dict):
         if kind is dict:
-            return {k: by_id.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in obj.items()}
+            new_dict = {k: replace_tensors(v, by_id) for k, v in obj.items()}
+            return obj if all(new_dict[k] is v for k, v in obj.items()) else new_dict
         new = copy.copy(obj)  # a subclass keeps its type (and ModelOutput its attributes) through setitem
         for k, v in obj.items():
-            if isinstance(v, torch.Tensor) and id(v) in by_id:
-                new[k] = by_id[id(v)]
+            got = replace_tensors(v, by_id)
+            if got is not v:
+                new[k] = got
+        return new
+    if _is_dataclass(obj):
+        new = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name, None)
+            got = replace_tensors(v, by_id)
+            if got is not v:
+                object.__setattr__(new, f.name, got)  # a frozen dataclass too
         return new
     return obj
 
