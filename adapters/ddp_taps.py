@@ -52,6 +52,7 @@ class DdpReduceTaps:
         self._syncing: list[tuple[Any, list]] = []  # (DDP, [reduces the latest forward's backward])
         self._armed: list[Any] = []  # this step's post-accumulate-grad hooks
         self._armed_params: dict[int, list[tuple[torch.Tensor, int]]] = {}  # id(DDP) -> (param, index)
+        self._accumulated: set[int] = set()
         self._after: list[Any] = []  # a syncing forward's one-shot forward hook (`_take_unused`)
 
     def _reducer_held(self) -> set[int]:
@@ -137,6 +138,7 @@ class DdpReduceTaps:
         self._disarm()  # armed again at the next collected step, with a tap on them
 
     def new_step(self) -> None:
+        self._accumulated.clear()
         self._seen.clear()
         self.row_spans.clear()
 
@@ -195,6 +197,8 @@ class DdpReduceTaps:
                 def tap(param: torch.Tensor, index: int = mp.index, syncing: list = syncing) -> None:
                     if taps.active and syncing[0]:
                         report(index, param.grad, taps)
+                    elif not syncing[0]:
+                        self._accumulated.add(id(param))
 
                 self._armed.append(p.register_post_accumulate_grad_hook(tap))
                 self._armed_params.setdefault(id(ddp), []).append((p, mp.index))
@@ -203,11 +207,14 @@ class DdpReduceTaps:
         """A collected step's syncing forward of `ddp`, which may leave parameters unused: those with a
         gradient already (accumulated under `no_sync()`) are looked at once the forward returned
         (`_take_unused`). A `.grad` test per tapped parameter; nothing where DDP requires every
-        parameter to be used (then every one gets its tap call)."""
+        parameter to be used (then every one gets its tap call; static_graph: DDP looks for none, and a
+        reentrant checkpoint's parameters are outside the forward's graph). Only gradients a `no_sync()`
+        backward of this step accumulated (`_accumulated`), not stale or zeroed ones."""
         self._drop_after()
-        if not (getattr(ddp, "find_unused_parameters", False) or getattr(ddp, "static_graph", False)):
+        if not getattr(ddp, "find_unused_parameters", False) or getattr(ddp, "static_graph", False):
             return
-        held = [(p, i) for p, i in self._armed_params.get(id(ddp), ()) if p.grad is not None]
+        acc = self._accumulated
+        held = [(p, i) for p, i in self._armed_params.get(id(ddp), ()) if id(p) in acc and p.grad is not None]
         if not held:
             return
         take = guarded(self.context.faults, "DDP unused-gradient tap", self._take_unused)
@@ -259,6 +266,7 @@ class DdpReduceTaps:
             handle.remove()
         self._armed.clear()
         self._armed_params.clear()
+        self._accumulated.clear()
         self._drop_after()
 
     def close(self) -> None:

@@ -81,9 +81,6 @@ SCALER_ADAPTERS = ("torch", "fsdp1", "fsdp2")
 
 # Steps of other optimizers over monitored parameters, none of ours between, that say ours was replaced
 FOREIGN_STEPS = 16
-# ... by one that holds every parameter of ours (`opt = Adam(model.parameters())`; a GAN's critic holds
-# none of the generator's): said within a few steps
-REPLACED_STEPS = 2
 
 
 class SkippedStepProbe(SkipEvidence, Probe):
@@ -109,8 +106,7 @@ class SkippedStepProbe(SkipEvidence, Probe):
         self.most_foreign = 0  # ... the most seen between two boundaries (a GAN's n_critic)
         self.ours_stepped = False  # the monitored optimizer's step() began once
         self.said_foreign = False
-        # optimizer -> (its group count, monitored parameters it holds, whether it holds all of ours)
-        self.holders: Any = weakref.WeakKeyDictionary()
+        self.holders: Any = weakref.WeakKeyDictionary()  # optimizer -> (its group count, holds ours)
         # id(optimizer) -> (weakref to it, its group count): another optimizer holding none of ours
         self.idle: dict[int, tuple[Any, int]] = {}
 
@@ -236,28 +232,24 @@ class SkippedStepProbe(SkipEvidence, Probe):
         and more than twice the most seen between two boundaries, with no step of ours since ours stepped,
         is most likely ours replaced (`opt = Adam(model.parameters())` mid-run): the monitor follows the
         optimizer given to set_monitor and would stay silent. A GAN's critic stepping n_critic times per
-        generator step (WGAN: 5), before the first generator step too, is not. One that holds every
-        parameter of ours is said after `REPLACED_STEPS` (a critic holds none of the generator's). Said
-        once. Costs a weak-dict lookup per step of another optimizer; a scan of its parameters (and of
-        ours) once per optimizer."""
+        generator step (WGAN: 5), before the first generator step too, is not; nor an inner loop's
+        optimizer over our parameters (Reptile, lookahead) stepping a few times before ours. Said once.
+        Costs a weak-dict lookup per step of another optimizer; a scan of its parameters once per
+        optimizer."""
         try:
             groups = optimizer.param_groups
             known = self.holders.get(optimizer)
             if known is None or known[0] != len(groups):
                 ids = {id(mp.param) for mp in self.loop.adapter.parameters()}
-                theirs = {id(p) for g in groups for p in g["params"]}
-                held = len(ids & theirs)
-                ours = getattr(self.loop.adapter.optimizer, "param_groups", None) or ()
-                mine = {id(p) for g in ours for p in g["params"] if p.requires_grad}
-                self.holders[optimizer] = known = (len(groups), held, bool(mine) and mine <= theirs)
+                held = sum(id(p) in ids for g in groups for p in g["params"])
+                self.holders[optimizer] = known = (len(groups), held)
                 if not held and groups is not getattr(self.loop.adapter.optimizer, "param_groups", None):
                     self._idle(optimizer)
             if not known[1] or nested_step(optimizer):
                 return
             self.foreign += 1
             FOREIGN_STEPPED[0] += 1  # a second reduce in this step is explained (`OncePerStep`)
-            least = REPLACED_STEPS if known[2] else FOREIGN_STEPS
-            if self.ours_stepped and self.foreign >= max(least, 2 * self.most_foreign + 1):
+            if self.ours_stepped and self.foreign >= max(FOREIGN_STEPS, 2 * self.most_foreign + 1):
                 self.said_foreign = True
                 logger.warning(
                     "trainermon: optimizer %s (not the one given to set_monitor) steps %d monitored "
