@@ -103,9 +103,53 @@ def _case(rank: int, world: int, out_root: str, bucket_view: bool) -> None:
             assert_row_matches(row, expected_red[key], OPS)
 
 
+def _stale(rank: int, world: int, out_root: str) -> None:
+    """No no_sync(), zero_grad() between forward and backward (torch's ImageNet example), rank 0 leaving
+    `drop` unused from step 1: the previous step's reduced gradient (still in .grad at the forward) is no
+    accumulated gradient, so rank 0 writes no drop row at steps 1 and 2 (a review found one)."""
+    from trainermon import TrainerMon
+
+    os.environ["MONITOR_OUTPUT_DIR"] = os.path.join(out_root, "stale")
+    cfg = os.path.join(out_root, f"stale-rank{rank}.json")
+    with open(cfg, "w") as fh:
+        json.dump({"wg_distribution": True, "ops": list(OPS), "ndigits": 12}, fh)
+    torch.manual_seed(0)
+    model = _Net()
+    reference = copy.deepcopy(model)
+    ddp = DDP(model, find_unused_parameters=True)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(ddp, grad_acc_steps=1, optimizer=opt)
+    gen = torch.Generator().manual_seed(200 + rank)
+    expected: dict[tuple, dict] = {}
+    for step in range(3):
+        x = torch.randn(3, 4, generator=gen)
+        use = (rank == 1 or step == 0, False)
+        loss = ddp(x, *use).pow(2).sum()
+        opt.zero_grad()
+        loss.backward()
+        reference.zero_grad()
+        reference(x, *use).pow(2).sum().backward()
+        for n, p in reference.named_parameters():
+            if p.grad is not None:
+                expected[(n, step, None)] = ref_stats(p.grad)
+        opt.step()
+        with torch.no_grad():
+            for p, q in zip(reference.parameters(), model.parameters()):
+                p.copy_(q)
+    monitor.close()
+    unreduced = keyed(read_family(monitor.run_dir, "grad_unreduced"))
+    if rank == 0:
+        assert ("drop.weight", 1, None) not in expected
+    assert set(unreduced) == set(expected)
+    for key, row in unreduced.items():
+        assert_row_matches(row, expected[key], OPS)
+
+
 def _both(rank: int, world: int, out_root: str) -> int:
     for bucket_view in (False, True):
         _case(rank, world, out_root, bucket_view)
+    _stale(rank, world, out_root)
     return 2
 
 
