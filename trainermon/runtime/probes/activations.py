@@ -36,7 +36,7 @@ from ..plan import StepPlan
 from ..selection import select_modules
 from .base import Probe
 from .grad_rows import GradRowsCache
-from .hooked_module import HookedModule, never_frames_of_their_own, outside_graph
+from .hooked_module import HookedModule, before_traces, never_frames_of_their_own
 from .module_hooks import ModuleHooks, ModuleTree, in_backward
 from .recompute import Recomputes
 from .slots import input_slots, is_activation, no_values, output_slots, padded, replace_tensors
@@ -215,7 +215,7 @@ class ActivationProbe(Probe):
     def _make_traced_hooks(self) -> None:
         """When the hooks become pinned (compiled code may call them from now on): the traced hooks of the
         modules hooked so far. Before any trace reaches them: see `ModuleHooks`."""
-        outside_graph()  # made now, so that no trace has to make it
+        before_traces(self.hooks.modules)  # now, so that no trace has to: see `before_traces`
         never_frames_of_their_own()
         for key, hooked in self._hooked.items():
             self._fill_traced(hooked, key)
