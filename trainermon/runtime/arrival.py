@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import logging
+import math
 import os
 from typing import Any
 
@@ -26,11 +27,14 @@ logger = logging.getLogger("trainermon")
 TIMEOUT_VAR = "TRAINERMON_SET_MONITOR_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0
 WARN_AFTER_S = 60.0
+LONGEST_S = 1e7  # ~4 months
+NAMING_RANKS = 8  # ranks below this name the missing ones (a store look-up per rank)
 _PREFIX = "trainermon/set_monitor"
 
 # The n-th set_monitor of this process meets the n-th of every other rank: the count is the same on each
 # rank (set_monitor is collective), so no shared counter has to be agreed first, and the keys of a process
-# group destroyed and made again over the same store (torchrun's agent store) are never reused.
+# group destroyed and made again over the same store are never reused. torchrun keeps its agent store
+# across elastic restarts, where this count starts again: the restart count is part of the key.
 _calls = itertools.count()
 
 
@@ -40,8 +44,10 @@ def timeout_s() -> float:
     if not raw:
         return DEFAULT_TIMEOUT_S
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError:
+        value = math.nan
+    if math.isnan(value):
         logger.warning(
             "trainermon: environment variable %s=%r is not a number of seconds; using %g",
             TIMEOUT_VAR,
@@ -49,6 +55,7 @@ def timeout_s() -> float:
             DEFAULT_TIMEOUT_S,
         )
         return DEFAULT_TIMEOUT_S
+    return min(value, LONGEST_S)  # inf: as good as no limit (a store's wait takes no infinite timedelta)
 
 
 def _store() -> Any:
@@ -73,7 +80,7 @@ def wait_for_all(rank: int, world_size: int, timeout: float | None = None) -> No
     store = _store()
     if store is None:
         return
-    key = f"{_PREFIX}/{call}"
+    key = f"{_PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{call}"
     store.set(f"{key}/rank{rank}", b"1")  # read only when some rank is missing, to name them
     if store.add(f"{key}/count", 1) >= world_size:
         store.set(f"{key}/all", b"1")  # the last one in lets the others go
@@ -91,7 +98,7 @@ def wait_for_all(rank: int, world_size: int, timeout: float | None = None) -> No
                 "collective (every rank must call it); failing after %g s (%s)",
                 rank,
                 WARN_AFTER_S,
-                _missing(store, key, world_size),
+                _missing(store, key, world_size, rank),
                 bound,
                 TIMEOUT_VAR,
             )
@@ -101,7 +108,7 @@ def wait_for_all(rank: int, world_size: int, timeout: float | None = None) -> No
     except Exception as exc:  # noqa: BLE001 - a store's timeout is a RuntimeError or a DistStoreError
         if store.check([f"{key}/all"]):  # arrived just now
             return
-        shown = _missing(store, key, world_size)
+        shown = _missing(store, key, world_size, rank)
         bound = total
         raise ConfigError(
             f"trainermon: set_monitor is collective: every rank must call it (with the same monitor "
@@ -111,7 +118,11 @@ def wait_for_all(rank: int, world_size: int, timeout: float | None = None) -> No
         ) from exc
 
 
-def _missing(store: Any, key: str, world_size: int) -> str:
-    """The ranks that have not announced themselves under `key`, at most 32 named."""
+def _missing(store: Any, key: str, world_size: int, rank: int) -> str:
+    """The ranks that have not announced themselves under `key`, at most 32 named; looked up by the first
+    `NAMING_RANKS` ranks only (one store request per rank: on 1000s of ranks, every waiting rank asking
+    would load the store with millions)."""
+    if rank >= NAMING_RANKS:
+        return f"(named in the logs of ranks 0-{NAMING_RANKS - 1})"
     missing = [r for r in range(world_size) if not store.check([f"{key}/rank{r}"])]
     return ", ".join(map(str, missing[:32])) + (f" and {len(missing) - 32} more" if len(missing) > 32 else "")

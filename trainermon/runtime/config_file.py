@@ -72,4 +72,7 @@ def _swap_if_unchanged(target: str, tmp: str, text: bytes) -> bool:
         return unchanged
     finally:
         if os.path.exists(aside):
-            os.unlink(aside)
+            if os.path.lexists(target):
+                os.unlink(aside)
+            else:  # interrupted (a signal's exception) before the link: the file goes back, never lost
+                os.rename(aside, target)

@@ -105,7 +105,11 @@ class ConfigChanges:
         import torch.distributed as dist
 
         flag = torch.tensor([int(ok)], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        except Exception as exc:  # noqa: BLE001 - a peer gone: never into the training loop
+            self.faults.record("config reload", exc, "no agreement: taken as failed")
+            return False
         return bool(flag.item())
 
     def _adopt(self, config: MonitorConfig) -> None:
