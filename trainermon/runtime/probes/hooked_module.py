@@ -61,35 +61,13 @@ def later_pre_hooks(module: torch.nn.Module) -> bool:
 
 def before_traces(modules: Any) -> None:
     """When the hooks become pinned, before any trace reaches them: `outside_graph` made, and the monitor's
-    pre-hook moved after pre-hooks registered later (a trace fixes their order: see `_late_at_trace`)."""
+    pre-hook moved after pre-hooks registered later, so that the traced views are made of what forward
+    receives. A pre-hook registered once a graph was traced runs after the monitor's in that graph (dynamo
+    does not guard on the hooks' order): documented, not detected (a check in the trace would guard on each
+    module's identity, recompiling blocks compiled one by one)."""
     outside_graph()
-    if not _LATE:  # made here: making it while dynamo traces would break the graph
-        _LATE.append(torch.compiler.assume_constant_result(_late_at_trace))
     for _, _, module in modules:
         later_pre_hooks(module)
-
-
-_LATE: list[Any] = []
-_SAID_LATE: list[bool] = []
-
-
-def _late_at_trace(module: torch.nn.Module) -> bool:
-    """`later_pre_hooks`, run by dynamo while it traces a module's hooks (a constant to the graph). True:
-    a pre-hook registered after the monitor's since the hooks were pinned runs after it in this graph and
-    may replace its views (their rows would be the gradient before that hook's change): this graph writes
-    no input-gradient rows for the module, said once; dynamo keeps the graph (it does not guard on the
-    order of hooks)."""
-    later_pre_hooks(module)  # (already moved where this very trace pinned the hooks)
-    if not _SAID_LATE:
-        _SAID_LATE.append(True)
-        logger.warning(
-            "trainermon: a forward pre-hook of a %s registered after the monitor's runs after it in a"
-            " torch.compile graph: that graph writes no actv_grad input rows for the module (they would be"
-            " the gradient of its input before that hook's change); register such hooks before the first"
-            " compiled forward",
-            type(module).__name__,
-        )
-    return True
 
 
 try:  # resolved once: importing in the call cost ~2.4 us of its ~5.8 us, per hooked module
@@ -176,9 +154,7 @@ class HookedModule:
                 drop_copied_hooks(module, self._mine)
             return None
         if is_compiling() or probe.hooks.pinned:  # `pinned` is read only when dynamo is not tracing
-            if is_compiling() and probe._actv_grad and self._traced_late(module):
-                return None  # a later pre-hook may replace the views: no input-gradient rows in this graph
-            return self._not_eager("traced_pre", HookedModule._eager_pre, module, args, kwargs)
+            return self._not_eager("traced_pre", probe._pre_body, module, args, kwargs)
         if not_a_micro_batch():
             return None
         with probe.loop.clock:  # the whole body is the monitor's own time, not only its rows
@@ -196,20 +172,11 @@ class HookedModule:
                 drop_copied_hooks(module, self._mine)
             return None
         if is_compiling() or probe.hooks.pinned:
-            body = HookedModule._eager_forward
-            return self._not_eager("traced_forward", body, module, args, kwargs, output)
+            return self._not_eager("traced_forward", probe._forward_body, module, args, kwargs, output)
         if not_a_micro_batch():
             return None
         with probe.loop.clock:
             return self._eager_forward(module, args, kwargs, output)
-
-    def _traced_late(self, module: torch.nn.Module) -> bool:
-        """Traced: whether a pre-hook runs after the monitor's in this call (`_late_at_trace`). The last
-        hook is read in the trace (a call of the check given the module would make dynamo guard on the
-        module's identity: blocks compiled one by one would no longer share their graphs)."""
-        last = list(module._forward_pre_hooks.values())[-1]  # the order this call runs them in
-        self.probe.hooks.pin_at_trace()  # makes `_LATE` (`before_traces`)
-        return getattr(last, "__func__", None) is not HookedModule.pre and bool(_LATE) and _LATE[0](module)
 
     def _eager_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         """The pre-hook's body run eagerly. The input views must be made after every other pre-hook, so
@@ -227,24 +194,21 @@ class HookedModule:
         return self.probe._forward_body(self, module, args, kwargs, output)
 
     def _late_inputs(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        """Views `pre` gave that a later pre-hook replaced (its first call only, see `_eager_pre`): the
-        view's gradient is not the received tensor's (3x it after `x * 3`), so the row moves to a hook on
-        the tensor forward received (its whole gradient: no view isolates this module's use of it in this
-        one call); a received tensor without grad gets no row, as any input without a gradient."""
+        """The call on which a later pre-hook was found (`_eager_pre`): where it replaced any of the views
+        `pre` gave, this call writes no input-gradient rows for the module (a view's gradient is not the
+        received tensor's: 3x it after `x * 3`; the received tensor may be used elsewhere too, or be a
+        leaf whose hook would outlive the step). From the next call the monitor's pre-hook runs last."""
         given_args, given_kwargs = self.given
         self.given = None
         bases = self.probe._bases.get(id(module))
         if not bases:
             return
         pairs = list(zip(given_args, args)) + [(v, kwargs.get(k)) for k, v in given_kwargs.items()]
-        for view, received in pairs:
-            if received is view or id(view) not in bases:
-                continue
-            entry = bases.pop(id(view))
+        if all(received is view for view, received in pairs if id(view) in bases):
+            return
+        for entry in bases.values():
             entry[5].remove()  # the view's own hook
-            if isinstance(received, torch.Tensor) and received.requires_grad:
-                rows = entry[4]  # a view's rows read grad_outputs[0]
-                received.register_hook(lambda grad, rows=rows: rows((grad,)))
+        bases.clear()
 
     def _traced_without_grad(self) -> None:
         """Traced in eval mode without grad (an evaluation pass), tested before the monitor's flags, so
