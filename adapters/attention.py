@@ -42,7 +42,8 @@ class AttnSite:
 
     def install(self, observer: Any) -> Any:
         """Start handing (site, query [B,H,n,D], key [B,Hkv,Sk,D], scale, keep, positions) to
-        `observer.observe` while `observer.armed`; returns a handle with `remove()`."""
+        `observer.observe` while `observer.armed`, unless `observer.skips_call(site)` (an evaluation pass,
+        asked before any work); returns a handle with `remove()`."""
         raise NotImplementedError
 
 
@@ -74,7 +75,7 @@ class _MhaSite(AttnSite):
 
     def install(self, observer: Any) -> Any:
         def hook(module: torch.nn.MultiheadAttention, args: tuple, kwargs: dict) -> None:
-            if observer.armed:
+            if observer.armed and not observer.skips_call(self):  # an evaluation pass: no work
                 try:
                     got = dict(zip(_MHA_ARGS, args)) | kwargs
                     self._observe(module, got, observer)
@@ -192,7 +193,7 @@ def _unpatch_interface() -> None:
 def _wrap(fn: Any) -> Any:
     def attention(module: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
         entry = _HF_SITES.get(id(module))
-        if entry is not None and entry[1].armed:
+        if entry is not None and entry[1].armed and not entry[1].skips_call(entry[0]):
             site, observer = entry
             mask = args[0] if args else kwargs.get("attention_mask")
             try:
@@ -211,7 +212,7 @@ class _MegatronSite(AttnSite):
 
     def install(self, observer: Any) -> Any:
         def hook(module: Any, args: tuple, kwargs: dict) -> None:
-            if observer.armed:
+            if observer.armed and not observer.skips_call(self):  # an evaluation pass: no work
                 try:
                     names = ("query", "key", "value", "attention_mask")
                     got = dict(zip(names, args)) | kwargs

@@ -164,3 +164,81 @@ def test_attn_logit_leaves_out_evaluation_passes(tmp_path, monkeypatch):
     for (_, s, _), row in rows.items():
         got = np.array(json.loads(row["head_max_logit"]))
         np.testing.assert_allclose(got, refs[s], rtol=0, atol=8 * 24 * 2.0**-24 * bounds[s])
+
+
+def test_attn_logit_eval_pass_does_no_site_work(tmp_path, monkeypatch):
+    """The MHA site asks first: an evaluation pass computes no q/k projections (no positions sampled)."""
+    import trainermon.adapters.attention as sites
+
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    calls = []
+    real = sites.sample_positions
+    monkeypatch.setattr(sites, "sample_positions", lambda *a: calls.append(a) or real(*a))
+    cfg = write_config(tmp_path / "c.json", attn_logit_distribution={"enable": True}, ops=["max"])
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    opt = torch.optim.SGD(mha.parameters(), lr=0.1)
+    mon = TrainerMon(cfg)
+    mon.set_monitor(mha, optimizer=opt, grad_acc_steps=1)
+    x = torch.randn(2, 3, 8)
+    for _ in range(2):
+        mha.eval()
+        with torch.no_grad():
+            mha(x, x, x, need_weights=False)
+        mha.train()
+        mha(x, x, x, need_weights=False)[0].square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    assert mon.faults.total == 0, dict(mon.faults.counts)
+    assert len(calls) == 2  # the training calls only
+    assert {s for _, s, _ in keyed(read_family(mon.run_dir, "attn_logit"))} == {0, 1}
+
+
+class AttnModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 8)
+        self.attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.attn(h, h, h, need_weights=False)[0]
+
+
+def _copysafe_entries(tmp_path, monkeypatch, arm: bool) -> tuple[int, int]:
+    import torch._dynamo
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo.utils import counters
+
+    from trainermon.copies import CopySafe
+    from trainermon.runtime.probes import eval_pass
+
+    if not arm:
+        monkeypatch.setattr(eval_pass.GradForward, "arm", lambda self, roots, wanted: None)
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = write_config(tmp_path / "c.json", attn_logit_distribution={"enable": True}, ops=["max"])
+    torch.manual_seed(0)
+    model = AttnModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMon(cfg)
+    mon.set_monitor(model, optimizer=opt, grad_acc_steps=1)
+    fn = torch.compile(model, backend="eager")
+    x = torch.randn(2, 3, 8)
+    for _ in range(2):
+        fn(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    entries = len(_debug_get_cache_entry_list(CopySafe.__call__.__code__))
+    return entries, counters["stats"]["unique_graphs"]
+
+
+def test_root_hooks_leave_copysafe_cache_alone(tmp_path, monkeypatch):
+    """GradForward's root hooks have a code object of their own: they add no dynamo cache entries to the
+    one every CopySafe-wrapped hook shares (which hit `recompile_limit`), and no graphs."""
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    with monkeypatch.context() as m:
+        want = _copysafe_entries(tmp_path, m, arm=False)
+    assert _copysafe_entries(tmp_path, monkeypatch, arm=True) == want

@@ -101,14 +101,17 @@ class AttnLogitProbe(Probe):
         self._passes.close()
 
     # ---- the sites' observer interface -----------------------------------------------------------
+    def skips_call(self, site: Any) -> bool:
+        """Whether the site's call is an evaluation pass (eval + no_grad, `eval_pass`): the sites ask first,
+        before any work (projections, masks, faults). A dict lookup, two attribute reads and a C call."""
+        layer = self.layers.get(id(site))
+        return layer is not None and self._passes.skips(site.module, layer.name)
+
     def observe(
         self, site: Any, query: torch.Tensor, key: torch.Tensor, scale: float, keep: Any, positions: Any
     ) -> None:
         layer = self.layers.get(id(site))
         if layer is None or not_a_micro_batch():  # a framework's own pass (pipelining's shape inference)
-            return
-        module = getattr(site, "module", None)  # an evaluation pass (eval + no_grad): before any work
-        if module is not None and self._passes.skips(module, layer.name):
             return
         if query.shape[1] != site.local_heads:
             raise ValueError(f"{layer.name}: {query.shape[1]} query heads, expected {site.local_heads}")

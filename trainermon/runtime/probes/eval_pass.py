@@ -25,6 +25,16 @@ def evaluation_pass(module: torch.nn.Module, grad_forward: bool) -> bool:
     return not module.training and not torch.is_grad_enabled() and not grad_forward
 
 
+class _RootHook(CopySafe):
+    """`CopySafe` with a `__call__` of its own: dynamo keeps one cache per code object, and the root hooks
+    of every family sharing `CopySafe.__call__` tipped it over `recompile_limit` (a false-alarm warning)."""
+
+    __slots__ = ()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call(*args, **kwargs)
+
+
 class GradForward:
     """Whether a forward of the model's roots that began with grad on is running. Its two root hooks exist
     on collected steps only (`arm`): an uncollected step pays nothing; a collected one two Python calls per
@@ -42,8 +52,8 @@ class GradForward:
         """At a step's beginning: the root hooks exist iff the family collects at this step."""
         if wanted and not self._handles:
             for root in roots:
-                self._handles.append(root.register_forward_pre_hook(CopySafe(self._enter)))
-                self._handles.append(root.register_forward_hook(CopySafe(self._leave), always_call=True))
+                self._handles.append(root.register_forward_pre_hook(_RootHook(self._enter)))
+                self._handles.append(root.register_forward_hook(_RootHook(self._leave), always_call=True))
         elif not wanted and self._handles:
             self.close()
 

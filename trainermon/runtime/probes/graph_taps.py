@@ -60,7 +60,7 @@ import torch
 
 # imported by activations.py on first use, after it has loaded: no import cycle at load time
 from ...stats.kinds import is_dtensor
-from .slots import UNTAPPED, input_slots, is_activation, output_slots
+from .slots import UNTAPPED, input_slots, is_activation, output_slots, replace_slots
 from .tap_ops import available, call_in_trace, dtensors_allowed
 from .tap_sites import ACTIVATION, GRADED, NOT_TENSOR, OTHER_TENSOR, TapSite, TapSites
 
@@ -284,16 +284,6 @@ def _rebuildable(output: Any) -> bool:
 
 
 def _with_views(output: Any, graded: list[int], view_of_graded: tuple[int, ...], views: tuple) -> Any:
-    """`output` with its graded tensors replaced by `views` (of the parameters it returns)."""
-    if isinstance(output, torch.Tensor):
-        return views[0]
-    if isinstance(output, dict):
-        rebuilt_output = dict(output)
-        keys = [k for k, v in output.items() if is_activation(v)]
-        for i, u in zip(graded, view_of_graded):
-            rebuilt_output[keys[i]] = views[u]
-        return rebuilt_output
-    slots = list(output)
-    for i, u in zip(graded, view_of_graded):
-        slots[i] = views[u]
-    return type(output)(slots)
+    """`output` with its graded tensors replaced by `views` (of the parameters it returns), numbered as
+    `output_slots` numbers them (integer tensors and nested ones included)."""
+    return replace_slots(output, {i: views[u] for i, u in zip(graded, view_of_graded)})

@@ -56,6 +56,7 @@ def input_slots(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 #: token ids are), where msprobe writes a NaN row; its tensors are numbered after the top-level elements.
 HOLDER = torch.empty(0, dtype=torch.long, device="meta")
 _CONTAINERS = (tuple, list, dict)
+_LEAVES = (torch.Tensor, type(None))  # tested first: `dataclasses.is_dataclass` costs ~0.5 us a call
 _said_types: set[str] = set()
 
 
@@ -64,12 +65,12 @@ def output_slots(output: Any) -> list[Any]:
     included), a tensor alone. Ours only: a dict's (or dataclass's) tensor values in order, integer ones
     numbered without a row; the tensors inside nested tuples, lists, dicts or dataclasses, depth first,
     numbered after the top-level elements (a nested element keeps its number as `HOLDER`). A flat tuple
-    costs one isinstance test per element; nesting is walked only where present."""
+    of tensors (or None) costs two isinstance tests per element; nesting is walked only where present."""
     if isinstance(output, torch.Tensor):
         return [output]
     if isinstance(output, (tuple, list)):
         slots = list(output)
-        nested = [i for i, t in enumerate(slots) if isinstance(t, _CONTAINERS) or _is_dataclass(t)]
+        nested = [i for i, t in enumerate(slots) if not isinstance(t, _LEAVES) and _is_container(t)]
         if not nested:
             return slots
         inner: list[torch.Tensor] = []
@@ -87,8 +88,12 @@ def output_slots(output: Any) -> list[Any]:
                 _tensors_in(v, inner)
         return slots + inner
     if output is not None:
-        _say_unread(output)
+        _say_unread(type(output).__qualname__)
     return []
+
+
+def _is_container(obj: Any) -> bool:
+    return isinstance(obj, _CONTAINERS) or _is_dataclass(obj)
 
 
 def _is_dataclass(obj: Any) -> bool:
@@ -116,8 +121,8 @@ def _tensors_in(obj: Any, into: list[torch.Tensor], depth: int = 0) -> None:
             _tensors_in(item, into, depth + 1)
 
 
-def _say_unread(output: Any) -> None:
-    kind = type(output).__qualname__
+@torch.compiler.assume_constant_result  # run as plain Python while dynamo traces: no logging in the graph
+def _say_unread(kind: str) -> bool:
     if kind not in _said_types:  # once per type: the hooks see no module name here
         _said_types.add(kind)
         logger.warning(
@@ -125,6 +130,73 @@ def _say_unread(output: Any) -> None:
             "get no actv or actv_grad rows",
             kind,
         )
+    return True
+
+
+def replace_slots(output: Any, new: dict[int, torch.Tensor]) -> Any:
+    """`output` (a tensor, or a plain tuple, list or dict) with the slots numbered as `output_slots`
+    numbers them whose number is in `new` replaced, nested ones included: by position, not by id (dynamo
+    traces it in the graph taps). Walks the output once; for the rare call that returns a parameter."""
+    if isinstance(output, torch.Tensor):
+        return new.get(0, output)
+    count = [0]
+    if isinstance(output, (tuple, list)):
+        items = list(output)
+        nested = [i for i, t in enumerate(items) if not isinstance(t, _LEAVES) and _is_container(t)]
+        for i in range(len(items)):
+            if i in new and i not in nested:
+                items[i] = new[i]
+        count[0] = len(items)
+        for i in nested:
+            items[i] = _replace_inner(items[i], new, count, 0)
+        return type(output)(items)
+    rebuilt = dict(output)
+    inner = []
+    for k, v in output.items():
+        if isinstance(v, torch.Tensor):
+            rebuilt[k] = new.get(count[0], v)
+            count[0] += 1
+        else:
+            inner.append(k)
+    for k in inner:
+        rebuilt[k] = _replace_inner(output[k], new, count, 0)
+    return rebuilt
+
+
+def _replace_inner(obj: Any, new: dict[int, torch.Tensor], count: list[int], depth: int) -> Any:
+    """`_tensors_in`'s walk, numbering from `count[0]`, with the numbers in `new` replaced."""
+    if isinstance(obj, torch.Tensor):
+        count[0] += 1
+        return new.get(count[0] - 1, obj)
+    if depth >= 8:
+        return obj
+    if isinstance(obj, (tuple, list)):
+        items = [_replace_inner(t, new, count, depth + 1) for t in obj]
+        if all(a is b for a, b in zip(items, obj)):
+            return obj
+        kind = type(obj)
+        if kind is tuple or kind is list:
+            return kind(items)
+        return kind(*items) if hasattr(obj, "_fields") else kind(items)
+    if isinstance(obj, dict):
+        got = {k: _replace_inner(v, new, count, depth + 1) for k, v in obj.items()}
+        if all(got[k] is v for k, v in obj.items()):
+            return obj
+        if type(obj) is dict:
+            return got
+        rebuilt = copy.copy(obj)  # a subclass (ModelOutput) keeps its type through setitem
+        for k, v in got.items():
+            rebuilt[k] = v
+        return rebuilt
+    if _is_dataclass(obj):
+        rebuilt = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name, None)
+            got = _replace_inner(v, new, count, depth + 1)
+            if got is not v:
+                object.__setattr__(rebuilt, f.name, got)  # a frozen dataclass too
+        return rebuilt
+    return obj
 
 
 def replace_tensors(obj: Any, by_id: dict[int, torch.Tensor]) -> Any:
