@@ -242,3 +242,43 @@ def test_root_hooks_leave_copysafe_cache_alone(tmp_path, monkeypatch):
     with monkeypatch.context() as m:
         want = _copysafe_entries(tmp_path, m, arm=False)
     assert _copysafe_entries(tmp_path, monkeypatch, arm=True) == want
+
+
+def test_compiled_fullgraph_eval_pass_with_attn_logit(tmp_path, monkeypatch):
+    """An evaluation pass through a model compiled with fullgraph=True on a collected step: the eval-pass
+    notice was logged inside dynamo's trace, which fullgraph refuses (Unsupported: logging.Logger)."""
+    import torch._dynamo
+
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    cfg = write_config(tmp_path / "c.json", attn_logit_distribution=True, ops=["norm"])
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.att = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.att(x, x, x, need_weights=False)[0]
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(model, optimizer=opt)
+    torch._dynamo.reset()
+    try:
+        run = torch.compile(model, backend="eager", fullgraph=True)
+        for _ in range(2):
+            run(torch.randn(2, 5, 8)).sum().backward()
+            model.eval()
+            with torch.no_grad():
+                run(torch.randn(2, 5, 8))
+            model.train()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        torch._dynamo.reset()
+    monitor.close()
+    assert monitor.faults.total == 0, dict(monitor.faults.counts)
+    rows = keyed(read_family(monitor.run_dir, "attn_logit"))
+    assert sorted(step for (_, step, _) in rows) == [0, 1]

@@ -48,6 +48,16 @@ class Dc(nn.Module):
         return Out(x * 7, (x > 0).long())
 
 
+class DctNest(nn.Module):
+    def forward(self, x):  # numbered as the tuple (x * 2, (x * 3, x * 4)) is (a review found 0, 1, 2)
+        return {"a": x * 2, "nest": (x * 3, x * 4), "none": None}
+
+
+class Fn(nn.Module):
+    def forward(self, x):  # Megatron's IdentityFuncOp returns a function: no tensor, nothing to say
+        return torch.nn.functional.relu
+
+
 class Odd(nn.Module):
     def forward(self, x):
         return {x * 8}  # a set: not read, said once
@@ -60,6 +70,7 @@ class Model(nn.Module):
         self.lstm = nn.LSTM(4, 4, batch_first=True)
         self.tup, self.dct, self.dct1 = Tup(), Dct(), Dct1()
         self.nest, self.dc, self.odd = Nest(), Dc(), Odd()
+        self.dnest, self.fn = DctNest(), Fn()
 
     def forward(self, x):
         x = self.lin(x)
@@ -67,17 +78,20 @@ class Model(nn.Module):
         a, b, c1 = self.tup(o), self.dct(o), self.dct1(o)
         n, d = self.nest(o), self.dc(o)
         self.odd(o)
+        self.fn(o)
+        dn = self.dnest(o)
         loss = (a[0] * 1.5 + a[2]).sum() + (b["a"] + b["b"] * 2 + c1["a"]).pow(2).sum()
         loss = loss + (n[0] + n[1]["p"] * 3 + n[1]["q"][0] + n[2]).sum() + d.h.pow(2).sum()
+        loss = loss + (dn["a"] + 2 * dn["nest"][0] + 3 * dn["nest"][1]).pow(2).sum()
         return loss + h.pow(2).sum() + 3 * c.sum() + o.sum()
 
 
 def flat(out):
     """The test's own reading of the documented order: top-level tensors, then nested ones depth first."""
-    if isinstance(out, dict):
-        return [v for v in out.values() if isinstance(v, torch.Tensor)]
     if dataclasses.is_dataclass(out):
         return [getattr(out, f.name) for f in dataclasses.fields(out)]
+    if isinstance(out, dict):  # tensors and containers numbered in order, other values skipped
+        out = [v for v in out.values() if isinstance(v, (torch.Tensor, tuple, list, dict))]
     top = [t if isinstance(t, torch.Tensor) else None for t in out]
 
     def walk(o):
@@ -111,7 +125,7 @@ def test_dict_and_nested_outputs(tmp_path, monkeypatch, caplog):
 
         return hook
 
-    for name in ("lstm", "tup", "dct", "dct1", "nest", "dc"):
+    for name in ("lstm", "tup", "dct", "dct1", "nest", "dc", "dnest"):
         getattr(model, name).register_forward_hook(own(name))
     with caplog.at_level(logging.WARNING, logger="trainermon"):
         model(torch.randn(2, 3, 4)).backward()
@@ -120,7 +134,7 @@ def test_dict_and_nested_outputs(tmp_path, monkeypatch, caplog):
     assert mon.faults.total == 0, dict(mon.faults.counts)
     got = {n: float(r["norm"]) for (n, _, _), r in keyed(read_family(mon.run_dir, "actv")).items()}
     got_g = {n: float(r["norm"]) for (n, _, _), r in keyed(read_family(mon.run_dir, "actv_grad")).items()}
-    outs = {n: v for n, v in got.items() if ".output" in n and not n.startswith(("lin", "odd"))}
+    outs = {n: v for n, v in got.items() if ".output" in n and not n.startswith(("lin", "odd", "fn"))}
     # integer tensors and nested containers keep their number but get no row; nothing is NaN
     assert (
         sorted(outs)
@@ -130,6 +144,9 @@ def test_dict_and_nested_outputs(tmp_path, monkeypatch, caplog):
             "dct.output_0",
             "dct.output_2",
             "dct1.output_0",
+            "dnest.output_0",
+            "dnest.output_2",
+            "dnest.output_3",
             "lstm.output_0",
             "lstm.output_2",
             "lstm.output_3",
@@ -149,3 +166,6 @@ def test_dict_and_nested_outputs(tmp_path, monkeypatch, caplog):
         assert math.isclose(grad_outs[name], ref, rel_tol=1e-6), (name, grad_outs[name], ref)
     assert not [n for n in got if n.startswith("odd.output")]
     assert sum("a module returned a set" in r.getMessage() for r in caplog.records) == 1
+    assert not [
+        r for r in caplog.records if "returned a builtin" in r.getMessage() or "function" in r.getMessage()
+    ]

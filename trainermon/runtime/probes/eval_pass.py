@@ -69,7 +69,7 @@ class GradForward:
         """Whether `module`'s call is an evaluation pass (`evaluation_pass`), said once at INFO."""
         if not evaluation_pass(module, self.on):
             return False
-        if not self._said:
+        if not self._said and not torch.compiler.is_compiling():  # no logging inside dynamo's trace
             self._said = True
             logger.info(
                 "trainermon: %s ran in eval mode without grad (an evaluation pass): its calls are not "

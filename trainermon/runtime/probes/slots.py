@@ -63,9 +63,10 @@ _said_types: set[str] = set()
 def output_slots(output: Any) -> list[Any]:
     """A module's outputs as msprobe numbers them: a tuple's or list's elements by position (None
     included), a tensor alone. Ours only: a dict's (or dataclass's) tensor values in order, integer ones
-    numbered without a row; the tensors inside nested tuples, lists, dicts or dataclasses, depth first,
-    numbered after the top-level elements (a nested element keeps its number as `HOLDER`). A flat tuple
-    of tensors (or None) costs two isinstance tests per element; nesting is walked only where present."""
+    numbered without a row, nested containers numbered as in a tuple (other values, None, skipped); the
+    tensors inside nested tuples, lists, dicts or dataclasses, depth first, numbered after the top-level
+    elements (a nested element keeps its number as `HOLDER`). A flat tuple of tensors (or None) costs two
+    isinstance tests per element; nesting is walked only where present."""
     if isinstance(output, torch.Tensor):
         return [output]
     if isinstance(output, (tuple, list)):
@@ -84,10 +85,11 @@ def output_slots(output: Any) -> list[Any]:
         for v in values:
             if isinstance(v, torch.Tensor):
                 slots.append(v)
-            else:
+            elif not isinstance(v, _LEAVES) and _is_container(v):  # numbered as in a tuple
+                slots.append(HOLDER)
                 _tensors_in(v, inner)
         return slots + inner
-    if output is not None:
+    if output is not None and not callable(output):  # a function (Megatron's IdentityFuncOp) holds none
         _say_unread(type(output).__qualname__)
     return []
 
@@ -156,8 +158,9 @@ def replace_slots(output: Any, new: dict[int, torch.Tensor]) -> Any:
         if isinstance(v, torch.Tensor):
             rebuilt[k] = new.get(count[0], v)
             count[0] += 1
-        else:
+        elif not isinstance(v, _LEAVES) and _is_container(v):  # its `HOLDER` slot
             inner.append(k)
+            count[0] += 1
     for k in inner:
         rebuilt[k] = _replace_inner(output[k], new, count, 0)
     return rebuilt
