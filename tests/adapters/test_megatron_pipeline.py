@@ -173,10 +173,12 @@ def _pipeline_rank(rank: int, world: int, out_root: str, vpp: int | None) -> dic
         json.dump({"xy_distribution": True, "all_xy": True, "ops": list(OPS), "ndigits": 12}, fh)
     layout = Layout(pp=2, vpp=vpp, deallocate=True)
     model, optimizer = setup(layout)
-    monitor = TrainerMon(cfg, params_have_main_grad=True)
-    monitor.set_monitor(model, grad_acc_steps=2, optimizer=optimizer)
+    # The reference's pre-hooks replace the inputs (views, to hook their gradients): registered before
+    # the monitor's, as a pre-hook replacing inputs after them costs the monitor that call's input rows
     recorder = Recorder()
     recorder.attach(model)
+    monitor = TrainerMon(cfg, params_have_main_grad=True)
+    monitor.set_monitor(model, grad_acc_steps=2, optimizer=optimizer)
     for step in range(STEPS):
         recorder.step, recorder.calls = step, {}
         train_step(model, optimizer, layout, step)

@@ -37,7 +37,7 @@ class NestBias(nn.Module):
         self.b = nn.Parameter(torch.randn(4))
 
     def forward(self, x):
-        return x @ self.w, (x > 0).long(), (self.b,)
+        return x @ self.w, (x > 0).long(), [x + 1, (self.b,)]  # the bias two levels deep
 
 
 class Model(nn.Module):
@@ -49,7 +49,7 @@ class Model(nn.Module):
     def forward(self, x):
         x = self.inp(x)
         o, p = self.d(x), self.n(x)
-        return ((o["h"] + o["bias"]).square() * 2 + (p[0] + p[2][0]).square()).sum()
+        return ((o["h"] + o["bias"]).square() * 2 + (p[0] + p[2][1][0]).square() + p[2][0] * 3).sum()
 
 
 def _grad_norms(model: Model, x: torch.Tensor) -> dict[str, float]:
@@ -61,12 +61,17 @@ def _grad_norms(model: Model, x: torch.Tensor) -> dict[str, float]:
         t.register_hook(lambda g: got.__setitem__(name, float(g.double().norm())))
 
     hd = model.d.register_forward_hook(lambda m, a, o: keep("d.output_1", o["h"]))
-    hn = model.n.register_forward_hook(lambda m, a, o: keep("n.output_0", o[0]))
+
+    def keep_n(module, args, out) -> None:  # (a hook returning a value would replace the output)
+        keep("n.output_0", out[0])
+        keep("n.output_3", out[2][0])
+
+    hn = model.n.register_forward_hook(keep_n)
     model(x).backward()
     hd.remove()
     hn.remove()
     got["d.output_2"] = float(model.d.b.grad.double().norm())
-    got["n.output_3"] = float(model.n.b.grad.double().norm())
+    got["n.output_4"] = float(model.n.b.grad.double().norm())
     model.zero_grad()
     return got
 
@@ -96,9 +101,9 @@ def test_compiled_parameter_after_int_and_nested(tmp_path, monkeypatch):
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
     ref, eager_grads, eager = _run(tmp_path, "eager", compiled=False)
     _, grads, rows = _run(tmp_path, "compiled", compiled=True)
-    names = ["d.output_1", "d.output_2", "n.output_0", "n.output_3"]
+    names = ["d.output_1", "d.output_2", "n.output_0", "n.output_3", "n.output_4"]
     assert sorted(n for n, _, _ in eager if n[0] in "dn" and ".output" in n) == names
-    assert len(ref) == 4
+    assert len(ref) == 5
     for (name, _, _), row in eager.items():
         if name in ref:
             assert math.isclose(float(row["norm"]), ref[name], rel_tol=1e-6), (name, row["norm"], ref[name])

@@ -154,7 +154,7 @@ class HookedModule:
                 drop_copied_hooks(module, self._mine)
             return None
         if is_compiling() or probe.hooks.pinned:  # `pinned` is read only when dynamo is not tracing
-            return self._not_eager("traced_pre", probe._pre_body, module, args, kwargs)
+            return self._not_eager("traced_pre", HookedModule._eager_pre, module, args, kwargs)
         if not_a_micro_batch():
             return None
         with probe.loop.clock:  # the whole body is the monitor's own time, not only its rows
@@ -172,7 +172,8 @@ class HookedModule:
                 drop_copied_hooks(module, self._mine)
             return None
         if is_compiling() or probe.hooks.pinned:
-            return self._not_eager("traced_forward", probe._forward_body, module, args, kwargs, output)
+            body = HookedModule._eager_forward  # outside the graph: the late-hook check too
+            return self._not_eager("traced_forward", body, module, args, kwargs, output)
         if not_a_micro_batch():
             return None
         with probe.loop.clock:

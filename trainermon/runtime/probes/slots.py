@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import types
 from typing import Any
 
 import torch
@@ -58,6 +59,7 @@ HOLDER = torch.empty(0, dtype=torch.long, device="meta")
 _CONTAINERS = (tuple, list, dict)
 _LEAVES = (torch.Tensor, type(None))  # tested first: `dataclasses.is_dataclass` costs ~0.5 us a call
 _said_types: set[str] = set()
+_FUNCTIONS = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.BuiltinMethodType)
 
 
 def output_slots(output: Any) -> list[Any]:
@@ -89,7 +91,7 @@ def output_slots(output: Any) -> list[Any]:
                 slots.append(HOLDER)
                 _tensors_in(v, inner)
         return slots + inner
-    if output is not None and not callable(output):  # a function (Megatron's IdentityFuncOp) holds none
+    if output is not None and not isinstance(output, _FUNCTIONS):  # Megatron's IdentityFuncOp returns one
         _say_unread(type(output).__qualname__)
     return []
 
@@ -167,15 +169,18 @@ def replace_slots(output: Any, new: dict[int, torch.Tensor]) -> Any:
 
 
 def _replace_inner(obj: Any, new: dict[int, torch.Tensor], count: list[int], depth: int) -> Any:
-    """`_tensors_in`'s walk, numbering from `count[0]`, with the numbers in `new` replaced."""
+    """`_tensors_in`'s walk, numbering from `count[0]`, with the numbers in `new` replaced. Whether a
+    container changed is told by the numbers it spans, not by identity (dynamo cannot trace `is` between
+    tuples, which fullgraph refuses)."""
     if isinstance(obj, torch.Tensor):
         count[0] += 1
         return new.get(count[0] - 1, obj)
     if depth >= 8:
         return obj
+    start = count[0]
     if isinstance(obj, (tuple, list)):
         items = [_replace_inner(t, new, count, depth + 1) for t in obj]
-        if all(a is b for a, b in zip(items, obj)):
+        if not _touched(new, start, count[0]):
             return obj
         kind = type(obj)
         if kind is tuple or kind is list:
@@ -183,7 +188,7 @@ def _replace_inner(obj: Any, new: dict[int, torch.Tensor], count: list[int], dep
         return kind(*items) if hasattr(obj, "_fields") else kind(items)
     if isinstance(obj, dict):
         got = {k: _replace_inner(v, new, count, depth + 1) for k, v in obj.items()}
-        if all(got[k] is v for k, v in obj.items()):
+        if not _touched(new, start, count[0]):
             return obj
         if type(obj) is dict:
             return got
@@ -194,12 +199,16 @@ def _replace_inner(obj: Any, new: dict[int, torch.Tensor], count: list[int], dep
     if _is_dataclass(obj):
         rebuilt = copy.copy(obj)
         for f in dataclasses.fields(obj):
-            v = getattr(obj, f.name, None)
-            got = _replace_inner(v, new, count, depth + 1)
-            if got is not v:
+            first = count[0]
+            got = _replace_inner(getattr(obj, f.name, None), new, count, depth + 1)
+            if _touched(new, first, count[0]):
                 object.__setattr__(rebuilt, f.name, got)  # a frozen dataclass too
         return rebuilt
     return obj
+
+
+def _touched(new: dict[int, torch.Tensor], start: int, end: int) -> bool:
+    return any(i in new for i in range(start, end))
 
 
 def replace_tensors(obj: Any, by_id: dict[int, torch.Tensor]) -> Any:
