@@ -167,8 +167,8 @@ def select_params(adapter, config: MonitorConfig) -> ParamSelection:
 
 def named_modules(adapter) -> list[tuple[int, list[str], torch.nn.Module]]:
     """(vpp_stage, [output name, other names...], module) of every module that is not a wrapper (nor
-    scripted: torch.jit modules take no Python hooks), in model order; each name in both its
-    single-process and its chunk-local form."""
+    scripted: torch.jit modules take no Python hooks), in model order; names in their single-process
+    form only, as parameters are named. Attach-time work: one walk over each chunk's modules."""
     out = []
     seen: dict[int, list[str]] = {}
     for vpp_stage, root in enumerate(adapter.roots()):
@@ -177,8 +177,10 @@ def named_modules(adapter) -> list[tuple[int, list[str], torch.nn.Module]]:
                 continue
             if isinstance(module, torch.jit.ScriptModule):  # a scripted part takes no Python hooks
                 continue
-            local = clean_name(name)
-            forms = [adapter.global_name(vpp_stage, local), local]
+            # No chunk-local form: under pipeline stages (expert parallelism) a local name is another
+            # layer's (expert's) global name, so a target would select activations of several layers but
+            # the parameters of one
+            forms = [adapter.global_name(vpp_stage, clean_name(name))]
             if id(module) in seen:
                 seen[id(module)].extend(f for f in forms if f not in seen[id(module)])
                 continue
