@@ -207,3 +207,22 @@ def test_late_pre_hook_passing_a_leaf(tmp_path, out_dir, static_mode):
         for i, key in enumerate(("x", "y")):
             _check(grads, f"b.input_{i}", step, refs[step][f"{key}_grad"])
     assert not [k for k in counted if k[1] == 1]
+
+
+def test_late_pre_hook_compiled_after_another_compile(tmp_path, out_dir, static_mode):
+    """Something compiled earlier in the process pins the hooks at set_monitor, before the user's hook
+    exists: the model's first trace must still order the monitor's pre-hook after it (a review found the
+    input-gradient rows 3x too big: the order was fixed only when the hooks were pinned)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(lambda t: t * 2, backend="eager")(torch.ones(2))
+        grads, _ = _compiled_run(out_dir, tmp_path, "before", compiled=True)
+    finally:
+        torch._dynamo.reset()
+    _, received = _compiled_run(out_dir, tmp_path, "before", compiled=False)
+    for step in range(STEPS):
+        for i in range(2):
+            want = received[step][i].double().norm().item()
+            assert float(grads[(f"b.input_{i}", step, 0)]["norm"]) == pytest.approx(want, rel=1e-5)

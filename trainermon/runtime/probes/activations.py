@@ -56,7 +56,7 @@ class ActivationProbe(Probe):
         self.modules: list[tuple[int, str, torch.nn.Module]] = []
         self._every: list | None = None  # every module, built on first escalation
         # when the module hooks exist (see `module_hooks`)
-        self.hooks = ModuleHooks(self._register, on_pin=self._make_traced_hooks)
+        self.hooks = ModuleHooks(self._register, self._make_traced_hooks, before_traces)
         self._calls: dict[int, int] = {}  # module id -> forward calls this step (the micro_step)
         self._actv = self._actv_grad = self._wide = False
         self._recomputes = Recomputes(loop)  # reentrant checkpointing's first passes and recomputes

@@ -95,9 +95,18 @@ class ModuleHooks:
     attribute reads on steps that keep the current state; installing costs ~5 us per module (on the first
     collected step after steps without collection), removing ~2 us."""
 
-    def __init__(self, register: Register, on_pin: OnPin | None = None) -> None:
+    def __init__(
+        self,
+        register: Register,
+        on_pin: OnPin | None = None,
+        on_trace: Callable[[Sequence], None] | None = None,
+    ) -> None:
         self._register = register
         self._on_pin = on_pin
+        #: run with the hooked modules once per trace that reaches the hooks (the user's hooks registered
+        #: since the pin are ordered before the monitor's ones in that graph: `hooked_module.before_traces`)
+        self._on_trace = on_trace
+        self._traced_at = -1  # dynamo's graph count when `_on_trace` last ran
         self.pinned = False  # installed for the rest of the run (compiled code may call them)
         self._handles: dict[int, list[Any]] = {}  # module id -> its hooks' handles
         self._watchers: list[Any] = []  # the roots' hooks: trace sentinels, and `grad_forward`
@@ -148,6 +157,9 @@ class ModuleHooks:
         # Run by dynamo while it traces (a constant to the graph: no graph break, fullgraph=True works)
         def pin_at_trace() -> bool:
             self._pin()
+            if self._on_trace is not None and (count := graphs_compiled()) != self._traced_at:
+                self._traced_at = count  # once per trace: the count moves when a trace ends
+                self._on_trace(self._modules)
             return True
 
         self.pin_at_trace = torch.compiler.assume_constant_result(pin_at_trace)
