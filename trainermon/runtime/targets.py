@@ -39,6 +39,8 @@ from .selection import (
 )
 
 logger = logging.getLogger("trainermon")
+#: With the model split over ranks (pipeline stages, experts), a target may name another rank's part
+_ELSEWHERE = " here (the model is split over ranks: it may name another stage's or rank's modules)"
 
 
 def closest(word: str, names: list[str], n: int = 3) -> list[str]:
@@ -101,9 +103,11 @@ class TargetCheck:
                         f"have no rows: {frozen[:3]}{' ...' if len(frozen) > 3 else ''}"
                     )
                     continue
+                here = " on this rank" if getattr(adapter, "splits_model", False) else ""
                 self._say(
-                    f"target {target!r} selects nothing: no parameter name starts with it and no module "
-                    f"has that name; closest: {closest(target, module_names + param_names)}"
+                    f"target {target!r} selects nothing{here}: no parameter name starts with it and no "
+                    f"module has that name{_ELSEWHERE if here else ''}; closest: "
+                    f"{closest(target, module_names + param_names)}"
                 )
             if by_param and weights and (cut := cuts_a_name(params, target, config.squash_name)) is not None:
                 self._say(
