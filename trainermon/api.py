@@ -246,8 +246,9 @@ class TrainerMon:
         """Mark the end of a training step by hand, for loops whose optimizer cannot be hooked: call it after
         `optimizer.step()` and before `zero_grad()`.
 
-        Collects the gradients, the optimizer's state and the updated parameters, then ends the step; not
-        param_origin nor update (both need the parameters before the update; said once). Ignored (with one
+        Collects the gradients and the updated parameters, then ends the step; not the optimizer's state
+        (no optimizer was given: mv_distribution says so at set_monitor), nor param_origin and update
+        (both need the parameters before the update; said once). Ignored (with one
         warning) when the optimizer's own step advances the monitor. Costs on other steps: a few flag
         checks; on collected ones see `runtime.growth.ManualGrads`."""
         loop = self.loop
