@@ -375,3 +375,39 @@ def test_a_target_may_start_at_the_layers_segment(tmp_path, out_dir, static_mode
         assert set(rows) == {f"{prefix}layers.0.weight", f"{prefix}layers.0.bias"}, squash
         assert float(rows[f"{prefix}layers.0.weight"]["norm"]) == pytest.approx(want, rel=1e-6)
     assert not _warnings(caplog)
+
+
+@pytest.mark.parametrize("targets", [{"block.1": {}}, {"block.1": {}, "block.0": {}}])
+def test_target_of_a_parameter_free_module_with_activations_off_warns(
+    tmp_path, out_dir, static_mode, caplog, targets
+):
+    """`block.1` is an nn.GELU: with only weight families on it selects no tensor any family writes. It
+    was counted as selecting something when another target selected parameters, with no word."""
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        monitor, refs = _train(tmp_path, targets=targets, wg_distribution=True, xy_distribution=False)
+    lines = _warnings(caplog)
+    assert len(lines) == 1, lines  # the target alone: no second "family with nothing" line for it
+    assert "activations are off (xy_distribution is false)" in lines[0], lines
+    assert "target 'block.1' selects nothing: it names only modules without parameters" in lines[0], lines
+    rows = {n for (n, _, _) in keyed(read_family(monitor.run_dir, "grad_reduced"))}
+    assert rows == ({"block.0.weight", "block.0.bias"} if "block.0" in targets else set()), rows
+
+
+def test_all_xy_is_no_family_in_the_switch_notes(tmp_path):
+    """all_xy only widens xy_distribution (alone it selects nothing, as in msprobe): the notes of
+    `idle_switches` (and `trainermon check-config`) neither count it as a family nor suggest it."""
+    from trainermon.config import load_config
+    from trainermon.runtime.targets import idle_switches
+
+    def notes(**keys) -> list[str]:
+        return idle_switches(load_config(write_config(tmp_path / "c.json", **keys)), 1, True)
+
+    alone = notes(all_xy=True, module_ranks=[3])
+    assert len(alone) == 1 and "switches on no family, so nothing is collected" in alone[0], alone
+    assert "'xy_distribution'" in alone[0] and "'all_xy'" not in alone[0], alone
+    assert "all_xy alone is none" in alone[0], alone
+    assert "'all_xy'" not in notes()[0]
+    assert notes(all_xy=True, wg_distribution=True, forward_only=True) == [
+        "forward_only has no effect: activations are off (xy_distribution is false)"
+    ]
+    assert notes(all_xy=True, xy_distribution=True, forward_only=True) == []

@@ -4,7 +4,8 @@ the closest names that exist (difflib), at `set_monitor` and at each config relo
 - a target that no parameter name starts with and no module is named (any of their names: tied
   parameters and modules registered twice count under each); one that selects only frozen parameters
   (`requires_grad=False`, which have no rows) says so instead;
-- a target that names only parameters while activations are collected (no module has that name);
+- a target that names only parameters while activations are collected (no module has that name), and
+  one that names only modules without parameters while activations are off and a weight family is on;
 - a family switched on (activations; gradients, optimizer state or parameters) that the targets leave
   with nothing at all;
 - (at INFO) a msprobe-style target written with the wrapper path msprobe saw (`module.` of DDP), which
@@ -77,8 +78,9 @@ class TargetCheck:
         modules = [(vpp, names) for vpp, names, _ in named_modules(adapter)]
         param_names = list(dict.fromkeys(n for _, names in params for n in names))
         module_names = list(dict.fromkeys(n for _, names in modules for n in names))
+        collects_actv = config.collects_actv or config.collects_actv_grad
         # all_xy collects every module's activations whatever the targets say
-        activations = (config.collects_actv or config.collects_actv_grad) and not config.all_xy
+        activations = collects_actv and not config.all_xy
         weights = config.collects_optimizer_side
         any_param = any_module = False
         unmatched = 0
@@ -94,13 +96,23 @@ class TargetCheck:
             by_param = any(param_matches(vpp, names, target, config.squash_name) for vpp, names in params)
             by_module = any(module_matches(vpp, names, (target,)) for vpp, names in modules)
             any_param, any_module = any_param or by_param, any_module or by_module
-            if not by_param and not by_module:
+            # a module name selects only activations: with them off and a weight family on, a module
+            # without (trainable) parameters (nn.ReLU, nn.Dropout) gives the target no row at all
+            idle_module = by_module and not by_param and weights and not collects_actv
+            if (not by_param and not by_module) or idle_module:
                 unmatched += 1
                 frozen = frozen_matching(adapter, target, config.squash_name)
                 if frozen:
                     self._say(
                         f"target {target!r} selects only frozen parameters (requires_grad=False), which "
                         f"have no rows: {frozen[:3]}{' ...' if len(frozen) > 3 else ''}"
+                    )
+                    continue
+                if idle_module:
+                    why = "print_struct is on" if config.xy_distribution else "xy_distribution is false"
+                    self._say(
+                        f"target {target!r} selects nothing: it names only modules without parameters, and "
+                        f"activations are off ({why}), so no family writes a row for it"
                     )
                     continue
                 here = " on this rank" if getattr(adapter, "splits_model", False) else ""
@@ -145,9 +157,9 @@ class TargetCheck:
 
 
 #: The switches of output families (besides the statistics: `print_struct`, `stack_info`).
+#: (`all_xy` is no family: it widens xy_distribution's targets to every module, and alone selects nothing.)
 OUTPUT_SWITCHES = (
     "xy_distribution",
-    "all_xy",
     "wg_distribution",
     "mv_distribution",
     "param_distribution",
@@ -182,16 +194,17 @@ def family_may_have_rows(config: MonitorConfig, family: str) -> bool:
 def idle_switches(config: MonitorConfig, world_size: int, dynamic: bool) -> list[str]:
     """What the config switches on that can select nothing, one sentence each."""
     out = []
-    activations = config.xy_distribution or config.all_xy
+    activations = config.xy_distribution  # all_xy alone collects nothing (config.parse says so)
     on = [k for k in OUTPUT_SWITCHES if getattr(config, k)]
     if not on and not config.cc_distribution.enable and not config.attn_logit_distribution.enable:
         out.append(
             f"the config switches on no family, so nothing is collected: set one of {list(OUTPUT_SWITCHES)}, "
             "cc_distribution.enable or attn_logit_distribution.enable"
+            + (" (all_xy alone is none: it widens xy_distribution to every module)" if config.all_xy else "")
         )
     for key in ("forward_only", "backward_only"):
         if getattr(config, key) and not activations:
-            out.append(f"{key} has no effect: activations are off (xy_distribution and all_xy are false)")
+            out.append(f"{key} has no effect: activations are off (xy_distribution is false)")
     if config.monitor_mbs_grad and not config.wg_distribution:
         out.append("monitor_mbs_grad has no effect: wg_distribution is false")
     missing = [r for r in config.module_ranks if r >= world_size]
