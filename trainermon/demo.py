@@ -28,34 +28,17 @@ DEMO_CONFIG = {
 }
 
 
-class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention whose projections run as modules. (nn.MultiheadAttention uses its
-    `out_proj` weights functionally: that module never runs forward, so it would have no actv rows and the
-    demo would warn about its own model.)"""
-
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
-
-
 class Block(nn.Module):
     def __init__(self, d: int, heads: int) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(d)
-        self.attn = CausalSelfAttention(d, heads)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
         self.ln2 = nn.LayerNorm(d)
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
         return x + self.mlp(self.ln2(x))
 
 
@@ -69,11 +52,14 @@ class TinyGPT(nn.Module):
         self.layers = nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.final_norm = nn.LayerNorm(d)
         self.output = nn.Linear(d, vocab, bias=False)
+        # Boolean causal mask (True = may not attend): not a floating-point activation, so no row
+        self.register_buffer("mask", torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embedding(tokens) + self.position[: tokens.shape[1]]
+        mask = self.mask[: tokens.shape[1], : tokens.shape[1]]
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, mask)
         return self.output(self.final_norm(x))
 
 

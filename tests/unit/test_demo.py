@@ -34,34 +34,49 @@ def test_summary_takes_each_familys_rows_not_a_longer_namesakes(tmp_path):
     assert lines[heading + 1 : heading + 3] == [f"    {4.0:12.6g}  b", f"    {3.0:12.6g}  w"], lines
 
 
-def test_causal_self_attention_is_multihead_attention():
-    """The demo's attention equals torch's nn.MultiheadAttention with a causal mask and the same weights
-    (float32, unit-scale inputs, d = 32: different summation orders differ by a few ulps of O(1) values)."""
-    from trainermon.demo import CausalSelfAttention
-
-    torch.manual_seed(0)
-    ours = CausalSelfAttention(32, 4)
-    ref = nn.MultiheadAttention(32, 4, batch_first=True)
-    with torch.no_grad():
-        ref.in_proj_weight.copy_(ours.qkv.weight)
-        ref.in_proj_bias.copy_(ours.qkv.bias)
-        ref.out_proj.weight.copy_(ours.proj.weight)
-        ref.out_proj.bias.copy_(ours.proj.bias)
-    x = torch.randn(3, 7, 32)
-    mask = torch.triu(torch.ones(7, 7, dtype=torch.bool), diagonal=1)  # True: may not attend
-    want = ref(x, x, x, attn_mask=mask, need_weights=False)[0]
-    torch.testing.assert_close(ours(x), want, rtol=1e-5, atol=1e-5)
-
-
 def test_demo_says_nothing_about_itself(tmp_path, out_dir, static_mode, caplog):
     """The demo warned about its own model: nn.MultiheadAttention never calls its out_proj module, so 4 of
-    the selected modules "ran no forward". Every module below the root with a forward now has actv rows."""
+    the selected modules "ran no forward". With every module selected that torch design is said at INFO;
+    every other module below the root with a forward has actv rows."""
     from trainermon.demo import TinyGPT, run_demo
 
-    with caplog.at_level(logging.WARNING, logger="trainermon"):
+    with caplog.at_level(logging.INFO, logger="trainermon"):
         run_dir = run_demo(steps=1, grad_acc=1, output_dir=str(out_dir), quiet=True)
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    said = [r.getMessage() for r in caplog.records if "never runs as a module" in r.getMessage()]
+    assert len(said) == 1 and "layers.0.attn.out_proj" in said[0], said
     with open(glob.glob(os.path.join(run_dir, "actv_[0-9]*.csv"))[0], newline="") as fh:
         written = {row["name"].rpartition(".")[0] for row in csv.DictReader(fh)}
-    modules = {n for n, m in TinyGPT().named_modules() if n and not isinstance(m, nn.ModuleList)}
+    modules = {
+        n
+        for n, m in TinyGPT().named_modules()
+        if n and not isinstance(m, nn.ModuleList) and not n.endswith("attn.out_proj")
+    }
     assert written == modules, modules ^ written
+
+
+def test_a_targeted_attention_out_proj_is_a_warning(tmp_path, out_dir, static_mode, caplog):
+    """Named in the targets, MultiheadAttention's out_proj (no rows, by torch's design) is a warning that
+    says why; the other targeted module writes its rows."""
+    from trainermon import TrainerMon
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Identity())
+    model.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+    config = tmp_path / "c.json"
+    config.write_text('{"targets": {"attn.out_proj": {}, "0": {}}, "xy_distribution": true}')
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(str(config))
+    with caplog.at_level(logging.INFO, logger="trainermon"):
+        monitor.set_monitor(model, grad_acc_steps=1, optimizer=opt)
+        x = model[0](torch.randn(2, 3, 8))
+        model.attn(x, x, x, need_weights=False)[0].sum().backward()
+        opt.step()
+        opt.zero_grad()
+        monitor.close()
+    said = [r for r in caplog.records if "never runs as a module" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING] and "attn.out_proj" in said[0].getMessage()
+    assert not [r for r in caplog.records if "ran no forward" in r.getMessage()]
+    rows = glob.glob(os.path.join(str(out_dir), "*", "actv_[0-9]*.csv"))
+    with open(rows[0], newline="") as fh:
+        assert {row["name"] for row in csv.DictReader(fh)} == {"0.input", "0.output"}

@@ -71,17 +71,18 @@ class ActivationProbe(Probe):
         self._said_eval = False
         self._first: list[Any] = []  # the one-shot root hooks of a collected step (`_first_forward`)
         self._tree = ModuleTree()  # the module tree the selection was made on (model surgery: `_reselect`)
-        self._check_unrun = False  # a selected module without forward is said once per (re)configure
+        self._check_unrun = self._targeted = False  # unrun modules: said once per (re)configure
 
     def configure(self, config: MonitorConfig) -> None:
         self._use(self._select(config), families_off=not (config.collects_actv or config.collects_actv_grad))
         self._check_unrun = True  # at the next collected step's end (`unrun`), again after each reload
+        self._targeted = bool(config.targets) and not config.all_xy  # modules the user named
 
     def post_optim(self, plan: StepPlan) -> None:
         # compiled code counts forwards too (the output taps: `tap_sites`)
         if self._check_unrun and (plan.actv or plan.actv_grad) and self.modules:
             self._check_unrun = False
-            warn_unrun(unrun_modules(self.modules, self._calls), len(self.modules), plan.step)
+            warn_unrun(unrun_modules(self.modules, self._calls), len(self.modules), plan.step, self._targeted)
 
     def _select(self, config: MonitorConfig) -> list[tuple[int, str, torch.nn.Module]]:
         if (config.collects_actv or config.collects_actv_grad) and (
