@@ -87,6 +87,8 @@ def restore_state(loop: Any, state: dict) -> None:
             "its collect_times counted from there",
             loop.step,
         )
+    elif state.get("dynamic_on"):
+        _say_off_since_saved(loop, state)
     loop.escalation.load_state_dict(state.get("escalation", {}), loop.step)
     if loop.detector is not None:
         history = state.get("detector")
@@ -102,6 +104,25 @@ def restore_state(loop: Any, state: dict) -> None:
                 "does not keep it (per-rank history); torch.save each rank's monitor.state_dict() instead",
                 loop.step,
             )
+
+
+def _say_off_since_saved(loop: Any, state: dict) -> None:
+    """The saved run was collecting and the file now says off. The monitor itself writes that false after
+    collect_times, so a job rolled back to a checkpoint taken before then finds it; neither the state nor
+    the file records who wrote it (`trainermon off` writes the same bytes), so it is said, not undone."""
+    if getattr(loop, "rank", 0) != 0:
+        return  # the same on every rank (rank 0's config): once for the job
+    logger.warning(
+        "trainermon: the state (step %d) was saved while collecting (%d of collect_times %d collected), "
+        "but %s now says dynamic_on false: nothing is collected until dynamic_on is set true "
+        "(`trainermon on %s`). This false may have been written by this job's own monitor after "
+        "collect_times in the run that was rolled back, not by an edit",
+        loop.step,
+        int(state["schedule_collected"]),
+        loop.config.collect_times,
+        loop.control.path,
+        loop.control.path,
+    )
 
 
 def _bad(key: str, value: Any, allowed: str) -> ValueError:

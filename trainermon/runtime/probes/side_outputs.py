@@ -34,7 +34,13 @@ _NO_STACK = "The call stack retrieval failed."  # msprobe's text when there is n
 
 
 class PrintStructDone(SystemExit):
-    """Raised after the first step when `print_struct` is on: the structure is written, the run stops."""
+    """Raised after the first step when `print_struct` is on: the structure is written, the run stops.
+    `str()` is the message; the exit status is 1, and Python prints nothing more at exit (the message is
+    logged once already)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.code = 1  # a str code would be printed to stderr again by the interpreter at exit
 
 
 def _describe(value: Any) -> str:
@@ -203,7 +209,14 @@ class SideOutputsProbe(Probe):
 
         return hook
 
+    def post_optim(self, plan: StepPlan) -> None:
+        # Stop here, before the loop hands the step's rows to the writer: the user asked for the structure
+        # only, and a rank directory with part of a step (grad and optimizer rows, no actv) would mislead
+        if self.loop.config.print_struct and plan.collecting:
+            self.end(plan)
+
     def end(self, plan: StepPlan) -> None:
+        # Also reached by a collected step without post_optim (escalated only): the rows are written then
         config = self.loop.config
         if self._stacks and config.stack_info and not self._stacks_done:
             self._write_stacks()
