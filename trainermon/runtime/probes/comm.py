@@ -10,25 +10,25 @@ checks (see `trainermon.comm`).
 
 With DDP, the gradient all-reduces run inside the C++ reducer, out of reach of any Python patch: when
 `cc_distribution` is on, the probe installs a delegating hook that runs DDP's default all-reduce through
-`torch.distributed` and hands the slot to a hook the user registers later (`trainermon.comm.ddp_slot`)."""
+`torch.distributed` and hands the slot to a hook the user registers later (`trainermon.comm.ddp_slot`),
+`cc_log_only` included (its call-site listing would otherwise leave out DDP's bucket all-reduces). The
+cross-rank checks: `comm_table`."""
 
 from __future__ import annotations
 
 import functools
 import logging
-import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from trainermon.comm.checks import MAX_CHECKS, Violation, evaluate, pack
+from trainermon.comm.checks import Violation
 from trainermon.comm.ddp_slot import share_slot
 from trainermon.comm.patch import Patches
 from trainermon.comm.pipe_passes import PIPE
 from trainermon.comm.recorder import CommRecorder, PendingMicro
-from trainermon.comm.sites import short
 from trainermon.comm.spec import BATCH_P2P, all_specs
 from trainermon.config import MonitorConfig
 from trainermon.copies import CopySafe
@@ -38,12 +38,13 @@ from ..plan import StepPlan
 from ..side_passes import SIDE_PASSES
 from .base import Probe
 from .comm_ops import OpsSpy, warn_unmatched, write_sites
+from .comm_table import CheckTable
 from .module_hooks import in_backward
 
 logger = logging.getLogger("trainermon")
 
 
-class CommProbe(Probe):
+class CommProbe(CheckTable, Probe):
     def __init__(self, loop: Any) -> None:
         super().__init__(loop)
         # The wrappers (in torch.distributed, process-wide) hold the recorder: it reaches the loop and this
@@ -94,13 +95,13 @@ class CommProbe(Probe):
         # so the next install wraps only `ops`' again
         self._spy = OpsSpy(self.recorder, wanted) if wanted is not None and self.enabled else None
         self._warned.discard("ops")  # said again after a reload that still sees none
-        if self.enabled and self._attached and not cc.cc_log_only:
+        if self.enabled and self._attached:  # cc_log_only too: its listing names DDP's all-reduces
             self._hook_ddp()
 
     def attach(self) -> list[Any]:
         # After the other probes: the DDP adapter's own comm hook (wg_distribution) comes first.
         self._attached = True
-        if self.enabled and not self.loop.config.cc_distribution.cc_log_only:
+        if self.enabled:
             self._hook_ddp()
         return []
 
@@ -120,8 +121,7 @@ class CommProbe(Probe):
                 "to watch, so no comm rows (the check runs again at each collected step)",
             )
             return
-        if not self.recorder.config.cc_log_only:
-            self._hook_ddp()  # a DDP the adapter found since (after the first collected step)
+        self._hook_ddp()  # a DDP the adapter found since (after the first collected step)
         self.recorder.reset()
         self._current, self._in_forward, self._backward = 0, False, None
         self._waiting.clear()
@@ -256,86 +256,6 @@ class CommProbe(Probe):
         for handle in self._forward_handles:
             handle.remove()
         self._forward_handles.clear()
-
-    # ==== checks ====================================================================================
-    def _check(self, step: int, entries: list) -> None:
-        import torch.distributed as dist
-
-        device = next((e.out_row.device for _, e in entries if e.out_row is not None), torch.device("cpu"))
-        if dist.get_backend() == "nccl" and device.type == "cpu":  # NCCL reduces device tensors only
-            device = torch.device("cuda", torch.cuda.current_device())
-        if len(entries) > 64:
-            self._warn_once(
-                "cap", "trainermon: %d collective keys in a step; the first 64 are checked", len(entries)
-            )
-        try:
-            table = pack(entries, self.loop.rank, self.loop.world_size, device)
-        except Exception as exc:  # noqa: BLE001 - an empty block still joins the reduction
-            self.loop.faults.record("comm check", exc, "this step's checks are skipped on this rank")
-            entries = []
-            table = pack(entries, self.loop.rank, self.loop.world_size, device)
-        dist.all_reduce(table)  # the step's one extra reduction (the wrappers are idle: loop.clock.busy)
-        if device.type == "cpu":
-            self._evaluate(step, table.numpy(), entries)
-        else:  # the check's own small copy (counted): read at the next step boundary, never waited for
-            from trainermon.collect.transfer import transfer_to_host
-
-            host, event = transfer_to_host(table, self.loop.transfers)
-            self._pending = (step, host, event, entries)
-
-    def _settle_pending(self, wait: bool = False) -> None:
-        if self._pending is None:
-            return
-        step, host, event, entries = self._pending
-        if event is not None and not event.query():
-            if not wait:
-                return
-            event.synchronize()
-        self._pending = None
-        self._evaluate(step, host.numpy(), entries)
-
-    def _evaluate(self, step: int, table: Any, entries: list) -> None:
-        found, unchecked = evaluate(table, entries, self.loop.rank)
-        self.unchecked += unchecked
-        beyond = max(0, len(entries) - MAX_CHECKS)
-        if unchecked or beyond:  # counted always, said once: a check that did not run is not a pass
-            self._warn_once(
-                "unchecked",
-                "trainermon: cc_distribution checks at step %d: %d keys not checked (no line from some rank "
-                "of their group, or a NaN/Inf in an input), %d beyond the first %d keys of the step",
-                step,
-                unchecked,
-                beyond,
-                MAX_CHECKS,
-            )
-        if not found:
-            return
-        from trainermon.pipeline.anomaly import Anomaly
-
-        detector = self.loop.detector
-        now = time.time()
-        for v in found:
-            self.violations.append((step, v))
-            name = f"{v.key.op}/{v.key.group}@{short(v.key.site)}"
-            record = Anomaly(
-                self.loop.rank,
-                detector.pp_stage if detector else 0,
-                0,
-                step,
-                None,
-                "comm",
-                0,
-                "comm",
-                name,
-                v.stat,
-                v.got,
-                v.expected,
-                "AnomalyComm",
-                now,
-                v.ranks,
-            )
-            if detector is not None:
-                detector.external.append(record)
 
     # ==== DDP, log-only, warnings =================================================================
     def _hook_ddp(self) -> None:
