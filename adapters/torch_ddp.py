@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from trainermon.collect.placement import LOCAL, Placement, Replicated, TensorPiece
+from trainermon.collect.placement import LOCAL, Placement, Replicated, TensorPiece, writes_rows
 from trainermon.names import clean_name
 from trainermon.runtime.clip_watch import torch_clip_entries
 
@@ -69,6 +69,10 @@ class TorchAdapter(DdpReduceTaps, Adapter):
         self._params: list[MonitoredParam] | None = None
         self._mark: tuple[int, int] = (0, 0)
         self._slots: list[tuple[dict, str, Any]] = []
+        self._sizes: list[tuple[dict, int]] = []  # each module's child and parameter dicts, and their size
+        #: the last `new_parameters()` re-mapped or dropped parameters (said in its own warning): the
+        #: selection is rebuilt although nothing became trainable (runtime.growth)
+        self.replaced = False
         self._stages: StageMap | None = None  # which ranks hold this pipeline stage: `agree`
         self._tensor_parallel = splits_over_ranks([p for c in self._roots for p in c.parameters()])
         self._plain_copies = self._tensor_parallel and self._replica is LOCAL
@@ -134,7 +138,7 @@ class TorchAdapter(DdpReduceTaps, Adapter):
             self._params = out
             self._every = [p for root in self._roots for p in root.parameters()]
             self._mark = self._trainable_mark()
-            self._slots = self._holders()
+            self._slots, self._sizes = self._holders()
             self._say_parameters_outside_the_optimizer(out)
             self._say_held_unreduced(out)  # frozen when DDP was built, trainable now: not reduced
         return self._params
@@ -147,18 +151,23 @@ class TorchAdapter(DdpReduceTaps, Adapter):
             if p.requires_grad
         ]
 
-    def _holders(self) -> list[tuple[dict, str, Any]]:
+    def _holders(self) -> tuple[list[tuple[dict, str, Any]], list[tuple[dict, int]]]:
         """(dict, key, object) for every module and parameter slot of the model: all still hold their
         object unless a module or a parameter was replaced (`m.w = nn.Parameter(...)`, HF
-        `resize_token_embeddings`, a LoRA merge)."""
+        `resize_token_embeddings`, a LoRA merge); and (dict, size) of each module's child and parameter
+        dicts, which grow when a module or parameter is added (`model.late = nn.Linear(...)`, whose
+        parameters no other count sees when no optimizer holds them)."""
         slots: list[tuple[dict, str, Any]] = []
+        sizes: list[tuple[dict, int]] = []
         for root in self._roots:
             for module in root.modules():
                 if isinstance(module, torch.jit.ScriptModule):  # its slots are fixed (and hold no `get`)
                     continue
+                sizes.append((module._modules, len(module._modules)))
+                sizes.append((module._parameters, len(module._parameters)))
                 slots.extend((module._modules, k, c) for k, c in module._modules.items())
                 slots.extend((module._parameters, k, q) for k, q in module._parameters.items())
-        return slots
+        return slots, sizes
 
     def _say_parameters_outside_the_optimizer(self, params: list[MonitoredParam]) -> None:
         """A second optimizer's parameters (a GAN's, a sparse embedding's) are read around the monitored
@@ -193,24 +202,31 @@ class TorchAdapter(DdpReduceTaps, Adapter):
         """The count of trainable parameters and of the optimizer's: a cheap test (one pass over the
         flags of a list kept since the last scan, ~10 us for 200 parameters; walking the modules again
         cost ~1 ms on a 48-layer model), on collected steps only, before any rescan. Parameters of
-        modules added to the model later are found when they reach the optimizer (`add_param_group`)."""
+        modules added to the model later are found by `new_parameters`' sizes of the module dicts."""
         return (
             sum(p.requires_grad for p in self._every),
             sum(len(g["params"]) for g in getattr(self.optimizer, "param_groups", ())),
         )
 
     def new_parameters(self) -> list[MonitoredParam]:
-        """Parameters that became trainable, and those re-mapped because the model now holds another
-        tensor under their name (returned too, so that the selection is rebuilt). Costs, on collected
-        steps only: the count of flags, and one identity check per module and parameter slot (~30 us
-        for 770 slots); a rescan (~1 ms on a 48-layer model) only when either changed."""
+        """Parameters that became trainable, or were added to the model (a new module, held by an
+        optimizer or not); `replaced` tells whether others were re-mapped (the model now holds another
+        tensor under their name) or dropped, so that the selection is rebuilt. Costs, on collected steps
+        only (never on the others): the count of flags, one size check per module's child and parameter
+        dict and one identity check per slot (~40 us for 770 slots); a rescan (~1 ms on a 48-layer
+        model) only when one of them changed."""
         known = self.parameters()
+        self.replaced = False
         mark = self._trainable_mark()
-        if mark == self._mark and all(d.get(k) is o for d, k, o in self._slots):
+        if (
+            mark == self._mark
+            and all(len(d) == n for d, n in self._sizes)
+            and all(d.get(k) is o for d, k, o in self._slots)
+        ):
             return []
         self._every = [p for root in self._roots for p in root.parameters()]
         self._mark = self._trainable_mark()  # of the new list: counts modules added since the last scan
-        self._slots = self._holders()
+        self._slots, self._sizes = self._holders()
         found = self._trainable()
         # every parameter, frozen too: a frozen one keeps its entry, as before
         by_name = {
@@ -243,11 +259,39 @@ class TorchAdapter(DdpReduceTaps, Adapter):
             )
             self._disarm()  # the pre-reduce taps sit on the old tensors, keyed by the old indices
         known[:] = kept + new
+        if new:
+            self._say_new_outside_the_optimizer(new)
         if new and self._ddps and not self._tensor_parallel:
             self._say_unreduced([mp for mp in new if id(mp.param) not in self._held])
             self._disarm()  # re-armed at the next collected step, with taps on the new ones too
-        # what is returned makes the caller rebuild the selection (indices shift when one is dropped)
-        return remapped + new or kept[:1] if dropped else remapped + new
+        self.replaced = bool(remapped or dropped)  # the caller rebuilds the selection (indices shift)
+        return new
+
+    def _say_new_outside_the_optimizer(self, new: list[MonitoredParam]) -> None:
+        """Parameters found after set_monitor that the monitored optimizer does not hold (a module added
+        to the model, or unfrozen, without `add_param_group`): monitored as those outside it at
+        set_monitor are, said once per rescan that finds them. A set of the optimizer's ids: rescans only."""
+        held = {id(p) for g in getattr(self.optimizer, "param_groups", ()) for p in g.get("params", ())}
+        outside = [mp.name for mp in new if id(mp.param) not in held]
+        if held and outside:
+            logger.warning(
+                "trainermon: %d trainable parameters found after set_monitor are not in the monitored "
+                "optimizer (%s%s): they are monitored, their grad_*/param_origin/param_updated rows read "
+                "around that optimizer's step, with no optimizer-state rows until they are given to it "
+                "(add_param_group)",
+                len(outside),
+                ", ".join(outside[:5]),
+                ", ..." if len(outside) > 5 else "",
+            )
+
+    def holds_every_grad_row(self) -> bool:
+        """Whether this rank's grad_reduced rows make the whole model's (its global norm is then its own
+        total): not where DDP leaves parameters unreduced (trainable only after it was built: every rank
+        writes its own rows for them) and another rank writes the reduced ones. A set test on collected
+        steps; the writer test (a group rank) only with unreduced parameters."""
+        if not self._unreduced or self._tensor_parallel or type(self._replica) is not Replicated:
+            return True
+        return writes_rows(self._replica)
 
     def attach_step(self, events: Any) -> list[Any]:
         return [] if self.optimizer is None else hook_optimizer_step(self.optimizer, events)

@@ -138,6 +138,9 @@ class StepScalars:
     own_skip: bool = False
     monitor_time_ms: float = 0.0  # the monitor's own time on the training thread this step
     scheduled: bool = True  # the configured families were collected (False: an escalation-only step)
+    #: this rank's grad_reduced rows are not the whole model's (DDP's late, unreduced parameters on a rank
+    #: that does not write the reduced ones): no global norm rather than theirs alone
+    partial_grads: bool = False
 
     @property
     def scaler_skip(self) -> bool:

@@ -88,6 +88,11 @@ class Deriver:
         norm = float(np.sqrt(grad_sumsq(partials[reduced]))) if reduced else None
         if payload.job_grad_sumsq is not None:  # a model split over ranks: every rank's written rows
             norm = float(np.sqrt(max(float(payload.job_grad_sumsq), 0.0)))  # NaN if a rank left one out
+        elif payload.scalars.partial_grads:
+            # Under DDP, parameters trainable only after it was built are each rank's own rows; on a rank
+            # that does not write the reduced ones their norm alone is not the model's: none, as on a rank
+            # that writes no grad_reduced row
+            norm = None
         if unread:
             norm = math.nan
             self._tell_unread(unread)

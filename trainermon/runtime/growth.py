@@ -1,5 +1,6 @@
 """What a step's boundary checks of the parameters. Parameters that become trainable after `set_monitor`:
-unfrozen (`requires_grad_(True)`) or handed to the optimizer later with `add_param_group`. At each
+unfrozen (`requires_grad_(True)`), handed to the optimizer later with `add_param_group`, or of a module
+added to the model (held by no optimizer too). At each
 collected step's boundary the adapter is asked for them (a count of flags and its identity checks, a
 rescan only when either changed); new ones join the selection under the config's targets, with one log
 line. When the step's gradients are read (`grads_final`) the count alone is taken again, and the adapter
@@ -71,8 +72,11 @@ class NewParamsProbe(Probe):
         if not plan.scheduled or loop.adapter is None:
             return
         new = loop.adapter.new_parameters()
-        if new:
+        # re-mapped or dropped parameters (the adapter's own warning names them) shift the indices: the
+        # selection is rebuilt, but only what is new is logged as such
+        if new or getattr(loop.adapter, "replaced", False):
             loop.selection = select_params(loop.adapter, loop.config)
+        if new:
             chosen = {id(mp) for mp in loop.selection.params}
             names = [mp.name for mp in new if id(mp) in chosen]
             logger.info(

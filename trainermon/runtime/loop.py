@@ -331,11 +331,15 @@ class StepLoop(ConfigChanges):
         if plan.scheduled:
             self.schedule.mark_collected()
         job_norm = plan.grads and self.adapter is not None and self.adapter.splits_model
+        # DDP with late, unreduced parameters on a rank that does not write the reduced ones: no global norm
+        partial = plan.grads and not getattr(self.adapter, "holds_every_grad_row", lambda: True)()
         self._check_join()
         tail = self.xrank.tail(plan.scheduled and not self.joined, self.config)  # (collective)
         payload = self.collector.finish(plan.step, scalars, job_grad_norm=job_norm, tail=tail)
         own_ms = (self.clock.now() - self._step_mark) * 1e3
-        scalars = dataclasses.replace(payload.scalars, monitor_time_ms=own_ms, scheduled=plan.scheduled)
+        scalars = dataclasses.replace(
+            payload.scalars, monitor_time_ms=own_ms, scheduled=plan.scheduled, partial_grads=partial
+        )
         payload = dataclasses.replace(payload, scalars=scalars)
         if self.worker is not None:
             self.worker.submit(payload)  # immutable from here on
