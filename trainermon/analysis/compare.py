@@ -7,7 +7,10 @@ counted once), so two runs with different parallel layouts are compared on the s
 Relative difference: `|run - benchmark| / max(|benchmark|, tiny)` (tiny = 1e-12). A cell diverges when
 that exceeds `rtol` (plus `atol / max(|benchmark|, tiny)` when an absolute tolerance is given), or when
 one side is non-finite (a NaN or Inf value, or a non-zero nans/infs count) and the other is not. Two
-non-finite values are equal (NaN vs NaN, Inf vs Inf, NaN vs Inf alike).
+non-finite values are equal (NaN vs NaN, Inf vs Inf, NaN vs Inf alike). Such a non-finite divergence has
+relative difference inf (also in `max_rel_diff`, counted in `cells_nonfinite`) and a `cause` naming the
+column that is non-finite on one side only, as "{column} {benchmark} -> {run}" (`nans 0 -> 3`); when the
+compared statistic itself is finite on both sides, the divergence reports that column (`stat`, values).
 
 The first divergence is the earliest (step, micro_step) with any diverging cell, and within it the
 first tensor in execution order: micro-batches in order (rows without a micro-step, such as optimizer
@@ -57,6 +60,7 @@ class Divergence:
     benchmark_value: float
     rel_diff: float
     label: str = ""  # the name, or `{vpp}:{name}` when the family has several vpp stages
+    cause: str = ""  # a non-finite divergence: "{column} {benchmark} -> {run}" (`_explain`)
 
 
 def _label(vpp: int, name: str, multi: bool) -> str:
@@ -135,6 +139,32 @@ class Comparison:
             title = f"{r.family} {r.label} ({r.stat}): first diverges at step {r.first_step}"
             stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"diverge_{i:02d}_{r.family}_{r.label}")
             yield stem, plot_divergence(df, title, self.rtol, r.first_step)
+
+
+def _explain(fa: Any, fb: Any, cell: tuple[int, int, int, int], stat: str, va: float, vb: float) -> tuple:
+    """(stat, run value, benchmark value, cause) of a non-finite divergence at `cell` (row, column in
+    `fa`, row, column in `fb`). A NaN/Inf in the compared statistic is its own cause; otherwise the cell
+    is non-finite through another column (a nans/infs count: the norm covers the finite values only),
+    which is reported instead, so the message names what actually differs."""
+    ra, ca, rb, cb = cell
+    if not (math.isfinite(va) and math.isfinite(vb)):
+        return stat, va, vb, f"{stat} {vb:.6g} -> {va:.6g}"
+    floats = [c for c in fa.values if c not in ("nans", "infs")]
+    for col in ["nans", "infs", *floats]:
+        if col not in fa.values or col not in fb.values:
+            continue
+        a = float(fa.values[col][ra, ca]) if fa.present[col][ra, ca] else math.nan
+        b = float(fb.values[col][rb, cb]) if fb.present[col][rb, cb] else math.nan
+        if col in ("nans", "infs"):
+            a_bad, b_bad = a > 0, b > 0  # NaN (no row of the count) compares False: not bad
+            a, b = (0.0 if math.isnan(x) else x for x in (a, b))
+        else:
+            a_bad = fa.present[col][ra, ca] and not math.isfinite(a)
+            b_bad = fb.present[col][rb, cb] and not math.isfinite(b)
+        if a_bad != b_bad:
+            return col, a, b, f"{col} {b:.6g} -> {a:.6g}"
+    side = "run" if fa.nonfinite[ra, ca] else "benchmark"
+    return stat, va, vb, f"non-finite in the {side}"  # not expected: every flag comes from a column
 
 
 def _tensor_rows(grid, order: np.ndarray) -> list[tuple[int, str]]:
@@ -294,22 +324,20 @@ def compare(
             vpp, name = ta[int(ia[i])]
             first_step, first_micro = step, (None if micro < 0 else micro)
             first_name = _label(vpp, name, multi)
-            d = Divergence(
-                family,
-                vpp,
-                name,
-                step,
-                first_micro,
-                usable[int(which[i, j])],
-                float(va_first[i, j]),
-                float(vb_first[i, j]),
-                float(rel_first[i, j]),
-                first_name,
-            )
-            firsts.append(((step, math.inf if micro < 0 else micro, family_order(family), family, i), d))
             rows_any = np.flatnonzero(div.any(axis=1))
             first_col = np.argmax(div[rows_any], axis=1)
             fsteps, fmicros = split_key(keys[first_col])
+            shown = []  # (stat, run value, benchmark value, cause) at each tensor's first divergence
+            for k, c in zip(rows_any.tolist(), first_col.tolist()):
+                got = (usable[int(which[k, c])], float(va_first[k, c]), float(vb_first[k, c]))
+                cell = (int(ia[k]), int(ca[c]), int(ib[k]), int(cb[c]))
+                shown.append(_explain(fa, fb, cell, *got) if np.isinf(rel_first[k, c]) else (*got, ""))
+            stat_i, va_i, vb_i, cause = shown[int(np.searchsorted(rows_any, i))]  # row i diverges first at j
+            d = Divergence(
+                family, vpp, name, step, first_micro, stat_i, va_i, vb_i, float(rel_first[i, j]), first_name,
+                cause,
+            )  # fmt: skip
+            firsts.append(((step, math.inf if micro < 0 else micro, family_order(family), family, i), d))
             part = pd.DataFrame(
                 {
                     "family": family,
@@ -318,10 +346,11 @@ def compare(
                     "label": [_label(*ta[int(ia[k])], multi) for k in rows_any],
                     "first_step": fsteps,
                     "first_micro_step": [None if m < 0 else int(m) for m in fmicros],
-                    "stat": [usable[int(which[k, c])] for k, c in zip(rows_any, first_col)],
-                    "run_value": va_first[rows_any, first_col],
-                    "benchmark_value": vb_first[rows_any, first_col],
+                    "stat": [x[0] for x in shown],
+                    "run_value": [x[1] for x in shown],
+                    "benchmark_value": [x[2] for x in shown],
                     "rel_diff_at_first": rel_first[rows_any, first_col],
+                    "cause": [x[3] for x in shown],
                     "divergent_cells": div[rows_any].sum(axis=1),
                     "max_rel_diff": np.where(div[rows_any], rel[rows_any], 0.0).max(axis=1),
                     "_micro": [math.inf if m < 0 else m for m in fmicros],
@@ -331,7 +360,9 @@ def compare(
             )
             divergent_parts.append(part)
         notes += key_notes(family, fa.keys, fb.keys, int(compared.sum()))
-        finite_rel = rel[compared & np.isfinite(rel)]
+        # inf where a cell diverges by being non-finite on one side only: a finite maximum next to such
+        # cells would read as "diverged by at most that much"
+        nonfinite_div = div & np.isinf(rel)
         per_family.append(
             {
                 "family": family,
@@ -343,16 +374,17 @@ def compare(
                 "steps_only_in_benchmark": len(steps_b - steps_a),
                 "cells_compared": int(compared.sum()),
                 "cells_divergent": n_div,
+                "cells_nonfinite": int(nonfinite_div.sum()),
                 "first_divergent_step": first_step,
                 "first_divergent_micro_step": first_micro,
                 "first_divergent_tensor": first_name,
-                "max_rel_diff": float(finite_rel.max()) if finite_rel.size else 0.0,
+                "max_rel_diff": float(rel[compared].max()) if compared.any() else 0.0,
             }
         )
     if not sum(row["cells_compared"] for row in per_family):
         raise NothingCompared(_nothing_compared(sum_a, sum_b, all_a, all_b, common, notes, wanted, steps))
     columns = ["family", "vpp_stage", "name", "label", "first_step", "first_micro_step", "stat", "run_value"]
-    columns += ["benchmark_value", "rel_diff_at_first", "divergent_cells", "max_rel_diff"]
+    columns += ["benchmark_value", "rel_diff_at_first", "cause", "divergent_cells", "max_rel_diff"]
     if divergent_parts:
         divergent = pd.concat(divergent_parts, ignore_index=True)
         divergent = divergent.sort_values(["first_step", "_micro", "_fam", "family", "_pos"], kind="stable")
@@ -362,6 +394,7 @@ def compare(
     first = min(firsts, key=lambda x: x[0])[1] if firsts else None
     pf_cols = ["family", "tensors_compared", "only_in_run", "only_in_benchmark", "steps_compared"]
     pf_cols += ["steps_only_in_run", "steps_only_in_benchmark", "cells_compared", "cells_divergent"]
+    pf_cols += ["cells_nonfinite"]
     pf_cols += [
         "first_divergent_step",
         "first_divergent_micro_step",
