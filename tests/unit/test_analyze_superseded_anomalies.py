@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 from trainermon.analysis import analyze
-from trainermon.analysis.analyze import split_anomalies
 from trainermon.analysis.source import open_run
+from trainermon.analysis.superseded import split_anomalies
 from trainermon.cli import main
 
 CRASHED, RESUMED = "aaaa1111", "bbbb2222"

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .compare_keys import key_notes, rank_notes
+from .compare_keys import NothingCompared, key_notes, nothing_compared, rank_notes
 from .grid import split_key, with_copy_marks
 from .jsonutil import describe, jsonable, records
 from .runs import REDONE
@@ -169,38 +169,6 @@ def _explain(fa: Any, fb: Any, cell: tuple[int, int, int, int], stat: str, va: f
 
 def _tensor_rows(grid, order: np.ndarray) -> list[tuple[int, str]]:
     return [grid.tensors.keys[i] for i in order]
-
-
-class NothingCompared(ValueError):
-    """The two runs share no (family, name, step) cell: a comparison would prove nothing."""
-
-
-def _nothing_compared(
-    sum_a: Any,
-    sum_b: Any,
-    fam_a: list[str],
-    fam_b: list[str],
-    common: list[str],
-    notes: list[str],
-    wanted: list[str] | None = None,
-    steps: tuple[int, int] | None = None,
-) -> str:
-    """fam_a, fam_b: every family of each run (before `wanted`, the families asked for, chose)."""
-    empty = [label for label, s in (("run", sum_a), ("benchmark", sum_b)) if not s.rows_read]
-    if steps is not None and common and empty:  # the step range, not a statistic, left nothing
-        return f"no cell compared: steps {steps[0]}-{steps[1]} select no row of the {' or the '.join(empty)}"
-    if not common:
-        asked = "" if wanted is None else f" of those asked for ({wanted})"
-        return f"no cell compared: the runs share no family{asked} (run: {fam_a}, benchmark: {fam_b})"
-    unrecorded = [n for n in notes if n.endswith("not in both runs, not compared")]
-    if unrecorded:  # the statistics asked for, not the names, are what is missing
-        return "no cell compared: " + "; ".join(unrecorded)
-    lines = ["no cell compared: the runs share no (family, name, step) with the statistics asked for"]
-    for label, summary in (("run", sum_a), ("benchmark", sum_b)):
-        grid = summary.grids[common[0]]
-        names = [name for _, name in _tensor_rows(grid, grid.finalize("cell").order)][:5]
-        lines.append(f"  {label} {common[0]} names, e.g.: {names}")
-    return "\n".join(lines)
 
 
 def compare(
@@ -382,7 +350,7 @@ def compare(
             }
         )
     if not sum(row["cells_compared"] for row in per_family):
-        raise NothingCompared(_nothing_compared(sum_a, sum_b, all_a, all_b, common, notes, wanted, steps))
+        raise NothingCompared(nothing_compared(sum_a, sum_b, all_a, all_b, common, notes, wanted, steps))
     columns = ["family", "vpp_stage", "name", "label", "first_step", "first_micro_step", "stat", "run_value"]
     columns += ["benchmark_value", "rel_diff_at_first", "cause", "divergent_cells", "max_rel_diff"]
     if divergent_parts:

@@ -1,5 +1,6 @@
 """What `compare` could not line up within a family present in both runs: (step, micro_step) keys of
-one run only (micro-steps recorded in one run, not the other), and families with no cell compared."""
+one run only (micro-steps recorded in one run, not the other), families with no cell compared, and why
+nothing at all was compared."""
 
 from __future__ import annotations
 
@@ -49,3 +50,35 @@ def rank_notes(run: Any, benchmark: Any) -> list[str]:
         f"{sorted(set(ra) - set(rb))[:20]}, only in the benchmark: {sorted(set(rb) - set(ra))[:20]}); "
         "expected only when their parallel layouts differ"
     ]
+
+
+class NothingCompared(ValueError):
+    """The two runs share no (family, name, step) cell: a comparison would prove nothing."""
+
+
+def nothing_compared(
+    sum_a: Any,
+    sum_b: Any,
+    fam_a: list[str],
+    fam_b: list[str],
+    common: list[str],
+    notes: list[str],
+    wanted: list[str] | None = None,
+    steps: tuple[int, int] | None = None,
+) -> str:
+    """fam_a, fam_b: every family of each run (before `wanted`, the families asked for, chose)."""
+    empty = [label for label, s in (("run", sum_a), ("benchmark", sum_b)) if not s.rows_read]
+    if steps is not None and common and empty:  # the step range, not a statistic, left nothing
+        return f"no cell compared: steps {steps[0]}-{steps[1]} select no row of the {' or the '.join(empty)}"
+    if not common:
+        asked = "" if wanted is None else f" of those asked for ({wanted})"
+        return f"no cell compared: the runs share no family{asked} (run: {fam_a}, benchmark: {fam_b})"
+    unrecorded = [n for n in notes if n.endswith("not in both runs, not compared")]
+    if unrecorded:  # the statistics asked for, not the names, are what is missing
+        return "no cell compared: " + "; ".join(unrecorded)
+    lines = ["no cell compared: the runs share no (family, name, step) with the statistics asked for"]
+    for label, summary in (("run", sum_a), ("benchmark", sum_b)):
+        grid = summary.grids[common[0]]
+        names = [name for _, name in (grid.tensors.keys[i] for i in grid.finalize("cell").order)][:5]
+        lines.append(f"  {label} {common[0]} names, e.g.: {names}")
+    return "\n".join(lines)
