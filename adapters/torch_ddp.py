@@ -208,6 +208,10 @@ class TorchAdapter(DdpReduceTaps, Adapter):
             sum(len(g["params"]) for g in getattr(self.optimizer, "param_groups", ())),
         )
 
+    def dicts_unchanged(self) -> bool:
+        """No module's child or parameter dict changed size since the last scan (one `len` per module)."""
+        return all(len(d) == n for d, n in self._sizes)
+
     def new_parameters(self) -> list[MonitoredParam]:
         """Parameters that became trainable, or were added to the model (a new module, held by an
         optimizer or not); `replaced` tells whether others were re-mapped (the model now holds another
@@ -218,11 +222,7 @@ class TorchAdapter(DdpReduceTaps, Adapter):
         known = self.parameters()
         self.replaced = False
         mark = self._trainable_mark()
-        if (
-            mark == self._mark
-            and all(len(d) == n for d, n in self._sizes)
-            and all(d.get(k) is o for d, k, o in self._slots)
-        ):
+        if mark == self._mark and self.dicts_unchanged() and all(d.get(k) is o for d, k, o in self._slots):
             return []
         self._every = [p for root in self._roots for p in root.parameters()]
         self._mark = self._trainable_mark()  # of the new list: counts modules added since the last scan

@@ -185,6 +185,21 @@ def test_module_added_outside_any_optimizer_is_monitored(tmp_path, monkeypatch, 
     assert len(said) == 1 and "3.weight, 3.bias" in said[0], lines
 
 
+def test_prebuilt_module_inserted_is_monitored_from_its_first_step(tmp_path, monkeypatch, caplog):
+    """A module built before set_monitor and inserted after the step's boundary: no parameter is
+    registered then, and `Sequential.insert` writes `_modules` itself (no module registration either), so
+    the first step wrote no rows of it and, under the shifted name, the old `2`'s rows held the new
+    module's gradient (shape [8, 8] under `2.weight` read as the old [6, 8] one's)."""
+    spare = nn.Linear(8, 8)  # built now, before set_monitor (in `_single`)
+
+    def insert(model: nn.Sequential, opt) -> None:
+        model.insert(2, spare)  # `2` is now spare, the old `2` is `3`; in no optimizer
+
+    rows, expected, _ = _single(tmp_path, monkeypatch, caplog, insert)
+    _check_rows(rows, expected)
+    assert {("2.bias", 1, None), ("3.weight", 1, None)} <= set(rows)
+
+
 def test_tie_after_set_monitor_is_not_called_newly_trainable(tmp_path, monkeypatch, caplog):
     def tie(model: nn.Sequential, opt) -> None:
         old = model[2].weight

@@ -17,7 +17,10 @@ import logging
 from typing import Any
 
 import torch
-from torch.nn.modules.module import register_module_parameter_registration_hook
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 
 from trainermon.config import MonitorConfig
 
@@ -47,9 +50,12 @@ class NewParamsProbe(Probe):
             self.loop.faults.record("target check", exc)
 
     def attach(self) -> list[Any]:
-        # a parameter set on a module (`m.w = nn.Parameter(...)`, a LoRA merge) after a step's boundary:
-        # one Python call per registration (model building; none in a plain training step)
-        return [weak_global_hook(register_module_parameter_registration_hook, self._registered)]
+        # a parameter or module set on a module (`m.w = nn.Parameter(...)`, a LoRA merge, `seq.append(m)`)
+        # after a step's boundary: one Python call per registration (model building; none in a plain step)
+        return [
+            weak_global_hook(register_module_parameter_registration_hook, self._registered),
+            weak_global_hook(register_module_module_registration_hook, self._registered),
+        ]
 
     def _registered(self, *_args: Any) -> None:
         self.registered = True
@@ -59,11 +65,18 @@ class NewParamsProbe(Probe):
         self._refresh(plan)
 
     def grads_final(self, plan: StepPlan) -> None:
-        # Between begin and here: flags and add_param_group (an unfreeze during the iteration), counted, or
-        # a parameter registered on a module; else not the adapter's identity walk of every slot again.
+        # Between begin and here: flags and add_param_group (an unfreeze during the iteration), counted, a
+        # parameter or module registered, or a module's dicts grown or shrunk without a registration
+        # (`Sequential.insert` writes `_modules` itself); else not the adapter's identity walk again.
         adapter = self.loop.adapter
         count = getattr(adapter, "_trainable_mark", None)
-        if plan.scheduled and count is not None and not self.registered and count() == adapter._mark:
+        if (
+            plan.scheduled
+            and count is not None
+            and not self.registered
+            and count() == adapter._mark
+            and adapter.dicts_unchanged()
+        ):
             return
         self._refresh(plan)
 
