@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from collections import OrderedDict
@@ -64,6 +65,18 @@ def test_non_finite_statistics_without_counts_are_caught(tmp_path):
     det.check(_batch(0, [("actv", "x"), ("actv", "y")], norm=[math.inf, 1.0], max=[math.nan, 1.0]))
     det.close()
     assert {(r["name"], r["stat"]) for r in load_anomalies(str(tmp_path))} == {("x", "norm"), ("x", "max")}
+
+
+def test_the_more_anomalies_line_names_the_rank(tmp_path, caplog):
+    """Past the per-step limit the log's summary line names the rank (4 ranks' logs interleave)."""
+    det = AnomalyDetector(parse_rules([{"rule_name": "AnomalyNan"}]), str(tmp_path), rank=5, dump=False)
+    rows = [("actv", n) for n in "abcde"]
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        det.check(_batch(7, rows, nans=[1, 1, 1, 1, 1]))
+    det.close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 4 and all(line.endswith("on rank 5") for line in lines), lines
+    assert "and 2 more anomalies at step 7 on rank 5" in lines[3]
 
 
 def test_bad_rule_config_names_the_key():

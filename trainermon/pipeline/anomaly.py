@@ -163,7 +163,10 @@ class AnomalyDetector:
             )
         if len(found) > self.log_limit:
             logger.warning(
-                "trainermon: ... and %d more anomalies at step %d", len(found) - self.log_limit, batch.step
+                "trainermon: ... and %d more anomalies at step %d on rank %d",
+                len(found) - self.log_limit,
+                batch.step,
+                found[0].rank,
             )
         for callback in self.on_anomaly:
             callback(batch.step, found)
