@@ -198,7 +198,7 @@ def run_compare(args: argparse.Namespace) -> int:
         print(
             f"first divergence: step {first.step}{micro} {first.family} {first.label} {first.stat}: "
             f"run {first.run_value:.6g} benchmark {first.benchmark_value:.6g} "
-            f"(rel. diff {first.rel_diff:.3g})"
+            f"(rel. diff {first.rel_diff:.3g}{'; ' + first.cause if first.cause else ''})"
         )
     print(f"report: {os.path.abspath(paths['html'])}, findings: {paths['json']}")
     return 1 if result.diverged else 0

@@ -151,7 +151,15 @@ def _explain(fa: Any, fb: Any, cell: tuple[int, int, int, int], stat: str, va: f
         return stat, va, vb, f"{stat} {vb:.6g} -> {va:.6g}"
     floats = [c for c in fa.values if c not in ("nans", "infs")]
     for col in ["nans", "infs", *floats]:
-        if col not in fa.values or col not in fb.values:
+        in_a, in_b = col in fa.values, col in fb.values
+        if not (in_a and in_b):
+            # a count only one run recorded (`ops` differ): a non-zero one is the cause, named as such
+            if col in ("nans", "infs") and (in_a or in_b):
+                a = float(fa.values[col][ra, ca]) if in_a and fa.present[col][ra, ca] else math.nan
+                b = float(fb.values[col][rb, cb]) if in_b and fb.present[col][rb, cb] else math.nan
+                if a > 0 or b > 0:
+                    shown = [f"{x:.6g}" if there else "(no column)" for x, there in ((b, in_b), (a, in_a))]
+                    return col, a, b, f"{col} {shown[0]} -> {shown[1]}"
             continue
         a = float(fa.values[col][ra, ca]) if fa.present[col][ra, ca] else math.nan
         b = float(fb.values[col][rb, cb]) if fb.present[col][rb, cb] else math.nan
