@@ -411,3 +411,40 @@ def test_all_xy_is_no_family_in_the_switch_notes(tmp_path):
         "forward_only has no effect: activations are off (xy_distribution is false)"
     ]
     assert notes(all_xy=True, xy_distribution=True, forward_only=True) == []
+
+
+class _ActAndProj(nn.Module):
+    """`act` (no parameters) beside `act_proj`: the prefix `act` selects only the sibling's weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.act, self.act_proj = nn.GELU(), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act_proj(self.act(x))
+
+
+def test_a_prefix_of_a_parameter_free_module_is_not_told_to_end_with_a_dot(
+    tmp_path, out_dir, static_mode, caplog
+):
+    """The advice "end it with '.' ('act.') to select that module alone" pointed to a target that selects
+    nothing (`act` has no parameter); it now says the prefix selects only the other module's."""
+    from trainermon import TrainerMon
+
+    cfg = write_config(tmp_path / "cfg.json", targets={"act": {}}, wg_distribution=True)
+    model = _ActAndProj()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(cfg)
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        monitor.set_monitor(model, optimizer=opt)
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        monitor.close()
+    lines = _warnings(caplog)
+    assert len(lines) == 1 and "end it with" not in lines[0], lines
+    assert "only other modules' ('act_proj.weight')" in lines[0], lines
+    assert "module 'act' itself has no trainable parameter" in lines[0], lines
+    assert {n for (n, _, _) in keyed(read_family(monitor.run_dir, "grad_reduced"))} == {
+        "act_proj.weight",
+        "act_proj.bias",
+    }

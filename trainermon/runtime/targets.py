@@ -122,10 +122,17 @@ class TargetCheck:
                     f"{closest(target, module_names + param_names)}"
                 )
             if by_param and weights and (cut := cuts_a_name(params, target, config.squash_name)) is not None:
-                self._say(
-                    f"target {target!r} selects parameters by name prefix (as msprobe does), so it also "
-                    f"selects {cut!r}; end it with '.' ({target + '.'!r}) to select that module alone"
-                )
+                alone = target + "."
+                if any(param_matches(vpp, names, alone, config.squash_name) for vpp, names in params):
+                    self._say(
+                        f"target {target!r} selects parameters by name prefix (as msprobe does), so it also "
+                        f"selects {cut!r}; end it with '.' ({alone!r}) to select that module alone"
+                    )
+                else:  # the module itself has no trainable parameter: '.' would select nothing
+                    self._say(
+                        f"target {target!r} selects parameters by name prefix (as msprobe does): only other "
+                        f"modules' ({cut!r}); module {target!r} itself has no trainable parameter"
+                    )
             if by_param and not by_module and activations:
                 self._say(
                     f"target {target!r} names parameters but no module, so it has no actv/actv_grad rows "
