@@ -91,3 +91,22 @@ def test_print_struct_run_says_it_once_and_exits_1(tmp_path):
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert proc.stderr.count("print_struct is on: module structure written to") == 1, proc.stderr[-3000:]
     assert not [f for f in _files(out) if f.endswith(".csv")]
+
+
+def test_print_struct_raises_no_torch_warning_in_backward(tmp_path, out_dir, static_mode):
+    """The first layer's input needs no gradient: torch warned about the monitor's full backward hook
+    there, and under warnings-as-errors (`-W error`, set before the monitor) that warning was raised
+    inside the user's backward()."""
+    import warnings
+
+    cfg = write_config(tmp_path / "cfg.json", print_struct=True, xy_distribution=True)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings():  # restores the process's filters afterwards
+        warnings.simplefilter("error")
+        monitor = TrainerMon(cfg)
+        monitor.set_monitor(model, optimizer=opt)
+        model(torch.ones(2, 3)).square().sum().backward()  # raised UserWarning here
+        with pytest.raises(PrintStructDone):
+            opt.step()
+    assert "0:0" in json.loads((out_dir / "module_struct" / "rank0" / "module_struct.json").read_text())

@@ -11,6 +11,7 @@ import linecache
 import logging
 import os
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -146,6 +147,9 @@ class SideOutputsProbe(Probe):
                 self.loop.faults.record(f"print_struct/stack_info hooks of {name}", exc)
         if config.print_struct and self._handles:
             clone_backward_hook_tensors(True)
+            # torch warns when a full backward hook fires on a module whose inputs need no gradient (the
+            # first layer): about a hook the user never registered, and under -W error inside backward()
+            warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are")
 
     def _hook(self, name: str, module: torch.nn.Module, struct: bool, stacks: bool) -> None:
         if struct:
