@@ -11,8 +11,8 @@ checks (see `trainermon.comm`).
 With DDP, the gradient all-reduces run inside the C++ reducer, out of reach of any Python patch: when
 `cc_distribution` is on, the probe installs a delegating hook that runs DDP's default all-reduce through
 `torch.distributed` and hands the slot to a hook the user registers later (`trainermon.comm.ddp_slot`),
-`cc_log_only` included (its call-site listing would otherwise leave out DDP's bucket all-reduces). The
-cross-rank checks: `comm_table`."""
+not in `cc_log_only` mode (said once: a Python hook there would change DDP's arithmetic and cost every
+step, for a listing). The cross-rank checks: `comm_table`."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ class CommProbe(CheckTable, Probe):
         # so the next install wraps only `ops`' again
         self._spy = OpsSpy(self.recorder, wanted) if wanted is not None and self.enabled else None
         self._warned.discard("ops")  # said again after a reload that still sees none
-        if self.enabled and self._attached:  # cc_log_only too: its listing names DDP's all-reduces
+        if self.enabled and self._attached:
             self._hook_ddp()
 
     def attach(self) -> list[Any]:
@@ -265,6 +265,16 @@ class CommProbe(CheckTable, Probe):
         finder = getattr(self.loop.adapter, "torch_ddps", None)
         for ddp in finder() if finder is not None else []:
             if id(ddp) in self._ddp_done:
+                continue
+            if self.recorder.config.cc_log_only:
+                # Not hooked: the delegate's Python all-reduce is not DDP's C++ one bit for bit (3 ranks:
+                # 1.5e-8 apart), costs ~10 us per bucket per backward and takes the slot of a builtin hook
+                self._warn_once(
+                    "log_only_ddp",
+                    "trainermon: cc_log_only: DDP's gradient all-reduces run in its C++ reducer and are not "
+                    "in comm_call_sites.csv; cc_distribution without cc_log_only records them (through a "
+                    "Python comm hook on DDP)",
+                )
                 continue
             self._ddp_done.add(id(ddp))
             try:
