@@ -63,7 +63,7 @@ def test_a_rolled_back_run_that_finds_the_monitors_own_off_says_so(tmp_path, out
     said = [r for r in caplog.records if "now says dynamic_on false" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.WARNING
     text = said[0].getMessage()
-    assert str(path) in text and "2 of collect_times 5 collected" in text
+    assert str(path) in text and "(2 steps collected; collect_times is 5 in the file now)" in text
     assert "until dynamic_on is set true" in text and "this job's own monitor" in text
     assert first.faults.total == 0 and second.faults.total == 0
 
@@ -88,3 +88,29 @@ def test_a_saved_state_that_was_off_says_nothing_more(tmp_path, out_dir, dynamic
         second.close()
     assert "now says dynamic_on false" not in caplog.text
     assert _collected_steps(out_dir) == []
+
+
+def test_a_static_mode_state_resumed_in_dynamic_mode_off_says_nothing(tmp_path, out_dir, monkeypatch, caplog):
+    """A static-mode run whose config holds `dynamic_on: true` saves dynamic_on true: resumed in dynamic
+    mode with the file off, it was told that its own monitor may have written that false (it never did)."""
+    path = tmp_path / "monitor_config.json"
+    path.write_text(json.dumps(CONFIG))
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
+    first = TrainerMon(str(path))
+    first.set_monitor(model, optimizer=opt)
+    _steps(model, opt, range(SAVE_AT))
+    state = first.state_dict()
+    first.close()
+    assert state["dynamic_on"] is True and state["config_digest"] is None
+    path.write_text(json.dumps({**CONFIG, "dynamic_on": False}))
+    monkeypatch.setenv("DYNAMIC_MONITOR", "true")
+    with caplog.at_level(logging.INFO, logger="trainermon"):
+        second = TrainerMon(str(path))
+        second.set_monitor(model, optimizer=opt, start_iteration=SAVE_AT)
+        second.load_state_dict(state)
+        _steps(model, opt, range(SAVE_AT, SAVE_AT + 2))
+        second.close()
+    assert "now says dynamic_on false" not in caplog.text
+    assert second.faults.total == 0

@@ -87,7 +87,7 @@ def restore_state(loop: Any, state: dict) -> None:
             "its collect_times counted from there",
             loop.step,
         )
-    elif state.get("dynamic_on"):
+    elif state.get("dynamic_on") and state.get("config_digest") is not None:  # a dynamic-mode state
         _say_off_since_saved(loop, state)
     loop.escalation.load_state_dict(state.get("escalation", {}), loop.step)
     if loop.detector is not None:
@@ -113,8 +113,9 @@ def _say_off_since_saved(loop: Any, state: dict) -> None:
     if getattr(loop, "rank", 0) != 0:
         return  # the same on every rank (rank 0's config): once for the job
     logger.warning(
-        "trainermon: the state (step %d) was saved while collecting (%d of collect_times %d collected), "
-        "but %s now says dynamic_on false: nothing is collected until dynamic_on is set true "
+        "trainermon: the state (step %d) was saved while collecting in dynamic mode (%d steps collected; "
+        "collect_times is %d in the file now), but %s now says dynamic_on false: nothing is collected "
+        "until dynamic_on is set true "
         "(`trainermon on %s`). This false may have been written by this job's own monitor after "
         "collect_times in the run that was rolled back, not by an edit",
         loop.step,
