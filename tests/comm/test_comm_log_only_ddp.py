@@ -123,3 +123,61 @@ def test_log_only_leaves_ddp_alone_and_says_what_it_does_not_list(tmp_path):
         assert any(f":{full['backward']}(_monitored)" in s for s in row_sites), (rank, row_sites)
         assert any(f":{full['explicit']}(_monitored)" in s for s in row_sites), (rank, row_sites)
         assert full["said"] == []
+
+
+def _reload_job(rank: int, world: int, out: str) -> dict:
+    """cc_log_only, then the full mode (steps 2-3), then cc_log_only again (steps 4-5), by dynamic reloads."""
+    import time
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from trainermon import TrainerMon
+
+    os.environ["DYNAMIC_MONITOR"] = "true"
+    os.environ["MONITOR_OUTPUT_DIR"] = os.path.join(out, "mon")
+    cfg = os.path.join(out, "cfg.json")
+    base = {"dynamic_on": True, "collect_times": 100, "ops": ["norm"], "dynamic_watch": "polling"}
+
+    def write(cc: dict) -> None:
+        if rank == 0:
+            with open(cfg + ".tmp", "w") as fh:
+                json.dump({**base, "cc_distribution": cc}, fh)
+            os.replace(cfg + ".tmp", cfg)
+
+    write({"enable": True, "cc_log_only": True})
+    dist.barrier()
+    ddp = DDP(_model())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.0)
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("trainermon").addHandler(handler)
+    mon = TrainerMon(cfg)
+    mon.set_monitor(ddp, grad_acc_steps=1, optimizer=opt)
+    for step in range(6):
+        if step in (2, 4):
+            time.sleep(1.1)  # a new modification time
+            write({"enable": True} if step == 2 else {"enable": True, "cc_log_only": True})
+            if rank == 0:  # the watcher has seen it before the step's poll
+                deadline = time.monotonic() + 30
+                while not mon.loop.control.watcher.dirty and time.monotonic() < deadline:
+                    time.sleep(0.01)
+        backward = sys._getframe().f_lineno + 1
+        ddp(_x(rank, step)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    run_dir = mon.loop.outputs.run_dir
+    mon.close()
+    logging.getLogger("trainermon").removeHandler(handler)
+    with open(os.path.join(run_dir, "comm_call_sites.csv")) as fh:
+        sites = [s["site"] for s in csv.DictReader(fh)]
+    return {"said": [m for m in said if "cc_log_only" in m], "sites": sites, "backward": backward}
+
+
+def test_log_only_after_the_full_mode_says_the_delegate_stays(tmp_path):
+    """Back in log-only mode after the full mode, DDP keeps the delegate (a comm hook cannot be removed)
+    and its all-reduces are listed: the first warning said they are not, so a second says they now are."""
+    for rank, res in enumerate(run_ranks(_reload_job, world_size=2, timeout=400, out=str(tmp_path))):
+        assert len(res["said"]) == 2, (rank, res["said"])
+        assert "C++ reducer" in res["said"][0] and "listed from now on" in res["said"][1], res["said"]
+        assert any(s.endswith(f":{res['backward']}(_reload_job)") for s in res["sites"]), (rank, res["sites"])

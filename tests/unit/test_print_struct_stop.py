@@ -110,3 +110,20 @@ def test_print_struct_raises_no_torch_warning_in_backward(tmp_path, out_dir, sta
         with pytest.raises(PrintStructDone):
             opt.step()
     assert "0:0" in json.loads((out_dir / "module_struct" / "rank0" / "module_struct.json").read_text())
+
+
+def test_print_struct_filter_goes_at_close(tmp_path, out_dir, static_mode):
+    """The filter is the monitor's while its hooks are on: after close() the user's own full backward
+    hooks warn again (a process-wide filter left behind hid them for the rest of the process)."""
+    import warnings
+
+    def ours() -> list:
+        return [f for f in warnings.filters if "Full backward hook is firing" in getattr(f[1], "pattern", "")]
+
+    cfg = write_config(tmp_path / "cfg.json", print_struct=True, xy_distribution=True)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+    assert len(ours()) == 1
+    monitor.close()
+    assert ours() == []

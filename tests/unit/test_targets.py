@@ -443,8 +443,26 @@ def test_a_prefix_of_a_parameter_free_module_is_not_told_to_end_with_a_dot(
     lines = _warnings(caplog)
     assert len(lines) == 1 and "end it with" not in lines[0], lines
     assert "only other modules' ('act_proj.weight')" in lines[0], lines
-    assert "module 'act' itself has no trainable parameter" in lines[0], lines
+    assert "module 'act' has no trainable one" in lines[0], lines
     assert {n for (n, _, _) in keyed(read_family(monitor.run_dir, "grad_reduced"))} == {
         "act_proj.weight",
         "act_proj.bias",
     }
+
+
+def test_a_prefix_no_module_has_is_not_called_a_module(tmp_path, out_dir, static_mode, caplog):
+    """`fc` beside `fc1`/`fc2` (no module `fc`): the advice to end it with '.' pointed to a module that
+    does not exist, as did "module 'fc' has no trainable one"; it says no module has that name."""
+    from trainermon import TrainerMon
+
+    cfg = write_config(tmp_path / "cfg.json", targets={"fc": {}}, wg_distribution=True)
+    model = nn.Sequential()
+    model.fc1, model.fc2 = nn.Linear(4, 4), nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(cfg)
+    with caplog.at_level(logging.WARNING, logger="trainermon"):
+        monitor.set_monitor(model, optimizer=opt)
+        monitor.close()
+    lines = [line for line in _warnings(caplog) if "name prefix" in line]
+    assert len(lines) == 1 and "no module is named 'fc'" in lines[0], _warnings(caplog)
+    assert "end it with" not in lines[0] and "has no trainable" not in lines[0], lines

@@ -122,17 +122,19 @@ class TargetCheck:
                     f"{closest(target, module_names + param_names)}"
                 )
             if by_param and weights and (cut := cuts_a_name(params, target, config.squash_name)) is not None:
-                alone = target + "."
+                alone, split = target + ".", getattr(adapter, "splits_model", False)
+                prefix = f"target {target!r} selects parameters by name prefix (as msprobe does)"
+                advice = f"{prefix}, so it also selects {cut!r}; end it with '.' ({alone!r}) to select"
                 if any(param_matches(vpp, names, alone, config.squash_name) for vpp, names in params):
+                    self._say(f"{advice} that module alone")
+                elif by_module:  # '.' would select nothing: the module has no trainable parameter
                     self._say(
-                        f"target {target!r} selects parameters by name prefix (as msprobe does), so it also "
-                        f"selects {cut!r}; end it with '.' ({alone!r}) to select that module alone"
+                        f"{prefix}: only other modules' ({cut!r}); module {target!r} has no trainable one"
                     )
-                else:  # the module itself has no trainable parameter: '.' would select nothing
-                    self._say(
-                        f"target {target!r} selects parameters by name prefix (as msprobe does): only other "
-                        f"modules' ({cut!r}); module {target!r} itself has no trainable parameter"
-                    )
+                elif split:  # perhaps another stage's module
+                    self._say(f"{advice} that module alone (no module {target!r} here{_ELSEWHERE})")
+                else:
+                    self._say(f"{prefix}, so it selects {cut!r}; no module is named {target!r}")
             if by_param and not by_module and activations:
                 self._say(
                     f"target {target!r} names parameters but no module, so it has no actv/actv_grad rows "

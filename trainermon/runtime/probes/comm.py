@@ -97,6 +97,12 @@ class CommProbe(CheckTable, Probe):
         self._warned.discard("ops")  # said again after a reload that still sees none
         if self.enabled and self._attached:
             self._hook_ddp()
+        if self.enabled and cc.cc_log_only and self._ddp_done:
+            self._warn_once(  # a registered comm hook cannot be removed: the full mode's stays
+                "log_only_kept",
+                "trainermon: cc_log_only after the full mode: DDP keeps the delegating comm hook installed "
+                "then (a comm hook cannot be removed), so its gradient all-reduces are listed from now on",
+            )
 
     def attach(self) -> list[Any]:
         # After the other probes: the DDP adapter's own comm hook (wg_distribution) comes first.

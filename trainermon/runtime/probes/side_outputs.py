@@ -122,6 +122,21 @@ def clone_backward_hook_tensors(on: bool) -> None:
             setattr(BackwardHook, attr, original)
 
 
+_FULL_HOOK_WARNING = "Full backward hook is firing when gradients are"
+
+
+def quiet_full_hook_warning(on: bool) -> None:
+    """torch warns when a full backward hook fires on a module whose inputs need no gradient (the first
+    layer): about a hook the user never registered, and under `-W error` inside their backward(). Ignored
+    while print_struct's hooks are on; the filter goes at close(), so the user's own hooks warn again."""
+    if on:
+        warnings.filterwarnings("ignore", message=_FULL_HOOK_WARNING)
+        return
+    for entry in [f for f in warnings.filters if getattr(f[1], "pattern", None) == _FULL_HOOK_WARNING]:
+        warnings.filters.remove(entry)
+    getattr(warnings, "_filters_mutated", lambda: None)()  # the module's cache of filter decisions
+
+
 class SideOutputsProbe(Probe):
     def __init__(self, loop: Any) -> None:
         super().__init__(loop)
@@ -147,9 +162,7 @@ class SideOutputsProbe(Probe):
                 self.loop.faults.record(f"print_struct/stack_info hooks of {name}", exc)
         if config.print_struct and self._handles:
             clone_backward_hook_tensors(True)
-            # torch warns when a full backward hook fires on a module whose inputs need no gradient (the
-            # first layer): about a hook the user never registered, and under -W error inside backward()
-            warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are")
+            quiet_full_hook_warning(True)
 
     def _hook(self, name: str, module: torch.nn.Module, struct: bool, stacks: bool) -> None:
         if struct:
@@ -230,6 +243,7 @@ class SideOutputsProbe(Probe):
     def close(self) -> None:
         if self._handles:
             clone_backward_hook_tensors(False)
+            quiet_full_hook_warning(False)
         for handle in self._handles + self._stack_handles:
             handle.remove()
         for module in self._flagged:
