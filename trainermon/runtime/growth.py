@@ -3,11 +3,11 @@ unfrozen (`requires_grad_(True)`), handed to the optimizer later with `add_param
 added to the model (held by no optimizer too). At each
 collected step's boundary the adapter is asked for them (a count of flags and its identity checks, a
 rescan only when either changed); new ones join the selection under the config's targets, with one log
-line. When the step's gradients are read (`grads_final`) the count alone is taken again, and the adapter
-asked only when it changed or a parameter was set on a module since the boundary (torch's global
-registration hook): a parameter unfrozen or replaced during an iteration has its rows from that
-iteration's step on. Under DDP new ones have no pre-reduce tap (DDP itself only reduces the parameters
-that were trainable when it was built).
+line. When the step's gradients are read (`grads_final`) the count and the module dicts' sizes are taken
+again, and the adapter asked only when one changed or a parameter or module was set on a module since the
+boundary (torch's global registration hooks): a parameter unfrozen, replaced or added during an iteration
+has its rows from that iteration's step on. Under DDP new ones have no pre-reduce tap (DDP itself only
+reduces the parameters that were trainable when it was built).
 
 In manual mode (`TrainerMon.step()`), whether the gradients are still the last backward's (`ManualGrads`)."""
 
