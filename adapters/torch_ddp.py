@@ -175,8 +175,7 @@ class TorchAdapter(DdpReduceTaps, Adapter):
         param_origin, and there is no state row. Said once. An optimizer that holds none of the model's
         parameters (fp32 master copies, or another model's optimizer) gets its own sentence: neither case
         has state rows, and param_updated is read at its step, before any copy back."""
-        held = {id(p) for g in getattr(self.optimizer, "param_groups", ()) for p in g.get("params", ())}
-        outside = [mp.name for mp in params if id(mp.param) not in held]
+        held, outside = self._outside_the_optimizer(params)
         if held and params and len(outside) == len(params):
             logger.warning(
                 "trainermon: the monitored optimizer holds none of the model's %d trainable parameters (it "
@@ -184,19 +183,23 @@ class TorchAdapter(DdpReduceTaps, Adapter):
                 "rows (mv_distribution), and param_updated is read right after its step, before any copy "
                 "back into the model (equal to param_origin when nothing else updated the model by then)",
                 len(params),
-                len(held),
+                held,
             )
         if held and outside and len(outside) < len(params):
             logger.warning(
-                "trainermon: %d trainable parameters are not in the monitored optimizer (%s%s): their "
+                "trainermon: %d trainable parameters are not in the monitored optimizer (%s): their "
                 "grad_*/param_origin/param_updated rows are read around that optimizer's step (the "
                 "gradients they hold then), not the one that updates them, and they have no "
                 "optimizer-state rows while they are not in it (parameters added to it later with "
                 "add_param_group are followed from that step on)",
                 len(outside),
-                ", ".join(outside[:5]),
-                ", ..." if len(outside) > 5 else "",
+                _listed(outside),
             )
+
+    def _outside_the_optimizer(self, params: list[MonitoredParam]) -> tuple[int, list[str]]:
+        """(how many parameters the monitored optimizer holds, the names of `params` it does not hold)."""
+        held = {id(p) for g in getattr(self.optimizer, "param_groups", ()) for p in g.get("params", ())}
+        return len(held), [mp.name for mp in params if id(mp.param) not in held]
 
     def _trainable_mark(self) -> tuple[int, int]:
         """The count of trainable parameters and of the optimizer's: a cheap test (one pass over the
@@ -271,17 +274,15 @@ class TorchAdapter(DdpReduceTaps, Adapter):
         """Parameters found after set_monitor that the monitored optimizer does not hold (a module added
         to the model, or unfrozen, without `add_param_group`): monitored as those outside it at
         set_monitor are, said once per rescan that finds them. A set of the optimizer's ids: rescans only."""
-        held = {id(p) for g in getattr(self.optimizer, "param_groups", ()) for p in g.get("params", ())}
-        outside = [mp.name for mp in new if id(mp.param) not in held]
+        held, outside = self._outside_the_optimizer(new)
         if held and outside:
             logger.warning(
                 "trainermon: %d trainable parameters found after set_monitor are not in the monitored "
-                "optimizer (%s%s): they are monitored, their grad_*/param_origin/param_updated rows read "
+                "optimizer (%s): they are monitored, their grad_*/param_origin/param_updated rows read "
                 "around that optimizer's step, with no optimizer-state rows until they are given to it "
                 "(add_param_group)",
                 len(outside),
-                ", ".join(outside[:5]),
-                ", ..." if len(outside) > 5 else "",
+                _listed(outside),
             )
 
     def holds_every_grad_row(self) -> bool:
@@ -354,3 +355,7 @@ class TorchAdapter(DdpReduceTaps, Adapter):
         if self._tensor_parallel and is_dtensor(grad):
             return local_piece(grad)
         return TensorPiece.whole(grad, LOCAL)
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")

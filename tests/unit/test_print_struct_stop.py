@@ -127,3 +127,13 @@ def test_print_struct_filter_goes_at_close(tmp_path, out_dir, static_mode):
     assert len(ours()) == 1
     monitor.close()
     assert ours() == []
+    # the user's own identical filter, set before: kept at close()
+    warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are")
+    try:
+        second = TrainerMon(cfg)
+        second.set_monitor(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+        second.close()
+        assert len(ours()) == 1
+    finally:
+        for entry in ours():
+            warnings.filters.remove(entry)

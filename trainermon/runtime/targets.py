@@ -208,8 +208,7 @@ def idle_switches(config: MonitorConfig, world_size: int, dynamic: bool) -> list
     if not on and not config.cc_distribution.enable and not config.attn_logit_distribution.enable:
         out.append(
             f"the config switches on no family, so nothing is collected: set one of {list(OUTPUT_SWITCHES)}, "
-            "cc_distribution.enable or attn_logit_distribution.enable"
-            + (" (all_xy alone is none: it widens xy_distribution to every module)" if config.all_xy else "")
+            "cc_distribution.enable or attn_logit_distribution.enable"  # all_xy alone: config.parse says why
         )
     for key in ("forward_only", "backward_only"):
         if getattr(config, key) and not activations:

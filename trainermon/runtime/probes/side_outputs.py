@@ -123,18 +123,23 @@ def clone_backward_hook_tensors(on: bool) -> None:
 
 
 _FULL_HOOK_WARNING = "Full backward hook is firing when gradients are"
+_ADDED: Any = None  # the filter entry quiet_full_hook_warning added (removed at close)
 
 
 def quiet_full_hook_warning(on: bool) -> None:
     """torch warns when a full backward hook fires on a module whose inputs need no gradient (the first
     layer): about a hook the user never registered, and under `-W error` inside their backward(). Ignored
     while print_struct's hooks are on; the filter goes at close(), so the user's own hooks warn again."""
-    if on:
+    global _ADDED
+    ours = [f for f in warnings.filters if getattr(f[1], "pattern", None) == _FULL_HOOK_WARNING]
+    if on and not ours:  # a user's identical filter stays the user's: neither added nor removed
         warnings.filterwarnings("ignore", message=_FULL_HOOK_WARNING)
-        return
-    for entry in [f for f in warnings.filters if getattr(f[1], "pattern", None) == _FULL_HOOK_WARNING]:
-        warnings.filters.remove(entry)
-    getattr(warnings, "_filters_mutated", lambda: None)()  # the module's cache of filter decisions
+        _ADDED = warnings.filters[0]
+    elif not on and _ADDED is not None:
+        if _ADDED in warnings.filters:
+            warnings.filters.remove(_ADDED)
+            getattr(warnings, "_filters_mutated", lambda: None)()  # the module's cache of filter decisions
+        _ADDED = None
 
 
 class SideOutputsProbe(Probe):
