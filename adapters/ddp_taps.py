@@ -191,7 +191,7 @@ class DdpReduceTaps:
         for ddp, syncing in self._syncing:
             for p in ddp.module.parameters():
                 mp = by_id.get(id(p))
-                if mp is None:
+                if mp is None or not p.requires_grad:  # frozen since the selection: torch refuses a hook
                     continue
 
                 def tap(param: torch.Tensor, index: int = mp.index, syncing: list = syncing) -> None:

@@ -224,3 +224,48 @@ def test_replaced_parameter_is_not_called_newly_trainable(tmp_path, monkeypatch,
     _check_rows(rows, expected)  # the new tensor's gradient from step 1 on
     assert not [line for line in lines if "became trainable" in line], lines
     assert [line for line in lines if "re-mapped 1.weight" in line], lines
+
+
+def _freeze_rank(rank: int, world: int, out_root: str) -> dict:
+    """DDP, every other step collected, one monitored parameter frozen at step 1 (a LoRA recipe freezes
+    the base): the pre-reduce taps re-armed at step 2 stopped at it (torch refuses a hook on a tensor that
+    needs no gradient), so the others' grad_unreduced rows were lost, with an error every collected step."""
+    from trainermon import TrainerMon
+
+    os.environ["MONITOR_OUTPUT_DIR"] = os.path.join(out_root, "freeze")
+    cfg = write_config(
+        Path(out_root) / f"freeze{rank}.json", wg_distribution=True, ops=list(OPS), step_interval=2
+    )
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    model = DDP(net, find_unused_parameters=True)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(model, grad_acc_steps=1, optimizer=opt)
+    expected = {}
+    for step in range(5):
+        if step == 1:
+            net[0].bias.requires_grad_(False)
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+        local = copy.deepcopy(net)
+        local(x).pow(2).mean().backward()
+        if step % 2 == 0:
+            for n, p in local.named_parameters():
+                if p.grad is not None:
+                    expected[(n, step, None)] = ref_stats(p.grad)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    return {
+        "rows": keyed(read_family(monitor.run_dir, "grad_unreduced")),
+        "expected": expected,
+        "faults": dict(monitor.faults.counts),
+    }
+
+
+def test_ddp_taps_skip_a_parameter_frozen_since_the_selection(tmp_path):
+    for rank, res in enumerate(run_ranks(_freeze_rank, world_size=2, timeout=300, out_root=str(tmp_path))):
+        assert res["faults"] == {}, (rank, res["faults"])
+        assert ("2.weight", 4, None) in res["expected"] and ("0.bias", 2, None) not in res["expected"]
+        _check_rows(res["rows"], res["expected"])
