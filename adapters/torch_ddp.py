@@ -232,15 +232,22 @@ class TorchAdapter(DdpReduceTaps, Adapter):
         self._slots, self._sizes = self._holders()
         found = self._trainable()
         # every parameter, frozen too: a frozen one keeps its entry, as before
-        by_name = {
-            (v, clean_name(n)): p for v, root in enumerate(self._roots) for n, p in root.named_parameters()
-        }
+        named = [
+            (v, clean_name(n), p) for v, root in enumerate(self._roots) for n, p in root.named_parameters()
+        ]
+        by_name = {(v, n): p for v, n, p in named}
+        by_id = {id(p): (v, n) for v, n, p in named}
         kept: list[MonitoredParam] = []
         remapped: list[MonitoredParam] = []
         dropped: list[str] = []
+        renamed: list[str] = []
         for mp in known:
             p = by_name.get((mp.vpp_stage, mp.name))
-            if p is None:  # its module is gone: a dead tensor gives stale rows
+            if p is None and id(mp.param) in by_id:  # the same tensor under another name (a wrapper put
+                v, name = by_id[id(mp.param)]  # around its module, a LoRA base_layer): kept, renamed
+                kept.append(dataclasses.replace(mp, index=len(kept), vpp_stage=v, name=name))
+                renamed.append(f"{mp.name} -> {name}")
+            elif p is None:  # its module is gone: a dead tensor gives stale rows
                 dropped.append(mp.name)
             elif p is mp.param:
                 kept.append(dataclasses.replace(mp, index=len(kept)) if dropped else mp)
@@ -260,6 +267,9 @@ class TorchAdapter(DdpReduceTaps, Adapter):
                 ", ".join(mp.name for mp in remapped[:8]) or "none",
                 ", ".join(dropped[:8]) or "none",
             )
+        if renamed:
+            logger.info("trainermon: parameters moved in the model, their rows renamed: %s", _listed(renamed))
+        if remapped or dropped or renamed:
             self._disarm()  # the pre-reduce taps sit on the old tensors, keyed by the old indices
         known[:] = kept + new
         if new:
@@ -267,7 +277,7 @@ class TorchAdapter(DdpReduceTaps, Adapter):
         if new and self._ddps and not self._tensor_parallel:
             self._say_unreduced([mp for mp in new if id(mp.param) not in self._held])
             self._disarm()  # re-armed at the next collected step, with taps on the new ones too
-        self.replaced = bool(remapped or dropped)  # the caller rebuilds the selection (indices shift)
+        self.replaced = bool(remapped or dropped or renamed)  # the caller rebuilds the selection
         return new
 
     def _say_new_outside_the_optimizer(self, new: list[MonitoredParam]) -> None:

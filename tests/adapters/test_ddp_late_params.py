@@ -269,3 +269,30 @@ def test_ddp_taps_skip_a_parameter_frozen_since_the_selection(tmp_path):
         assert res["faults"] == {}, (rank, res["faults"])
         assert ("2.weight", 4, None) in res["expected"] and ("0.bias", 2, None) not in res["expected"]
         _check_rows(res["rows"], res["expected"])
+
+
+class _Wrap(nn.Module):
+    """A wrapper put around a module (a LoRA layer's `base_layer`): the same tensors under longer names."""
+
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__()
+        self.base_layer = base
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x)
+
+
+def test_a_parameter_moved_under_a_wrapper_is_renamed_not_dropped(tmp_path, monkeypatch, caplog):
+    """The same tensors under new names: they were called dropped, then "became trainable" (trainable all
+    along), and their indices shifted under DDP's taps; now kept, renamed, said at INFO."""
+
+    def wrap(model: nn.Sequential, opt) -> None:
+        model[1] = _Wrap(model[1])
+
+    rows, expected, lines = _single(tmp_path, monkeypatch, caplog, wrap)
+    _check_rows(rows, expected)
+    assert {("1.base_layer.weight", 1, None), ("1.weight", 0, None)} <= set(rows)
+    assert not [line for line in lines if "dropped" in line or "became trainable" in line], lines
+    assert [
+        line for line in lines if "moved in the model" in line and "1.weight -> 1.base_layer.weight" in line
+    ]
